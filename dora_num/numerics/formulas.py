@@ -1,0 +1,107 @@
+"""The DoRA formulas, each written exactly once, over an arithmetic.
+
+Notation (DESIGN.md section 1): frozen ``W [d_out, d_in]``, ``A [r, d_in]``,
+``B [d_out, r]``, scale ``s``, magnitude ``m [d_out]``;
+``base = x W^T``, ``lora = x A^T B^T``, ``g = m / max(||W + sBA||_row, eps)``.
+
+Every function takes an arithmetic ``ar`` first (see
+:mod:`dora_num.numerics.arithmetic`) and evaluates a fixed, documented sequence
+of operations in it.  The torch reference (``dora_num.ops.reference``), the
+emulations, the exact ground truth and the a-priori bounds all call these, so
+they cannot drift apart.  The fused Triton kernels cannot call Python; they are
+held to these sequences by bitwise tests.
+
+Scalar conventions: ``s`` is rounded to fp32 once by the caller
+(:func:`scale_constants`), so ``2*s`` is exact and ``s*s`` is one fp32
+rounding, computed once per call, never per element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def scale_constants(scale: float) -> tuple[float, float, float]:
+    """``(s, 2s, s^2)`` as Python floats exactly representable in fp32.
+
+    ``s = fl32(scale)``; ``2s`` is exact (a power-of-two multiple);
+    ``s^2 = fl32(s*s)`` (one rounding, relative error <= u32 = 2^-24).
+    """
+    s = float(np.float32(scale))
+    return s, 2.0 * s, float(np.float32(s) * np.float32(s))
+
+
+# --------------------------------------------------------------------------
+# Compose.  Inputs base, lora are upcast to the arithmetic's working format;
+# the caller rounds the result once to the activation dtype.
+# --------------------------------------------------------------------------
+
+def compose_naive(ar, base, lora, g, s):
+    """``g*(s*lora + base) - base`` (PEFT's algebra, rearranged; cancels at g≈1).
+
+    Sequence: ``inner = muladd(s, lora, base)``; ``out = muladd(g, inner, -base)``
+    (four roundings without contraction, two with).  At g≈1, ``t`` and ``base`` agree in their leading bits,
+    so ``t - base`` is exact (Sterbenz) but exposes the rounding error of ``t``
+    (about u*|base|) against a true result of size ``|g-1||base| + |s lora|``:
+    the relative error grows like ``u / |g-1|``.
+    """
+    inner = ar.muladd(s, lora, base)
+    return ar.muladd(g, inner, ar.neg(base))
+
+
+def compose_stable(ar, base, lora, g, s):
+    """``(g-1)*base + g*(s*lora)``: the contract's eager reference.
+
+    Sequence (fp32 under :class:`~dora_num.numerics.arithmetic.TorchFP32`):
+    ``gm1 = g - 1``; ``sl = s*lora``; ``t = g*sl``; ``out = muladd(gm1, base, t)``
+    i.e. ``gm1*base`` then ``+ t`` (two roundings; one if contracted).
+    ``g - 1`` is exact for g in [0.5, 2] (Sterbenz), so no cancellation: each
+    term is formed with relative error <= gamma_2 and the sum adds one u.
+    """
+    gm1 = ar.sub(g, ar.const(1.0))
+    t = ar.mul(g, ar.mul(s, lora))
+    return ar.muladd(gm1, base, t)
+
+
+def compose_inner(ar, base, lora, s):
+    """``inner = s*lora + base``: the tensor the backward needs for ``dg``.
+
+    The same two roundings as the first line of :func:`compose_naive`.
+    """
+    return ar.muladd(s, lora, base)
+
+
+def compose_backward_elementwise(ar, grad, g, s):
+    """Elementwise part of the compose backward, upstream gradient ``D``.
+
+    ``dlora = (g*s) * D`` with ``g*s`` formed once per column (one rounding);
+    ``dbase = (g-1) * D`` with ``g-1`` exact.  ``dg`` (a reduction over rows of
+    ``inner * D``) is not elementwise; see :func:`compose_grad_g_terms`.
+    """
+    gs = ar.mul(g, s)
+    gm1 = ar.sub(g, ar.const(1.0))
+    return ar.mul(gs, grad), ar.mul(gm1, grad)
+
+
+def compose_grad_g_terms(ar, inner, grad):
+    """The products ``inner * D`` whose row sum is ``dg`` (one rounding each)."""
+    return ar.mul(inner, grad)
+
+
+# --------------------------------------------------------------------------
+# Norm assembly from the factored terms.
+# --------------------------------------------------------------------------
+
+def norm_assembly(ar, base_sq, cross, ba, two_s, s_sq):
+    """``wnorm = sqrt(max(base_sq + 2s*cross + s^2*ba, 0))``.
+
+    Sequence: ``t = muladd(2s, cross, base_sq)``; ``t = muladd(s^2, ba, t)``;
+    ``t = max(t, 0)``; ``wnorm = sqrt(t)``.  Two places a compiler may contract.
+    The sum cancels when ``2s*cross ≈ -base_sq`` (the low-rank update pointing
+    against the row); the condition number of the sum is
+    ``(|base_sq| + |2s cross| + |s^2 ba|) / |base_sq + 2s cross + s^2 ba|``.
+    """
+    t = ar.muladd(two_s, cross, base_sq)
+    t = ar.muladd(s_sq, ba, t)
+    t = ar.maximum(t, 0.0)
+    return ar.sqrt(t)

@@ -1,0 +1,1 @@
+"""The operator: references, factored norm, kernels, dispatch, ``DoRALinear``."""

@@ -1,0 +1,1 @@
+"""Triton kernels (fused compose forward/backward, norm assembly)."""

@@ -1,0 +1,118 @@
+"""``DoRALinear``: a frozen ``nn.Linear`` with a DoRA adapter.
+
+``y = x W^T + b + delta``, ``delta = (g-1) * (x W^T) + g * s * (x A^T B^T)``,
+``g = m / max(||W + s B A||_row, eps)`` with the norm detached (DoRA paper,
+section 4.3; PEFT does the same).  Initialisation follows PEFT's LoRA defaults:
+``A ~ kaiming_uniform(a=sqrt(5))``, ``B = 0``, ``m = ||W||_row`` (fp32), so the
+layer equals the base layer at init and ``g = 1`` up to the rounding of ``m``.
+``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+
+The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`);
+``rowsum(W*W)`` is cached for the frozen W and recomputed when W changes (its
+storage, version counter, shape or dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as Fn
+from torch import nn
+
+from .compose import PATHS, compose
+from .norm import DEFAULT_CHUNK_BYTES, base_row_norm_sq, factored_row_norm, magnitude_scale
+
+
+class DoRALinear(nn.Module):
+    def __init__(
+        self,
+        base: nn.Linear,
+        rank: int,
+        alpha: float | None = None,
+        *,
+        use_rslora: bool = False,
+        lora_dropout: float = 0.0,
+        compose_path: str = "auto",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"base must be an nn.Linear, got {type(base).__name__}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be a positive int, got {rank!r}")
+        if compose_path not in PATHS:
+            raise ValueError(f"compose_path must be one of {PATHS}, got {compose_path!r}")
+        alpha = float(rank if alpha is None else alpha)
+        if not math.isfinite(alpha):
+            raise ValueError(f"alpha must be finite, got {alpha}")
+        self.base = base
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.rank = rank
+        self.alpha = alpha
+        self.use_rslora = bool(use_rslora)
+        self.scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        self.compose_path = compose_path
+        self.chunk_bytes = chunk_bytes
+        W = base.weight
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=W.dtype, device=W.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=W.dtype, device=W.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
+        self._base_sq = None
+        self._base_sq_key = None
+        self.magnitude = nn.Parameter(self.weight_norm().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, rank: int, alpha: float | None = None, **kwargs) -> "DoRALinear":
+        """Wrap ``linear`` (kept, frozen) with a freshly initialised DoRA adapter."""
+        return cls(linear, rank, alpha, **kwargs)
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def base_sq(self) -> torch.Tensor:
+        """Cached ``rowsum(W*W)`` (fp32), recomputed if W changed."""
+        W = self.base.weight
+        key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device)
+        if self._base_sq is None or self._base_sq_key != key:
+            self._base_sq = base_row_norm_sq(W, chunk_bytes=self.chunk_bytes)
+            self._base_sq_key = key
+        return self._base_sq
+
+    def weight_norm(self) -> torch.Tensor:
+        """``||W + s B A||_row`` (fp32, detached), by the factored norm."""
+        return factored_row_norm(
+            self.base.weight, self.lora_A.detach(), self.lora_B.detach(), self.scale,
+            chunk_bytes=self.chunk_bytes, base_sq=self.base_sq(),
+        )
+
+    def magnitude_scale(self) -> torch.Tensor:
+        """``g = m / max(wnorm, eps)`` (fp32, differentiable in m)."""
+        return magnitude_scale(self.magnitude, self.weight_norm())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        W = self.base.weight
+        bias = self.base.bias
+        x_lora = self.dropout(x)
+        base = Fn.linear(x, W)
+        # PEFT semantics with active dropout: the compose sees x_lora in both terms.
+        base_c = base if x_lora is x else Fn.linear(x_lora, W)
+        lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B)
+        g = self.magnitude_scale()
+        delta = compose(base_c, lora.to(base_c.dtype), g, self.scale, path=self.compose_path)
+        out = base if bias is None else base + bias.to(base.dtype)
+        return out + delta
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"alpha={self.alpha}, scale={self.scale:.6g}, use_rslora={self.use_rslora}, "
+            f"compose_path={self.compose_path!r}"
+        )

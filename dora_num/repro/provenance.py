@@ -1,0 +1,187 @@
+"""Atomic artifact writes with a provenance sidecar.
+
+Every file under ``data/`` and ``figures/`` is written through :func:`write_artifact`
+(or a typed helper built on it).  The file is written to a temporary name in the
+same folder and renamed into place (atomic on POSIX); then ``<file>.provenance.json``
+records: git sha + dirty flag, parameters, seed, device, library versions, sha256
+of the inputs named, sha256 of the artifact.  A crash leaves the old file intact.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+from .paths import REPO_ROOT
+
+VERSIONED = ("torch", "triton", "numpy", "scipy", "mpmath", "pandas", "matplotlib", "seaborn", "peft", "transformers", "safetensors")
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """``{"sha": ..., "dirty": ...}``; ``None`` values outside a git checkout."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True, check=True).stdout
+        return {"sha": sha, "dirty": bool(status.strip())}
+    except (OSError, subprocess.CalledProcessError):
+        return {"sha": None, "dirty": None}
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"host_cpu": platform.processor() or platform.machine(), "cuda": False}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info.update(cuda=True, name=p.name, capability=f"{p.major}.{p.minor}",
+                        cuda_runtime=torch.version.cuda, driver=_nvidia_driver())
+    except Exception as e:  # noqa: BLE001 - provenance must never break a write
+        info["error"] = repr(e)
+    return info
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_artifact(
+    path: str | os.PathLike,
+    writer: Callable[[io.BytesIO], None] | bytes,
+    *,
+    params: dict[str, Any] | None = None,
+    seed: int | None = None,
+    inputs: dict[str, str | os.PathLike] | None = None,
+    producer: str | None = None,
+    extra: dict[str, Any] | None = None,
+    device: dict[str, Any] | None = None,
+) -> Path:
+    """Write an artifact atomically and its ``.provenance.json`` sidecar.
+
+    ``writer`` is bytes, or a function that writes the artifact into a BytesIO.
+    ``inputs`` names files the artifact was derived from (hashed here).
+    ``device`` overrides the local device description (for data measured on
+    another machine and recorded here).
+    """
+    path = Path(path)
+    if isinstance(writer, (bytes, bytearray)):
+        data = bytes(writer)
+    else:
+        buf = io.BytesIO()
+        writer(buf)
+        data = buf.getvalue()
+    _atomic_write_bytes(path, data)
+    input_hashes = {}
+    for name, p in (inputs or {}).items():
+        p = Path(p)
+        if not p.is_file():
+            raise FileNotFoundError(f"provenance input {name!r} is not a file: {p}")
+        input_hashes[name] = {"path": _rel(p), "sha256": sha256_file(p)}
+    sidecar = {
+        "artifact": path.name,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+        "producer": producer,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_state(),
+        "parameters": params or {},
+        "seed": seed,
+        "device": device if device is not None else device_info(),
+        "versions": versions(),
+        "inputs": input_hashes,
+        "argv": sys.argv[:1],
+    }
+    if extra:
+        sidecar["extra"] = extra
+    _atomic_write_bytes(Path(str(path) + ".provenance.json"),
+                        (json.dumps(sidecar, indent=2, sort_keys=True, default=str) + "\n").encode())
+    return path
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(p)
+
+
+def save_dataframe(df, path, **prov) -> Path:
+    """A pandas DataFrame as CSV (``.csv``/``.csv.gz``) or Parquet, with provenance."""
+    path = Path(path)
+    name = path.name
+    if name.endswith(".csv") or name.endswith(".csv.gz"):
+        compression = "gzip" if name.endswith(".gz") else None
+
+        def w(buf):
+            if compression:
+                import gzip
+
+                with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz:
+                    gz.write(df.to_csv(index=False, lineterminator="\n").encode())
+            else:
+                buf.write(df.to_csv(index=False, lineterminator="\n").encode())
+    elif name.endswith(".parquet"):
+        def w(buf):
+            df.to_parquet(buf, index=False)
+    else:
+        raise ValueError(f"unsupported table format: {name} (use .csv, .csv.gz or .parquet)")
+    return write_artifact(path, w, **prov)
+
+
+def save_json(obj, path, **prov) -> Path:
+    return write_artifact(path, (json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n").encode(), **prov)
+
+
+def read_provenance(path) -> dict[str, Any]:
+    side = Path(str(path) + ".provenance.json")
+    if not side.is_file():
+        raise FileNotFoundError(f"no provenance sidecar for {path} (expected {side})")
+    return json.loads(side.read_text())

@@ -1,0 +1,103 @@
+"""Run the notebooks headlessly with papermill, in order.
+
+Full mode writes every artifact into a staging folder (``build/staging``) and
+moves it into ``data/``/``figures/`` only after the notebook finished without
+error, so a failing notebook leaves committed files untouched.  SMOKE mode
+writes into a temporary folder and never touches the repository's artifacts.
+Executed notebooks go to ``build/notebooks/`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import paths
+
+
+class NotebookFailed(RuntimeError):
+    """A notebook raised; the message names the notebook and the cell."""
+
+
+@dataclass
+class RunResult:
+    notebook: str
+    seconds: float
+    executed: Path
+    artifacts: list[Path]
+
+
+def list_notebooks(only: list[str] | None = None) -> list[Path]:
+    nbs = sorted(p for p in paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        wanted = {o.split("_")[0].zfill(2) if o[:2].isdigit() else o for o in only}
+        picked = [p for p in nbs if p.stem[:2] in wanted or p.stem in wanted]
+        missing = sorted(w for w in wanted if not any(p.stem[:2] == w or p.stem == w for p in nbs))
+        if missing:
+            raise FileNotFoundError(f"no notebook matches {missing}; have {[p.stem for p in nbs]}")
+        nbs = picked
+    return nbs
+
+
+def _promote(staging: Path, dest: Path) -> list[Path]:
+    """Move every file under ``staging`` into ``dest`` (same filesystem: atomic renames)."""
+    moved = []
+    for src in sorted(p for p in staging.rglob("*") if p.is_file()):
+        target = dest / src.relative_to(staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, target)
+        moved.append(target)
+    return moved
+
+
+def run_notebook(nb: Path, *, smoke: bool, build_dir: Path, parameters: dict | None = None,
+                 progress: bool = False) -> RunResult:
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    executed = build_dir / "notebooks" / nb.name
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    params = {"SMOKE": smoke, **(parameters or {})}
+    if smoke:
+        out_root = Path(tempfile.mkdtemp(prefix=f"dora-num-smoke-{nb.stem}-"))
+    else:
+        out_root = build_dir / "staging" / nb.stem
+        shutil.rmtree(out_root, ignore_errors=True)
+        out_root.mkdir(parents=True)
+    old = os.environ.get(paths.OUTPUT_ROOT_ENV)
+    os.environ[paths.OUTPUT_ROOT_ENV] = str(out_root)
+    t0 = time.perf_counter()
+    try:
+        pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name="python3",
+                            cwd=str(paths.NOTEBOOKS_DIR), progress_bar=progress, log_output=False)
+    except PapermillExecutionError as e:
+        raise NotebookFailed(
+            f"{nb.name} failed in cell {e.cell_index} (execution count {e.exec_count}): {e.ename}: {e.evalue}\n"
+            f"executed copy: {executed}"
+        ) from None
+    finally:
+        if old is None:
+            os.environ.pop(paths.OUTPUT_ROOT_ENV, None)
+        else:
+            os.environ[paths.OUTPUT_ROOT_ENV] = old
+    seconds = time.perf_counter() - t0
+    artifacts = sorted(p for p in out_root.rglob("*") if p.is_file()) if smoke else _promote(out_root, paths.REPO_ROOT)
+    return RunResult(nb.stem, seconds, executed, artifacts)
+
+
+def reproduce(only: list[str] | None = None, *, smoke: bool = False, build_dir: Path | None = None,
+              parameters: dict | None = None) -> list[RunResult]:
+    from tqdm.auto import tqdm
+
+    build_dir = Path(build_dir) if build_dir else paths.REPO_ROOT / "build"
+    results = []
+    nbs = list_notebooks(only)
+    for nb in tqdm(nbs, desc="notebooks", unit="nb"):
+        res = run_notebook(nb, smoke=smoke, build_dir=build_dir, parameters=parameters)
+        tqdm.write(f"{nb.stem}: ok in {res.seconds:.1f} s, {len(res.artifacts)} artifacts")
+        results.append(res)
+    return results
