@@ -1,0 +1,84 @@
+"""Independent exact reference for the formats: decode bit patterns, round by search.
+
+Written from the bit layouts only (sign | exponent field | mantissa field, bias),
+with Python integers and Fractions; it shares no code with
+``dora_num.numerics.formats``.  Positive bit patterns are ordered like their
+values, so rounding is a binary search over patterns, ties go to the pattern
+with an even last bit, and one step past the largest finite pattern is overflow.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+# name: (exponent bits, mantissa bits, bias, ieee specials (all-ones exponent = inf/nan))
+LAYOUTS = {
+    "bf16": (8, 7, 127, True),
+    "fp16": (5, 10, 15, True),
+    "fp32": (8, 23, 127, True),
+    "fp8_e4m3fn": (4, 3, 7, False),  # no inf; only S.1111.111 is NaN
+    "fp8_e5m2": (5, 2, 15, True),
+}
+
+
+def max_pattern(name: str) -> int:
+    eb, mb, _, ieee = LAYOUTS[name]
+    if ieee:
+        return ((2**eb - 2) << mb) | (2**mb - 1)
+    return ((2**eb - 1) << mb) | (2**mb - 2)
+
+
+def decode(name: str, bits: int) -> Fraction:
+    """Value of a non-negative finite pattern (sign bit clear)."""
+    eb, mb, bias, _ = LAYOUTS[name]
+    e_field, m_field = bits >> mb, bits & (2**mb - 1)
+    if e_field == 0:
+        return Fraction(m_field) * Fraction(2) ** (1 - bias - mb)
+    return Fraction(2**mb + m_field) * Fraction(2) ** (e_field - bias - mb)
+
+
+def round_ref(name: str, x: Fraction):
+    """Round-to-nearest-even of a finite rational; returns a Fraction, or 'inf'/'nan' on overflow."""
+    eb, mb, bias, ieee = LAYOUTS[name]
+    sign = -1 if x < 0 else 1
+    a = abs(x)
+    top = max_pattern(name)
+    lo, hi = 0, top  # largest k with decode(k) <= a
+    if decode(name, top) <= a:
+        k = top
+    else:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if decode(name, mid) <= a:
+                lo = mid
+            else:
+                hi = mid
+        k = lo
+    v = decode(name, k)
+    if v == a:
+        return sign * v
+    if k == top:
+        step = decode(name, top) - decode(name, top - 1)
+        nxt = v + step  # the first unrepresentable binade value
+    else:
+        nxt = decode(name, k + 1)
+    mid = (v + nxt) / 2
+    if a < mid or (a == mid and k % 2 == 0):
+        return sign * v
+    if k == top:
+        return "inf" if ieee else "nan"
+    return sign * nxt
+
+
+def ordinal_ref(name: str, x: Fraction) -> int:
+    """Signed position of a representable value (±0 -> 0)."""
+    a = abs(x)
+    lo, hi = 0, max_pattern(name)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if decode(name, mid) < a:
+            lo = mid + 1
+        else:
+            hi = mid
+    assert decode(name, lo) == a
+    return -lo if x < 0 else lo
