@@ -254,3 +254,64 @@ def ulp_distance(a, b, fmt) -> np.ndarray:
     except ValueError:
         raise ValueError(f"a and b must broadcast, got shapes {a64.shape} and {b64.shape}") from None
     return _ordinal(b64, fmt, "b") - _ordinal(a64, fmt, "a")
+
+
+# --------------------------------------------------------------------------
+# Error-free transformations (float64) and exact rounding of a double-double.
+# --------------------------------------------------------------------------
+
+def two_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knuth's TwoSum: ``s = fl(a+b)`` and ``e`` with ``s + e = a + b`` exactly (no overflow)."""
+    s = a + b
+    bb = s - a
+    e = (a - (s - bb)) + (b - bb)
+    return s, e
+
+
+_SPLIT = 134217729.0  # 2^27 + 1 (Veltkamp/Dekker split for float64)
+
+
+def two_prod(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Dekker's TwoProduct: ``p = fl(a*b)`` and ``e`` with ``p + e = a*b`` exactly.
+
+    Valid when no intermediate over/underflows (|a|, |b| < 2^995 and the
+    product's error term is not below the float64 subnormal range).
+    """
+    p = a * b
+    t = _SPLIT * a
+    ah = t - (t - a)
+    al = a - ah
+    t = _SPLIT * b
+    bh = t - (t - b)
+    bl = b - bh
+    e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    return p, e
+
+
+def round_dd(hi, lo, fmt) -> np.ndarray:
+    """Round the exact value ``hi + lo`` to nearest-even in ``fmt`` (``|lo| <= ulp64(hi)/2``).
+
+    ``fmt``'s grid and its midpoints lie on the float64 grid (p <= 24 < 53), so
+    ``RN_fmt(hi + lo) = RN_fmt(hi)`` unless ``hi`` is exactly a midpoint of
+    ``fmt`` and ``lo != 0``, in which case ``lo``'s sign picks the neighbour.
+    This gives correctly rounded fma and sums from error-free transformations.
+    """
+    fmt = get_format(fmt)
+    hi = _as_f64(hi, "hi")
+    lo = _as_f64(lo, "lo")
+    r = round_to(hi, fmt)
+    finite = np.isfinite(hi)
+    q = quantum(np.where(finite, hi, 0.0), fmt)
+    with np.errstate(invalid="ignore"):
+        t = hi / q
+        fl = np.floor(t)
+        tie = finite & (t - fl == 0.5) & (lo != 0)
+    if tie.any():
+        up = np.where(lo > 0, fl + 1, fl)[tie] * q[tie]
+        if fmt.has_inf:
+            up = np.where(np.abs(up) > fmt.max, np.copysign(np.inf, up), up)
+        else:
+            up = np.where(np.abs(up) > fmt.max, np.nan, up)
+        r = r.copy()
+        r[tie] = np.where(up == 0, np.copysign(0.0, hi[tie]), up)
+    return r
