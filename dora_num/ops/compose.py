@@ -1,12 +1,39 @@
-"""``compose``: the differentiable DoRA compose and its dispatch.
+"""``compose``: the differentiable DoRA compose, its custom op and its dispatch.
 
-``path="eager"`` runs the torch reference of :mod:`dora_num.ops.reference`
-inside :class:`ComposeFunction`, whose backward is the documented sequence of
-:func:`~dora_num.ops.reference.compose_backward_ref` (not autograd's own
-derivative of the forward, whose operation order is not under our control).
+Three tiers, one function (every tier computes the contract's forward bit for bit
+and the same elementwise backward; ``dg`` differs only in summation order):
+
+``eager``
+    the torch reference of :mod:`dora_num.ops.reference` inside
+    :class:`ComposeFunction`, whose backward is the documented sequence of
+    :func:`~dora_num.ops.reference.compose_backward_ref` (not autograd's own
+    derivative of the forward, whose operation order is not under our control).
+``fused forward`` (inference)
+    one Triton pass (:func:`dora_num.ops.kernels.compose.compose_fwd`).
+``fused training``
+    a Triton forward that also writes ``inner = s*lora + base`` (only when ``g``
+    needs a gradient) and a Triton backward writing ``dlora``, ``dbase`` and the
+    deterministic two-stage ``dg``.
+
+``path="auto"`` takes the fused forward for inference on CUDA, the fused
+training tier on CUDA when ``base.numel() >= FUSED_TRAIN_MIN_ELEMENTS`` and the
+eager tier otherwise.  ``path=`` overrides per call; the environment variable
+``DORA_NUM_COMPOSE_PATH`` (``eager``/``fused``/``auto``) overrides ``"auto"``.
+The tier taken is counted (:func:`dispatch_counts`) and logged at DEBUG level
+on the ``dora_num.dispatch`` logger, so tests can assert it.
+
+Under ``torch.compile`` the same tiers run inside the ``torch.library`` custom
+ops ``dora_num::compose_fwd`` / ``dora_num::compose_bwd`` (opaque to the
+compiler, so a model compiles with ``fullgraph=True`` and no graph break; the
+fused kernels or the eager reference run inside).  Checks that read tensor
+values (``g`` finite) run inside the op, at run time.
 """
 
 from __future__ import annotations
+
+import collections
+import logging
+import os
 
 import torch
 
@@ -15,46 +42,210 @@ from . import reference as ref
 from .validation import check_compose_args, check_finite, check_scale
 
 PATHS = ("auto", "eager", "fused")
+TIERS = ("eager", "fused_forward", "fused_training")
+ENV_PATH = "DORA_NUM_COMPOSE_PATH"
+
+# Crossover of the training tier: fused forward(+inner) and backward beat eager
+# autograd of the reference from this many elements (tokens x d_out) on.
+# Measured on the H200 by the GPU suite (data/gpu/compose_bench.csv): see
+# FUSED_TRAIN_CROSSOVER_NOTE.
+FUSED_TRAIN_MIN_ELEMENTS = 512 * 512
+FUSED_TRAIN_CROSSOVER_NOTE = "placeholder until the H200 measurement is recorded"
+
+_log = logging.getLogger("dora_num.dispatch")
+_COUNTS: collections.Counter = collections.Counter()
+
+
+def dispatch_counts() -> dict[str, int]:
+    """How often each tier was taken since the last :func:`reset_dispatch_counts`."""
+    return {t: _COUNTS[t] for t in TIERS}
+
+
+def reset_dispatch_counts() -> None:
+    _COUNTS.clear()
+
+
+def _kernels():
+    from .kernels import compose as kc  # imported lazily: triton is heavy
+
+    return kc
+
+
+def fused_available(device: torch.device) -> bool:
+    """The Triton kernels can run on ``device`` (CUDA, or any device under TRITON_INTERPRET=1)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return device.type == "cpu"
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------
+# Implementations shared by the autograd Function and the custom ops
+# --------------------------------------------------------------------------
+
+def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, out=None):
+    if fused:
+        res, inner = _kernels().compose_fwd(base, lora, g, s, write_inner=write_inner, out=out)
+        return res, inner
+    res = ref.compose_stable_ref(base, lora, g, s)
+    if out is not None:
+        out.copy_(res)
+        res = out
+    inner = ref.compose_inner_ref(base, lora, s) if write_inner else None
+    return res, inner
+
+
+def _bwd_impl(grad, inner, g, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool, fused: bool):
+    if fused:
+        return _kernels().compose_bwd(grad, inner, g, s, need_dlora=need_dlora, need_dbase=need_dbase,
+                                      need_dg=need_dg)
+    dlora, dbase, dg = ref.compose_backward_ref(grad, inner, g, s, need_dg=need_dg)
+    return (dlora if need_dlora else None), (dbase if need_dbase else None), dg
 
 
 class ComposeFunction(torch.autograd.Function):
-    """Eager stable compose with the contract's explicit backward."""
+    """Stable compose with the contract's explicit backward; ``fused`` picks the Triton kernels."""
 
     @staticmethod
-    def forward(ctx, base, lora, g, s: float):
-        out = ref.compose_stable_ref(base, lora, g, s)
-        inner = ref.compose_inner_ref(base, lora, s) if g.requires_grad else None
+    def forward(ctx, base, lora, g, s: float, fused: bool = False):
+        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad, fused)
         ctx.save_for_backward(inner, g)
         ctx.s = s
+        ctx.fused = fused
         return out
 
     @staticmethod
     def backward(ctx, grad):
         inner, g = ctx.saved_tensors
-        need_dg = ctx.needs_input_grad[2]
-        dlora, dbase, dg = ref.compose_backward_ref(grad, inner, g, ctx.s, need_dg=need_dg)
-        return (
-            dbase if ctx.needs_input_grad[0] else None,
-            dlora if ctx.needs_input_grad[1] else None,
-            dg,
-            None,
-        )
+        need = ctx.needs_input_grad
+        dlora, dbase, dg = _bwd_impl(grad, inner, g, ctx.s, need[1], need[0], need[2], ctx.fused)
+        return dbase, dlora, dg, None, None
 
 
-def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: float, *, path: str = "auto") -> torch.Tensor:
+# --------------------------------------------------------------------------
+# torch.library custom ops (what torch.compile sees)
+# --------------------------------------------------------------------------
+
+_EMPTY = (0,)
+
+
+@torch.library.custom_op("dora_num::compose_fwd", mutates_args=())
+def _compose_fwd_op(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float,
+                    write_inner: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    check_finite("g", g)
+    out, inner = _fwd_impl(base, lora, g, s, write_inner, fused)
+    if inner is None:
+        inner = base.new_empty(_EMPTY, dtype=torch.float32)
+    return out, inner
+
+
+@_compose_fwd_op.register_fake
+def _(base, lora, g, s, write_inner, fused):
+    inner = base.new_empty(base.shape if write_inner else _EMPTY, dtype=torch.float32)
+    return torch.empty_like(base), inner
+
+
+@torch.library.custom_op("dora_num::compose_bwd", mutates_args=())
+def _compose_bwd_op(grad: torch.Tensor, inner: torch.Tensor, g: torch.Tensor, s: float,
+                    need_dlora: bool, need_dbase: bool, need_dg: bool,
+                    fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dlora, dbase, dg = _bwd_impl(grad, inner if need_dg else None, g, s, need_dlora, need_dbase, need_dg, fused)
+    empty = grad.new_empty(_EMPTY)
+    return (dlora if dlora is not None else empty, dbase if dbase is not None else empty,
+            dg if dg is not None else grad.new_empty(_EMPTY, dtype=torch.float32))
+
+
+@_compose_bwd_op.register_fake
+def _(grad, inner, g, s, need_dlora, need_dbase, need_dg, fused):
+    return (torch.empty_like(grad) if need_dlora else grad.new_empty(_EMPTY),
+            torch.empty_like(grad) if need_dbase else grad.new_empty(_EMPTY),
+            grad.new_empty((grad.shape[-1],) if need_dg else _EMPTY, dtype=torch.float32))
+
+
+def _op_setup_context(ctx, inputs, output):
+    base, lora, g, s, write_inner, fused = inputs
+    ctx.save_for_backward(output[1], g)
+    ctx.s = s
+    ctx.fused = fused
+    ctx.need_dg = write_inner
+
+
+def _op_backward(ctx, grad_out, grad_inner):
+    inner, g = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dlora, dbase, dg = _compose_bwd_op(grad_out.contiguous(), inner, g, ctx.s, bool(need[1]), bool(need[0]),
+                                       bool(need[2]) and ctx.need_dg, ctx.fused)
+    return (dbase if need[0] else None, dlora if need[1] else None, dg if need[2] else None, None, None, None)
+
+
+_compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+# --------------------------------------------------------------------------
+# Public function and dispatch
+# --------------------------------------------------------------------------
+
+def _resolve_path(path: str) -> str:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "auto":
+        env = os.environ.get(ENV_PATH, "").strip().lower()
+        if env and env not in PATHS:
+            raise ValueError(f"environment variable {ENV_PATH} must be one of {PATHS}, got {env!r}")
+        path = env or "auto"
+    return path
+
+
+def select_tier(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, path: str = "auto") -> str:
+    """The tier :func:`compose` takes for these arguments (one of :data:`TIERS`)."""
+    path = _resolve_path(path)
+    training = torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad)
+    if path == "eager":
+        return "eager"
+    if path == "fused":
+        if not fused_available(base.device):
+            raise RuntimeError(f"path='fused' needs a CUDA device (or TRITON_INTERPRET=1 on CPU); "
+                               f"base is on {base.device}")
+        return "fused_training" if training else "fused_forward"
+    if base.device.type != "cuda" or not fused_available(base.device):
+        return "eager"
+    if not training:
+        return "fused_forward"
+    return "fused_training" if base.numel() >= FUSED_TRAIN_MIN_ELEMENTS else "eager"
+
+
+def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: float, *, path: str = "auto",
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """DoRA compose ``delta = (g-1)*base + g*(s*lora)``, autograd-aware.
 
     ``path``: ``"eager"`` (torch reference), ``"fused"`` (Triton kernels) or
-    ``"auto"``.  Every path computes the same function bit for bit in the forward
-    (numerical contract, DESIGN.md section 2).  ``g`` must be fp32 and finite;
-    non-finite activations propagate as in any torch layer (use
+    ``"auto"`` (module docstring).  Every path computes the same function bit for
+    bit in the forward (numerical contract, DESIGN.md section 2).  ``g`` must be
+    fp32 and finite; non-finite activations propagate as in any torch layer (use
     :func:`compose_stable` to have them rejected).  Empty inputs return empty.
+    ``out`` (inference only: no input may need a gradient) receives the result
+    and may alias ``base`` or ``lora`` (in-place; contiguous).  Non-contiguous
+    inputs are copied to contiguous by the fused tiers.
     """
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     check_compose_args(base, lora, g)
     s, _, _ = scale_constants(check_scale(scale))
+    tier = select_tier(base, lora, g, path)
+    fused = tier != "eager"
+    if torch.compiler.is_compiling():  # tier fixed at trace time; counters and logs are eager-only
+        res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused)[0]
+        return res if out is None else out.copy_(res)
+    else:
+        _COUNTS[tier] += 1
+        _log.debug("compose: tier=%s shape=%s dtype=%s", tier, tuple(base.shape), base.dtype)
+    if out is not None:
+        if torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad):
+            raise ValueError("out= is for inference only; an input requires a gradient")
+        check_finite("g", g)
+        return _fwd_impl(base, lora, g, s, False, fused, out=out)[0]
     check_finite("g", g.detach())
-    if path in ("auto", "eager"):
-        return ComposeFunction.apply(base, lora, g, s)
-    raise NotImplementedError("path='fused' needs the Triton kernels (dora_num.ops.kernels)")
+    return ComposeFunction.apply(base, lora, g, s, fused)

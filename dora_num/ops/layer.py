@@ -7,9 +7,11 @@ section 4.3; PEFT does the same).  Initialisation follows PEFT's LoRA defaults:
 layer equals the base layer at init and ``g = 1`` up to the rounding of ``m``.
 ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
 
-The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`);
-``rowsum(W*W)`` is cached for the frozen W and recomputed when W changes (its
-storage, version counter, shape or dtype).
+The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`,
+through the custom op of :func:`~dora_num.ops.norm.weight_norm_cached`, so the
+layer compiles with ``fullgraph=True``); ``rowsum(W*W)`` is cached for the
+frozen W and recomputed when W changes (its storage, version counter, shape or
+dtype).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from .compose import PATHS, compose
-from .norm import DEFAULT_CHUNK_BYTES, base_row_norm_sq, factored_row_norm, magnitude_scale
+from .norm import DEFAULT_CHUNK_BYTES, cached_base_row_norm_sq, magnitude_scale, weight_norm_cached
 
 
 class DoRALinear(nn.Module):
@@ -60,8 +62,6 @@ class DoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=W.dtype, device=W.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
-        self._base_sq = None
-        self._base_sq_key = None
         self.magnitude = nn.Parameter(self.weight_norm().clone())
 
     @classmethod
@@ -78,20 +78,14 @@ class DoRALinear(nn.Module):
         return self.base.out_features
 
     def base_sq(self) -> torch.Tensor:
-        """Cached ``rowsum(W*W)`` (fp32), recomputed if W changed."""
-        W = self.base.weight
-        key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device)
-        if self._base_sq is None or self._base_sq_key != key:
-            self._base_sq = base_row_norm_sq(W, chunk_bytes=self.chunk_bytes)
-            self._base_sq_key = key
-        return self._base_sq
+        """Cached ``rowsum(W*W)`` (fp32), recomputed if W changed
+        (:func:`~dora_num.ops.norm.cached_base_row_norm_sq`: the cache lives on W)."""
+        return cached_base_row_norm_sq(self.base.weight, chunk_bytes=self.chunk_bytes)
 
     def weight_norm(self) -> torch.Tensor:
         """``||W + s B A||_row`` (fp32, detached), by the factored norm."""
-        return factored_row_norm(
-            self.base.weight, self.lora_A.detach(), self.lora_B.detach(), self.scale,
-            chunk_bytes=self.chunk_bytes, base_sq=self.base_sq(),
-        )
+        return weight_norm_cached(self.base.weight, self.lora_A, self.lora_B, self.scale,
+                                  chunk_bytes=self.chunk_bytes)
 
     def magnitude_scale(self) -> torch.Tensor:
         """``g = m / max(wnorm, eps)`` (fp32, differentiable in m)."""
@@ -106,7 +100,11 @@ class DoRALinear(nn.Module):
         base_c = base if x_lora is x else Fn.linear(x_lora, W)
         lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B)
         g = self.magnitude_scale()
-        delta = compose(base_c, lora.to(base_c.dtype), g, self.scale, path=self.compose_path)
+        lora = lora.to(base_c.dtype)
+        inference = not (torch.is_grad_enabled() and (x.requires_grad or g.requires_grad or lora.requires_grad))
+        # Inference: the compose writes delta over the lora buffer (no new allocation).
+        delta = compose(base_c, lora, g, self.scale, path=self.compose_path,
+                        out=lora if inference and lora.is_contiguous() else None)
         out = base if bias is None else base + bias.to(base.dtype)
         return out + delta
 

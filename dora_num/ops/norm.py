@@ -16,9 +16,12 @@ relative error u on each element of the *result*), so the factored norm loses to
 the dense one only when ``kappa`` is large (the update cancelling the row).
 Realistic adapters have ``||sBA|| << ||W||`` and ``kappa ≈ 1``.
 
-Memory: the only ``d_in``-sized temporaries are one fp32 chunk of W and its
-square, ``2 * d_out * chunk * 4`` bytes, kept under ``chunk_bytes``; with a
-cached ``base_sq`` the W chunk is still needed for ``U = W A^T``.
+Memory: ``base`` needs one fp32 chunk of W and its square,
+``2 * d_out * chunk * 4`` bytes, kept under ``chunk_bytes``.  With the cached
+``base_sq`` and 16-bit W on CUDA, ``U = W A^T`` is one tensor-core product with
+fp32 output (no fp32 copy of W), and the extra memory is ``U`` (``d_out*r*4``)
+plus ``G`` (``r*r*4``) plus row blocks under ``ROW_CHUNK_BYTES``: 8192x8192,
+r=384 needs ~13 MB + 8 MB against ~800 MB for the dense fp32 norm.
 """
 
 from __future__ import annotations
@@ -82,6 +85,51 @@ def base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES)
         return acc
 
 
+def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int) -> torch.Tensor:
+    """``U = W A^T`` fp32 ``[d_out, r]`` without an fp32 copy of W where possible.
+
+    - W and A fp32: one fp32 product (no copy).
+    - W and A of one 16-bit dtype on CUDA: one tensor-core product with fp32
+      accumulation and fp32 output (``torch.mm(..., out_dtype=float32)``).  Each
+      product ``W_jk A_ik`` is exact in fp32 (8+8 significand bits for bf16, 11+11
+      for fp16, both <= 24), so the only error is the accumulation:
+      ``|U_hat - U| <= gamma'_{d_in} |W| |A|^T`` with ``gamma'_n = 2nu/(1-2nu)``
+      (``2u`` per addition covers an accumulator that truncates instead of
+      rounding to nearest, as tensor cores may).  Extra memory: U itself.
+    - otherwise (CPU 16-bit, mixed dtypes): fp32 column chunks of W under the
+      byte budget, accumulated with ``addmm_`` (the previous behaviour).
+    """
+    d_out = W.shape[0]
+    r = A.shape[0]
+    if W.dtype == torch.float32 and A.dtype == torch.float32:
+        return W @ A.T
+    if W.device.type == "cuda" and W.dtype in (torch.bfloat16, torch.float16) and A.dtype == W.dtype:
+        try:
+            return torch.mm(W, A.T, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # older torch: fall through to chunks
+            pass
+    U = torch.zeros(d_out, r, dtype=torch.float32, device=W.device)
+    for start in range(0, W.shape[1], cols):
+        U.addmm_(W[:, start : start + cols].float(), A[:, start : start + cols].float().T)
+    return U
+
+
+def _gram_fp32(A: torch.Tensor) -> torch.Tensor:
+    """``G = A A^T`` fp32 ``[r, r]`` (exact products for 16-bit A on CUDA, as :func:`_u_product`)."""
+    if A.dtype == torch.float32:
+        return A @ A.T
+    if A.device.type == "cuda" and A.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.mm(A, A.T, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    Af = A.float()
+    return Af @ Af.T
+
+
+ROW_CHUNK_BYTES = 8 * 2**20  # temporaries of the cross/Gram terms: a few [rows, r] fp32 blocks
+
+
 def factored_row_norm(
     W: torch.Tensor,
     A: torch.Tensor,
@@ -93,12 +141,14 @@ def factored_row_norm(
 ) -> torch.Tensor:
     """``||W + s*B@A||_row`` in fp32 without forming ``B@A`` or an fp32 copy of W.
 
-    Accumulates ``base = rowsum(W*W)`` and ``U = W A^T`` over column chunks of W
-    (each a multiple of 64 columns, under ``chunk_bytes``), in fp32 under
-    ``no_grad`` with autocast off, then ``cross``, ``ba`` and the assembly of
+    ``base = rowsum(W*W)`` (fp32, over column chunks of W under ``chunk_bytes``,
+    unless the cached ``base_sq`` is given: fp32 ``[d_out]``), ``U = W A^T`` in
+    fp32 (:func:`_u_product`: a tensor-core product with exact products and fp32
+    accumulation for 16-bit W on CUDA, no fp32 copy of W), then ``cross`` and
+    ``ba`` over row blocks of ``B`` (temporaries under ``ROW_CHUNK_BYTES``), all
+    under ``no_grad`` with autocast off, and the assembly of
     :func:`~dora_num.numerics.formulas.norm_assembly` with a correctly rounded
-    square root.  ``scale == 0`` skips the cross and Gram terms.  ``base_sq``, if
-    given, is the cached ``rowsum(W*W)`` (fp32 ``[d_out]``).
+    square root.  ``scale == 0`` skips the cross and Gram terms.
 
     A non-finite result raises ``ValueError`` naming the input at fault (the check
     costs O(d_out) unless it fires).  A zero row gives ``wnorm = 0`` exactly;
@@ -116,27 +166,24 @@ def factored_row_norm(
             )
     s, two_s, s_sq = scale_constants(s_raw)
     with torch.no_grad(), torch.autocast(W.device.type, enabled=False):
-        need_base = base_sq is None
-        acc_base = torch.zeros(d_out, dtype=torch.float32, device=W.device) if need_base else base_sq
-        U = torch.zeros(d_out, r, dtype=torch.float32, device=W.device) if s != 0.0 else None
-        for start in range(0, d_in, cols):
-            Wc = W[:, start : start + cols].float()
-            if need_base:
-                acc_base = acc_base + (Wc * Wc).sum(dim=1)
-            if U is not None:
-                U.addmm_(Wc, A[:, start : start + cols].float().T)
-            del Wc
-        if U is None:
+        acc_base = base_row_norm_sq(W, chunk_bytes=chunk_bytes) if base_sq is None else base_sq
+        if s == 0.0:
             zeros = torch.zeros_like(acc_base)
             wnorm = norm_assembly(TorchFP32CorrectSqrt, acc_base, zeros, zeros, 0.0, 0.0)
         else:
-            Bf = B.float()
-            Af = A.float()
-            cross = (Bf * U).sum(dim=1)
-            G = Af @ Af.T
-            ba = ((Bf @ G) * Bf).sum(dim=1)
+            U = _u_product(W, A, cols)
+            G = _gram_fp32(A)
+            cross = torch.empty(d_out, dtype=torch.float32, device=W.device)
+            ba = torch.empty(d_out, dtype=torch.float32, device=W.device)
+            rows = max(1, ROW_CHUNK_BYTES // (3 * 4 * r))
+            for start in range(0, d_out, rows):
+                Bc = B[start : start + rows].float()
+                cross[start : start + rows] = (Bc * U[start : start + rows]).sum(dim=1)
+                ba[start : start + rows] = ((Bc @ G) * Bc).sum(dim=1)
+                del Bc
+            del U
             wnorm = norm_assembly(TorchFP32CorrectSqrt, acc_base, cross, ba, two_s, s_sq)
-    if not bool(torch.isfinite(wnorm).all()):
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(wnorm).all()):
         for name, t in (("W", W), ("A", A), ("B", B)) + ((("base_sq", base_sq),) if base_sq is not None else ()):
             check_finite(name, t)
         raise ValueError(
@@ -144,6 +191,50 @@ def factored_row_norm(
             "exceeds 3.4e38; rescale W or the adapter"
         )
     return wnorm
+
+
+# --------------------------------------------------------------------------
+# Cache of base_sq for a frozen W, and the weight norm as a custom op
+# --------------------------------------------------------------------------
+
+_CACHE_ATTR = "_dora_num_base_sq"
+
+
+def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+    """``rowsum(W*W)`` (fp32), cached on the tensor ``W`` itself.
+
+    The cache key is W's storage pointer, version counter (bumped by every
+    in-place write), shape, dtype and device: any change recomputes.  Keeping
+    the cache on the tensor object means it dies with W and is shared by every
+    module that wraps the same frozen weight.
+    """
+    check_tensor("W", W, ndim=2)
+    key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device)
+    hit = getattr(W, _CACHE_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    val = base_row_norm_sq(W.detach(), chunk_bytes=chunk_bytes)
+    setattr(W, _CACHE_ATTR, (key, val))
+    return val
+
+
+@torch.library.custom_op("dora_num::weight_norm", mutates_args=())
+def _weight_norm_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
+                    chunk_bytes: int) -> torch.Tensor:
+    base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
+    return factored_row_norm(W, A, B, scale, chunk_bytes=chunk_bytes, base_sq=base_sq)
+
+
+@_weight_norm_op.register_fake
+def _(W, A, B, scale, chunk_bytes):
+    return W.new_empty((W.shape[0],), dtype=torch.float32)
+
+
+def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, *,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+    """Factored ``||W + sBA||_row`` with the cached ``base_sq`` (detached; a custom op,
+    so ``torch.compile`` traces it without a graph break)."""
+    return _weight_norm_op(W.detach(), A.detach(), B.detach(), float(scale), int(chunk_bytes))
 
 
 def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None = None) -> torch.Tensor:
@@ -165,6 +256,7 @@ def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None =
         eps = 1e-6 if m.dtype in (torch.float16, torch.bfloat16) else 1e-12
     if not (eps > 0):
         raise ValueError(f"eps must be positive, got {eps}")
-    check_finite("m", m.detach())
-    check_finite("wnorm", wnorm)
+    if not torch.compiler.is_compiling():  # value checks read tensors: skipped while tracing
+        check_finite("m", m.detach())
+        check_finite("wnorm", wnorm)
     return m.float() / torch.clamp_min(wnorm.detach().float(), eps)

@@ -1,0 +1,261 @@
+"""Fused Triton kernels of the DoRA compose: forward, training forward, backward.
+
+Math and operation order (the contract, DESIGN.md section 2; the sequences of
+:mod:`dora_num.numerics.formulas` under :class:`~dora_num.numerics.arithmetic.TorchFP32`,
+as evaluated by :mod:`dora_num.ops.reference`).  Per element, ``g = g[col]``,
+inputs upcast to fp32 (exact), every operation one fp32 rounding::
+
+    gm1   = g - 1              # exact for g in [0.5, 2] (Sterbenz)
+    sl    = s * lora
+    t     = g * sl
+    out   = gm1 * base + t     # mul, then add: two roundings, NOT an FMA
+    inner = sl + base          # == muladd(s, lora, base) of compose_inner
+    -> out rounded once to the activation dtype
+
+Backward, upstream gradient ``D``::
+
+    gs    = g * s              # once per column
+    dlora = gs * D             # rounded once to D's dtype
+    dbase = gm1 * D
+    dg    = sum_rows(inner * D)   # two-stage, deterministic (below)
+
+Contraction.  Triton contracts ``a*b + c`` into ``fma.rn.f32`` by default
+(PLATFORM.md: 23.5% of compose outputs then differ from eager).  We launch
+every kernel with ``enable_fp_fusion=False`` rather than inserting store/reload
+barriers: it is one compile flag, it removes *every* contraction in the kernel
+(a barrier protects only the place it is put), it costs nothing at run time
+(the kernel is memory bound; mul+add vs fma is invisible), and the emitted PTX
+is checked for the absence of ``fma.rn.f32`` by the GPU suite.
+
+dg reduction and its bound.  Stage 1: program ``(i, j)`` sums the fp32 products
+``inner*D`` of its ``BLOCK_M`` rows with ``tl.sum`` (a reduction tree of depth
+``log2(BLOCK_M)``) into ``partials[i, cols_j]``.  Stage 2: one program per
+column block adds the ``nb = ceil(M / BLOCK_M)`` partials in row-block order
+0, 1, ..., nb-1 (a fixed order; no atomics), so the result is bitwise
+reproducible run to run.  With products ``p_k`` each rounded once, standard
+model: ``|dg_hat - dg| <= gamma_{1 + BLOCK_M + nb} * sum_k |inner_k D_k|``
+(one rounding per product; ``BLOCK_M - 1`` for stage 1 in whatever order
+``tl.sum`` adds within and across threads; ``nb - 1`` for stage 2)
+where ``gamma_n = n u / (1 - n u)``, ``u = 2^-24`` (:func:`dg_error_bound`).
+
+Non-contiguous inputs are copied to contiguous (documented cost: one extra
+pass); the in-place forward refuses a non-contiguous destination.  Empty
+inputs return empty outputs without a launch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Tile shapes.  Forward: 4096-element tiles (BLOCK_M x BLOCK_N) with 4 warps: 32
+# elements per thread, 16-byte vector loads for bf16.  Backward: taller tiles so
+# the dg partial buffer (nb x N fp32) stays small and nb (which enters the dg
+# bound) stays small.  Chosen on the H200 by the GPU suite's tile sweep
+# (data/gpu/tile_sweep.csv); see the report there.
+FWD_TILE_ELEMS = 4096
+FWD_MAX_BLOCK_N = 1024
+FWD_NUM_WARPS = 4
+BWD_BLOCK_M = 32
+BWD_MAX_BLOCK_N = 256
+BWD_NUM_WARPS = 8
+# Under the interpreter each program instance costs ~1 ms: use big tiles there.
+if INTERPRET:
+    FWD_TILE_ELEMS = 1 << 16
+    BWD_BLOCK_M = 64
+    BWD_MAX_BLOCK_N = 1024
+
+U32 = 2.0**-24
+
+
+# --------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _compose_fwd_kernel(
+    base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr,
+    n_rows, n_cols, s,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_INNER: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows[:, None] < n_rows) & col_mask[None, :]
+    offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    g = tl.load(g_ptr + cols, mask=col_mask, other=1.0)
+    base = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    lora = tl.load(lora_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    gm1 = g - 1.0
+    sl = s * lora
+    t = g[None, :] * sl
+    prod = gm1[None, :] * base
+    out = prod + t
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if WRITE_INNER:
+        inner = sl + base
+        tl.store(inner_ptr + offsets, inner, mask=mask)
+
+
+@triton.jit
+def _compose_bwd_kernel(
+    grad_ptr, inner_ptr, g_ptr, dlora_ptr, dbase_ptr, partial_ptr,
+    n_rows, n_cols, s,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_DLORA: tl.constexpr, WRITE_DBASE: tl.constexpr, NEED_DG: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows[:, None] < n_rows) & col_mask[None, :]
+    offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    g = tl.load(g_ptr + cols, mask=col_mask, other=1.0)
+    d = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if WRITE_DLORA:
+        gs = g * s
+        tl.store(dlora_ptr + offsets, (gs[None, :] * d).to(dlora_ptr.dtype.element_ty), mask=mask)
+    if WRITE_DBASE:
+        gm1 = g - 1.0
+        tl.store(dbase_ptr + offsets, (gm1[None, :] * d).to(dbase_ptr.dtype.element_ty), mask=mask)
+    if NEED_DG:
+        inner = tl.load(inner_ptr + offsets, mask=mask, other=0.0)
+        part = tl.sum(inner * d, axis=0)
+        tl.store(partial_ptr + pid_m.to(tl.int64) * n_cols + cols, part, mask=col_mask)
+
+
+@triton.jit
+def _dg_final_kernel(partial_ptr, dg_ptr, n_blocks, n_cols, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(0, n_blocks):  # fixed order: row block 0, 1, ..., nb-1
+        acc += tl.load(partial_ptr + i * n_cols + cols, mask=col_mask, other=0.0)
+    tl.store(dg_ptr + cols, acc, mask=col_mask)
+
+
+# --------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------
+
+def _as_2d(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``[..., N]`` -> contiguous ``[M, N]`` (a copy if ``t`` is not contiguous)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(-1, t.shape[-1]) if t.dim() != 2 else t
+
+
+def _fwd_blocks(n_cols: int) -> tuple[int, int]:
+    block_n = min(FWD_MAX_BLOCK_N, triton.next_power_of_2(max(n_cols, 1)))
+    block_m = max(1, FWD_TILE_ELEMS // block_n)
+    return block_m, block_n
+
+
+def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float, *,
+                write_inner: bool = False, out: torch.Tensor | None = None,
+                fp_fusion: bool = False, return_kernel: bool = False):
+    """Fused stable compose.  Returns ``(out, inner)`` (``inner`` None unless asked).
+
+    ``s`` must already be fp32-exact (:func:`~dora_num.numerics.formulas.scale_constants`).
+    ``out`` may alias ``base`` or ``lora`` (in-place inference: each element is
+    read before it is written, by the same program) and must then be contiguous.
+    ``fp_fusion=True`` lets the compiler contract into FMA: a study variant only,
+    never the production path.  With ``return_kernel`` the compiled kernel handle
+    is appended (to read its PTX).
+    """
+    shape = base.shape
+    base2 = _as_2d("base", base)
+    lora2 = _as_2d("lora", lora)
+    n_rows, n_cols = base2.shape
+    if out is None:
+        out2 = torch.empty_like(base2)
+    else:
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous for the in-place fused compose")
+        if out.shape != shape or out.dtype != base.dtype or out.device != base.device:
+            raise ValueError(f"out must match base ({tuple(shape)}, {base.dtype}, {base.device}), got "
+                             f"({tuple(out.shape)}, {out.dtype}, {out.device})")
+        out2 = out.view(n_rows, n_cols)
+    inner2 = torch.empty(n_rows, n_cols, dtype=torch.float32, device=base.device) if write_inner else None
+    kernel = None
+    if base2.numel():
+        block_m, block_n = _fwd_blocks(n_cols)
+        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        kernel = _compose_fwd_kernel[grid](
+            base2, lora2, g.contiguous(), out2, inner2 if write_inner else out2,
+            n_rows, n_cols, float(s),
+            BLOCK_M=block_m, BLOCK_N=block_n, WRITE_INNER=write_inner,
+            num_warps=FWD_NUM_WARPS, enable_fp_fusion=fp_fusion,
+        )
+    res = (out2.view(shape), inner2.view(shape) if write_inner else None)
+    return res + (kernel,) if return_kernel else res
+
+
+def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor, s: float, *,
+                need_dlora: bool = True, need_dbase: bool = True, need_dg: bool = True):
+    """Fused compose backward: ``(dlora, dbase, dg)``; entries not asked for are None.
+
+    ``dg`` is fp32 ``[N]``, summed over every leading dimension by the
+    deterministic two-stage reduction of the module docstring.
+    """
+    shape = grad.shape
+    grad2 = _as_2d("grad", grad)
+    n_rows, n_cols = grad2.shape
+    dev = grad.device
+    if need_dg:
+        if inner is None:
+            raise ValueError("inner is required for dg (save it in the forward: write_inner=True)")
+        inner2 = _as_2d("inner", inner)
+        if inner2.dtype != torch.float32 or inner2.shape != grad2.shape:
+            raise ValueError(f"inner must be float32 of grad's shape {tuple(shape)}, got "
+                             f"{inner.dtype} {tuple(inner.shape)}")
+    dlora = torch.empty_like(grad2) if need_dlora else None
+    dbase = torch.empty_like(grad2) if need_dbase else None
+    dg = torch.zeros(n_cols, dtype=torch.float32, device=dev) if need_dg else None
+    if grad2.numel() and (need_dlora or need_dbase or need_dg):
+        block_m = BWD_BLOCK_M
+        block_n = min(BWD_MAX_BLOCK_N, triton.next_power_of_2(n_cols))
+        n_blocks = triton.cdiv(n_rows, block_m)
+        partials = torch.empty(n_blocks, n_cols, dtype=torch.float32, device=dev) if need_dg else None
+        dummy = grad2
+        _compose_bwd_kernel[(n_blocks, triton.cdiv(n_cols, block_n))](
+            grad2, inner2 if need_dg else dummy, g.contiguous(),
+            dlora if need_dlora else dummy, dbase if need_dbase else dummy,
+            partials if need_dg else dummy,
+            n_rows, n_cols, float(s),
+            BLOCK_M=block_m, BLOCK_N=block_n,
+            WRITE_DLORA=need_dlora, WRITE_DBASE=need_dbase, NEED_DG=need_dg,
+            num_warps=BWD_NUM_WARPS, enable_fp_fusion=False,
+        )
+        if need_dg:
+            fin_n = min(1024, triton.next_power_of_2(n_cols))
+            _dg_final_kernel[(triton.cdiv(n_cols, fin_n),)](
+                partials, dg, n_blocks, n_cols, BLOCK_N=fin_n, num_warps=4, enable_fp_fusion=False)
+    return (dlora.view(shape) if need_dlora else None,
+            dbase.view(shape) if need_dbase else None,
+            dg)
+
+
+def dg_error_bound(inner: torch.Tensor, grad: torch.Tensor, n_rows: int | None = None) -> torch.Tensor:
+    """A-priori bound on ``|dg_fused - dg_exact|`` per column (fp64 ``[N]``).
+
+    ``gamma_n * sum_rows |inner * D|`` with ``n = 1 + BLOCK_M + nb`` (one
+    rounding per product, any order within a block, the sequential stage 2).
+    """
+    inner2 = inner.reshape(-1, inner.shape[-1]).double()
+    d2 = grad.reshape(-1, grad.shape[-1]).double()
+    m = inner2.shape[0] if n_rows is None else n_rows
+    nb = max(1, math.ceil(m / BWD_BLOCK_M))
+    n = 1 + BWD_BLOCK_M + nb
+    gamma = n * U32 / (1 - n * U32)
+    return gamma * (inner2 * d2).abs().sum(dim=0)

@@ -1,0 +1,100 @@
+"""Triton norm assembly ``wnorm = sqrt(max(base_sq + 2s*cross + s^2*ba, 0))``, in variants.
+
+The sequence is :func:`dora_num.numerics.formulas.norm_assembly`::
+
+    t = 2s * cross + base_sq      # place 1 where a compiler may contract
+    t = s^2 * ba + t              # place 2
+    t = max(t, 0)                 # NaN propagates, as torch.clamp_min
+    wnorm = sqrt(t)
+
+Variants (the FMA/sqrt study, issue 6):
+
+- ``fp_fusion``: ``False`` launches with ``enable_fp_fusion=False`` (mul then add,
+  two roundings, bitwise equal to eager torch); ``True`` lets Triton contract
+  both places into ``fma.rn.f32``.
+- ``sqrt``: ``"approx"`` is ``tl.sqrt`` (``sqrt.approx.ftz.f32`` on the H200,
+  1 ulp off on ~17% of inputs); ``"rn"`` is ``tl.sqrt_rn`` (``sqrt.rn.f32``);
+  ``"ptx"`` is inline PTX ``sqrt.rn.f32`` (not available under the interpreter).
+
+Production: ``fp_fusion=False, sqrt="rn"``: bitwise equal to
+``norm_assembly(TorchFP32, ...)`` on CUDA (whose ``torch.sqrt`` is correctly
+rounded) and to :class:`~dora_num.numerics.arithmetic.TorchFP32CorrectSqrt`
+everywhere.  The norm assembly is O(d_out) work and never on a hot path; the
+kernel exists to study (and pin down) what a fused implementation does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .compose import INTERPRET
+
+SQRT_VARIANTS = ("approx", "rn", "ptx")
+_SQRT_CODE = {"approx": 0, "rn": 1, "ptx": 2}
+PRODUCTION = {"fp_fusion": False, "sqrt": "rn"}
+
+
+@triton.jit
+def _norm_assembly_kernel(base_ptr, cross_ptr, ba_ptr, out_ptr, n, two_s, s_sq,
+                          SQRT: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    base = tl.load(base_ptr + offsets, mask=mask, other=0.0)
+    cross = tl.load(cross_ptr + offsets, mask=mask, other=0.0)
+    ba = tl.load(ba_ptr + offsets, mask=mask, other=0.0)
+    t = two_s * cross + base
+    t = s_sq * ba + t
+    t = tl.maximum(t, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    if SQRT == 0:
+        w = tl.sqrt(t)
+    elif SQRT == 1:
+        w = tl.sqrt_rn(t)
+    else:
+        w = tl.inline_asm_elementwise("sqrt.rn.f32 $0, $1;", "=r,r", [t],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    tl.store(out_ptr + offsets, w, mask=mask)
+
+
+def norm_assembly_triton(base_sq: torch.Tensor, cross: torch.Tensor, ba: torch.Tensor,
+                         two_s: float, s_sq: float, *, fp_fusion: bool = False, sqrt: str = "rn",
+                         return_kernel: bool = False):
+    """``wnorm`` fp32 from fp32 ``base_sq, cross, ba`` (same shape) by one Triton launch.
+
+    ``two_s``, ``s_sq`` come from :func:`~dora_num.numerics.formulas.scale_constants`.
+    """
+    if sqrt not in SQRT_VARIANTS:
+        raise ValueError(f"sqrt must be one of {SQRT_VARIANTS}, got {sqrt!r}")
+    if sqrt == "ptx" and INTERPRET:
+        raise NotImplementedError("sqrt='ptx' (inline PTX) cannot run under TRITON_INTERPRET=1; "
+                                  "use sqrt='rn' (the same instruction, sqrt.rn.f32) or a GPU")
+    for name, t in (("base_sq", base_sq), ("cross", cross), ("ba", ba)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.shape != base_sq.shape or t.device != base_sq.device:
+            raise ValueError(f"{name} must match base_sq ({tuple(base_sq.shape)} on {base_sq.device}), "
+                             f"got {tuple(t.shape)} on {t.device}")
+    b, c, a = (t.contiguous().view(-1) for t in (base_sq, cross, ba))
+    out = torch.empty_like(b)
+    n = b.numel()
+    kernel = None
+    if n:
+        block = 1 << 16 if INTERPRET else 1024
+        kernel = _norm_assembly_kernel[(triton.cdiv(n, block),)](
+            b, c, a, out, n, float(two_s), float(s_sq),
+            SQRT=_SQRT_CODE[sqrt], BLOCK=block, num_warps=4, enable_fp_fusion=fp_fusion)
+    out = out.view(base_sq.shape)
+    return (out, kernel) if return_kernel else out
+
+
+def ptx_instruction_counts(kernel) -> dict[str, int]:
+    """Counts of the instructions the FMA/sqrt study cares about in a compiled kernel's PTX."""
+    ptx = kernel.asm["ptx"] if kernel is not None else ""
+    return {
+        "fma.rn.f32": ptx.count("fma.rn.f32"),
+        "mul.rn.f32": ptx.count("mul.rn.f32") + ptx.count("mul.f32"),
+        "add.rn.f32": ptx.count("add.rn.f32") + ptx.count("add.f32"),
+        "sqrt.approx": ptx.count("sqrt.approx"),
+        "sqrt.rn": ptx.count("sqrt.rn"),
+    }
