@@ -31,8 +31,9 @@ class RunResult:
     artifacts: list[Path]
 
 
-def list_notebooks(only: list[str] | None = None) -> list[Path]:
-    nbs = sorted(p for p in paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+def list_notebooks(only: list[str] | None = None, notebooks_dir: Path | None = None) -> list[Path]:
+    """Notebooks ``NN_topic.ipynb`` in order; ``only`` picks by number or stem."""
+    nbs = sorted((Path(notebooks_dir) if notebooks_dir else paths.NOTEBOOKS_DIR).glob("[0-9][0-9]_*.ipynb"))
     if only:
         wanted = {o.split("_")[0].zfill(2) if o[:2].isdigit() else o for o in only}
         picked = [p for p in nbs if p.stem[:2] in wanted or p.stem in wanted]
@@ -41,6 +42,23 @@ def list_notebooks(only: list[str] | None = None) -> list[Path]:
             raise FileNotFoundError(f"no notebook matches {missing}; have {[p.stem for p in nbs]}")
         nbs = picked
     return nbs
+
+
+def _source_cell(executed: Path) -> tuple[int | str, str]:
+    """The failing cell as a 1-based index into the *source* notebook (papermill's
+    injected parameters and error-banner cells not counted) and its first line."""
+    import nbformat
+
+    skip = {"injected-parameters", "papermill-error-cell-tag"}
+    n = 0
+    for cell in nbformat.read(executed, as_version=4).cells:
+        if skip & set(cell.metadata.get("tags", [])):
+            continue
+        n += 1
+        if cell.cell_type == "code" and any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
+            first = next((line for line in cell.source.splitlines() if line.strip()), "")
+            return n, first[:80]
+    return "?", ""
 
 
 def _promote(staging: Path, dest: Path) -> list[Path]:
@@ -73,10 +91,11 @@ def run_notebook(nb: Path, *, smoke: bool, build_dir: Path, parameters: dict | N
     t0 = time.perf_counter()
     try:
         pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name="python3",
-                            cwd=str(paths.NOTEBOOKS_DIR), progress_bar=progress, log_output=False)
+                            cwd=str(nb.parent), progress_bar=progress, log_output=False)
     except PapermillExecutionError as e:
+        cell, first_line = _source_cell(executed)
         raise NotebookFailed(
-            f"{nb.name} failed in cell {e.cell_index} (execution count {e.exec_count}): {e.ename}: {e.evalue}\n"
+            f"{nb.name} failed in cell {cell} [{first_line}]: {e.ename}: {e.evalue}\n"
             f"executed copy: {executed}"
         ) from None
     finally:
@@ -90,12 +109,15 @@ def run_notebook(nb: Path, *, smoke: bool, build_dir: Path, parameters: dict | N
 
 
 def reproduce(only: list[str] | None = None, *, smoke: bool = False, build_dir: Path | None = None,
-              parameters: dict | None = None) -> list[RunResult]:
+              parameters: dict | None = None, notebooks_dir: Path | None = None) -> list[RunResult]:
+    """Run the notebooks in order; the first failure raises :class:`NotebookFailed`."""
     from tqdm.auto import tqdm
 
     build_dir = Path(build_dir) if build_dir else paths.REPO_ROOT / "build"
     results = []
-    nbs = list_notebooks(only)
+    nbs = list_notebooks(only, notebooks_dir)
+    if not nbs:
+        raise FileNotFoundError(f"no notebooks NN_*.ipynb in {notebooks_dir or paths.NOTEBOOKS_DIR}")
     for nb in tqdm(nbs, desc="notebooks", unit="nb"):
         res = run_notebook(nb, smoke=smoke, build_dir=build_dir, parameters=parameters)
         tqdm.write(f"{nb.stem}: ok in {res.seconds:.1f} s, {len(res.artifacts)} artifacts")

@@ -1,0 +1,60 @@
+"""Provenance sidecars and atomic writes."""
+
+import hashlib
+import json
+import os
+
+import pandas as pd
+import pytest
+
+from dora_num.repro import paths
+from dora_num.repro.provenance import read_provenance, save_dataframe, write_artifact
+
+
+def test_sidecar_records_hashes_and_parameters(tmp_path):
+    src = tmp_path / "input.bin"
+    src.write_bytes(b"abc")
+    out = write_artifact(tmp_path / "a.txt", b"hello\n", params={"n": 3}, seed=7, inputs={"src": src})
+    side = read_provenance(out)
+    assert side["sha256"] == hashlib.sha256(b"hello\n").hexdigest()
+    assert side["parameters"] == {"n": 3} and side["seed"] == 7
+    assert side["inputs"]["src"]["sha256"] == hashlib.sha256(b"abc").hexdigest()
+    assert {"sha", "dirty"} <= set(side["git"])
+    assert side["versions"]["torch"] == "2.13.0" or side["versions"]["torch"].startswith("2.")
+
+
+def test_failed_writer_leaves_previous_file_intact(tmp_path):
+    target = tmp_path / "t.csv"
+    write_artifact(target, b"old\n")
+
+    def broken(buf):
+        buf.write(b"partial")
+        raise RuntimeError("writer died")
+
+    with pytest.raises(RuntimeError, match="writer died"):
+        write_artifact(target, broken)
+    assert target.read_bytes() == b"old\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_missing_input_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="provenance input 'w' is not a file"):
+        write_artifact(tmp_path / "x", b"", inputs={"w": tmp_path / "nope"})
+
+
+def test_dataframe_roundtrip_and_deterministic_gzip(tmp_path):
+    df = pd.DataFrame({"a": [1, 2], "b": [0.5, 0.25]})
+    p1 = save_dataframe(df, tmp_path / "t.csv.gz")
+    b1 = p1.read_bytes()
+    p2 = save_dataframe(df, tmp_path / "t.csv.gz")
+    assert p2.read_bytes() == b1
+    pd.testing.assert_frame_equal(pd.read_csv(p1), df)
+    with pytest.raises(ValueError, match="unsupported table format"):
+        save_dataframe(df, tmp_path / "t.xlsx")
+
+
+def test_output_root_redirects_writes(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.OUTPUT_ROOT_ENV, str(tmp_path))
+    assert paths.data_dir("x") == tmp_path / "data" / "x"
+    assert paths.figures_dir("y").is_dir()
+    assert paths.committed_data("z") == paths.REPO_ROOT / "data" / "z"

@@ -1,0 +1,82 @@
+"""The papermill runner: SMOKE runs of every notebook, failure reporting, and
+that a failing notebook leaves committed artifacts untouched."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from dora_num.repro import paths
+from dora_num.repro.runner import NotebookFailed, list_notebooks, reproduce
+
+NOTEBOOKS = list_notebooks()
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()} if root.exists() else {}
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_smoke(nb, tmp_path):
+    """Each notebook runs headless in SMOKE mode and touches no committed file."""
+    before = _tree_digest(paths.COMMITTED_DATA_DIR), _tree_digest(paths.COMMITTED_FIGURES_DIR)
+    (res,) = reproduce([nb.stem], smoke=True, build_dir=tmp_path)
+    assert res.executed.is_file()
+    assert res.seconds < 120, f"{nb.stem} SMOKE run took {res.seconds:.0f} s (budget 60 s on 2 idle cores)"
+    after = _tree_digest(paths.COMMITTED_DATA_DIR), _tree_digest(paths.COMMITTED_FIGURES_DIR)
+    assert before == after
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_clean(nb):
+    book = nbformat.read(nb, as_version=4)
+    nbformat.validate(book)
+    code = [c for c in book.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "strip outputs before committing"
+    assert "parameters" in code[0].metadata.get("tags", []), "first code cell must be tagged 'parameters'"
+    assert "SMOKE" in code[0].source
+    assert book.cells[0].cell_type == "markdown"
+    assert book.metadata["kernelspec"]["name"] == "python3"
+    assert "assert" in code[-1].source, "the last cell asserts the headline claim"
+
+
+def _write_notebook(path: Path, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    first = nbformat.v4.new_code_cell("SMOKE: bool = False  # tiny sizes")
+    first.metadata["tags"] = ["parameters"]
+    nb.cells = [first] + [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, path)
+
+
+def test_failing_notebook_names_cell_and_leaves_figures_untouched(tmp_path):
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    stem = "98_runner_selftest"
+    _write_notebook(nbdir / f"{stem}.ipynb", [
+        "import dora_num as dn, matplotlib.pyplot as plt\n"
+        f"ctx = dn.setup({stem!r}, smoke=SMOKE)\n"
+        "fig, ax = plt.subplots(); ax.plot([0, 1])\n"
+        "ctx.save_figure(fig, 'written_before_failure')",
+        "raise RuntimeError('deliberate failure')",
+    ])
+    with pytest.raises(NotebookFailed, match=rf"{stem}\.ipynb failed in cell 3 \[raise RuntimeError.*RuntimeError.*deliberate failure"):
+        reproduce(notebooks_dir=nbdir, build_dir=tmp_path / "build")
+    assert not (paths.COMMITTED_FIGURES_DIR / stem).exists(), "a failing notebook's figures were promoted"
+    # The figure was written, but only to the staging area.
+    staged = list((tmp_path / "build" / "staging").rglob("written_before_failure.png"))
+    assert len(staged) == 1
+    side = json.loads(Path(str(staged[0]) + ".provenance.json").read_text())
+    assert side["sha256"] == hashlib.sha256(staged[0].read_bytes()).hexdigest()
+
+
+def test_cli_reports_unknown_notebook():
+    proc = subprocess.run([sys.executable, "-m", "dora_num", "reproduce", "--smoke", "--only", "97"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "no notebook matches ['97']" in proc.stderr
