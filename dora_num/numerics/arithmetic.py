@@ -78,6 +78,10 @@ class TorchFP32:
     def sqrt(a):
         return torch.sqrt(a)
 
+    @staticmethod
+    def div(a, b):
+        return a / b
+
 
 class TorchFP32CorrectSqrt(TorchFP32):
     """:class:`TorchFP32` with a correctly rounded square root on every device.

@@ -199,8 +199,8 @@ def round_fraction(x: Fraction, fmt) -> float:
             if isinstance(x, mpmath.mpf):
                 if not mpmath.isfinite(x):
                     return float(x) if fmt.has_inf or mpmath.isnan(x) else float("nan")
-                man, exp = mpmath.mpf(x).man_exp
-                x = Fraction(int(man)) * (Fraction(2) ** int(exp)) if man else Fraction(0)
+                sgn, man, exp, _ = x._mpf_  # man_exp drops the sign
+                x = (-1 if sgn else 1) * Fraction(int(man)) * (Fraction(2) ** int(exp)) if man else Fraction(0)
         except ImportError:  # pragma: no cover
             pass
         x = Fraction(x)

@@ -105,3 +105,16 @@ def norm_assembly(ar, base_sq, cross, ba, two_s, s_sq):
     t = ar.muladd(s_sq, ba, t)
     t = ar.maximum(t, 0.0)
     return ar.sqrt(t)
+
+
+# --------------------------------------------------------------------------
+# Magnitude scale.
+# --------------------------------------------------------------------------
+
+def magnitude_scale(ar, m, wnorm, eps):
+    """``g = m / max(wnorm, eps)``: one ``maximum`` (exact) and one division.
+
+    Relative error (for ``wnorm >= eps``): ``|g^ - g| / |g| <= u + (1+u) rel(wnorm)``
+    where ``rel(wnorm)`` is the relative error of the norm fed in.
+    """
+    return ar.div(m, ar.maximum(wnorm, eps))

@@ -1,0 +1,218 @@
+"""Exact and certified arithmetics: mpmath at a chosen precision, and a
+double-double arithmetic that carries a rigorous error bound.
+
+Both evaluate the formulas of :mod:`dora_num.numerics.formulas` (never a second
+copy of them).
+
+``MPArith(prec)``
+    every operation in mpmath at ``prec`` bits (object arrays of ``mpf``).
+    Sums and products of float inputs are exact once ``prec`` exceeds the
+    span of the operands' bits; ``sqrt`` and ``div`` are correctly rounded to
+    ``prec`` bits.  Ground truth uses it at two precisions that must agree.
+
+``DDArith``
+    values are :class:`DD` triples ``(hi, lo, err)`` of float64 arrays with
+    ``|hi + lo - x| <= err`` for the exact value ``x``.  ``add`` and ``mul``
+    use the error-free TwoSum / TwoProduct; the only roundings are in the
+    low-order words, each bounded by ``2^-53`` of its magnitude:
+
+    - add: ``s + e = a.hi + b.hi`` exactly; ``t = fl(fl(e + a.lo) + b.lo)``
+      with error ``<= 2u(1+u)(|e| + |a.lo| + |b.lo|) <= 2^-51 (...)``
+      (``u = 2^-53``); ``(hi, lo) = TwoSum(s, t)`` exactly.
+      ``err = a.err + b.err + 2^-51 (|e| + |a.lo| + |b.lo|)``.
+    - mul: ``p + e = a.hi * b.hi`` exactly; ``c = a.hi*b.lo + a.lo*b.hi +
+      a.lo*b.lo`` and ``t = fl(e + c)``: four roundings, error
+      ``<= gamma_4 (|e| + |a.hi b.lo| + |a.lo b.hi| + |a.lo b.lo|) <= 2^-50 (...)``;
+      propagated: ``|a| b.err + |b| a.err + a.err b.err`` with
+      ``|a| <= |a.hi| + |a.lo| + a.err``.
+    Each ``err`` is itself computed in float64 and multiplied by ``1 + 2^-40``
+    (at most a few roundings of relative size ``2^-53`` each).  Valid without
+    overflow and while TwoProduct's error term stays above float64's subnormal
+    range (true for products of fp32-range values).  ``sqrt``/``maximum`` are
+    not provided: norms use :class:`MPArith`.
+
+:func:`certified_round` rounds a :class:`DD` into a format and flags the
+elements whose rounding the error bound cannot decide (within ``err`` of a
+rounding boundary); the ground truth sends those to mpmath.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mpmath
+import numpy as np
+
+from .formats import get_format, quantum, round_dd, two_prod, two_sum
+
+_INFLATE = 1.0 + 2.0**-40
+
+
+# ----------------------------------------------------------------- mpmath
+
+_mp_sqrt = np.frompyfunc(mpmath.sqrt, 1, 1)
+_mp_max = np.frompyfunc(lambda a, b: a if a >= b else b, 2, 1)
+_mp_from_float = np.frompyfunc(lambda v: mpmath.mpf(float(v)), 1, 1)
+_mp_to_float = np.frompyfunc(float, 1, 1)
+
+
+def to_mp(x) -> np.ndarray:
+    """float64 array -> object array of ``mpf`` (exact conversion)."""
+    return _mp_from_float(np.asarray(x, dtype=np.float64)).astype(object)
+
+
+def mp_to_float(x) -> np.ndarray:
+    """Object array of ``mpf`` -> float64 (round-to-nearest)."""
+    return np.asarray(_mp_to_float(np.asarray(x, dtype=object)), dtype=np.float64)
+
+
+class MPArith:
+    """mpmath at ``prec`` bits, one (tiny) rounding per operation."""
+
+    def __init__(self, prec: int):
+        if not isinstance(prec, int) or prec < 53:
+            raise ValueError(f"prec must be an int >= 53 bits, got {prec!r}")
+        self.prec = prec
+        self.name = f"mpmath-{prec}"
+
+    def __repr__(self) -> str:
+        return f"MPArith({self.prec})"
+
+    def _w(self, fn, *args):
+        with mpmath.workprec(self.prec):
+            return fn(*args)
+
+    def const(self, x: float):
+        return mpmath.mpf(float(x))
+
+    def add(self, a, b):
+        return self._w(lambda: a + b)
+
+    def sub(self, a, b):
+        return self._w(lambda: a - b)
+
+    def mul(self, a, b):
+        return self._w(lambda: a * b)
+
+    def div(self, a, b):
+        return self._w(lambda: a / b)
+
+    def neg(self, a):
+        return -a if isinstance(a, np.ndarray) else self._w(lambda: -a)
+
+    def muladd(self, a, b, c):
+        return self._w(lambda: a * b + c)
+
+    def maximum(self, a, b):
+        b = mpmath.mpf(b) if isinstance(b, (int, float)) else b
+        return self._w(lambda: _mp_max(a, b))
+
+    def sqrt(self, a):
+        return self._w(lambda: _mp_sqrt(a))
+
+
+# ----------------------------------------------------------------- double-double
+
+@dataclass
+class DD:
+    hi: np.ndarray
+    lo: np.ndarray
+    err: np.ndarray
+
+    @classmethod
+    def of(cls, x) -> "DD":
+        x = np.asarray(x, dtype=np.float64)
+        z = np.zeros_like(x)
+        return cls(x, z, z)
+
+    def __neg__(self) -> "DD":
+        return DD(-self.hi, -self.lo, self.err)
+
+
+def _dd(x) -> DD:
+    return x if isinstance(x, DD) else DD.of(x)
+
+
+class DDArith:
+    """Certified double-double: exact sums/products up to a tracked error bound."""
+
+    name = "double-double"
+
+    @staticmethod
+    def const(x: float) -> DD:
+        return DD.of(float(x))
+
+    @staticmethod
+    def neg(a) -> DD:
+        return -_dd(a)
+
+    @staticmethod
+    def add(a, b) -> DD:
+        a, b = _dd(a), _dd(b)
+        s, e = two_sum(a.hi, b.hi)
+        t = (e + a.lo) + b.lo
+        hi, lo = two_sum(s, t)
+        err = (a.err + b.err + 2.0**-51 * (np.abs(e) + np.abs(a.lo) + np.abs(b.lo))) * _INFLATE
+        return DD(hi, lo, err)
+
+    @staticmethod
+    def sub(a, b) -> DD:
+        return DDArith.add(a, -_dd(b))
+
+    @staticmethod
+    def mul(a, b) -> DD:
+        a, b = _dd(a), _dd(b)
+        p, e = two_prod(a.hi, b.hi)
+        x1, x2, x3 = a.hi * b.lo, a.lo * b.hi, a.lo * b.lo
+        t = e + ((x1 + x2) + x3)
+        hi, lo = two_sum(p, t)
+        mag_a = np.abs(a.hi) + np.abs(a.lo) + a.err
+        mag_b = np.abs(b.hi) + np.abs(b.lo) + b.err
+        err = (mag_a * b.err + mag_b * a.err + a.err * b.err
+               + 2.0**-50 * (np.abs(e) + np.abs(x1) + np.abs(x2) + np.abs(x3))) * _INFLATE
+        return DD(hi, lo, err)
+
+    @staticmethod
+    def muladd(a, b, c) -> DD:
+        return DDArith.add(DDArith.mul(a, b), c)
+
+    @staticmethod
+    def maximum(a, b):
+        raise NotImplementedError("DDArith has no certified maximum; evaluate norms with MPArith")
+
+    @staticmethod
+    def sqrt(a):
+        raise NotImplementedError("DDArith has no certified sqrt; evaluate norms with MPArith")
+
+    @staticmethod
+    def div(a, b):
+        raise NotImplementedError("DDArith has no certified division; evaluate g with MPArith")
+
+
+def certified_round(x: DD, fmt) -> tuple[np.ndarray, np.ndarray]:
+    """``(rounded, uncertain)``: ``RN_fmt(hi + lo)`` and a mask of elements where a
+    rounding boundary (a midpoint of ``fmt``, including the overflow threshold)
+    lies within ``err`` of ``hi + lo``, so the exact value might round differently.
+
+    The distance to the two midpoints around ``hi`` in ``hi``'s binade is
+    computed as ``(hi - m) + lo`` (error ``<= 2^-52 (|hi - m| + |lo|)``, added to
+    the margin); the nearest midpoint of a neighbouring binade is at least
+    ``quantum/4`` away, far beyond any ``err`` that can occur here (checked:
+    such elements are flagged too).  ``err == 0`` elements are exact and certain.
+    """
+    fmt = get_format(fmt)
+    hi, lo, err = (np.asarray(v, dtype=np.float64) for v in (x.hi, x.lo, x.err))
+    hi, lo, err = np.broadcast_arrays(hi, lo, err)
+    finite = np.isfinite(hi) & np.isfinite(lo) & np.isfinite(err)
+    hi_s = np.where(finite, hi, 0.0)
+    lo_s = np.where(finite, lo, 0.0)
+    r = round_dd(hi_s, lo_s, fmt)
+    q = quantum(hi_s, fmt)
+    k = np.floor(hi_s / q)
+    d = np.full(hi.shape, np.inf)
+    for off in (-0.5, 0.5, 1.5):
+        m = (k + off) * q
+        dm = hi_s - m
+        d = np.minimum(d, np.abs(dm + lo_s) - 2.0**-52 * (np.abs(dm) + np.abs(lo_s)))
+    uncertain = ~finite | ((err > 0) & ((d <= err) | (err >= q / 8)))
+    return np.where(finite, r, np.nan), uncertain
