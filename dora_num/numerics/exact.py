@@ -28,8 +28,9 @@ copy of them).
     Each ``err`` is itself computed in float64 and multiplied by ``1 + 2^-40``
     (at most a few roundings of relative size ``2^-53`` each).  Valid without
     overflow and while TwoProduct's error term stays above float64's subnormal
-    range (true for products of fp32-range values).  ``sqrt``/``maximum`` are
-    not provided: norms use :class:`MPArith`.
+    range (true for products of fp32-range values).  ``maximum`` and ``sqrt``
+    are certified too (see their docstrings); ``div`` is not provided (``g``
+    uses :class:`MPArith`).
 
 :func:`certified_round` rounds a :class:`DD` into a format and flags the
 elements whose rounding the error bound cannot decide (within ``err`` of a
@@ -177,12 +178,47 @@ class DDArith:
         return DDArith.add(DDArith.mul(a, b), c)
 
     @staticmethod
-    def maximum(a, b):
-        raise NotImplementedError("DDArith has no certified maximum; evaluate norms with MPArith")
+    def maximum(a, b) -> DD:
+        """``max(a, b)``; where the order is undecided within the error bounds the
+        result gets ``err = inf`` (so it is flagged and recomputed with mpmath)."""
+        a, b = _dd(a), _dd(b)
+        d = DDArith.sub(a, b)
+        a_big = d.hi - d.err > 0
+        b_big = d.hi + d.err < 0
+        unsure = ~(a_big | b_big)
+        pick = lambda x, y: np.where(a_big, x, y)  # noqa: E731
+        err = np.where(unsure, np.inf, pick(a.err, b.err))
+        return DD(pick(a.hi, b.hi), pick(a.lo, b.lo), err)
 
     @staticmethod
-    def sqrt(a):
-        raise NotImplementedError("DDArith has no certified sqrt; evaluate norms with MPArith")
+    def sqrt(a) -> DD:
+        """One Newton step from the correctly rounded float64 sqrt.
+
+        ``r = sqrt(hi)``; ``c = (hi - r^2 + lo) / (2r)`` with ``r^2`` exact by
+        TwoProduct; result ``r + c``.  Truncation error of the Newton step
+        ``(sqrt(x) - r)^2 / (2r) <= c'^2 / r`` (``|sqrt(x) - r| <= 1.01 |c|``
+        as ``|c| << r``), evaluation error of ``c`` ``<= 2^-49 |c| + 2^-52 (|hi - r^2| + |lo|)/(2r)``,
+        input error ``err / (sqrt(hi - err) + sqrt(hi))``.  ``a <= 0`` within its
+        error: ``err = inf`` (undecided; flagged), exact 0 gives 0.
+        """
+        a = _dd(a)
+        hi, lo, err = np.broadcast_arrays(a.hi, a.lo, a.err)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = np.sqrt(np.maximum(hi, 0.0))
+            p, e = two_prod(r, r)
+            d1 = (hi - p) - e  # hi - p exact (Sterbenz: p within a few ulps of hi)
+            num = d1 + lo
+            c = np.where(r > 0, num / (2 * r), 0.0)
+            h, l = two_sum(r, c)
+            lo_in = np.sqrt(np.maximum(hi - err, 0.0))
+            e_in = np.where(lo_in + r > 0, err / (lo_in + r), np.inf)
+            e_tr = np.where(r > 0, (1.03 * c) ** 2 / r + 2.0**-49 * np.abs(c)
+                            + 2.0**-52 * (np.abs(d1) + np.abs(lo)) / (2 * r), 0.0)
+            out_err = (e_in + e_tr) * _INFLATE
+        zero = (hi == 0) & (lo == 0) & (err == 0)
+        bad = ~zero & (hi - err <= 0)
+        out_err = np.where(zero, 0.0, np.where(bad, np.inf, out_err))
+        return DD(np.where(zero, 0.0, h), np.where(zero, 0.0, l), out_err)
 
     @staticmethod
     def div(a, b):

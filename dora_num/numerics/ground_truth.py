@@ -117,21 +117,43 @@ def compose_exact(base, lora, g, s: float, fmt="fp32", *, precs=DEFAULT_PRECS) -
             raise ValueError(f"{name} must hold fp32-representable values (round it with round_to(x, 'fp32'))")
     s = F.scale_constants(s)[0]
     dd = F.compose_stable(DDArith, base, lora, g, s)
+    return _dd_with_fallback(dd, fmt, lambda idx: mp_compose(base.ravel()[idx], lora.ravel()[idx],
+                                                             g.ravel()[idx], s, fmt, precs=precs), base.shape)
+
+
+def _dd_with_fallback(dd, fmt, mp_fn, shape) -> Truth:
+    """Certified rounding of a double-double result; undecided elements go to ``mp_fn(indices)``."""
     rounded, uncertain = certified_round(dd, fmt)
     hi, lo = np.broadcast_arrays(dd.hi, dd.lo)
     # float64 value: hi = RN64(hi + lo) (TwoSum-normalised); the exact value is within
     # err (~2^-100 relative) of hi + lo, so hi is its float64 rounding except within err of a
     # float64 midpoint; that affects only reported errors (by 2^-53 relative), never `rounded`.
-    value = hi + lo
+    value = np.broadcast_to(hi + lo, shape).copy()
+    rounded = np.broadcast_to(rounded, shape).copy()
+    uncertain = np.broadcast_to(uncertain, shape)
     n = int(uncertain.sum())
     if n:
         idx = np.flatnonzero(uncertain.ravel())
-        t = mp_compose(base.ravel()[idx], lora.ravel()[idx], g.ravel()[idx], s, fmt, precs=precs)
-        rounded = rounded.copy().ravel()
-        value = value.copy().ravel()
-        rounded[idx], value[idx] = t.rounded, t.value
-        rounded, value = rounded.reshape(base.shape), value.reshape(base.shape)
+        t = mp_fn(idx)
+        rounded.ravel()[idx], value.ravel()[idx] = t.rounded, t.value
     return Truth(value=value, rounded=rounded, n_fallback=n)
+
+
+def assembly_exact(base_sq, cross, ba, s: float, fmt="fp32", *, precs=DEFAULT_PRECS) -> Truth:
+    """Correctly rounded exact norm assembly, vectorised (double-double + mpmath fallback).
+
+    Terms must be fp32-representable (the ``2s*cross`` and ``s^2*ba`` products are
+    then exact in float64)."""
+    fmt = get_format(fmt)
+    b, c, a = (_f64(x, n) for x, n in ((base_sq, "base_sq"), (cross, "cross"), (ba, "ba")))
+    b, c, a = np.broadcast_arrays(b, c, a)
+    for name, x in (("base_sq", b), ("cross", c), ("ba", a)):
+        if not np.array_equal(round_to(x, "fp32"), x):
+            raise ValueError(f"{name} must hold fp32-representable values")
+    _, two_s, s_sq = F.scale_constants(s)
+    dd = F.norm_assembly(DDArith, b, c, a, two_s, s_sq)
+    return _dd_with_fallback(dd, fmt, lambda idx: mp_norm_assembly(b.ravel()[idx], c.ravel()[idx], a.ravel()[idx],
+                                                                   s, fmt, precs=precs), b.shape)
 
 
 # ----------------------------------------------------------------- norms, assembly, g

@@ -1,0 +1,197 @@
+r"""A-priori forward error bounds, as functions of the inputs.
+
+Standard model (Higham, ASNA ch. 2-3), for each operation of a working format
+with unit roundoff ``u`` and smallest subnormal ``s_min``::
+
+    fl(a op b) = (a op b)(1 + d) + e,   |d| <= u,  |e| <= eta = s_min/2,  d*e = 0
+
+where ``e`` (underflow) is zero for ``+`` and ``-`` (a subnormal sum is exact)
+and for ``sqrt``.  ``gamma_n = n u / (1 - n u)`` bounds ``|prod (1+d_i) - 1|``
+for ``n`` factors; we use the exact ``(1+u)^n - 1`` (``<= gamma_n``) evaluated
+in float64.  Constants of the formula (``s``, ``2s``, ``s^2``, ``1``) are fp32
+numbers; under per-op emulation of eager PyTorch an operation with such a
+Python scalar is computed in fp32 and then rounded to the storage format (see
+:mod:`dora_num.numerics.emulate`), so its relative error is ``u_s = (1+u)(1+2^-24) - 1``.
+
+The bounds compare the computed output with the *exact* result for the given
+inputs (``g`` the fp32 value handed in).  Notation: ``g'`` the ``g`` actually
+used (``g`` or ``fl_fmt(g)``), ``dg = |g' - g|`` (exact, from the inputs),
+``L = s*lora``, ``X = (g'-1) base + g' L`` (exact, with ``g'``).
+
+**Stable compose** ``gm1 = g'-1; t = g'*(s*lora); out = gm1*base + t``::
+
+    sl  = L(1+d1) + e1;  t = g' sl (1+d2) + e2;  p = gm1 base (1+d3) + e3
+    out = (p + t)(1+d4)                                   (no contraction)
+    out = (gm1 base + t)(1+d4) + e4                        (FMA)
+
+``gm1`` is exact for ``g'`` in ``[0.5, 2]`` (Sterbenz), else one more ``(1+d0)``.
+Hence ``|out - X| <= c_p |(g'-1) base| + c_t |g' L| + c_e eta`` with
+``c_t = (1+u_s)(1+u)^2 - 1``, ``c_p = (1+u)^{2+k} - 1`` (``(1+u)^{1+k} - 1``
+with FMA), ``k = 1`` iff ``g'`` is outside ``[0.5, 2]``;
+``c_e = (|g'|(1+u) + 2)(1+u)`` (FMA: ``(|g'|(1+u) + 1)(1+u) + 1``).
+No cancellation: both terms are bounded relative to their own size.
+
+**Naive compose** ``inner = s*lora + base; out = g'*inner - base``::
+
+    inner = (L(1+d1) + e1 + base)(1+d2);  P = g' inner (1+d3) + e3;  out = (P - base)(1+d4)
+    |out - X| <= (1+u)[ c_1 |g' L| + |g'|(1+u)^2 eta + gamma_2 |g'| |L + base| + eta ] + u |X|
+
+with ``c_1 = (1+u_s)(1+u)^2 - 1``.  With FMA (``inner = fl(L + base)``,
+``out = fl(g' inner - base)``): ``|out - X| <= (1+u)(u |g'| |L + base| + |g'| eta)
++ u |X| + eta``.  The term ``~2u |base|`` against a result of size
+``|g-1||base| + |L|``: the relative error grows like ``u / |g - 1|``
+(catastrophic cancellation at ``g ≈ 1``).
+
+**Final rounding** (fp32 variants) to the storage format (``u_o``, ``eta_o``)
+and the ``g`` input rounding (item d)::
+
+    |fl_o(out) - X_true| <= E_w + u_o (|X| + E_w) + eta_o + dg |L + base|
+
+because ``X`` is affine in ``g`` with slope ``L + base``.  If any intermediate
+magnitude bound reaches the working (or output) format's ``max``, overflow is
+possible and the bound is ``inf`` (reported separately; not a failure of the
+bound, a statement that none exists).
+
+**Norm assembly** ``t = 2s*cross + base; t = s^2*ba + t; w = sqrt(max(t, 0))``
+with exact ``Q = base + 2s cross + s^2 ba`` and ``S = |base| + |2s cross| + |s^2 ba|``::
+
+    dQ <= ((1+u)^2-1)|base| + ((1+u_s)(1+u)^2-1)|2s cross| + ((1+u_s)(1+u)-1)|s^2 ba| + 2(1+u)^2 eta
+    (FMA: dQ <= ((1+u)^2-1)(|base| + |2s cross|) + u |s^2 ba| + (2+u) eta)
+
+plus, under per-op emulation, the input rounding ``|dbase| + |2s dcross| + s^2 |dba|``
+(exact, times ``(1+u)^3``).  So ``dQ/Q <= ~2u kappa`` with the condition number
+``kappa = S / |Q|`` of the sum.  ``max(., 0)`` is 1-Lipschitz and
+``|sqrt(x) - sqrt(y)| <= min(|x-y| / sqrt(y), sqrt|x-y|)``, so with a correctly
+rounded sqrt::
+
+    |w^ - w| <= (1+u) min(dQ / sqrt(Q), sqrt(dQ)) + u w
+
+``Q`` and ``w`` are evaluated in float64 from the inputs with error
+``<= gamma_2(2^-53) S`` (the products are exact in float64), which the bound
+absorbs (``Q`` taken from below, ``w`` from above).
+
+All bounds are evaluated in float64 and multiplied by ``1 + 2^-40`` (each is a
+handful of float64 operations on non-negative terms: relative evaluation error
+``< 20 * 2^-53``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import formulas as F
+from .formats import FORMATS, get_format, round_to
+
+_SAFE = 1.0 + 2.0**-40
+_U64 = 2.0**-53
+
+
+def _pw(u: float, n: int) -> float:
+    """``(1+u)^n - 1`` (<= gamma_n)."""
+    return (1.0 + u) ** n - 1.0
+
+
+def _working(fmt, variant):
+    fmt = get_format(fmt)
+    if variant == "per_op":
+        w = fmt
+        u32 = FORMATS["fp32"].u
+        us = (1 + w.u) * (1 + u32) - 1 if w.p < 24 else w.u
+        eta = w.min_subnormal / 2 + (FORMATS["fp32"].min_subnormal / 2 if w.p < 24 else 0.0)
+        return w, us, eta, None, variant == "fp32_fma"
+    if variant in ("fp32", "fp32_fma"):
+        w = FORMATS["fp32"]
+        return w, w.u, w.min_subnormal / 2, fmt, variant == "fp32_fma"
+    raise ValueError(f"variant must be per_op, fp32 or fp32_fma, got {variant!r}")
+
+
+def _g_used(g, fmt, variant, g_in):
+    g = np.asarray(g, dtype=np.float64)
+    return round_to(g, fmt) if (variant == "per_op" or g_in == "storage") else g
+
+
+def compose_bound(formula: str, base, lora, g, s: float, fmt, variant: str, g_in: str = "fp32") -> np.ndarray:
+    """Bound on ``|computed - exact|`` of the compose ``formula`` (``"compose_stable"``
+    or ``"compose_naive"``) evaluated by :func:`dora_num.numerics.emulate.emulate` with
+    the same arguments; ``exact`` is the real result for ``g`` as given.  ``inf``
+    where overflow is possible.  Derivation: module docstring."""
+    if formula not in ("compose_stable", "compose_naive"):
+        raise ValueError(f"formula must be compose_stable or compose_naive, got {formula!r}")
+    fmt = get_format(fmt)
+    w, us, eta, out_fmt, fma = _working(fmt, variant)
+    u = w.u
+    base, lora, g = (np.asarray(x, dtype=np.float64) for x in (base, lora, g))
+    s = F.scale_constants(s)[0]
+    gp = _g_used(g, fmt, variant, g_in)
+    dg = np.abs(gp - g)
+    L = s * lora  # exact in float64 (24-bit s times a <= 24-bit value)
+    aL, ab, ag = np.abs(L), np.abs(base), np.abs(gp)
+    A = np.abs((gp - 1.0) * base) * (1 + _U64)  # g'-1 exact in float64; the product rounds at most once
+    T = ag * aL * (1 + _U64)  # one float64 rounding (72-bit product), taken from above
+    X = np.abs((gp - 1.0) * base + gp * L) + 4 * _U64 * (A + T)  # three float64 roundings
+    if formula == "compose_stable":
+        k = ((gp < 0.5) | (gp > 2.0)).astype(np.float64)
+        c_t = (1 + us) * (1 + u) ** 2 - 1
+        if fma:
+            c_p = (1 + u) ** (1 + k) - 1
+            c_e = (ag * (1 + u) + 1) * (1 + u) + 1
+        else:
+            c_p = (1 + u) ** (2 + k) - 1
+            c_e = (ag * (1 + u) + 2) * (1 + u)
+        E = c_p * A + c_t * T + c_e * eta
+        mags = [aL * (1 + us), T * (1 + u) ** 2, A * (1 + u) ** 2, X + E]
+    else:
+        Lb = aL + ab
+        if fma:
+            E = (1 + u) * (u * ag * Lb + ag * eta) + u * X + eta
+        else:
+            c1 = (1 + us) * (1 + u) ** 2 - 1
+            E = (1 + u) * (c1 * T + ag * (1 + u) ** 2 * eta + _pw(u, 2) * ag * Lb + eta) + u * X
+        mags = [aL * (1 + us), Lb * (1 + u) ** 2, ag * Lb * (1 + u) ** 3, X + E]
+    over = np.zeros(np.broadcast(base, lora, g).shape, dtype=bool)
+    for m in mags:
+        over |= m >= w.max
+    if out_fmt is not None:
+        over |= (X + E) * (1 + out_fmt.u) >= out_fmt.max
+        E = E + out_fmt.u * (X + E) + out_fmt.min_subnormal / 2
+    E = (E + dg * np.abs(L + base)) * _SAFE
+    return np.where(over, np.inf, E)
+
+
+def assembly_bound(base_sq, cross, ba, s: float, fmt, variant: str) -> np.ndarray:
+    """Bound on ``|computed - exact|`` of :func:`~dora_num.numerics.formulas.norm_assembly`
+    as evaluated by ``emulate("norm_assembly", ...)``; exact = ``sqrt(max(Q, 0))`` of
+    the given terms.  ``inf`` where overflow is possible.  Derivation: module docstring."""
+    fmt = get_format(fmt)
+    w, us, eta, _, fma = _working(fmt, variant)
+    u = w.u
+    b, c, a = (np.asarray(x, dtype=np.float64) for x in (base_sq, cross, ba))
+    _, two_s, s_sq = F.scale_constants(s)
+    Sb, Sc, Sa = np.abs(b), np.abs(two_s * c), np.abs(s_sq * a)  # exact products in float64
+    S = Sb + Sc + Sa
+    if fma:
+        dQ = _pw(u, 2) * (Sb + Sc) + u * Sa + (2 + u) * eta
+    else:
+        dQ = _pw(u, 2) * Sb + ((1 + us) * (1 + u) ** 2 - 1) * Sc + ((1 + us) * (1 + u) - 1) * Sa \
+            + 2 * (1 + u) ** 2 * eta
+    if variant == "per_op":
+        d_in = np.abs(round_to(b, w) - b) + np.abs(two_s) * np.abs(round_to(c, w) - c) \
+            + s_sq * np.abs(round_to(a, w) - a)
+        dQ = dQ + d_in * (1 + u) ** 3
+    Q64 = b + two_s * c + s_sq * a
+    Q_lo = np.maximum(Q64 - 4 * _U64 * S, 0.0)
+    w_hi = np.sqrt(np.maximum(Q64 + 4 * _U64 * S, 0.0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lin = np.where(Q_lo > 0, dQ / np.sqrt(Q_lo), np.inf)
+    E = ((1 + u) * np.minimum(lin, np.sqrt(dQ)) + u * w_hi) * _SAFE
+    over = S * (1 + u) ** 3 >= w.max
+    return np.where(over, np.inf, E)
+
+
+def assembly_condition(base_sq, cross, ba, s: float) -> np.ndarray:
+    """``kappa = (|base| + |2s cross| + |s^2 ba|) / |base + 2s cross + s^2 ba|`` (inf at Q = 0)."""
+    b, c, a = (np.asarray(x, dtype=np.float64) for x in (base_sq, cross, ba))
+    _, two_s, s_sq = F.scale_constants(s)
+    S = np.abs(b) + np.abs(two_s * c) + np.abs(s_sq * a)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(S == 0, 1.0, S / np.abs(b + two_s * c + s_sq * a))
