@@ -72,6 +72,14 @@ if INTERPRET:
     BWD_MAX_BLOCK_N = 1024
 
 U32 = 2.0**-24
+# Tests set this to fill every buffer the launchers allocate with NaN first, so an
+# element a kernel fails to write shows up (costs one extra pass; off in production).
+POISON = False
+
+
+def _new(shape, dtype, device):
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if POISON else t
 
 
 # --------------------------------------------------------------------------
@@ -178,7 +186,7 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
     lora2 = _as_2d("lora", lora)
     n_rows, n_cols = base2.shape
     if out is None:
-        out2 = torch.empty_like(base2)
+        out2 = _new(base2.shape, base2.dtype, base2.device)
     else:
         if not out.is_contiguous():
             raise ValueError("out must be contiguous for the in-place fused compose")
@@ -186,7 +194,7 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
             raise ValueError(f"out must match base ({tuple(shape)}, {base.dtype}, {base.device}), got "
                              f"({tuple(out.shape)}, {out.dtype}, {out.device})")
         out2 = out.view(n_rows, n_cols)
-    inner2 = torch.empty(n_rows, n_cols, dtype=torch.float32, device=base.device) if write_inner else None
+    inner2 = _new((n_rows, n_cols), torch.float32, base.device) if write_inner else None
     kernel = None
     if base2.numel():
         block_m, block_n = _fwd_blocks(n_cols)
@@ -219,14 +227,16 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
         if inner2.dtype != torch.float32 or inner2.shape != grad2.shape:
             raise ValueError(f"inner must be float32 of grad's shape {tuple(shape)}, got "
                              f"{inner.dtype} {tuple(inner.shape)}")
-    dlora = torch.empty_like(grad2) if need_dlora else None
-    dbase = torch.empty_like(grad2) if need_dbase else None
-    dg = torch.zeros(n_cols, dtype=torch.float32, device=dev) if need_dg else None
+    dlora = _new(grad2.shape, grad2.dtype, dev) if need_dlora else None
+    dbase = _new(grad2.shape, grad2.dtype, dev) if need_dbase else None
+    dg = _new((n_cols,), torch.float32, dev) if need_dg else None
+    if need_dg and grad2.numel() == 0:
+        dg.zero_()  # an empty sum
     if grad2.numel() and (need_dlora or need_dbase or need_dg):
         block_m = BWD_BLOCK_M
         block_n = min(BWD_MAX_BLOCK_N, triton.next_power_of_2(n_cols))
         n_blocks = triton.cdiv(n_rows, block_m)
-        partials = torch.empty(n_blocks, n_cols, dtype=torch.float32, device=dev) if need_dg else None
+        partials = _new((n_blocks, n_cols), torch.float32, dev) if need_dg else None
         dummy = grad2
         _compose_bwd_kernel[(n_blocks, triton.cdiv(n_cols, block_n))](
             grad2, inner2 if need_dg else dummy, g.contiguous(),

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import compose as _kc
 from .compose import INTERPRET
 
 SQRT_VARIANTS = ("approx", "rn", "ptx")
@@ -76,7 +77,7 @@ def norm_assembly_triton(base_sq: torch.Tensor, cross: torch.Tensor, ba: torch.T
             raise ValueError(f"{name} must match base_sq ({tuple(base_sq.shape)} on {base_sq.device}), "
                              f"got {tuple(t.shape)} on {t.device}")
     b, c, a = (t.contiguous().view(-1) for t in (base_sq, cross, ba))
-    out = torch.empty_like(b)
+    out = _kc._new(b.shape, torch.float32, b.device)
     n = b.numel()
     kernel = None
     if n:

@@ -1,0 +1,121 @@
+"""Benchmark helpers for the GPU suite: timing, copy bandwidth, traffic models, peak memory.
+
+Timing is ``triton.testing.do_bench`` (CUDA events, L2 flushed between
+repetitions), reported as the median with p20/p80.  Bandwidth figures are
+*useful* bytes from a stated traffic model (each input read once, each output
+written once) over the median time, and a percentage of the device-to-device
+copy bandwidth measured in the same process (bytes read + bytes written).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+QUANTILES = (0.5, 0.2, 0.8)
+
+
+@dataclass
+class Timing:
+    ms: float
+    p20: float
+    p80: float
+
+    def as_dict(self, prefix: str = "") -> dict:
+        return {f"{prefix}ms": self.ms, f"{prefix}ms_p20": self.p20, f"{prefix}ms_p80": self.p80}
+
+
+def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> Timing:
+    """Median (p20, p80) milliseconds of ``fn()`` by ``triton.testing.do_bench``."""
+    from triton.testing import do_bench
+
+    med, p20, p80 = do_bench(fn, warmup=warmup, rep=rep, quantiles=list(QUANTILES))
+    return Timing(float(med), float(p20), float(p80))
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30, device: str = "cuda") -> dict:
+    """Device-to-device copy: GB/s counting bytes read + bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src))
+    moved = 2 * src.numel() * 4
+    del src, dst
+    return {"bytes": moved, **t.as_dict(), "gbps": moved / (t.ms * 1e-3) / 1e9}
+
+
+def compose_bytes(kind: str, n_elems: int, itemsize: int, n_cols: int, *, n_rows: int | None = None,
+                  bwd_block_m: int = 32) -> int:
+    """Useful bytes of a compose kernel (traffic model).
+
+    - ``fwd`` (inference): read base, lora; write out: ``3 b`` per element.
+    - ``fwd_inner`` (training forward): also writes fp32 inner: ``3 b + 4``.
+    - ``bwd``: read D (b) and inner (4); write dlora, dbase (2 b): ``3 b + 4``,
+      plus the dg partials (write + read, ``2 * 4 * nb * N``) and dg.
+    - ``train``: ``fwd_inner + bwd``.
+    ``g`` (4 N bytes) is counted once per kernel.
+    """
+    b = itemsize
+    if kind == "fwd":
+        return 3 * b * n_elems + 4 * n_cols
+    if kind == "fwd_inner":
+        return (3 * b + 4) * n_elems + 4 * n_cols
+    if kind == "bwd":
+        rows = n_rows if n_rows is not None else n_elems // max(n_cols, 1)
+        nb = -(-rows // bwd_block_m)
+        return (3 * b + 4) * n_elems + 4 * n_cols + 2 * 4 * nb * n_cols + 4 * n_cols
+    if kind == "train":
+        return compose_bytes("fwd_inner", n_elems, b, n_cols) + compose_bytes(
+            "bwd", n_elems, b, n_cols, n_rows=n_rows, bwd_block_m=bwd_block_m)
+    raise ValueError(f"unknown traffic kind {kind!r}")
+
+
+def peak_extra_bytes(fn) -> tuple[int, object]:
+    """Peak allocator bytes above what was allocated when ``fn`` started (and its result)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    res = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    return int(peak), res
+
+
+def max_rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|x - ref| / max|ref|`` in fp64 (0 for empty)."""
+    if x.numel() == 0:
+        return 0.0
+    d = (x.double() - ref.double()).abs().max()
+    return float(d / ref.double().abs().max().clamp_min(1e-300))
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (NaN payloads included; +0 and -0 differ)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return bool(torch.equal(a.contiguous().view(view), b.contiguous().view(view)))
+
+
+def bitwise_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of elements with identical bit patterns."""
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return float((a.contiguous().view(view) == b.contiguous().view(view)).double().mean())
+
+
+def ulp_histogram(a: torch.Tensor, b: torch.Tensor, max_ulp: int = 4) -> dict[str, int]:
+    """Counts of ``|ulp distance|`` 0..max_ulp and ``>max_ulp`` (same-sign finite fp32/fp16/bf16)."""
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    ia = a.contiguous().view(view).long()
+    ib = b.contiguous().view(view).long()
+    sign = torch.iinfo(view).min  # the sign bit as a signed integer
+    # map to a monotone integer line: negative floats become -(magnitude)
+    ia = torch.where(ia < 0, sign - ia, ia)
+    ib = torch.where(ib < 0, sign - ib, ib)
+    d = (ia - ib).abs()
+    out = {str(k): int((d == k).sum()) for k in range(max_ulp + 1)}
+    out[f">{max_ulp}"] = int((d > max_ulp).sum())
+    return out

@@ -1,0 +1,259 @@
+"""Fused compose / norm-assembly kernels against the eager reference.
+
+On CPU these run under TRITON_INTERPRET=1 (tests/conftest.py).  The contract is
+bitwise equality with :mod:`dora_num.ops.reference` for the forward and the
+elementwise backward; ``dg`` is checked against an fp64 sum within the a-priori
+bound :func:`dora_num.ops.kernels.compose.dg_error_bound`.  bf16 is NOT tested
+for bit equality here: the interpreter truncates on ``.to(tl.bfloat16)``
+(PLATFORM.md), so bf16 bit-exactness is covered by tests/kernels/test_gpu_kernels.py.
+"""
+
+import pytest
+import torch
+
+import dora_num as dn
+from dora_num.numerics.arithmetic import TorchFP32CorrectSqrt
+from dora_num.numerics.formulas import norm_assembly, scale_constants
+from dora_num.ops import compose as C
+from dora_num.ops import reference as ref
+from dora_num.ops.kernels import compose as kc
+from dora_num.ops.kernels.norm_assembly import norm_assembly_triton
+
+CPU_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
+SHAPES = [
+    pytest.param((1, 1), id="1x1"),
+    pytest.param((3, 3), id="3x3"),
+    pytest.param((5, 63), id="5x63"),
+    pytest.param((2, 4097), id="2x4097"),
+    pytest.param((2, 3, 1000), id="2x3x1000"),
+]
+S = scale_constants(0.37)[0]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(kc, "POISON", True)
+
+
+def _bits(t):
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_bitwise(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    diff = int((_bits(a) != _bits(b)).sum())
+    assert diff == 0, f"{diff} of {a.numel()} elements differ in their bits"
+
+
+def _inputs(shape, dtype, g_spread=1e-3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=gen).to(dtype)
+    lora = torch.randn(shape, generator=gen).to(dtype)
+    g = 1.0 + g_spread * torch.randn(shape[-1], generator=gen)
+    grad = torch.randn(shape, generator=gen).to(dtype)
+    return base, lora, g, grad
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_bitwise(shape, dtype):
+    base, lora, g, _ = _inputs(shape, dtype)
+    out, inner = kc.compose_fwd(base, lora, g, S, write_inner=True)
+    assert_bitwise(out, ref.compose_stable_ref(base, lora, g, S))
+    assert_bitwise(inner, ref.compose_inner_ref(base, lora, S))
+
+
+@pytest.mark.parametrize("g_spread", [0.0, 0.3], ids=["g=1", "g-in-[0.5,2]"])
+def test_forward_bitwise_g_regimes_fp16_near_overflow(g_spread):
+    base, lora, g, _ = _inputs((4, 257), torch.float16, g_spread)
+    base = (base.float() * 3e4).clamp(-6e4, 6e4).half()  # near fp16's max 65504
+    out, _ = kc.compose_fwd(base, lora, g.clamp(0.5, 2.0), S)
+    assert_bitwise(out, ref.compose_stable_ref(base, lora, g.clamp(0.5, 2.0), S))
+
+
+@pytest.mark.parametrize("alias", ["base", "lora"])
+def test_forward_in_place(alias):
+    base, lora, g, _ = _inputs((4, 300), torch.float32)
+    want = ref.compose_stable_ref(base, lora, g, S)
+    target = base if alias == "base" else lora
+    out, _ = kc.compose_fwd(base, lora, g, S, out=target)
+    assert out.data_ptr() == target.data_ptr()
+    assert_bitwise(out, want)
+
+
+def test_forward_in_place_rejects_non_contiguous():
+    base, lora, g, _ = _inputs((8, 16), torch.float32)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        kc.compose_fwd(base, lora, g[:8], S, out=torch.empty(16, 8).T)
+
+
+def test_non_contiguous_inputs_are_copied():
+    base, lora, g, _ = _inputs((70, 9), torch.float32)
+    bt, lt = base.T, lora.T  # [9, 70], non-contiguous
+    gg = 1.0 + 1e-3 * torch.randn(70)
+    out, _ = kc.compose_fwd(bt, lt, gg, S)
+    assert_bitwise(out, ref.compose_stable_ref(bt, lt, gg, S))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_bitwise_and_dg_bound(shape, dtype):
+    base, lora, g, grad = _inputs(shape, dtype)
+    inner = ref.compose_inner_ref(base, lora, S)
+    dl, db, dg = kc.compose_bwd(grad, inner, g, S)
+    dl_r, db_r, _ = ref.compose_backward_ref(grad, inner, g, S)
+    assert_bitwise(dl, dl_r)
+    assert_bitwise(db, db_r)
+    exact = (inner.double() * grad.double()).reshape(-1, shape[-1]).sum(0)
+    bound = kc.dg_error_bound(inner, grad)
+    err = (dg.double() - exact).abs()
+    assert bool((err <= bound).all()), f"dg error {float(err.max())} exceeds its bound"
+    # deterministic: the same bits on a second run
+    assert_bitwise(kc.compose_bwd(grad, inner, g, S)[2], dg)
+
+
+def test_backward_partial_outputs():
+    base, lora, g, grad = _inputs((6, 50), torch.float32)
+    inner = ref.compose_inner_ref(base, lora, S)
+    dl, db, dg = kc.compose_bwd(grad, None, g, S, need_dbase=False, need_dg=False)
+    assert db is None and dg is None
+    assert_bitwise(dl, ref.compose_backward_ref(grad, inner, g, S)[0])
+    with pytest.raises(ValueError, match="inner is required"):
+        kc.compose_bwd(grad, None, g, S)
+    with pytest.raises(ValueError, match="inner must be float32"):
+        kc.compose_bwd(grad, inner.half(), g, S)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (4, 0), (0, 0)], ids=["0x8", "4x0", "0x0"])
+def test_empty(shape):
+    base, lora, g, grad = _inputs(shape, torch.float32) if shape[-1] else (
+        torch.empty(shape), torch.empty(shape), torch.empty(0), torch.empty(shape))
+    out, inner = kc.compose_fwd(base, lora, g, S, write_inner=True)
+    assert out.shape == shape and inner.shape == shape
+    dl, db, dg = kc.compose_bwd(grad, inner, g, S)
+    assert dl.shape == shape and dg.shape == (shape[-1],)
+    assert bool((dg == 0).all())
+
+
+# ---- norm assembly ------------------------------------------------------------------
+
+def _norm_inputs(n=3000, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    base_sq = torch.rand(n, generator=gen) * 100 + 1
+    cross = torch.randn(n, generator=gen)
+    ba = torch.rand(n, generator=gen)
+    cross[:100] = -base_sq[:100] / 0.74 * (1 - 1e-4)  # the update cancels the row
+    base_sq[100:110] = 0.0
+    cross[100:110] = 0.0
+    ba[100:110] = 0.0  # zero rows
+    return base_sq, cross, ba
+
+
+@pytest.mark.parametrize("sqrt", ["rn", "approx"])
+def test_norm_assembly_bitwise(sqrt):
+    """Production (no contraction, sqrt.rn) equals the correctly rounded reference.
+
+    Under the interpreter every sqrt is numpy's (correctly rounded), so "approx"
+    also matches here; the GPU test shows where it does not.
+    """
+    _, two_s, s_sq = scale_constants(0.37)
+    b, c, a = _norm_inputs()
+    got = norm_assembly_triton(b, c, a, two_s, s_sq, sqrt=sqrt)
+    assert_bitwise(got, norm_assembly(TorchFP32CorrectSqrt, b, c, a, two_s, s_sq))
+    assert bool((got[100:110] == 0).all())
+
+
+def test_norm_assembly_errors():
+    b, c, a = _norm_inputs(10)
+    with pytest.raises(NotImplementedError, match="inline PTX"):
+        norm_assembly_triton(b, c, a, 1.0, 0.25, sqrt="ptx")
+    with pytest.raises(ValueError, match="sqrt must be one of"):
+        norm_assembly_triton(b, c, a, 1.0, 0.25, sqrt="fast")
+    with pytest.raises(TypeError, match="cross must be a float32"):
+        norm_assembly_triton(b, c.double(), a, 1.0, 0.25)
+    with pytest.raises(ValueError, match="ba must match"):
+        norm_assembly_triton(b, c, a[:5], 1.0, 0.25)
+
+
+# ---- compose(): autograd through the fused tier, dispatch ---------------------------
+
+def test_compose_fused_autograd_matches_eager():
+    base, lora, g, grad = _inputs((7, 130), torch.float32)
+    res = {}
+    for path in ("eager", "fused"):
+        b = base.clone().requires_grad_(True)
+        lo = lora.clone().requires_grad_(True)
+        gg = g.clone().requires_grad_(True)
+        out = dn.compose(b, lo, gg, 0.37, path=path)
+        out.backward(grad)
+        res[path] = (out.detach(), b.grad, lo.grad, gg.grad)
+    for a, b in zip(res["eager"][:3], res["fused"][:3]):
+        assert_bitwise(a, b)
+    inner = ref.compose_inner_ref(base, lora, S)
+    exact = (inner.double() * grad.double()).sum(0)
+    assert bool(((res["fused"][3].double() - exact).abs() <= kc.dg_error_bound(inner, grad)).all())
+
+
+def test_dispatch_tiers_and_overrides(monkeypatch):
+    monkeypatch.delenv(C.ENV_PATH, raising=False)
+    base, lora, g, _ = _inputs((2, 16), torch.float32)
+    C.reset_dispatch_counts()
+    dn.compose(base, lora, g, 0.5)  # CPU: auto -> eager
+    dn.compose(base, lora, g, 0.5, path="fused")  # inference -> fused forward
+    dn.compose(base, lora, g.clone().requires_grad_(True), 0.5, path="fused")
+    assert C.dispatch_counts() == {"eager": 1, "fused_forward": 1, "fused_training": 1}
+    monkeypatch.setenv(C.ENV_PATH, "fused")
+    assert C.select_tier(base, lora, g) == "fused_forward"
+    assert C.select_tier(base, lora, g, path="eager") == "eager"  # per call wins over the env
+    monkeypatch.setenv(C.ENV_PATH, "turbo")
+    with pytest.raises(ValueError, match="DORA_NUM_COMPOSE_PATH"):
+        dn.compose(base, lora, g, 0.5)
+    with pytest.raises(ValueError, match="path must be one of"):
+        dn.compose(base, lora, g, 0.5, path="triton")
+
+
+def test_dispatch_is_logged(caplog, monkeypatch):
+    monkeypatch.delenv(C.ENV_PATH, raising=False)
+    base, lora, g, _ = _inputs((2, 16), torch.float32)
+    with caplog.at_level("DEBUG", logger="dora_num.dispatch"):
+        dn.compose(base, lora, g, 0.5, path="fused")
+    assert "tier=fused_forward" in caplog.text
+
+
+def test_compose_out_is_inference_only():
+    base, lora, g, _ = _inputs((3, 20), torch.float32)
+    want = ref.compose_stable_ref(base, lora, g, S)
+    out = dn.compose(base, lora, g, 0.37, path="fused", out=lora)
+    assert out.data_ptr() == lora.data_ptr()
+    assert_bitwise(out, want)
+    with pytest.raises(ValueError, match="inference only"):
+        dn.compose(base, lora, g.requires_grad_(True), 0.37, out=torch.empty_like(base))
+
+
+def test_custom_op_opcheck():
+    base, lora, g, _ = _inputs((3, 20), torch.float32)
+    g.requires_grad_(True)
+    torch.library.opcheck(C._compose_fwd_op, (base, lora, g, S, True, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_compile_fullgraph_no_graph_break():
+    """A model of DoRALinear layers compiles with fullgraph=True (AOT autograd, eager
+    inside the custom ops on CPU) and gives the eager model's outputs and gradients."""
+    torch.manual_seed(0)
+    layers = [dn.DoRALinear(torch.nn.Linear(16, 12), rank=4), dn.DoRALinear(torch.nn.Linear(12, 8), rank=2)]
+    for layer in layers:
+        with torch.no_grad():
+            layer.lora_B.normal_(0, 0.1)
+    model = torch.nn.Sequential(layers[0], torch.nn.Tanh(), layers[1])
+    x = torch.randn(5, 16)
+    y = model(x)
+    y.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    yc = compiled(x)
+    yc.sum().backward()
+    assert_bitwise(yc, y)
+    for a, p in zip(grads, [p for p in model.parameters() if p.requires_grad]):
+        torch.testing.assert_close(p.grad, a, rtol=0, atol=0)
