@@ -195,3 +195,79 @@ def assembly_condition(base_sq, cross, ba, s: float) -> np.ndarray:
     S = np.abs(b) + np.abs(two_s * c) + np.abs(s_sq * a)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(S == 0, 1.0, S / np.abs(b + two_s * c + s_sq * a))
+
+
+# --------------------------------------------------------------------------
+# Row norms from W, A, B in fp32 (dora_num.ops): factored vs dense.
+# --------------------------------------------------------------------------
+
+def _gam(n, u):
+    return n * u / (1 - n * u)
+
+
+def factored_norm_bound(W, A, B, s: float) -> np.ndarray:
+    r"""Bound on ``|factored_row_norm(W, A, B, s) - ||W + sBA||_row|``.
+
+    fp32 (``u = 2^-24``), any summation order (so ``gamma_n`` holds for blocked,
+    pairwise or FMA-based matmuls and sums alike), ``d = d_in``:
+
+    - ``base = sum W_i^2``: ``|dbase| <= gamma_{d} base``;
+    - ``U = W A^T``: ``|dU_k| <= gamma_d (|W| |A|^T)_k``; ``cross = sum_k B_k U_k``:
+      ``|dcross| <= gamma_{d+r} sum_k |B_k| (|W||A|^T)_k``;
+    - ``G = A A^T``, ``ba = sum (B G) * B``: ``|dba| <= gamma_{d+2r} (|B||A|)(|B||A|)^T``;
+    - assembly: as :func:`assembly_bound` (fp32, no FMA), with the term errors
+      added to ``dQ``.  With ``Q = w^2``: ``dQ / Q <= ~ gamma_d kappa`` where
+      ``kappa = (base + |2s cross| + s^2 ba) / w^2``: the relative error of ``w``
+      grows like ``u d kappa / 2``.
+    """
+    W, A, B = (np.asarray(x, dtype=np.float64) for x in (W, A, B))
+    d, r = W.shape[1], A.shape[0]
+    u = FORMATS["fp32"].u
+    _, two_s, s_sq = F.scale_constants(s)
+    aW, aA, aB = np.abs(W), np.abs(A), np.abs(B)
+    base = (W * W).sum(1)
+    WA = aW @ aA.T
+    BA = aB @ aA
+    cross_mag = (aB * WA).sum(1)
+    ba_mag = (BA * BA).sum(1)
+    cross = (B * (W @ A.T)).sum(1)
+    ba = ((B @ A) ** 2).sum(1)
+    d_terms = _gam(d, u) * base + two_s * _gam(d + r, u) * cross_mag + s_sq * _gam(d + 2 * r, u) * ba_mag
+    S = base + two_s * cross_mag + s_sq * ba_mag  # >= the magnitudes of the computed terms' sum
+    dQ = d_terms + _pw(u, 2) * (base + d_terms) + ((1 + u) ** 3 - 1) * two_s * (cross_mag * (1 + _gam(d + r, u))) \
+        + _pw(u, 2) * s_sq * ba_mag * (1 + _gam(d + 2 * r, u)) + 3e-45  # + two fp32 underflow errors
+    Q64 = base + two_s * cross + s_sq * ba
+    slack = 1e-12 * S  # float64 evaluation of Q (d + r terms, relative error <= (d + 2r) 2^-53 of S)
+    Q_lo = np.maximum(Q64 - slack, 0.0)
+    w_hi = np.sqrt(Q64 + slack)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lin = np.where(Q_lo > 0, dQ / np.sqrt(Q_lo), np.inf)
+    return ((1 + u) * np.minimum(lin, np.sqrt(dQ)) + u * w_hi) * (1 + 1e-6)
+
+
+def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
+    r"""Bound on ``|dense_row_norm(W, A, B, s) - ||W + sBA||_row|`` (fp32, torch).
+
+    ``x = W + s (BA)`` elementwise: ``(BA)_i`` with ``|err| <= gamma_r (|B||A|)_i``,
+    times ``s`` (one rounding), plus ``W_i`` (one rounding):
+    ``|x^_i - x_i| <= e_i = u |x_i| + (1+u)^2 s gamma_r (|B||A|)_i + (1+u) u s |BA|_i``.
+    Then ``||x^|| - ||x|| <= ||e||`` and the fp32 ``vector_norm`` (a sum of ``d``
+    squares, any order, then a square root that on CPU is within one ulp of the
+    correctly rounded one, i.e. relative ``<= 3u``) adds
+    ``(gamma_{d+1}/2 + 3u)(1 + ...) ||x^||``.  The cancellation happens elementwise,
+    before squaring: ``||e|| / ||x|| ~ u ||W|| / ||x|| = u sqrt(~kappa)``: the dense
+    norm degrades like ``sqrt(kappa)`` where the factored one degrades like ``kappa``.
+    """
+    W, A, B = (np.asarray(x, dtype=np.float64) for x in (W, A, B))
+    d, r = W.shape[1], A.shape[0]
+    u = FORMATS["fp32"].u
+    s = F.scale_constants(s)[0]
+    BA = B @ A
+    BAabs = np.abs(B) @ np.abs(A)
+    x = W + s * BA
+    xmag = np.abs(W) + abs(s) * np.abs(BA)
+    e = u * np.abs(x) + (1 + u) ** 2 * abs(s) * _gam(r, u) * BAabs + (1 + u) * u * abs(s) * np.abs(BA) \
+        + 1e-12 * xmag  # float64 evaluation of x
+    en = np.sqrt((e * e).sum(1))
+    xn = np.sqrt((x * x).sum(1)) * (1 + 1e-12)
+    return (en + (xn + en) * (_gam(d + 1, u) / 2 + 3 * u) * (1 + 4 * u)) * (1 + 1e-6)
