@@ -262,9 +262,10 @@ def ulp_distance(a, b, fmt) -> np.ndarray:
 
 def two_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Knuth's TwoSum: ``s = fl(a+b)`` and ``e`` with ``s + e = a + b`` exactly (no overflow)."""
-    s = a + b
-    bb = s - a
-    e = (a - (s - bb)) + (b - bb)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf inputs give NaN errors; callers mask them
+        s = a + b
+        bb = s - a
+        e = (a - (s - bb)) + (b - bb)
     return s, e
 
 
@@ -277,14 +278,15 @@ def two_prod(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Valid when no intermediate over/underflows (|a|, |b| < 2^995 and the
     product's error term is not below the float64 subnormal range).
     """
-    p = a * b
-    t = _SPLIT * a
-    ah = t - (t - a)
-    al = a - ah
-    t = _SPLIT * b
-    bh = t - (t - b)
-    bl = b - bh
-    e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    with np.errstate(invalid="ignore", over="ignore"):  # inf inputs give NaN errors; callers mask them
+        p = a * b
+        t = _SPLIT * a
+        ah = t - (t - a)
+        al = a - ah
+        t = _SPLIT * b
+        bh = t - (t - b)
+        bl = b - bh
+        e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
     return p, e
 
 

@@ -103,15 +103,15 @@ def assembly_inputs(fmt, regime: str, n: int, seed: int = 0) -> dict:
         return base, rho * np.sqrt(base * ba), ba
 
     if regime == "random":
-        b, c, a = terms(rng.uniform(0.05, 1.0, n) * min(100.0, top / 8), rng.uniform(0, 2, n), rng.uniform(-1, 1, n))
+        b, c, a = terms(rng.uniform(0.05, 1.0, n) * min(100.0, top / 32), rng.uniform(0, 2, n), rng.uniform(-1, 1, n))
     elif regime == "realistic":
-        b, c, a = terms(rng.uniform(0.05, 1.0, n) * min(100.0, top / 8),
+        b, c, a = terms(rng.uniform(0.05, 1.0, n) * min(100.0, top / 32),
                         np.exp(rng.uniform(np.log(1e-6), np.log(1e-2), n)), rng.uniform(-1, 1, n))
     elif regime == "adversarial":
         k = n // 3
         # the update cancels the row: ratio ~ 1 and rho ~ -1, so Q = base (1 + 2 rho t + t^2) ~ 0
         t = 1.0 + rng.standard_normal(k) * np.exp2(-rng.uniform(2, 20, k))
-        b1, c1, a1 = terms(rng.uniform(0.05, 1.0, k) * min(100.0, top / 8), t * t,
+        b1, c1, a1 = terms(rng.uniform(0.05, 1.0, k) * min(100.0, top / 32), t * t,
                            -1.0 + np.exp2(-rng.uniform(1, 40, k)))
         zero = rng.random(k) < 0.02  # exact zero rows
         b1, c1, a1 = (np.where(zero, 0.0, x) for x in (b1, c1, a1))
