@@ -24,6 +24,9 @@ from typing import Any, Callable
 
 from .paths import REPO_ROOT
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 VERSIONED = ("torch", "triton", "numpy", "scipy", "mpmath", "pandas", "matplotlib", "seaborn", "peft", "transformers", "safetensors")
 
 
@@ -83,6 +86,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are ordinary files
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
