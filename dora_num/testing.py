@@ -11,47 +11,9 @@ to an independent evaluation of the same mathematics:
 - :func:`peft_dora_linear`: PEFT's own DoRA ``Linear`` wrapping a copy of an
   ``nn.Linear``, with :func:`set_dora_state` to put identical ``A, B, m`` into it
   and into a :class:`~dora_num.DoRALinear`.
-- :func:`row_norm_error_bounds`: a-priori (standard model) forward error bounds of
-  the fp32 dense and factored row norms, derived below.
-
-Row-norm bounds (standard model ``fl(a op b) = (a op b)(1+d), |d| <= u``,
-``gamma_n = n u / (1 - n u)``).  Let ``T = W + s BA`` (exact), and
-``M = |W| + |s| |B||A|`` (elementwise), row ``j``:
-
-*Factored* (``base + 2s cross + s^2 ba``, :func:`dora_num.factored_row_norm`).
-``base = sum_k W_jk^2`` (one rounding per square, a sum of ``d_in`` terms in any
-order or chunking): error ``<= gamma_{d_in} base``.  ``U = W A^T`` (``d_in``-long
-dot products, chunked, any order) then ``cross = sum_i B_ji U_ji``: error
-``<= gamma_{d_in + r} sum_k |W_jk| (|B||A|)_jk``.  ``G = A A^T``, ``BG``,
-``ba = rowsum(BG * B)``: error ``<= gamma_{d_in + 2r} ||(|B||A|)_j||^2``.  The
-assembly ``muladd(2s, cross, base)``, ``muladd(s^2, ba, .)`` (``s^2`` itself
-rounded) adds 4 roundings.  Each partial bound is a multiple of a term of
-``||M_j||^2 = base + 2|s| sum|W||B||A| + s^2 ||(|B||A|)_j||^2``, so with
-``K = d_in + 2r + 4``::
-
-    |t_hat - ||T_j||^2| <= gamma_K ||M_j||^2 =: E_j
-
-and with a correctly rounded square root of ``max(t_hat, 0)``::
-
-    |wnorm_hat - ||T_j||| <= min(E_j / ||T_j||, sqrt(E_j)) + u (||T_j|| + min(...))
-
-(``|sqrt a - sqrt b| <= |a - b| / sqrt b`` and ``<= sqrt|a - b|``).  Relative to
-``||T_j||`` this is ``gamma_K kappa_j`` with ``kappa_j = ||M_j||^2 / ||T_j||^2``:
-the factored norm loses accuracy when the update cancels the row.
-
-*Dense* (``vector_norm(W + s*(B@A))`` in fp32, :func:`dora_num.dense_row_norm`).
-Each element of ``D = fl(W + fl(s fl(BA)))`` has error ``<= gamma_{r+2} M_jk``,
-so ``| ||D_j|| - ||T_j|| | <= ||D_j - T_j|| <= gamma_{r+2} ||M_j||``; the fp32
-norm of ``D_j`` (squares, a ``d_in``-term sum, a square root that is not
-correctly rounded on CPU: at most 1 ulp, <= 2u) adds ``gamma_{d_in + 3} ||D_j||``::
-
-    |wnorm_hat - ||T_j||| <= gamma_{r+2} ||M_j|| + gamma_{d_in+3} (||T_j|| + gamma_{r+2} ||M_j||)
-
-i.e. relative error ``gamma_r sqrt(kappa_j) + gamma_{d_in}``: linear in
-``sqrt(kappa)`` where the factored form is linear in ``kappa``.
-
-The fp64 reference ``||T_j||`` computed from the same (fp32-exact) inputs carries
-the dense bound with ``u = 2^-53``; :func:`row_norm_error_bounds` adds it to both.
+- :func:`row_norm_ref64` and :func:`row_norm_ref64_error_bound`: the dense row norm
+  in float64 and a bound on its own error, to add to the fp32 bounds of
+  :mod:`dora_num.numerics.bounds` (which compare with the exact norm).
 """
 
 from __future__ import annotations
@@ -227,30 +189,65 @@ def perturbed_adapter(W: torch.Tensor, A: torch.Tensor, scale: float, *, seed: i
     return B, m
 
 
-# --------------------------------------------------------------------------
-# Row-norm error bounds (derivation in the module docstring)
-# --------------------------------------------------------------------------
+def row_norm_ref64_error_bound(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bound on ``|row_norm_ref64 - ||W + sBA||_row|`` (float64 ``[d_out]``).
 
-def row_norm_error_bounds(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float):
-    """Per-row a-priori bounds on ``|wnorm_hat - ||W + sBA||_row|`` for fp32 evaluation.
+    The dense evaluation in float64 (``u = 2^-53``): each element of
+    ``W + s BA`` carries ``gamma_{r+2} M`` with ``M = |W| + |s| |B||A|`` (the
+    product, the scaling and the sum); the norm of the perturbed row moves by at
+    most the norm of the perturbation; the fp64 norm itself (squares, a
+    ``d_in``-term sum in any order, a square root) adds ``gamma_{d_in+3}``::
 
-    Returns ``(exact, bound_dense, bound_factored, kappa)`` as float64 ``[d_out]``
-    tensors: the fp64 reference norm, the dense and factored fp32 bounds (each
-    plus the fp64 reference's own bound), and the condition number
-    ``kappa = ||M||^2 / ||T||^2`` of the squared-norm sum.
+        gamma_{r+2} ||M_j|| + gamma_{d_in+3} (||T_j|| + gamma_{r+2} ||M_j||)
     """
-    d_out, d_in = W.shape
-    r = A.shape[0]
+    d_in, r = W.shape[1], A.shape[0]
     s = fp32_scale(scale)
     with torch.no_grad():
         W64, A64, B64 = W.double(), A.double(), B.double()
         exact = row_norm_ref64(W64, A64, B64, s)
         Mrow = torch.linalg.vector_norm(W64.abs() + abs(s) * (B64.abs() @ A64.abs()), dim=1)
-        ref64 = gamma(r + 2, U64) * Mrow + gamma(d_in + 3, U64) * (exact + gamma(r + 2, U64) * Mrow)
-        dense = gamma(r + 2, U32) * Mrow + gamma(d_in + 3, U32) * (exact + gamma(r + 2, U32) * Mrow)
-        E = gamma(d_in + 2 * r + 4, U32) * Mrow**2
-        sq = torch.where(exact > 0, E / exact, torch.full_like(E, math.inf))
-        root = torch.minimum(sq, torch.sqrt(E))
-        factored = root + U32 * (exact + root)
-        kappa = Mrow**2 / exact**2
-    return exact, dense + ref64, factored + ref64, kappa
+        g_r = gamma(r + 2, U64)
+        return g_r * Mrow + gamma(d_in + 3, U64) * (exact + g_r * Mrow)
+
+
+# --------------------------------------------------------------------------
+# Host-memory measurement (torch.profiler, CPU)
+# --------------------------------------------------------------------------
+
+def measure_cpu_allocations(fn) -> dict:
+    """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True``; report its
+    CPU allocator traffic, measured from the profiler's allocation events.
+
+    Returns ``{"largest_block": bytes of the largest single allocation,
+    "peak_extra": peak of live bytes above the level at the first event,
+    "n_allocations": count, "largest_shapes": input shapes of the op that made
+    the largest block}``.  Works on CPU tensors (the CUDA analogue is
+    ``torch.cuda.max_memory_allocated``).  Uses the profiler's event tree
+    (``kineto_results.experimental_event_tree``), the one place where each
+    allocation's size and the running total are exposed.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        fn()
+    allocs = []
+    stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, parent = stack.pop()
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            if fields.device.type == "cpu":
+                allocs.append((node.start_time_ns, fields.alloc_size, fields.total_allocated, parent))
+        stack.extend((child, node) for child in node.children)
+    if not allocs:
+        return {"largest_block": 0, "peak_extra": 0, "n_allocations": 0, "largest_op": None}
+    allocs.sort(key=lambda a: a[0])
+    start_level = allocs[0][2] - allocs[0][1]
+    largest = max(allocs, key=lambda a: a[1])
+    op = largest[3]
+    return {
+        "largest_block": int(largest[1]),
+        "peak_extra": int(max(a[2] for a in allocs) - start_level),
+        "n_allocations": sum(1 for a in allocs if a[1] > 0),
+        "largest_op": None if op is None else op.name,
+    }
