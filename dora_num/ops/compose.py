@@ -100,12 +100,24 @@ def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, out=None)
     return res, inner
 
 
-def _bwd_impl(grad, inner, g, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool, fused: bool):
+def _bwd_impl(grad, inner, g, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool, fused: bool,
+              base=None, lora=None):
     if fused:
         return _kernels().compose_bwd(grad, inner, g, s, need_dlora=need_dlora, need_dbase=need_dbase,
-                                      need_dg=need_dg)
+                                      need_dg=need_dg, base=base, lora=lora)
+    if need_dg and inner is None:
+        inner = ref.compose_inner_ref(base, lora, s)
     dlora, dbase, dg = ref.compose_backward_ref(grad, inner, g, s, need_dg=need_dg)
     return (dlora if need_dlora else None), (dbase if need_dbase else None), dg
+
+
+# The fused training tier does not write ``inner`` in the forward: it saves base
+# and lora (4 bytes per element for bf16, the same memory as an fp32 inner) and the
+# backward recomputes ``inner`` in registers with the forward's two operations (the
+# same bits).  Traffic per element, bf16: forward 6 B + backward 10 B, against
+# 10 B + 10 B when inner is written and re-read; the inner-writing forward
+# (``compose_fwd(write_inner=True)``) stays available and is measured beside it.
+RECOMPUTE_INNER = True
 
 
 class ComposeFunction(torch.autograd.Function):
@@ -113,17 +125,21 @@ class ComposeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, base, lora, g, s: float, fused: bool = False):
-        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad, fused)
-        ctx.save_for_backward(inner, g)
+        recompute = fused and RECOMPUTE_INNER and g.requires_grad
+        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad and not recompute, fused)
+        if recompute:
+            ctx.save_for_backward(None, g, base, lora)
+        else:
+            ctx.save_for_backward(inner, g, None, None)
         ctx.s = s
         ctx.fused = fused
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        inner, g = ctx.saved_tensors
+        inner, g, base, lora = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dlora, dbase, dg = _bwd_impl(grad, inner, g, ctx.s, need[1], need[0], need[2], ctx.fused)
+        dlora, dbase, dg = _bwd_impl(grad, inner, g, ctx.s, need[1], need[0], need[2], ctx.fused, base, lora)
         return dbase, dlora, dg, None, None
 
 
@@ -136,50 +152,63 @@ _EMPTY = (0,)
 
 @torch.library.custom_op("dora_num::compose_fwd", mutates_args=())
 def _compose_fwd_op(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float,
-                    write_inner: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    need_dg: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, inner)``; ``inner`` is empty unless ``need_dg`` on the eager tier (or with
+    ``RECOMPUTE_INNER`` off), since the fused backward recomputes it."""
     check_finite("g", g)
-    out, inner = _fwd_impl(base, lora, g, s, write_inner, fused)
+    out, inner = _fwd_impl(base, lora, g, s, need_dg and not (fused and RECOMPUTE_INNER), fused)
     if inner is None:
         inner = base.new_empty(_EMPTY, dtype=torch.float32)
     return out, inner
 
 
 @_compose_fwd_op.register_fake
-def _(base, lora, g, s, write_inner, fused):
+def _(base, lora, g, s, need_dg, fused):
+    write_inner = need_dg and not (fused and RECOMPUTE_INNER)
     inner = base.new_empty(base.shape if write_inner else _EMPTY, dtype=torch.float32)
     return torch.empty_like(base), inner
 
 
 @torch.library.custom_op("dora_num::compose_bwd", mutates_args=())
-def _compose_bwd_op(grad: torch.Tensor, inner: torch.Tensor, g: torch.Tensor, s: float,
-                    need_dlora: bool, need_dbase: bool, need_dg: bool,
+def _compose_bwd_op(grad: torch.Tensor, inner: torch.Tensor, base: torch.Tensor, lora: torch.Tensor,
+                    g: torch.Tensor, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool,
                     fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dlora, dbase, dg = _bwd_impl(grad, inner if need_dg else None, g, s, need_dlora, need_dbase, need_dg, fused)
+    """``inner`` empty means: recompute it from ``base`` and ``lora``."""
+    have_inner = inner.numel() > 0 or grad.numel() == 0
+    dlora, dbase, dg = _bwd_impl(grad, inner if need_dg and have_inner else None, g, s, need_dlora, need_dbase,
+                                 need_dg, fused, base if need_dg and not have_inner else None,
+                                 lora if need_dg and not have_inner else None)
     empty = grad.new_empty(_EMPTY)
     return (dlora if dlora is not None else empty, dbase if dbase is not None else empty,
             dg if dg is not None else grad.new_empty(_EMPTY, dtype=torch.float32))
 
 
 @_compose_bwd_op.register_fake
-def _(grad, inner, g, s, need_dlora, need_dbase, need_dg, fused):
+def _(grad, inner, base, lora, g, s, need_dlora, need_dbase, need_dg, fused):
     return (torch.empty_like(grad) if need_dlora else grad.new_empty(_EMPTY),
             torch.empty_like(grad) if need_dbase else grad.new_empty(_EMPTY),
             grad.new_empty((grad.shape[-1],) if need_dg else _EMPTY, dtype=torch.float32))
 
 
 def _op_setup_context(ctx, inputs, output):
-    base, lora, g, s, write_inner, fused = inputs
-    ctx.save_for_backward(output[1], g)
+    base, lora, g, s, need_dg, fused = inputs
+    recompute = fused and RECOMPUTE_INNER and need_dg
+    if recompute:
+        ctx.save_for_backward(output[1], g, base, lora)
+    else:
+        ctx.save_for_backward(output[1], g, None, None)
     ctx.s = s
     ctx.fused = fused
-    ctx.need_dg = write_inner
+    ctx.need_dg = need_dg
 
 
 def _op_backward(ctx, grad_out, grad_inner):
-    inner, g = ctx.saved_tensors
+    inner, g, base, lora = ctx.saved_tensors
     need = ctx.needs_input_grad
-    dlora, dbase, dg = _compose_bwd_op(grad_out.contiguous(), inner, g, ctx.s, bool(need[1]), bool(need[0]),
-                                       bool(need[2]) and ctx.need_dg, ctx.fused)
+    if base is None:
+        base = lora = grad_out.new_empty(_EMPTY)
+    dlora, dbase, dg = _compose_bwd_op(grad_out.contiguous(), inner, base, lora, g, ctx.s, bool(need[1]),
+                                       bool(need[0]), bool(need[2]) and ctx.need_dg, ctx.fused)
     return (dbase if need[0] else None, dlora if need[1] else None, dg if need[2] else None, None, None, None)
 
 
@@ -220,7 +249,7 @@ def select_tier(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, path: s
 
 
 def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: float, *, path: str = "auto",
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, _g_checked: bool = False) -> torch.Tensor:
     """DoRA compose ``delta = (g-1)*base + g*(s*lora)``, autograd-aware.
 
     ``path``: ``"eager"`` (torch reference), ``"fused"`` (Triton kernels) or
@@ -245,7 +274,9 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     if out is not None:
         if torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad):
             raise ValueError("out= is for inference only; an input requires a gradient")
-        check_finite("g", g)
+        if not _g_checked:
+            check_finite("g", g)
         return _fwd_impl(base, lora, g, s, False, fused, out=out)[0]
-    check_finite("g", g.detach())
+    if not _g_checked:  # (DoRALinear checks its g once, itself)
+        check_finite("g", g.detach())
     return ComposeFunction.apply(base, lora, g, s, fused)

@@ -91,6 +91,17 @@ class DoRALinear(nn.Module):
         """``g = m / max(wnorm, eps)`` (fp32, differentiable in m)."""
         return magnitude_scale(self.magnitude, self.weight_norm())
 
+    def _g_fast(self) -> torch.Tensor:
+        """``g`` with one finiteness check (one device sync) instead of one per step;
+        if ``g`` is not finite, the checked path runs and raises naming the input."""
+        wnorm = weight_norm_cached(self.base.weight, self.lora_A, self.lora_B, self.scale,
+                                   chunk_bytes=self.chunk_bytes, check=False)
+        g = magnitude_scale(self.magnitude, wnorm, check=False)
+        if not torch.compiler.is_compiling() and not bool(torch.isfinite(g.detach()).all()):
+            self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
+            raise ValueError("g = m / max(wnorm, eps) contains non-finite values")
+        return g
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         W = self.base.weight
         bias = self.base.bias
@@ -99,12 +110,12 @@ class DoRALinear(nn.Module):
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
         base_c = base if x_lora is x else Fn.linear(x_lora, W)
         lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B)
-        g = self.magnitude_scale()
+        g = self._g_fast()
         lora = lora.to(base_c.dtype)
         inference = not (torch.is_grad_enabled() and (x.requires_grad or g.requires_grad or lora.requires_grad))
         # Inference: the compose writes delta over the lora buffer (no new allocation).
         delta = compose(base_c, lora, g, self.scale, path=self.compose_path,
-                        out=lora if inference and lora.is_contiguous() else None)
+                        out=lora if inference and lora.is_contiguous() else None, _g_checked=True)
         out = base if bias is None else base + bias.to(base.dtype)
         return out + delta
 

@@ -21,7 +21,7 @@ Memory: ``base`` needs one fp32 chunk of W and its square,
 ``base_sq`` and 16-bit W on CUDA, ``U = W A^T`` is one tensor-core product with
 fp32 output (no fp32 copy of W), and the extra memory is ``U`` (``d_out*r*4``)
 plus ``G`` (``r*r*4``) plus row blocks under ``ROW_CHUNK_BYTES``: 8192x8192,
-r=384 needs ~13 MB + 8 MB against ~800 MB for the dense fp32 norm.
+r=384 needs ~13 MB + 6 MB against ~800 MB for the dense fp32 norm.
 """
 
 from __future__ import annotations
@@ -85,6 +85,24 @@ def base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES)
         return acc
 
 
+_MM_OUT_DTYPE_OK: dict = {}  # (device type, dtype) -> whether torch.mm(..., out_dtype=fp32) runs
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b`` with fp32 accumulation and fp32 output for 16-bit CUDA inputs, or None
+    where this torch has no such kernel (probed once per device type and dtype)."""
+    key = (a.device.type, a.dtype)
+    if a.device.type != "cuda" or _MM_OUT_DTYPE_OK.get(key) is False:
+        return None
+    try:
+        out = torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        _MM_OUT_DTYPE_OK[key] = False
+        return None
+    _MM_OUT_DTYPE_OK[key] = True
+    return out
+
+
 def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int) -> torch.Tensor:
     """``U = W A^T`` fp32 ``[d_out, r]`` without an fp32 copy of W where possible.
 
@@ -103,11 +121,10 @@ def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int) -> torch.Tensor:
     r = A.shape[0]
     if W.dtype == torch.float32 and A.dtype == torch.float32:
         return W @ A.T
-    if W.device.type == "cuda" and W.dtype in (torch.bfloat16, torch.float16) and A.dtype == W.dtype:
-        try:
-            return torch.mm(W, A.T, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):  # older torch: fall through to chunks
-            pass
+    if W.dtype in (torch.bfloat16, torch.float16) and A.dtype == W.dtype:
+        U = _mm_fp32_out(W, A.T)
+        if U is not None:
+            return U
     U = torch.zeros(d_out, r, dtype=torch.float32, device=W.device)
     for start in range(0, W.shape[1], cols):
         U.addmm_(W[:, start : start + cols].float(), A[:, start : start + cols].float().T)
@@ -118,16 +135,15 @@ def _gram_fp32(A: torch.Tensor) -> torch.Tensor:
     """``G = A A^T`` fp32 ``[r, r]`` (exact products for 16-bit A on CUDA, as :func:`_u_product`)."""
     if A.dtype == torch.float32:
         return A @ A.T
-    if A.device.type == "cuda" and A.dtype in (torch.bfloat16, torch.float16):
-        try:
-            return torch.mm(A, A.T, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
+    if A.dtype in (torch.bfloat16, torch.float16):
+        G = _mm_fp32_out(A, A.T)
+        if G is not None:
+            return G
     Af = A.float()
     return Af @ Af.T
 
 
-ROW_CHUNK_BYTES = 8 * 2**20  # temporaries of the cross/Gram terms: a few [rows, r] fp32 blocks
+ROW_CHUNK_BYTES = 6 * 2**20  # temporaries of the cross/Gram terms: three [rows, r] fp32 blocks
 
 
 def factored_row_norm(
@@ -138,6 +154,7 @@ def factored_row_norm(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     base_sq: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """``||W + s*B@A||_row`` in fp32 without forming ``B@A`` or an fp32 copy of W.
 
@@ -151,8 +168,9 @@ def factored_row_norm(
     square root.  ``scale == 0`` skips the cross and Gram terms.
 
     A non-finite result raises ``ValueError`` naming the input at fault (the check
-    costs O(d_out) unless it fires).  A zero row gives ``wnorm = 0`` exactly;
-    :func:`magnitude_scale` turns that into a finite ``g``.
+    costs O(d_out) and a device sync unless it fires; ``check=False`` skips it, for
+    callers that check the final ``g`` once instead).  A zero row gives
+    ``wnorm = 0`` exactly; :func:`magnitude_scale` turns that into a finite ``g``.
     """
     d_out, d_in, r = check_lora_factors(W, A, B)
     s_raw = check_scale(scale)
@@ -183,7 +201,7 @@ def factored_row_norm(
                 del Bc
             del U
             wnorm = norm_assembly(TorchFP32CorrectSqrt, acc_base, cross, ba, two_s, s_sq)
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(wnorm).all()):
+    if check and not torch.compiler.is_compiling() and not bool(torch.isfinite(wnorm).all()):
         for name, t in (("W", W), ("A", A), ("B", B)) + ((("base_sq", base_sq),) if base_sq is not None else ()):
             check_finite(name, t)
         raise ValueError(
@@ -220,24 +238,25 @@ def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int = DEFAULT_CHUNK
 
 @torch.library.custom_op("dora_num::weight_norm", mutates_args=())
 def _weight_norm_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
-                    chunk_bytes: int) -> torch.Tensor:
+                    chunk_bytes: int, check: bool) -> torch.Tensor:
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
-    return factored_row_norm(W, A, B, scale, chunk_bytes=chunk_bytes, base_sq=base_sq)
+    return factored_row_norm(W, A, B, scale, chunk_bytes=chunk_bytes, base_sq=base_sq, check=check)
 
 
 @_weight_norm_op.register_fake
-def _(W, A, B, scale, chunk_bytes):
+def _(W, A, B, scale, chunk_bytes, check):
     return W.new_empty((W.shape[0],), dtype=torch.float32)
 
 
 def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, *,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, check: bool = True) -> torch.Tensor:
     """Factored ``||W + sBA||_row`` with the cached ``base_sq`` (detached; a custom op,
     so ``torch.compile`` traces it without a graph break)."""
-    return _weight_norm_op(W.detach(), A.detach(), B.detach(), float(scale), int(chunk_bytes))
+    return _weight_norm_op(W.detach(), A.detach(), B.detach(), float(scale), int(chunk_bytes), bool(check))
 
 
-def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None = None) -> torch.Tensor:
+def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None = None,
+                    check: bool = True) -> torch.Tensor:
     """``g = m / max(wnorm, eps)`` in fp32 (differentiable in ``m``; ``wnorm`` detached).
 
     ``eps`` defaults by the dtype of ``m``: ``1e-12`` for fp32/fp64 (as
@@ -256,7 +275,7 @@ def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None =
         eps = 1e-6 if m.dtype in (torch.float16, torch.bfloat16) else 1e-12
     if not (eps > 0):
         raise ValueError(f"eps must be positive, got {eps}")
-    if not torch.compiler.is_compiling():  # value checks read tensors: skipped while tracing
+    if check and not torch.compiler.is_compiling():  # value checks sync; skipped while tracing
         check_finite("m", m.detach())
         check_finite("wnorm", wnorm)
     return m.float() / torch.clamp_min(wnorm.detach().float(), eps)

@@ -70,6 +70,8 @@ def check_lora_factors(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> tup
         raise ValueError(f"B has shape {tuple(B.shape)}; expected [d_out, r] = [{d_out}, {r}] (from W and A)")
     if r == 0:
         raise ValueError("rank r = 0: A and B are empty; a DoRA adapter needs r >= 1")
+    if d_in == 0:
+        raise ValueError(f"W has shape {tuple(W.shape)}: d_in = 0 input features; a row norm needs d_in >= 1")
     return d_out, d_in, r
 
 

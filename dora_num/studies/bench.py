@@ -53,7 +53,11 @@ def compose_bytes(kind: str, n_elems: int, itemsize: int, n_cols: int, *, n_rows
     - ``fwd_inner`` (training forward): also writes fp32 inner: ``3 b + 4``.
     - ``bwd``: read D (b) and inner (4); write dlora, dbase (2 b): ``3 b + 4``,
       plus the dg partials (write + read, ``2 * 4 * nb * N``) and dg.
-    - ``train``: ``fwd_inner + bwd``.
+    - ``bwd_recompute``: read D, base, lora (3 b); write dlora, dbase (2 b): ``5 b``
+      (inner recomputed in registers), plus the partials.
+    - ``train``: the least two-pass traffic, ``fwd + bwd_recompute`` (8 b); used
+      for every implementation's training rows (useful bytes).
+    - ``train_inner``: ``fwd_inner + bwd``.
     ``g`` (4 N bytes) is counted once per kernel.
     """
     b = itemsize
@@ -65,7 +69,14 @@ def compose_bytes(kind: str, n_elems: int, itemsize: int, n_cols: int, *, n_rows
         rows = n_rows if n_rows is not None else n_elems // max(n_cols, 1)
         nb = -(-rows // bwd_block_m)
         return (3 * b + 4) * n_elems + 4 * n_cols + 2 * 4 * nb * n_cols + 4 * n_cols
+    if kind == "bwd_recompute":
+        rows = n_rows if n_rows is not None else n_elems // max(n_cols, 1)
+        nb = -(-rows // bwd_block_m)
+        return 5 * b * n_elems + 4 * n_cols + 2 * 4 * nb * n_cols + 4 * n_cols
     if kind == "train":
+        return compose_bytes("fwd", n_elems, b, n_cols) + compose_bytes(
+            "bwd_recompute", n_elems, b, n_cols, n_rows=n_rows, bwd_block_m=bwd_block_m)
+    if kind == "train_inner":
         return compose_bytes("fwd_inner", n_elems, b, n_cols) + compose_bytes(
             "bwd", n_elems, b, n_cols, n_rows=n_rows, bwd_block_m=bwd_block_m)
     raise ValueError(f"unknown traffic kind {kind!r}")

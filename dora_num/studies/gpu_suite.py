@@ -114,11 +114,6 @@ def bench_compose(tokens_list, dout_list, dtypes, copy_gbps, compile_dtypes_shap
                   checkpoint: Path | None = None) -> list[dict]:
     import torch
 
-    from ..ops import reference as ref
-    from ..ops.compose import ComposeFunction
-    from ..ops.kernels import compose as kc
-    from .bench import bitwise_equal, compose_bytes, max_rel_err, time_ms
-
     torch._dynamo.config.cache_size_limit = 4096
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 4096
@@ -132,100 +127,135 @@ def bench_compose(tokens_list, dout_list, dtypes, copy_gbps, compile_dtypes_shap
         tol = BASELINE_TOL[str(dtype).removeprefix("torch.")]
         for tokens in tokens_list:
             for d_out in dout_list:
-                do_compile = compile_dtypes_shapes is None or (dtype, tokens, d_out) in compile_dtypes_shapes
-                base, lora, g, grad = _compose_inputs(tokens, d_out, dtype, gen)
-                n = base.numel()
-                key = {"dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "d_out": d_out}
+                try:
+                    _compose_config(rows, dtype, tokens, d_out, b, tol, s, gen, copy_gbps, compile_dtypes_shapes)
+                except Exception as e:  # noqa: BLE001 - record and go on: one GPU run, no retries
+                    import traceback
 
-                def rec(op, impl, t, ok, err, traffic, **extra):
-                    nbytes = compose_bytes(traffic, n, b, d_out, bwd_block_m=kc.BWD_BLOCK_M)
-                    row = {**key, "op": op, "impl": impl, "check_ok": ok, "err": err, "bytes": nbytes, **extra}
-                    if t is not None:
-                        row.update(t.as_dict())
-                        row["gbps"] = nbytes / (t.ms * 1e-3) / 1e9
-                        row["pct_copy"] = 100 * row["gbps"] / copy_gbps
-                    rows.append(row)
-
-                # ---- forward (inference) ----
-                out_ref = ref.compose_stable_ref(base, lora, g, s)
-                out_f, _ = kc.compose_fwd(base, lora, g, s)
-                ok = bitwise_equal(out_f, out_ref)
-                rec("fwd", "eager", time_ms(lambda: ref.compose_stable_ref(base, lora, g, s)), True, 0.0, "fwd")
-                rec("fwd", "fused", time_ms(lambda: kc.compose_fwd(base, lora, g, s)) if ok else None, ok,
-                    max_rel_err(out_f, out_ref), "fwd", bitwise=ok)
-                if do_compile:
-                    cf = torch.compile(lambda b_, l_, g_: ref.compose_stable_ref(b_, l_, g_, s), dynamic=False)
-                    with torch.no_grad():
-                        out_c = cf(base, lora, g)
-                    okc = bitwise_equal(out_c, out_ref)
-                    errc = max_rel_err(out_c, out_ref)
-                    with torch.no_grad():
-                        tc = time_ms(lambda: cf(base, lora, g)) if errc <= tol else None
-                    rec("fwd", "compile", tc, errc <= tol, errc, "fwd", bitwise=okc)
-                del out_f
-                # ---- fused training forward (writes inner) ----
-                out_t, inner_f = kc.compose_fwd(base, lora, g, s, write_inner=True)
-                inner_ref = ref.compose_inner_ref(base, lora, s)
-                ok_inner = bitwise_equal(out_t, out_ref) and bitwise_equal(inner_f, inner_ref)
-                rec("fwd_inner", "fused", time_ms(lambda: kc.compose_fwd(base, lora, g, s, write_inner=True))
-                    if ok_inner else None, ok_inner, 0.0, "fwd_inner", bitwise=ok_inner)
-                del out_t
-                # ---- backward: dlora/dbase bitwise, dg within bound of fp64 ----
-                dl_r, db_r, dg_r = ref.compose_backward_ref(grad, inner_ref, g, s)
-                dl_f, db_f, dg_f = kc.compose_bwd(grad, inner_f, g, s)
-                dg64 = _dg_ref64(inner_ref, grad)
-                bound = kc.dg_error_bound(inner_ref, grad)
-                dg_err = (dg_f.double() - dg64).abs()
-                dg_eager_err = (dg_r.double() - dg64).abs()
-                ok_b = bitwise_equal(dl_f, dl_r) and bitwise_equal(db_f, db_r) and bool((dg_err <= bound).all())
-                dg_rel = float(dg_err.norm() / dg64.norm().clamp_min(1e-300))
-                dg_rel_eager = float(dg_eager_err.norm() / dg64.norm().clamp_min(1e-300))
-                rec("bwd", "fused", time_ms(lambda: kc.compose_bwd(grad, inner_f, g, s)) if ok_b else None, ok_b,
-                    max(max_rel_err(dl_f, dl_r), max_rel_err(db_f, db_r)), "bwd", bitwise=ok_b,
-                    dg_rel_err=dg_rel, dg_bound_ratio=float((dg_err / bound.clamp_min(1e-300)).max()))
-                rec("bwd", "eager_ref", time_ms(lambda: ref.compose_backward_ref(grad, inner_ref, g, s)), True, 0.0,
-                    "bwd", dg_rel_err=dg_rel_eager)
-                del dl_f, db_f, db_r, inner_f
-                # ---- autograd: eager autograd of the expression, our Function (eager / fused), compile ----
-                bl = base.detach().requires_grad_(True)
-                ll = lora.detach().requires_grad_(True)
-                gg = g.detach().requires_grad_(True)
-                inputs = (bl, ll, gg)
-
-                def train_of(fwd):
-                    def step():
-                        o = fwd(bl, ll, gg)
-                        return torch.autograd.grad(o, inputs, grad)
-                    return step
-
-                def bwd_of(fwd):
-                    o = fwd(bl, ll, gg)
-                    return lambda: torch.autograd.grad(o, inputs, grad, retain_graph=True)
-
-                impls = {
-                    "eager_autograd": lambda b_, l_, g_: _autograd_expr(b_, l_, g_, s),
-                    "eager": lambda b_, l_, g_: ComposeFunction.apply(b_, l_, g_, s, False),
-                    "fused": lambda b_, l_, g_: ComposeFunction.apply(b_, l_, g_, s, True),
-                }
-                if do_compile:
-                    impls["compile"] = torch.compile(lambda b_, l_, g_: _autograd_expr(b_, l_, g_, s), dynamic=False)
-                for name, fwd in impls.items():
-                    grads = train_of(fwd)()
-                    o = fwd(bl, ll, gg).detach()
-                    err_dl = max_rel_err(grads[1], dl_r)
-                    dg_e = float((grads[2].double() - dg64).norm() / dg64.norm().clamp_min(1e-300))
-                    ok_t = (bitwise_equal(o, out_ref) if name in ("eager", "fused")
-                            else max_rel_err(o, out_ref) <= tol)
-                    rec("train", name, time_ms(train_of(fwd)) if ok_t else None, ok_t, err_dl, "train",
-                        dg_rel_err=dg_e, bitwise=bitwise_equal(o, out_ref))
-                    rec("bwd_autograd", name, time_ms(bwd_of(fwd)) if ok_t else None, ok_t, err_dl, "bwd")
-                    del grads, o
-                del base, lora, grad, bl, ll, gg, inner_ref, out_ref, impls, dl_r
+                    traceback.print_exc()
+                    rows.append({"dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "d_out": d_out,
+                                 "op": "error", "impl": repr(e)[:300], "check_ok": False})
+                torch.cuda.empty_cache()
                 if checkpoint is not None:
                     _write_csv(rows, checkpoint)
-                torch.cuda.empty_cache()
-                _log(f"compose {key} done")
     return rows
+
+
+def _compose_config(rows, dtype, tokens, d_out, b, tol, s, gen, copy_gbps, compile_dtypes_shapes):
+    import torch
+
+    from ..ops import compose as C
+    from ..ops import reference as ref
+    from ..ops.compose import ComposeFunction
+    from ..ops.kernels import compose as kc
+    from .bench import bitwise_equal, compose_bytes, max_rel_err, time_ms
+
+    do_compile = compile_dtypes_shapes is None or (dtype, tokens, d_out) in compile_dtypes_shapes
+    base, lora, g, grad = _compose_inputs(tokens, d_out, dtype, gen)
+    n = base.numel()
+    key = {"dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "d_out": d_out}
+
+    def rec(op, impl, t, ok, err, traffic, **extra):
+        nbytes = compose_bytes(traffic, n, b, d_out, bwd_block_m=kc.BWD_BLOCK_M)
+        row = {**key, "op": op, "impl": impl, "check_ok": ok, "err": err, "bytes": nbytes, **extra}
+        if t is not None:
+            row.update(t.as_dict())
+            row["gbps"] = nbytes / (t.ms * 1e-3) / 1e9
+            row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+        rows.append(row)
+
+    # ---- forward (inference) ----
+    out_ref = ref.compose_stable_ref(base, lora, g, s)
+    out_f, _ = kc.compose_fwd(base, lora, g, s)
+    ok = bitwise_equal(out_f, out_ref)
+    rec("fwd", "eager", time_ms(lambda: ref.compose_stable_ref(base, lora, g, s)), True, 0.0, "fwd")
+    rec("fwd", "fused", time_ms(lambda: kc.compose_fwd(base, lora, g, s)) if ok else None, ok,
+        max_rel_err(out_f, out_ref), "fwd", bitwise=ok)
+    if do_compile:
+        # the reference's expression in plain torch ops (ref.compose_stable_ref's
+        # TorchFP32.const makes a graph break under dynamo)
+        cf = torch.compile(lambda b_, l_, g_: _autograd_expr(b_, l_, g_, s), dynamic=False)
+        with torch.no_grad():
+            out_c = cf(base, lora, g)
+        okc = bitwise_equal(out_c, out_ref)
+        errc = max_rel_err(out_c, out_ref)
+        with torch.no_grad():
+            tc = time_ms(lambda: cf(base, lora, g)) if errc <= tol else None
+        rec("fwd", "compile", tc, errc <= tol, errc, "fwd", bitwise=okc)
+    del out_f
+    # ---- fused training forward (writes inner) ----
+    out_t, inner_f = kc.compose_fwd(base, lora, g, s, write_inner=True)
+    inner_ref = ref.compose_inner_ref(base, lora, s)
+    ok_inner = bitwise_equal(out_t, out_ref) and bitwise_equal(inner_f, inner_ref)
+    rec("fwd_inner", "fused", time_ms(lambda: kc.compose_fwd(base, lora, g, s, write_inner=True))
+        if ok_inner else None, ok_inner, 0.0, "fwd_inner", bitwise=ok_inner)
+    del out_t
+    # ---- backward: dlora/dbase bitwise, dg within bound of fp64 ----
+    dl_r, db_r, dg_r = ref.compose_backward_ref(grad, inner_ref, g, s)
+    dl_f, db_f, dg_f = kc.compose_bwd(grad, inner_f, g, s)
+    dg64 = _dg_ref64(inner_ref, grad)
+    bound = kc.dg_error_bound(inner_ref, grad)
+    dg_err = (dg_f.double() - dg64).abs()
+    dg_eager_err = (dg_r.double() - dg64).abs()
+    ok_b = bitwise_equal(dl_f, dl_r) and bitwise_equal(db_f, db_r) and bool((dg_err <= bound).all())
+    dg_rel = float(dg_err.norm() / dg64.norm().clamp_min(1e-300))
+    dg_rel_eager = float(dg_eager_err.norm() / dg64.norm().clamp_min(1e-300))
+    rec("bwd", "fused", time_ms(lambda: kc.compose_bwd(grad, inner_f, g, s)) if ok_b else None, ok_b,
+        max(max_rel_err(dl_f, dl_r), max_rel_err(db_f, db_r)), "bwd", bitwise=ok_b,
+        dg_rel_err=dg_rel, dg_bound_ratio=float((dg_err / bound.clamp_min(1e-300)).max()))
+    rec("bwd", "eager_ref", time_ms(lambda: ref.compose_backward_ref(grad, inner_ref, g, s)), True, 0.0,
+        "bwd", dg_rel_err=dg_rel_eager)
+    dl_x, db_x, dg_x = kc.compose_bwd(grad, None, g, s, base=base, lora=lora)
+    ok_x = (bitwise_equal(dl_x, dl_r) and bitwise_equal(db_x, db_r) and bitwise_equal(dg_x, dg_f))
+    rec("bwd_recompute", "fused", time_ms(lambda: kc.compose_bwd(grad, None, g, s, base=base, lora=lora))
+        if ok_x else None, ok_x, 0.0, "bwd_recompute", bitwise=ok_x, dg_rel_err=dg_rel)
+    del dl_x, db_x, dg_x
+    del dl_f, db_f, db_r, inner_f
+    # ---- autograd: eager autograd of the expression, our Function (eager / fused), compile ----
+    bl = base.detach().requires_grad_(True)
+    ll = lora.detach().requires_grad_(True)
+    gg = g.detach().requires_grad_(True)
+    inputs = (bl, ll, gg)
+
+    def train_of(fwd):
+        def step():
+            o = fwd(bl, ll, gg)
+            return torch.autograd.grad(o, inputs, grad)
+        return step
+
+    def bwd_of(fwd):
+        o = fwd(bl, ll, gg)
+        return lambda: torch.autograd.grad(o, inputs, grad, retain_graph=True)
+
+    def fused_inner(b_, l_, g_):
+        C.RECOMPUTE_INNER = False  # the spec's variant: the forward writes inner
+        try:
+            return ComposeFunction.apply(b_, l_, g_, s, True)
+        finally:
+            C.RECOMPUTE_INNER = True
+
+    impls = {
+        "eager_autograd": lambda b_, l_, g_: _autograd_expr(b_, l_, g_, s),
+        "eager": lambda b_, l_, g_: ComposeFunction.apply(b_, l_, g_, s, False),
+        "fused": lambda b_, l_, g_: ComposeFunction.apply(b_, l_, g_, s, True),
+        "fused_inner": fused_inner,
+    }
+    if do_compile:
+        impls["compile"] = torch.compile(lambda b_, l_, g_: _autograd_expr(b_, l_, g_, s), dynamic=False)
+    for name, fwd in impls.items():
+        grads = train_of(fwd)()
+        o = fwd(bl, ll, gg).detach()
+        err_dl = max_rel_err(grads[1], dl_r)
+        dg_e = float((grads[2].double() - dg64).norm() / dg64.norm().clamp_min(1e-300))
+        ok_t = (bitwise_equal(o, out_ref) if name in ("eager", "fused", "fused_inner")
+                else max_rel_err(o, out_ref) <= tol)
+        rec("train", name, time_ms(train_of(fwd)) if ok_t else None, ok_t, err_dl, "train",
+            dg_rel_err=dg_e, bitwise=bitwise_equal(o, out_ref))
+        rec("bwd_autograd", name, time_ms(bwd_of(fwd)) if ok_t else None, ok_t, err_dl,
+            "bwd_recompute" if name == "fused" else "bwd")
+        del grads, o
+    del base, lora, grad, bl, ll, gg, inner_ref, out_ref, impls, dl_r
+    _log(f"compose {key} done")
 
 
 def tile_sweep(copy_gbps) -> list[dict]:
@@ -251,14 +281,19 @@ def tile_sweep(copy_gbps) -> list[dict]:
                 rows.append({"kernel": "fwd", "tile_elems": tile, "num_warps": warps, **t.as_dict(),
                              "pct_copy": 100 * nb / (t.ms * 1e-3) / 1e9 / copy_gbps})
         kc.FWD_TILE_ELEMS, kc.FWD_MAX_BLOCK_N, kc.FWD_NUM_WARPS = saved[:3]
-        for bm in (8, 16, 32, 64):
-            for bn in (128, 256, 512):
-                for warps in (4, 8):
-                    kc.BWD_BLOCK_M, kc.BWD_MAX_BLOCK_N, kc.BWD_NUM_WARPS = bm, bn, warps
-                    t = time_ms(lambda: kc.compose_bwd(grad, inner, g, SCALE))
-                    nb = compose_bytes("bwd", n, 2, 8192, bwd_block_m=bm)
-                    rows.append({"kernel": "bwd", "block_m": bm, "block_n": bn, "num_warps": warps, **t.as_dict(),
-                                 "pct_copy": 100 * nb / (t.ms * 1e-3) / 1e9 / copy_gbps})
+        for mode in ("inner", "recompute"):
+            for bm in (32, 64, 128):
+                for bn in (64, 128, 256):
+                    for warps in (4, 8):
+                        kc.BWD_BLOCK_M, kc.BWD_MAX_BLOCK_N, kc.BWD_NUM_WARPS = bm, bn, warps
+                        if mode == "inner":
+                            t = time_ms(lambda: kc.compose_bwd(grad, inner, g, SCALE))
+                        else:
+                            t = time_ms(lambda: kc.compose_bwd(grad, None, g, SCALE, base=base, lora=lora))
+                        kind = "bwd" if mode == "inner" else "bwd_recompute"
+                        nb = compose_bytes(kind, n, 2, 8192, bwd_block_m=bm)
+                        rows.append({"kernel": kind, "block_m": bm, "block_n": bn, "num_warps": warps,
+                                     **t.as_dict(), "pct_copy": 100 * nb / (t.ms * 1e-3) / 1e9 / copy_gbps})
     finally:
         (kc.FWD_TILE_ELEMS, kc.FWD_MAX_BLOCK_N, kc.FWD_NUM_WARPS, kc.BWD_BLOCK_M, kc.BWD_MAX_BLOCK_N,
          kc.BWD_NUM_WARPS) = saved
@@ -511,30 +546,38 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
     copy_gbps = copy["gbps"]
     _log(f"copy bandwidth {copy_gbps:.0f} GB/s")
     (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
-    if "fma" in sections:
-        _write_csv(bench_fma(out, n=1 << (16 if smoke else 22), sample=1 << (12 if smoke else 18)),
-                   out / "fma_sqrt.csv")
-    if "tiles" in sections and not smoke:
-        _write_csv(tile_sweep(copy_gbps), out / "tile_sweep.csv")
-    if "norm" in sections:
-        shapes = ((1024, 1024, 64),) if smoke else NORM_SHAPES
-        _write_csv(bench_norms(shapes, (torch.bfloat16, torch.float32)), out / "norm_bench.csv")
-    if "layer" in sections:
-        shapes = ((1024, 1024, 64, 512),) if smoke else LAYER_SHAPES
-        _write_csv(bench_layers(shapes), out / "layer_bench.csv")
-    if "compose" in sections:
-        import torch as _t
+    import traceback
 
+    def section(name, fn):
+        if name not in sections:
+            return
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - one GPU run: record the failure, go on with the rest
+            traceback.print_exc()
+            desc.setdefault("failed_sections", []).append(name)
+
+    section("fma", lambda: _write_csv(bench_fma(out, n=1 << (16 if smoke else 22), sample=1 << (12 if smoke else 18)),
+                                      out / "fma_sqrt.csv"))
+    if not smoke:
+        section("tiles", lambda: _write_csv(tile_sweep(copy_gbps), out / "tile_sweep.csv"))
+    section("norm", lambda: _write_csv(bench_norms(((1024, 1024, 64),) if smoke else NORM_SHAPES,
+                                                   (torch.bfloat16, torch.float32)), out / "norm_bench.csv"))
+    section("layer", lambda: _write_csv(bench_layers(((1024, 1024, 64, 512),) if smoke else LAYER_SHAPES),
+                                        out / "layer_bench.csv"))
+
+    def compose_section():
+        ck = out / "compose_bench.csv"
         if smoke:
-            rows = bench_compose((512,), (512, 4096), (_t.bfloat16,), copy_gbps)
-        else:
-            compile_set = {(_t.bfloat16, t, d) for t in DEFAULT_TOKENS for d in DEFAULT_DOUT}
-            compile_set |= {(dt, t, d) for dt in (_t.float16, _t.float32) for t, d in TARGET_SHAPES}
-            ck = out / "compose_bench.csv"
-            rows = bench_compose(DEFAULT_TOKENS, DEFAULT_DOUT, (_t.bfloat16,), copy_gbps, compile_set, checkpoint=ck)
-            rows = bench_compose((2048, 8192, 16384), (4096, 8192), (_t.float16, _t.float32), copy_gbps,
-                                 compile_set, rows=rows, checkpoint=ck)
-        _write_csv(rows, out / "compose_bench.csv")
+            bench_compose((512,), (512, 4096), (torch.bfloat16,), copy_gbps, checkpoint=ck)
+            return
+        compile_set = {(torch.bfloat16, t, d) for t in DEFAULT_TOKENS for d in DEFAULT_DOUT}
+        compile_set |= {(dt, t, d) for dt in (torch.float16, torch.float32) for t, d in TARGET_SHAPES}
+        rows = bench_compose(DEFAULT_TOKENS, DEFAULT_DOUT, (torch.bfloat16,), copy_gbps, compile_set, checkpoint=ck)
+        bench_compose((2048, 8192, 16384), (4096, 8192), (torch.float16, torch.float32), copy_gbps,
+                      compile_set, rows=rows, checkpoint=ck)
+
+    section("compose", compose_section)
     desc["wall_s"] = time.time() - t0
     (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
     _log(f"done in {desc['wall_s']:.0f} s")

@@ -118,6 +118,16 @@ def test_backward_bitwise_and_dg_bound(shape, dtype):
     assert_bitwise(kc.compose_bwd(grad, inner, g, S)[2], dg)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_backward_recompute_inner_is_bitwise_the_same(dtype):
+    base, lora, g, grad = _inputs((9, 777), dtype)
+    inner = ref.compose_inner_ref(base, lora, S)
+    saved = kc.compose_bwd(grad, inner, g, S)
+    recomputed = kc.compose_bwd(grad, None, g, S, base=base, lora=lora)
+    for a, b in zip(saved, recomputed):
+        assert_bitwise(a, b)
+
+
 def test_backward_partial_outputs():
     base, lora, g, grad = _inputs((6, 50), torch.float32)
     inner = ref.compose_inner_ref(base, lora, S)
@@ -126,6 +136,8 @@ def test_backward_partial_outputs():
     assert_bitwise(dl, ref.compose_backward_ref(grad, inner, g, S)[0])
     with pytest.raises(ValueError, match="inner is required"):
         kc.compose_bwd(grad, None, g, S)
+    with pytest.raises(ValueError, match="base and lora must have"):
+        kc.compose_bwd(grad, None, g, S, base=base[:3], lora=lora[:3])
     with pytest.raises(ValueError, match="inner must be float32"):
         kc.compose_bwd(grad, inner.half(), g, S)
 
