@@ -271,3 +271,93 @@ def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
     en = np.sqrt((e * e).sum(1))
     xn = np.sqrt((x * x).sum(1)) * (1 + 1e-12)
     return (en + (xn + en) * (_gam(d + 1, u) / 2 + 3 * u) * (1 + 4 * u)) * (1 + 1e-6)
+
+
+# --------------------------------------------------------------------------
+# The magnitude gradient dg = sum over rows of (s*lora + base) * D.
+# --------------------------------------------------------------------------
+
+def dg_max_additions(reduction: str, n_rows: int, *, block_m: int | None = None, chunk: int | None = None) -> int:
+    r"""Largest number of roundable additions any one product passes through in ``dg``.
+
+    A reduction of ``T`` terms by binary additions, in *any* order or tree
+    (sequential, pairwise, cascade, vector lanes, GPU shuffles), puts each leaf
+    through at most ``T - 1`` additions: that is why one bound holds for eager
+    ``torch.sum`` on CPU and CUDA, whose order is an implementation detail.
+
+    - ``"eager"``, ``"fp64"``: ``T - 1`` (any order).
+    - ``"fused"`` (the kernel of :mod:`dora_num.ops.kernels.compose`): stage 1 adds
+      the ``min(BLOCK_M, T)`` products of a row block in some order (``<= BLOCK_M - 1``);
+      stage 2 adds the ``nb = ceil(T / BLOCK_M)`` partials in chunks of ``CHUNK``
+      (``<= min(CHUNK, nb) - 1`` inside a chunk, any tree) and accumulates the
+      ``ceil(nb / CHUNK)`` chunk sums in sequence into a zero accumulator (the first
+      addition, ``0 + x``, is exact): ``<= ceil(nb / CHUNK) - 1``.
+    """
+    if isinstance(n_rows, bool) or not isinstance(n_rows, (int, np.integer)) or n_rows < 1:
+        raise ValueError(f"n_rows must be a positive int, got {n_rows!r}")
+    n_rows = int(n_rows)
+    if reduction in ("eager", "fp64"):
+        return n_rows - 1
+    if reduction != "fused":
+        raise ValueError(f"reduction must be eager, fused or fp64, got {reduction!r}")
+    for name, v in (("block_m", block_m), ("chunk", chunk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int for the fused reduction, got {v!r}")
+    nb = -(-n_rows // block_m)
+    return (min(block_m, n_rows) - 1) + (min(chunk, nb) - 1) + (-(-nb // chunk) - 1)
+
+
+def dg_bound(s: float, lora, base, grad, reduction: str, *, block_m: int | None = None,
+             chunk: int | None = None) -> np.ndarray:
+    r"""Bound on ``|dg_computed - dg_exact|`` per column (float64 ``[N]``).
+
+    ``lora``, ``base``, ``grad`` ``[T, N]`` are the stored activations and upstream
+    gradient (any float format, exactly representable in float64), ``s`` the scale
+    (rounded to fp32 as every path does).  ``dg_exact = sum_k (s L_k + b_k) D_k``
+    in real arithmetic; the computed value follows the contract (DESIGN.md 1):
+    ``inner = fl32(fl32(s*L) + b)`` (:func:`~dora_num.numerics.formulas.compose_inner`),
+    products ``inner * D`` (:func:`~dora_num.numerics.formulas.compose_grad_g_terms`)
+    in fp32 (``"eager"``, ``"fused"``) or exactly in float64 (``"fp64"``: 24 x 24 bits),
+    then a sum in fp32 / float64 with at most ``A = dg_max_additions(...)`` additions
+    per leaf.  Standard model, ``u = 2^-24``, ``eta = 2^-150`` (fp32 underflow of a
+    product; sums underflow exactly)::
+
+        inner^ = (sL(1+d1) + e1 + b)(1+d2):   |inner^ - inner| <= E = u(1+u)|sL| + u|inner| + (1+u) eta
+        p^     = inner^ D (1+d3) + e3,         |d3| <= u_p,  |e3| <= eta_p
+        dg^    = sum_k p^_k prod_{i <= a_k} (1 + d_i),   a_k <= A,  |d_i| <= u_s
+
+    hence, with ``c = (1+u_p)(1+u_s)^A - 1``::
+
+        |dg^ - dg| <= sum_k |D_k| E_k + c sum_k (|inner_k| + E_k)|D_k| + T eta_p (1+u_s)^A
+
+    (``u_p = u_s = u``, ``eta_p = eta`` for fp32; ``u_p = eta_p = 0``, ``u_s = 2^-53`` for
+    float64.)  Relative to ``|dg|`` this is ``~ (A + 2) u kappa`` with the condition
+    number ``kappa = sum |inner D| / |sum inner D|`` of the reduction: the data enter
+    only through ``kappa`` (about ``sqrt(T)`` for gradients of random sign) and
+    through ``|sL|/|inner|``.  ``A`` is ``T - 1`` for any-order sums (eager) but
+    ``~ BLOCK_M + CHUNK + T/(BLOCK_M CHUNK)`` for the fused two-stage tree, so the
+    fused bound grows like ``kappa`` alone until ``T ~ 10^5`` rows.  Evaluated in
+    float64 and multiplied by ``1 + 1e-9`` (a sum of ``<= 3T`` non-negative terms:
+    relative evaluation error ``< 3T 2^-53``).
+    """
+    L, b, D = (np.asarray(x, dtype=np.float64) for x in (lora, base, grad))
+    if L.ndim != 2 or L.shape != b.shape or L.shape != D.shape:
+        raise ValueError(f"lora, base, grad must be [T, N] of one shape, got {L.shape}, {b.shape}, {D.shape}")
+    if not (np.isfinite(L).all() and np.isfinite(b).all() and np.isfinite(D).all()):
+        raise ValueError("lora, base and grad must be finite")
+    T = L.shape[0]
+    A = dg_max_additions(reduction, T, block_m=block_m, chunk=chunk)
+    u32 = FORMATS["fp32"].u
+    eta32 = FORMATS["fp32"].min_subnormal / 2
+    if reduction == "fp64":
+        u_p, eta_p, u_s = 0.0, 0.0, _U64
+    else:
+        u_p, eta_p, u_s = u32, eta32, u32
+    s = F.scale_constants(s)[0]
+    sL = np.abs(s * L)  # exact: 24 x 24 bits
+    inner = np.abs(s * L + b) * (1 + _U64)
+    E = u32 * (1 + u32) * sL + u32 * inner + (1 + u32) * eta32
+    aD = np.abs(D)
+    c = (1 + u_p) * (1 + u_s) ** A - 1
+    bound = (aD * E).sum(0) + c * ((inner + E) * aD).sum(0) + T * eta_p * (1 + u_s) ** A
+    return bound * (1 + 1e-9)
