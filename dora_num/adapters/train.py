@@ -38,6 +38,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from ..ops.layer import DoRALinear
+from .collapse import g_exact
 from .corpus import load_corpus
 from .model import embed, embed_texts, encoder_linear_names, load_base_model, mrr_at_k, tokenize
 
@@ -169,19 +170,9 @@ def adapter_tensors(model: nn.Module, backend: str, names: list[str]) -> dict[st
     return out
 
 
-@torch.no_grad()
 def g_minus_one_exact(W, A, B, m, scale: float) -> np.ndarray:
-    """``g - 1`` with ``g = m / ||W + s B A||_row``: fp32 m, s rounded to fp32, norm in float64.
-
-    The float64 dense norm has relative error below ``(r + d_in + 2) * 2^-53``
-    (about 2e-13 here), so ``g - 1`` is correct to ~1e-13 absolute before its
-    float32 storage rounding (relative 2^-24 of ``g - 1``).
-    """
-    s = float(np.float32(scale))
-    dense = W.double() + s * (B.double() @ A.double())
-    norm = torch.linalg.vector_norm(dense, dim=1)
-    g = m.detach().float().double() / norm
-    return (g - 1.0).float().cpu().numpy()
+    """``g - 1`` (float32 storage) of :func:`dora_num.adapters.collapse.g_exact` (float64 norm)."""
+    return (g_exact(W, A, B, m, scale) - 1.0).astype(np.float32)
 
 
 @torch.no_grad()
