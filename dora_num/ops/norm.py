@@ -21,7 +21,7 @@ Memory: ``base`` needs one fp32 chunk of W and its square,
 ``base_sq`` and 16-bit W on CUDA, ``U = W A^T`` is one tensor-core product with
 fp32 output (no fp32 copy of W), and the extra memory is ``U`` (``d_out*r*4``)
 plus ``G`` (``r*r*4``) plus row blocks under ``ROW_CHUNK_BYTES``: 8192x8192,
-r=384 needs ~13 MB + 6 MB against ~800 MB for the dense fp32 norm.
+r=384 needs ~13 MB + 24 MB against ~800 MB for the dense fp32 norm.
 """
 
 from __future__ import annotations
@@ -143,7 +143,10 @@ def _gram_fp32(A: torch.Tensor) -> torch.Tensor:
     return Af @ Af.T
 
 
-ROW_CHUNK_BYTES = 6 * 2**20  # temporaries of the cross/Gram terms: three [rows, r] fp32 blocks
+# Temporaries of the cross/Gram terms: three [rows, r] fp32 blocks.  24 MiB keeps
+# 8192 x r=384 to two row blocks: the loop is launch-bound (H200, 2026-11-29: 7
+# blocks of 6 MiB cost ~0.9 ms of the cached norm at 8192x8192, its GEMMs ~0.1 ms).
+ROW_CHUNK_BYTES = 24 * 2**20
 
 
 def factored_row_norm(
@@ -250,9 +253,19 @@ def _(W, A, B, scale, chunk_bytes, check):
 
 def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, *,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES, check: bool = True) -> torch.Tensor:
-    """Factored ``||W + sBA||_row`` with the cached ``base_sq`` (detached; a custom op,
-    so ``torch.compile`` traces it without a graph break)."""
-    return _weight_norm_op(W.detach(), A.detach(), B.detach(), float(scale), int(chunk_bytes), bool(check))
+    """Factored ``||W + sBA||_row`` with the cached ``base_sq`` (detached).
+
+    Eager: the cache lives on ``W`` itself (not on a detached alias, which is a new
+    tensor object every call).  Under ``torch.compile``: the custom op
+    ``dora_num::weight_norm`` (no graph break), which consults the same cache on
+    the tensor it is given at run time.
+    """
+    if torch.compiler.is_compiling():
+        Wd = W if not W.requires_grad else W.detach()
+        return _weight_norm_op(Wd, A.detach(), B.detach(), float(scale), int(chunk_bytes), bool(check))
+    base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
+    return factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes=chunk_bytes,
+                             base_sq=base_sq, check=check)
 
 
 def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None = None,

@@ -368,7 +368,7 @@ def _peft_layer(lin, r, alpha, autocast_adapter_dtype):
     return get_peft_model(Holder(lin), cfg, autocast_adapter_dtype=autocast_adapter_dtype)
 
 
-def bench_layers(shapes) -> list[dict]:
+def bench_layers(shapes, profile_to: Path | None = None) -> list[dict]:
     import copy
 
     import torch
@@ -429,6 +429,18 @@ def bench_layers(shapes) -> list[dict]:
             t_fb = time_ms(fwd_bwd, )
             layer.zero_grad(set_to_none=True)
             xr.grad = None
+            if profile_to is not None and (d_in, d_out, r, tokens) == tuple(shapes[0]):
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        fwd_bwd()
+                    torch.cuda.synchronize()
+                with open(profile_to, "a") as fh:
+                    fh.write(f"== {name} {d_in}->{d_out} r={r} T={tokens}: 3 x forward+backward ==\n")
+                    fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n")
+                layer.zero_grad(set_to_none=True)
+                xr.grad = None
             base = {"impl": name, "d_in": d_in, "d_out": d_out, "rank": r, "tokens": tokens,
                     "rel_err_fp64": err}
             rows.append({**base, "mode": "fwd", "peak_extra_bytes": peak_f, **t_f.as_dict()})
@@ -471,7 +483,31 @@ def compose_fma_inputs(rows: int, cols: int, seed: int = SEED + 3):
     return base, lora, g
 
 
-def bench_fma(out_dir: Path, n: int = 1 << 22, sample: int = 1 << 18) -> list[dict]:
+def _diff_record(save: dict, name: str, out, ref_out, sample: int) -> None:
+    """Store where ``out`` differs from ``ref_out`` in its first ``sample`` elements:
+    flat indices (int32) and the variant's bit patterns (so a CPU emulation can be
+    compared bit for bit without storing every output)."""
+    import numpy as np
+
+    import torch
+
+    bits = {2: np.uint16, 4: np.uint32}[out.element_size()]
+    ints = {2: torch.int16, 4: torch.int32}[out.element_size()]
+    o = out.reshape(-1)[:sample].contiguous().view(ints).cpu().numpy().view(bits)
+    r = ref_out.reshape(-1)[:sample].contiguous().view(ints).cpu().numpy().view(bits)
+    idx = np.nonzero(o != r)[0].astype(np.int32)
+    save[f"{name}__idx"] = idx
+    save[f"{name}__bits"] = o[idx]
+
+
+def bench_fma(out_dir: Path, n: int = 1 << 22, sample: int = 1 << 20) -> list[dict]:
+    """Variants vs the torch reference on ``n`` seeded inputs; ``fma_sqrt_sample.npz``
+    holds, for the first ``sample`` inputs, where each variant differs (indices +
+    bits) and the sha256 of the reference's bytes.  The inputs are regenerated bit
+    for bit on any machine by :func:`fma_inputs` / :func:`compose_fma_inputs`; the
+    first 2^16 are stored as well, for a self-contained spot check."""
+    import hashlib
+
     import numpy as np
     import torch
 
@@ -483,12 +519,16 @@ def bench_fma(out_dir: Path, n: int = 1 << 22, sample: int = 1 << 18) -> list[di
     from .bench import bitwise_agreement, ulp_histogram
 
     s, two_s, s_sq = scale_constants(SCALE)
+    spot = min(sample, 1 << 16)
     b_np, c_np, a_np = fma_inputs(n)
     b, c, a = (torch.from_numpy(v).cuda() for v in (b_np, c_np, a_np))
     ref_out = norm_assembly(TorchFP32, b, c, a, two_s, s_sq)  # torch.sqrt on CUDA: correctly rounded
     rows = []
-    save = {"norm_base_sq": b_np[:sample], "norm_cross": c_np[:sample], "norm_ba": a_np[:sample],
-            "norm_ref_torch_cuda": ref_out[:sample].cpu().numpy(), "scale": np.float32(s)}
+    save = {"meta_norm_seed": np.int64(SEED), "meta_norm_n": np.int64(n), "meta_sample": np.int64(sample),
+            "meta_scale": np.float32(s),
+            "norm_base_sq": b_np[:spot], "norm_cross": c_np[:spot], "norm_ba": a_np[:spot],
+            "norm_ref_spot": ref_out[:spot].cpu().numpy(),
+            "norm_ref_sha256": np.bytes_(hashlib.sha256(ref_out[:sample].cpu().numpy().tobytes()).hexdigest())}
     for fusion in (False, True):
         for sq in SQRT_VARIANTS:
             out, kern = norm_assembly_triton(b, c, a, two_s, s_sq, fp_fusion=fusion, sqrt=sq, return_kernel=True)
@@ -497,17 +537,22 @@ def bench_fma(out_dir: Path, n: int = 1 << 22, sample: int = 1 << 18) -> list[di
                          "agreement": bitwise_agreement(out, ref_out), "production": (not fusion and sq == "rn"),
                          **{f"ulp_{k}": v for k, v in ulp_histogram(out, ref_out).items()},
                          **{f"ptx_{k}": v for k, v in ptx_instruction_counts(kern).items()}})
-            save[name] = out[:sample].cpu().numpy()
-    rows_c, cols_c = 2048, 2048  # 4M elements for the rates; the first 512 rows saved
+            _diff_record(save, name, out, ref_out, sample)
+    rows_c, cols_c = 2048, 2048  # 4M elements for the rates
     base_np, lora_np, g_np = compose_fma_inputs(rows_c, cols_c)
+    save["meta_compose_seed"] = np.int64(SEED + 3)
+    save["meta_compose_shape"] = np.array([rows_c, cols_c], dtype=np.int64)
+    save["compose_g"] = g_np
+    save["compose_base_spot"] = base_np.reshape(-1)[:spot]
+    save["compose_lora_spot"] = lora_np.reshape(-1)[:spot]
     for dtype in (torch.float32, torch.bfloat16):
         base = torch.from_numpy(base_np).cuda().to(dtype)
         lora = torch.from_numpy(lora_np).cuda().to(dtype)
         g = torch.from_numpy(g_np).cuda()
         want = ref.compose_stable_ref(base, lora, g, s)
         dn = str(dtype).removeprefix("torch.")
-        keep = sample // cols_c
-        save[f"compose_ref_{dn}"] = want[:keep].float().cpu().numpy()
+        want_bits = want.reshape(-1)[:sample].contiguous().view({2: torch.int16, 4: torch.int32}[want.element_size()])
+        save[f"compose_ref_{dn}_sha256"] = np.bytes_(hashlib.sha256(want_bits.cpu().numpy().tobytes()).hexdigest())
         for fusion in (False, True):
             out, _, kern = kc.compose_fwd(base, lora, g, s, fp_fusion=fusion, return_kernel=True)
             name = f"compose_{dn}_fusion{'On' if fusion else 'Off'}"
@@ -515,10 +560,7 @@ def bench_fma(out_dir: Path, n: int = 1 << 22, sample: int = 1 << 18) -> list[di
                          "dtype": dn, "agreement": bitwise_agreement(out, want), "production": not fusion,
                          **{f"ulp_{k}": v for k, v in ulp_histogram(out, want).items()},
                          **{f"ptx_{k}": v for k, v in ptx_instruction_counts(kern).items()}})
-            save[name] = out[:keep].float().cpu().numpy()
-    save["compose_base"] = base_np[: sample // cols_c]
-    save["compose_lora"] = lora_np[: sample // cols_c]
-    save["compose_g"] = g_np
+            _diff_record(save, name, out, want, sample)
     np.savez_compressed(out_dir / "fma_sqrt_sample.npz", **save)
     return rows
 
@@ -557,13 +599,14 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
             traceback.print_exc()
             desc.setdefault("failed_sections", []).append(name)
 
-    section("fma", lambda: _write_csv(bench_fma(out, n=1 << (16 if smoke else 22), sample=1 << (12 if smoke else 18)),
+    section("fma", lambda: _write_csv(bench_fma(out, n=1 << (16 if smoke else 22), sample=1 << (12 if smoke else 20)),
                                       out / "fma_sqrt.csv"))
     if not smoke:
         section("tiles", lambda: _write_csv(tile_sweep(copy_gbps), out / "tile_sweep.csv"))
     section("norm", lambda: _write_csv(bench_norms(((1024, 1024, 64),) if smoke else NORM_SHAPES,
                                                    (torch.bfloat16, torch.float32)), out / "norm_bench.csv"))
-    section("layer", lambda: _write_csv(bench_layers(((1024, 1024, 64, 512),) if smoke else LAYER_SHAPES),
+    section("layer", lambda: _write_csv(bench_layers(((1024, 1024, 64, 512),) if smoke else LAYER_SHAPES,
+                                                     profile_to=out / "layer_profile.txt"),
                                         out / "layer_bench.csv"))
 
     def compose_section():
