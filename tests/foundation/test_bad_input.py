@@ -7,7 +7,6 @@ documented finite result.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -26,11 +26,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+import websocket  # websocket-client: a declared dependency of jupyter_server (jupyterlab)
 
 import dora_num
 from dora_num.repro.paths import NOTEBOOKS_DIR, REPO_ROOT
-
-websocket = pytest.importorskip("websocket")  # websocket-client, a dependency of jupyter_server
 
 KERNEL_NAME = "dora-num"
 START_TIMEOUT_S = 90  # server start on a loaded 2-core CI machine

