@@ -143,7 +143,7 @@ def test_factored_norm_tensor_core_within_bound_and_small():
     before = torch.cuda.memory_allocated()
     w = dn.factored_row_norm(W, A, B, s, base_sq=base_sq)
     peak = torch.cuda.max_memory_allocated() - before
-    dense_bytes = 2 * d_out * d_in * 4  # B@A and W + s*BA, fp32
+    dense_bytes = 3 * d_out * d_in * 4  # dense fp32 norm: B@A, W.float(), their sum (measured 805 MB)
     model = d_out * r * 4 + r * r * 4 + ROW_CHUNK_BYTES * 4 // 3 + 4 * d_out * 4
     assert peak <= model, f"peak extra {peak} B above the model's {model} B"
     assert peak <= dense_bytes / 15, f"peak extra {peak} B vs dense fp32 {dense_bytes} B"
