@@ -183,7 +183,8 @@ def predict_peak(cfg: MemoryConfig) -> dict:
     N = cfg.n_gpus
     lins = layer_linears(cfg)
     L = cfg.n_layers
-    base_params = L * sum(i * o + o for _, i, o, _ in lins)
+    bias = cfg.arch == "bert"  # the synthetic stack has no biases
+    base_params = L * sum(i * o + (o if bias else 0) for _, i, o, _ in lins)
     if cfg.arch == "bert":
         h = cfg.hidden
         base_params += L * 4 * h + (cfg.vocab + cfg.max_pos + 2) * h + 2 * h  # LayerNorms, embeddings (+ LN)
