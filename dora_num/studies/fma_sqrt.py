@@ -83,18 +83,35 @@ def _f32(x) -> np.ndarray:
 # Inputs
 # --------------------------------------------------------------------------
 
-def gpu_suite_assembly_inputs(n: int) -> AssemblyInputs:
-    """The GPU suite's norm-assembly inputs (:func:`~dora_num.studies.gpu_suite.fma_inputs`)."""
+def gpu_suite_sizes() -> dict:
+    """The sizes the GPU suite draws its FMA inputs at (:func:`~dora_num.studies.gpu_suite.bench_fma`'s
+    defaults; the seeded streams depend on them, so a prefix must be cut from a draw of the full size)."""
+    import inspect
+
+    from .gpu_suite import bench_fma
+
+    return {"norm": inspect.signature(bench_fma).parameters["n"].default, "compose_rows": 2048, "compose_cols": 2048}
+
+
+def gpu_suite_assembly_inputs(n: int, n_total: int | None = None) -> AssemblyInputs:
+    """The first ``n`` of the GPU suite's ``n_total`` norm-assembly inputs
+    (:func:`~dora_num.studies.gpu_suite.fma_inputs`; default: the suite's full size)."""
     from .gpu_suite import SCALE, fma_inputs
 
-    b, c, a = (v.astype(np.float64) for v in fma_inputs(n))
+    n_total = gpu_suite_sizes()["norm"] if n_total is None else n_total
+    if n > n_total:
+        raise ValueError(f"n={n} exceeds n_total={n_total}")
+    b, c, a = (v[:n].astype(np.float64) for v in fma_inputs(n_total))
     return AssemblyInputs(b, c, a, SCALE, np.full(n, "gpu_suite", dtype=object))
 
 
-def gpu_suite_compose_inputs(rows: int, cols: int) -> ComposeInputs:
+def gpu_suite_compose_inputs(rows: int, cols: int, rows_total: int | None = None) -> ComposeInputs:
+    """The first ``rows`` rows of the GPU suite's ``rows_total x cols`` compose inputs."""
     from .gpu_suite import SCALE, compose_fma_inputs
 
-    base, lora, g = compose_fma_inputs(rows, cols)
+    rows_total = gpu_suite_sizes()["compose_rows"] if rows_total is None else rows_total
+    base, lora, g = compose_fma_inputs(rows_total, cols)
+    base, lora = base[:rows], lora[:rows]
     gg = np.broadcast_to(g.astype(np.float64), base.shape)
     return ComposeInputs(base.astype(np.float64).ravel(), lora.astype(np.float64).ravel(), gg.ravel().copy(),
                          SCALE, np.full(base.size, "gpu_suite", dtype=object))
@@ -398,7 +415,8 @@ def sqrt_inputs(n: int, seed: int) -> dict[str, np.ndarray]:
     significand pattern), and the values under the root in the GPU suite's norm assembly."""
     rng = np.random.Generator(np.random.PCG64(seed))
     bits = rng.integers(1, 0x7F800000, n, dtype=np.uint32)
-    t = M.evaluate("norm_assembly", ("none", "none"), gpu_suite_assembly_inputs(n).terms(), sqrt=lambda x: x)
+    t = M.evaluate("norm_assembly", ("none", "none"), gpu_suite_assembly_inputs(n, max(n, gpu_suite_sizes()["norm"])).terms(),
+                   sqrt=lambda x: x)
     return {"random_bits": bits.view(np.float32).astype(np.float64),
             "uniform_1_4": _f32(rng.uniform(1.0, 4.0, n)),
             "norm_assembly_inputs": t}
