@@ -416,13 +416,15 @@ def compare(cfgs, *, device: str = "cpu", base_path=None):
 # --------------------------------------------------------------------------
 
 def gpu_configs(smoke: bool = False) -> list[MemoryConfig]:
-    """The H200 validation set: a wide stack (hidden 8192, 4 layers, r=384) x norms x
-    checkpointing x compose, and the MiniLM harness (fp32 and bf16)."""
+    """The H200 validation set: a wide stack (hidden 8192, 4 layers, r=384, 8192 tokens) x
+    norms x checkpointing x compose, the same stack at 256 tokens (where the norm
+    transient sets the peak), and the MiniLM harness (fp32 and bf16)."""
     T = (2, 512) if smoke else (4, 2048)
     wide = MemoryConfig(arch="stack", hidden=2048 if smoke else 8192, n_layers=2 if smoke else 4, rank=64 if smoke
                         else 384, dtype="bf16", batch=T[0], seq=T[1], fp32_out_mm=True)
     cfgs = [replace(wide, norm=n, checkpointing=c) for n in NORMS for c in (False, True)]
     cfgs += [replace(wide, compose="fused"), replace(wide, dtype="fp32", fp32_out_mm=False)]
+    cfgs += [replace(wide, batch=1, seq=256, norm=n) for n in NORMS]  # few tokens: the norm transient decides
     mini = replace(MINILM, batch=8 if smoke else 64, seq=64 if smoke else 128)
     cfgs += [mini, replace(mini, checkpointing=True), replace(mini, dtype="bf16", fp32_out_mm=True),
              replace(mini, norm="dense")]
