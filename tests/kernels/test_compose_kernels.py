@@ -275,3 +275,25 @@ def test_compile_fullgraph_no_graph_break():
     assert_bitwise(yc, y)
     for a, p in zip(grads, [p for p in model.parameters() if p.requires_grad]):
         torch.testing.assert_close(p.grad, a, rtol=0, atol=0)
+
+
+def test_weight_norm_op_and_base_sq_cache():
+    """The weight-norm custom op equals factored_row_norm; the base_sq cache lives on W and
+    is recomputed when W is written in place."""
+    from dora_num.ops import norm as N
+
+    gen = torch.Generator().manual_seed(5)
+    W = torch.randn(24, 40, generator=gen)
+    A = torch.randn(4, 40, generator=gen)
+    B = torch.randn(24, 4, generator=gen)
+    torch.library.opcheck(N._weight_norm_op, (W, A, B, 0.7, N.DEFAULT_CHUNK_BYTES, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    want = dn.factored_row_norm(W, A, B, 0.7)
+    assert_bitwise(N.weight_norm_cached(W, A, B, 0.7), want)
+    first = N.cached_base_row_norm_sq(W)
+    assert N.cached_base_row_norm_sq(W) is first  # a hit: the same tensor
+    with torch.no_grad():
+        W[0].mul_(2.0)  # bumps W's version counter
+    again = N.cached_base_row_norm_sq(W)
+    assert again is not first
+    assert_bitwise(again, dn.base_row_norm_sq(W))
