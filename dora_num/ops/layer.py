@@ -112,7 +112,8 @@ class DoRALinear(nn.Module):
         lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B)
         g = self._g_fast()
         lora = lora.to(base_c.dtype)
-        inference = not (torch.is_grad_enabled() and (x.requires_grad or g.requires_grad or lora.requires_grad))
+        inference = not (torch.is_grad_enabled()
+                         and (base_c.requires_grad or lora.requires_grad or g.requires_grad))
         # Inference: the compose writes delta over the lora buffer (no new allocation).
         delta = compose(base_c, lora, g, self.scale, path=self.compose_path,
                         out=lora if inference and lora.is_contiguous() else None, _g_checked=True)
