@@ -618,11 +618,8 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
         if smoke:
             bench_compose((512,), (512, 4096), (torch.bfloat16,), copy_gbps, checkpoint=ck)
             return
-        compile_set = {(torch.bfloat16, t, d) for t in DEFAULT_TOKENS for d in DEFAULT_DOUT}
-        compile_set |= {(dt, t, d) for dt in (torch.float16, torch.float32) for t, d in TARGET_SHAPES}
-        rows = bench_compose(DEFAULT_TOKENS, DEFAULT_DOUT, (torch.bfloat16,), copy_gbps, compile_set, checkpoint=ck)
-        bench_compose((2048, 8192, 16384), (4096, 8192), (torch.float16, torch.float32), copy_gbps,
-                      compile_set, rows=rows, checkpoint=ck)
+        bench_compose(DEFAULT_TOKENS, DEFAULT_DOUT, (torch.bfloat16, torch.float16, torch.float32), copy_gbps,
+                      None, checkpoint=ck)
 
     section("compose", compose_section)
     desc["wall_s"] = time.time() - t0
