@@ -1,0 +1,99 @@
+"""torch.distributed for the convergence harness: DDP hooks for :func:`~dora_num.adapters.train.train`.
+
+Under ``torchrun`` each rank takes a contiguous slice of every batch
+(``batch_size`` must divide by the world size), encodes it, and all-gathers the
+embeddings (autograd-aware) so that every rank computes the *whole batch's*
+in-batch contrastive loss, the same number a single process computes.
+
+Gradients: rank ``r`` back-propagates ``L`` through its own slice only, and the
+all-gather's backward sums the (identical) loss gradients of all ranks, so the
+local gradient is ``W * dL/dtheta|_slice r``; DDP averages over the ``W`` ranks:
+``(1/W) sum_r W dL/dtheta|_r = dL/dtheta``, the single-process gradient (for
+``W = 2`` the scalings by 2 are exact in binary floating point; what remains is
+the association of the gradient sum and the slice-wise padding, both rounding).
+
+Dropout draws its masks per rank (per slice), a different random stream from the
+single process's; :func:`disable_dropout` turns dropout off where a comparison
+needs the same function.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def dist_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from torchrun's environment (``(0, 1, 0)`` without it)."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(device_type: str) -> tuple[int, int, int]:
+    """Initialise the default process group (nccl on CUDA, gloo on CPU) once."""
+    rank, world, local = dist_env()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return rank, world, local
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenate every rank's ``[n_r, d]`` slice (equal ``n_r``) in rank order.
+
+    Backward: the gradient of the gathered tensor is summed over ranks (all-reduce,
+    gloo and nccl both have it) and each rank keeps its own slice.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        world = dist.get_world_size()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
+
+
+def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    return _AllGather.apply(x)
+
+
+def shard_fn(rank: int, world: int):
+    """``indices -> this rank's contiguous slice`` (the batch must split evenly)."""
+
+    def shard(idx):
+        n = len(idx)
+        if n % world:
+            raise ValueError(f"batch_size={n} must be divisible by the world size {world}")
+        k = n // world
+        return idx[rank * k : (rank + 1) * k]
+
+    return shard
+
+
+def ddp_wrapper(device: torch.device):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def wrap(model: nn.Module) -> nn.Module:
+        ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+        return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+    return wrap
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every ``nn.Dropout`` of ``model`` to ``p = 0`` (BERT's attention reads its module's ``p``)."""
+    for mod in model.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+    return model
