@@ -96,25 +96,25 @@ def gpu_suite_sizes() -> dict:
 def gpu_suite_assembly_inputs(n: int, n_total: int | None = None) -> AssemblyInputs:
     """The first ``n`` of the GPU suite's ``n_total`` norm-assembly inputs
     (:func:`~dora_num.studies.gpu_suite.fma_inputs`; default: the suite's full size)."""
-    from .gpu_suite import SCALE, fma_inputs
+    from .gpu_suite import FMA_SCALE, fma_inputs
 
     n_total = gpu_suite_sizes()["norm"] if n_total is None else n_total
     if n > n_total:
         raise ValueError(f"n={n} exceeds n_total={n_total}")
     b, c, a = (v[:n].astype(np.float64) for v in fma_inputs(n_total))
-    return AssemblyInputs(b, c, a, SCALE, np.full(n, "gpu_suite", dtype=object))
+    return AssemblyInputs(b, c, a, FMA_SCALE, np.full(n, "gpu_suite", dtype=object))
 
 
 def gpu_suite_compose_inputs(rows: int, cols: int, rows_total: int | None = None) -> ComposeInputs:
     """The first ``rows`` rows of the GPU suite's ``rows_total x cols`` compose inputs."""
-    from .gpu_suite import SCALE, compose_fma_inputs
+    from .gpu_suite import FMA_SCALE as SCALE, compose_fma_inputs
 
     rows_total = gpu_suite_sizes()["compose_rows"] if rows_total is None else rows_total
     base, lora, g = compose_fma_inputs(rows_total, cols)
     base, lora = base[:rows], lora[:rows]
     gg = np.broadcast_to(g.astype(np.float64), base.shape)
     return ComposeInputs(base.astype(np.float64).ravel(), lora.astype(np.float64).ravel(), gg.ravel().copy(),
-                         SCALE, np.full(base.size, "gpu_suite", dtype=object))
+                         scale_constants(SCALE)[0], np.full(base.size, "gpu_suite", dtype=object))
 
 
 def adversarial_assembly_inputs(n: int, s: float, seed: int) -> AssemblyInputs:
@@ -368,7 +368,7 @@ def compose_study(sets: dict[str, ComposeInputs], out_fmts=("fp32", "bf16")) -> 
     for set_name, inp in sets.items():
         for fmt in out_fmts:
             base, lora = round_to(inp.base, fmt), round_to(inp.lora, fmt)  # storage values
-            args = {"base": base, "lora": lora, "g": inp.g, "s": inp.s}
+            args = {"base": base, "lora": lora, "g": inp.g, "s": scale_constants(inp.s)[0]}
             exact = compose_exact(base, lora, inp.g, inp.s, fmt).rounded
             for name in COMPOSE_FORMULAS:
                 if name == "compose_inner" and fmt != "fp32":
