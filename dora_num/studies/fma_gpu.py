@@ -8,7 +8,9 @@ The GPU suite (:func:`dora_num.studies.gpu_suite.bench_fma`) records, under
   / ``tl.sqrt_rn`` / PTX ``sqrt.rn.f32``; compose fp32/bf16: contraction on/off)
   the bitwise agreement with the torch reference over all ``n`` seeded inputs,
   ULP histogram columns ``ulp_0 .. ulp_>4`` and PTX instruction counts;
-- ``fma_sqrt_sample.npz``: the first inputs and every variant's outputs;
+- ``fma_sqrt_sample.npz``: for the first ``meta_sample`` inputs, the sha256 of the
+  torch reference's bytes and, per variant, where it differs from the reference
+  (indices and bit patterns); the first 2^16 inputs as a spot check;
 - ``device.json``: GPU, driver, torch/triton versions, git sha.
 
 The inputs are seeded numpy streams (:func:`~dora_num.studies.gpu_suite.fma_inputs`,

@@ -220,6 +220,7 @@ class Placement(RoundEach):
         # per site, in call order: the fp32 product fl(a*b), the rounding error an FMA removes
         # (|a*b - fl(a*b)|, exact) and the site's output (what the formula carries on)
         self.records: list[dict] = []
+        self._contracting = RoundEach(fmt, fma=True)
 
     def mul(self, a, b):
         out = super().mul(a, b)
@@ -227,11 +228,8 @@ class Placement(RoundEach):
         return out
 
     def _fma(self, a, b, c):
-        p, e = two_prod(np.asarray(a, np.float64), np.asarray(b, np.float64))
-        if np.any(e[np.isfinite(e)] != 0) if np.ndim(e) else (np.isfinite(e) and e != 0):
-            raise ValueError("an FMA needs a*b exact in float64 (operands of <= 26 significant bits)")
-        s, e2 = two_sum(p, np.asarray(c, np.float64))
-        return self._round2(s, e2)
+        """``fl(a*b + c)``, one rounding: the numerics engineer's contracting arithmetic."""
+        return self._contracting.muladd(a, b, c)
 
     def muladd(self, a, b, c):
         if self._calls >= len(self.choice):
