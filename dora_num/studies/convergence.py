@@ -65,6 +65,7 @@ class ConvergenceConfig:
     steps: int = 2000
     seeds: tuple[int, ...] = (0, 1, 2)
     repeat_seed: int | None = 0  # one eager seed run twice (None: no repeat)
+    paths: tuple[str, ...] = PATHS  # compose paths run per seed
     # GPU sizing: MiniLM is launch-bound on an H200 (step time ~ number of kernels,
     # not tokens), so batch 64 x 64 tokens costs about what batch 8 does; 64 pairs
     # give 63 in-batch negatives.  2000 steps x 64 = 32 epochs of the 3976 pairs.
@@ -82,6 +83,11 @@ class ConvergenceConfig:
     dropout: bool = True  # MiniLM's own dropout (0.1); off for the DDP-vs-single check
     fused_impl: str = "auto"  # "kernels" | "custom_op" | "auto" (kernels where they run)
     deadline_s: float | None = None  # skip runs that would end after this many seconds
+    # CPU threads (None: torch's default).  The SMOKE run uses 1: on the shared 2-core CI
+    # machine a 2-thread OpenMP region waits for a descheduled thread; measured there
+    # under load, a 384->1536 DoRALinear forward of 32 tokens took 238 ms with 2 threads
+    # and 5.5 ms with 1.
+    threads: int | None = None
     progress: bool = True
 
     def validate(self) -> None:
@@ -97,6 +103,9 @@ class ConvergenceConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.profile_steps < 0:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
+        bad = [p for p in self.paths if p not in PATHS]
+        if bad or not self.paths:
+            raise ValueError(f"paths must be a non-empty subset of {PATHS}, got {self.paths}")
         if self.fused_impl not in ("auto", "kernels", "custom_op"):
             raise ValueError(f"fused_impl must be 'auto', 'kernels' or 'custom_op', got {self.fused_impl!r}")
 
@@ -106,7 +115,7 @@ class ConvergenceConfig:
 
 
 SMOKE = dict(steps=4, seeds=(0, 1), batch_size=4, max_len=16, eval_every=2, eval_limit=16, profile_steps=0,
-             warmup_steps=2, lr=1e-3, device="cpu", bf16_autocast=False)
+             warmup_steps=2, lr=1e-3, device="cpu", bf16_autocast=False, fused_impl="custom_op", threads=1)
 
 
 @dataclass(frozen=True)
@@ -125,7 +134,7 @@ def run_plan(seeds, repeat_seed=None, paths=PATHS) -> list[RunSpec]:
     plan = []
     for i, s in enumerate(seeds):
         plan.extend(RunSpec(p, s) for p in paths)
-        if s == repeat_seed:
+        if s == repeat_seed and "eager" in paths:
             plan.append(RunSpec("eager", s, 1))
     return plan
 
@@ -315,9 +324,19 @@ def run_study(cfg: ConvergenceConfig, out: str | Path | None = None, *, base_pat
               dist_: Distributed | None = None, log=print) -> StudyResult:
     """Profile, then the run plan; writes the tables under ``out`` after every run (if given)."""
     cfg.validate()
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run_study(cfg, out, base_path=base_path, corpus=corpus, dist_=dist_, log=log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
     dist_ = dist_ or Distributed()
     impl = resolve_fused_impl(cfg)
-    plan = run_plan(cfg.seeds, cfg.repeat_seed)
+    plan = run_plan(cfg.seeds, cfg.repeat_seed, cfg.paths)
     out = Path(out) if out is not None else None
     t_start = time.perf_counter()
     params = {**dataclasses.asdict(cfg), "fused_impl_resolved": impl, "world_size": dist_.world,
@@ -327,7 +346,7 @@ def run_study(cfg: ConvergenceConfig, out: str | Path | None = None, *, base_pat
                "torch": torch.__version__, "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                "cudnn_deterministic": torch.backends.cudnn.deterministic}
     prof_df, prof = pd.DataFrame(columns=["path", "impl", "step", "seconds"]), {}
-    if cfg.profile_steps > 0:
+    if cfg.profile_steps > 0 and set(cfg.paths) == set(PATHS):
         prof_df, prof = profile(cfg, impl, base_path, corpus, dist_)
         sps = {p: prof[p]["median_s_per_step"] for p in PATHS}
         overhead = float(np.mean([prof[p]["overhead_s"] for p in PATHS]))
@@ -418,8 +437,11 @@ def build_arg_parser(p: argparse.ArgumentParser | None = None) -> argparse.Argum
     p.add_argument("--max-len", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--profile-steps", type=int, default=None)
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=None, help="compose paths (default: both)")
     p.add_argument("--no-dropout", action="store_true", help="dropout off (DDP-vs-single comparisons)")
-    p.add_argument("--fused-impl", choices=("auto", "kernels", "custom_op"), default="auto")
+    p.add_argument("--fused-impl", choices=("auto", "kernels", "custom_op"), default=None,
+                   help="fused arm: Triton kernels, or the custom op's PyTorch implementation "
+                        "(default: kernels where they run; custom_op with --smoke)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip runs that would end after this")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -437,12 +459,15 @@ def config_from_args(args) -> ConvergenceConfig:
         v = getattr(args, name)
         if v is not None:
             kw[name] = v
+    if args.paths is not None:
+        kw["paths"] = tuple(args.paths)
     if args.seeds is not None:
         kw["seeds"] = tuple(args.seeds)
     seeds = kw.get("seeds", ConvergenceConfig.seeds)
     kw["repeat_seed"] = None if args.no_repeat else (args.repeat_seed if args.repeat_seed is not None else seeds[0])
     kw["dropout"] = not args.no_dropout
-    kw["fused_impl"] = args.fused_impl
+    if args.fused_impl is not None:
+        kw["fused_impl"] = args.fused_impl
     kw["progress"] = not args.no_progress
     return ConvergenceConfig(**kw)
 

@@ -1,0 +1,157 @@
+"""The convergence runner: plan, configuration, the CPU fused arm, the SMOKE study, DDP."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from dora_num.adapters.train import train
+from dora_num.ops import layer as layer_mod
+from dora_num.ops.layer import DoRALinear
+from dora_num.repro.paths import REPO_ROOT
+from dora_num.repro.provenance import read_provenance
+from dora_num.studies import convergence as cv
+from dora_num.studies import equivalence as eq
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """1 CPU thread (see ConvergenceConfig.threads: 2 threads on the shared 2-core CI machine are ~40x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = dict(cv.SMOKE, steps=2, eval_every=2, eval_limit=8, batch_size=4, max_len=8, progress=False)  # threads=1
+
+
+def test_run_plan_order():
+    names = [s.name for s in cv.run_plan((0, 1, 2), 0)]
+    assert names == ["eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1", "eager_s2", "fused_s2"]
+    assert [s.name for s in cv.run_plan((3,), None, ("eager",))] == ["eager_s3"]
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(seeds=()), "seeds must not be empty"),
+        (dict(seeds=(0, 0)), "distinct"),
+        (dict(repeat_seed=5), "repeat_seed"),
+        (dict(steps=0), "steps"),
+        (dict(paths=("fast",)), "paths"),
+        (dict(fused_impl="triton"), "fused_impl"),
+        (dict(profile_steps=-1), "profile_steps"),
+    ],
+    ids=["no-seeds", "dup-seeds", "repeat-not-a-seed", "zero-steps", "bad-path", "bad-impl", "neg-profile"],
+)
+def test_config_validation(change, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(cv.ConvergenceConfig(), **change).validate()
+
+
+def test_eval_steps_every_200_and_the_end():
+    assert cv.ConvergenceConfig().eval_steps == tuple(range(0, 2001, 200))
+    assert dataclasses.replace(cv.ConvergenceConfig(), steps=450).eval_steps == (0, 200, 400, 450)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_custom_op_arm_is_bitwise_the_eager_compose(dtype):
+    """The CPU fused arm (custom op, PyTorch implementation) computes the contract's
+    forward and backward: bit for bit what the eager tier computes (DESIGN.md 2.2)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(63, 33).to(dtype)
+    x = torch.randn(5, 63, dtype=dtype)
+
+    def run(impl):
+        torch.manual_seed(1)
+        mod = DoRALinear.from_linear(lin, 4, 8.0, compose_path="eager")
+        with torch.no_grad():
+            mod.lora_B.normal_(0, 0.1)
+            mod.magnitude.mul_(1.001)
+        xi = x.clone().requires_grad_(True)
+        with cv.compose_impl(impl):
+            y = mod(xi)
+            y.float().square().sum().backward()
+        return [y.detach(), xi.grad, mod.lora_A.grad, mod.lora_B.grad, mod.magnitude.grad]
+
+    eager, op = run("eager"), run("custom_op")
+    assert layer_mod.compose is not cv._custom_op_compose  # restored
+    for a, b in zip(eager, op):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_g_statistics_known_values():
+    g = {0: {"a": np.array([0.0, 1e-3], np.float32), "b": np.array([-2e-3], np.float32)}}
+    df = cv.g_statistics(g).set_index(["module", "statistic"]).value
+    assert df["all", "max_abs"] == pytest.approx(2e-3)
+    assert df["a", "mean"] == pytest.approx(5e-4)
+    assert df["b", "min"] == pytest.approx(-2e-3)
+
+
+def test_smoke_study_end_to_end(tmp_path):
+    """Tiny live study on CPU: outputs, provenance, and the contract's consequence that
+    the CPU fused arm and the repeat train bit for bit like eager."""
+    cfg = cv.ConvergenceConfig(**TINY)
+    res = cv.run_study(cfg, tmp_path, log=lambda *_: None)
+    for name in ("history.csv.gz", "evals.csv", "g_stats.csv", "profile.csv", "summary.json"):
+        assert (tmp_path / name).is_file()
+        assert read_provenance(tmp_path / name)["producer"] == "dora_num.studies.convergence"
+    hist = pd.read_csv(tmp_path / "history.csv.gz")
+    assert set(hist.metric) == {"loss", "grad_norm", "lr", "seconds"}
+    assert set(hist.run) == {"eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1"}
+    assert set(hist[hist.path == "fused"].impl) == {"custom_op"}
+    evals = pd.read_csv(tmp_path / "evals.csv")
+    assert sorted(evals.step.unique()) == [0, 2]
+    losses = cv.wide_loss(hist)
+    dt = eq.delta_table(losses)
+    assert (dt[dt.kind.isin(["fused_vs_eager", "repeat"])].max_abs == 0).all()
+    assert (dt[dt.kind == "seed_to_seed"].mean_abs > 0).all()
+    assert res.summary["fused_impl"] == "custom_op" and not res.summary["skipped"]
+
+
+def _tidy_loss(path):
+    h = pd.read_csv(path)
+    return h[h.metric.isin(["loss", "grad_norm"])].pivot_table(index="step", columns="metric", values="value")
+
+
+def test_ddp_two_gloo_ranks_match_single_process(tmp_path):
+    """2 gloo ranks on CPU (torchrun) against the single process, dropout off.
+
+    DDP computes the single process's loss and gradient with sums associated
+    differently (per-rank gradient sums then an all-reduce; slice-wise padding), a
+    rounding-level change.  Tolerance: the measured effect of a rounding-level change
+    of the same training, the single-process run with every initial magnitude moved
+    by one fp32 ulp (``TrainConfig.perturb_seed``): DDP may not move the loss or the
+    gradient norm further than that does, step by step.
+    """
+    steps = 3
+    args = ["--smoke", "--no-dropout", "--seeds", "0", "--no-repeat", "--paths", "eager", "--steps", str(steps),
+            "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "dora_num.studies.convergence", "--out", str(tmp_path / "ddp"), *args],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ddp = _tidy_loss(tmp_path / "ddp" / "history.csv.gz")
+
+    cfg = cv.ConvergenceConfig(**dict(cv.SMOKE, steps=steps, seeds=(0,), repeat_seed=None, paths=("eager",),
+                                      dropout=False, progress=False))
+    spec = cv.RunSpec("eager", 0)
+    hooks = cv.make_hooks(cfg, cv.Distributed())
+    single = train(cv.train_config(cfg, spec, evals=False), hooks=hooks)
+    perturbed = train(dataclasses.replace(cv.train_config(cfg, spec, evals=False), perturb_seed=1), hooks=hooks)
+    s = pd.DataFrame(single.history).set_index("step")
+    p = pd.DataFrame(perturbed.history).set_index("step")
+    assert len(ddp) == steps
+    tol = (p[["loss", "grad_norm"]] - s[["loss", "grad_norm"]]).abs()
+    diff = (ddp[["loss", "grad_norm"]] - s[["loss", "grad_norm"]]).abs()
+    assert (tol.loss.max() > 0) and (tol.grad_norm.max() > 0)  # the baseline does measure something
+    assert (diff.loss <= tol.loss.max()).all(), (diff, tol)
+    assert (diff.grad_norm <= tol.grad_norm.max()).all(), (diff, tol)
