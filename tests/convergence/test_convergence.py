@@ -98,8 +98,13 @@ def test_g_statistics_known_values():
 def test_smoke_study_end_to_end(tmp_path):
     """Tiny live study on CPU: outputs, provenance, and the contract's consequence that
     the CPU fused arm and the repeat train bit for bit like eager."""
-    cfg = cv.ConvergenceConfig(**TINY)
-    res = cv.run_study(cfg, tmp_path, log=lambda *_: None)
+    cfg = cv.ConvergenceConfig(**dict(TINY, profile_steps=cv.PROFILE_WARMUP + 1))
+    logged = []
+    res = cv.run_study(cfg, tmp_path, log=logged.append)
+    assert logged[0].startswith("profile") and "projected total" in logged[0]
+    prof = pd.read_csv(tmp_path / "profile.csv")
+    assert sorted(prof.path.unique()) == ["eager", "fused"] and len(prof) == 2 * cfg.profile_steps
+    assert res.summary["projected_total_s"] > 0
     for name in ("history.csv.gz", "evals.csv", "g_stats.csv", "profile.csv", "summary.json"):
         assert (tmp_path / name).is_file()
         assert read_provenance(tmp_path / name)["producer"] == "dora_num.studies.convergence"
