@@ -117,7 +117,7 @@ class ConvergenceConfig:
         return tuple(sorted({0, *range(self.eval_every, self.steps + 1, self.eval_every), self.steps}))
 
 
-SMOKE = dict(steps=4, seeds=(0, 1), batch_size=4, max_len=16, eval_every=2, eval_limit=16, profile_steps=0,
+SMOKE = dict(steps=3, seeds=(0, 1), batch_size=4, max_len=16, eval_every=3, eval_limit=16, profile_steps=0,
              warmup_steps=2, lr=1e-3, device="cpu", bf16_autocast=False, fused_impl="custom_op", threads=1)
 
 
@@ -499,3 +499,48 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --------------------------------------------------------------------------
+# Reading recorded runs (notebook 04)
+# --------------------------------------------------------------------------
+
+RECORDED_DIR = ("gpu", "convergence")
+RECORD_COMMAND = ("PYTHONPATH=. python3 -m dora_num.studies.convergence --out data/gpu/convergence "
+                  "--base .carry/minilm --deadline-s 520   # on the H200, one call")
+
+
+@dataclass
+class Recorded:
+    history: pd.DataFrame  # tidy: run, path, impl, seed, repeat, step, metric, value
+    evals: pd.DataFrame
+    g_stats: pd.DataFrame
+    profile: pd.DataFrame
+    summary: dict
+    folder: Path
+
+
+def load_recorded(folder: str | Path | None = None) -> Recorded:
+    """The recorded runs under ``folder`` (default ``data/gpu/convergence``); a clear
+    error naming the command that records them when they are missing."""
+    from ..repro.paths import committed_data
+
+    folder = Path(folder) if folder is not None else committed_data(*RECORDED_DIR)
+    need = ("history.csv.gz", "evals.csv", "g_stats.csv", "profile.csv", "summary.json")
+    missing = [n for n in need if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no recorded runs in {folder} (missing {', '.join(missing)}); "
+                                f"record them with: {RECORD_COMMAND}")
+    return Recorded(pd.read_csv(folder / "history.csv.gz"), pd.read_csv(folder / "evals.csv"),
+                    pd.read_csv(folder / "g_stats.csv"), pd.read_csv(folder / "profile.csv"),
+                    json.loads((folder / "summary.json").read_text()), folder)
+
+
+def from_study(res: StudyResult, folder: Path) -> Recorded:
+    return Recorded(res.history, res.evals, res.g_stats, res.profile, res.summary, Path(folder))
+
+
+def seconds_per_step(rec: Recorded) -> dict[str, float]:
+    """Median time per step of each path over all its recorded steps (first step of each run dropped)."""
+    h = rec.history[(rec.history.metric == "seconds") & (rec.history.step > 1)]
+    return {p: float(g.value.median()) for p, g in h.groupby("path")}
