@@ -19,13 +19,13 @@ to an independent evaluation of the same mathematics:
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import nn
 
 from .numerics import formulas as F
 from .numerics.arithmetic import TorchFP32
+from .numerics.bounds import gamma
 
 U32 = 2.0**-24  # unit roundoff of IEEE binary32
 U64 = 2.0**-53  # unit roundoff of IEEE binary64
@@ -42,12 +42,6 @@ class TorchFP64(TorchFP32):
     @staticmethod
     def const(x: float) -> float:
         return float(x)
-
-
-def gamma(n: int, u: float) -> float:
-    """``gamma_n = n u / (1 - n u)`` (Higham, eq. 3.8); ``inf`` when ``n u >= 1``."""
-    nu = n * u
-    return nu / (1.0 - nu) if nu < 1.0 else math.inf
 
 
 def fp32_scale(scale: float) -> float:

@@ -201,8 +201,15 @@ def assembly_condition(base_sq, cross, ba, s: float) -> np.ndarray:
 # Row norms from W, A, B in fp32 (dora_num.ops): factored vs dense.
 # --------------------------------------------------------------------------
 
-def _gam(n, u):
-    return n * u / (1 - n * u)
+def gamma(n, u: float):
+    """``gamma_n = n u / (1 - n u)`` (Higham, eq. 3.8); ``inf`` where ``n u >= 1``."""
+    nu = np.asarray(n, dtype=np.float64) * u
+    with np.errstate(divide="ignore"):
+        out = np.where(nu < 1.0, nu / np.where(nu < 1.0, 1.0 - nu, 1.0), np.inf)
+    return float(out) if out.ndim == 0 else out
+
+
+_gam = gamma
 
 
 def factored_norm_bound(W, A, B, s: float) -> np.ndarray:

@@ -102,9 +102,25 @@ class DoRALinear(nn.Module):
             raise ValueError("g = m / max(wnorm, eps) contains non-finite values")
         return g
 
+    def _check_input(self, x, W: torch.Tensor) -> None:
+        """Metadata checks of ``x`` (no device sync): name ``x`` instead of a matmul error."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x has dtype {x.dtype}; DoRALinear needs floating-point inputs")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x has shape {tuple(x.shape)}; expected [..., in_features] with "
+                             f"in_features = {self.in_features}")
+        if x.device != W.device:
+            raise ValueError(f"x is on {x.device} but the layer's weight is on {W.device}")
+        if x.dtype != W.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x has dtype {x.dtype} but the layer's weight has {W.dtype} "
+                            "(cast x, or run under torch.autocast)")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         W = self.base.weight
         bias = self.base.bias
+        self._check_input(x, W)
         x_lora = self.dropout(x)
         base = Fn.linear(x, W)
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.

@@ -9,11 +9,14 @@ Math
 
 Where it loses accuracy: the assembly is a sum whose condition number is
 ``kappa = (base + |2s cross| + s^2 ba) / wnorm^2``.  With fp32 terms each carrying
-relative error ``~ gamma_{d_in} u`` (pairwise summation: ``~ log2(d_in) u``),
-``wnorm^2`` carries about ``kappa`` times that; the dense norm pays the same
-cancellation at the element level instead (it rounds ``W + s(BA)`` elementwise,
-relative error u on each element of the *result*), so the factored norm loses to
-the dense one only when ``kappa`` is large (the update cancelling the row).
+relative error up to ``gamma_{d_in}`` (about ``log2(d_in) u`` in practice, for
+pairwise summation), ``wnorm^2`` carries about ``kappa`` times that, so the
+relative error of ``wnorm`` grows like ``u kappa``.  The dense norm rounds
+``W + s(BA)`` elementwise, with errors proportional to ``|W_i|`` rather than to the
+result, and degrades only like ``u sqrt(kappa)`` (derivations and measurements:
+:func:`dora_num.numerics.bounds.factored_norm_bound`, ``dense_norm_bound``,
+notebook 03).  The factored norm loses to the dense one only when ``kappa`` is
+large (the update cancelling the row).
 Realistic adapters have ``||sBA|| << ||W||`` and ``kappa ≈ 1``.
 
 Memory: ``base`` needs one fp32 chunk of W and its square,
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics.arithmetic import TorchFP32CorrectSqrt
+from ..numerics import formulas
+from ..numerics.arithmetic import TorchFP32, TorchFP32CorrectSqrt
 from ..numerics.formulas import norm_assembly, scale_constants
 from .validation import check_finite, check_lora_factors, check_scale, check_tensor
 
@@ -52,7 +56,7 @@ def dense_row_norm(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
         return torch.linalg.vector_norm(dense, dim=1)
 
 
-def _chunk_columns(d_out: int, d_in: int, chunk_bytes: int) -> int:
+def chunk_columns(d_out: int, d_in: int, chunk_bytes: int) -> int:
     """Widest chunk (a multiple of 64 columns, or all of ``d_in``) whose fp32
     copy of W plus its square fit in ``chunk_bytes``."""
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
@@ -76,7 +80,7 @@ def base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES)
     """``rowsum(W*W)`` in fp32, chunked along ``d_in``; depends on the frozen W only."""
     check_tensor("W", W, ndim=2)
     d_out, d_in = W.shape
-    cols = _chunk_columns(d_out, d_in, chunk_bytes)
+    cols = chunk_columns(d_out, d_in, chunk_bytes)
     with torch.no_grad(), torch.autocast(W.device.type, enabled=False):
         acc = torch.zeros(d_out, dtype=torch.float32, device=W.device)
         for start in range(0, d_in, cols):
@@ -177,7 +181,7 @@ def factored_row_norm(
     """
     d_out, d_in, r = check_lora_factors(W, A, B)
     s_raw = check_scale(scale)
-    cols = _chunk_columns(d_out, d_in, chunk_bytes)
+    cols = chunk_columns(d_out, d_in, chunk_bytes)
     if base_sq is not None:
         check_tensor("base_sq", base_sq, ndim=1, dtypes=(torch.float32,))
         if base_sq.shape[0] != d_out or base_sq.device != W.device:
@@ -291,4 +295,4 @@ def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None =
     if check and not torch.compiler.is_compiling():  # value checks sync; skipped while tracing
         check_finite("m", m.detach())
         check_finite("wnorm", wnorm)
-    return m.float() / torch.clamp_min(wnorm.detach().float(), eps)
+    return formulas.magnitude_scale(TorchFP32, m.float(), wnorm.detach().float(), eps)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..ops.norm import DEFAULT_CHUNK_BYTES, ROW_CHUNK_BYTES
+from ..ops.norm import DEFAULT_CHUNK_BYTES, ROW_CHUNK_BYTES, chunk_columns
 
 PAPER_TABLE1 = pd.DataFrame(  # PAPER.md: H200, fp32, allocator peak, MB
     [(4096, 4096, 384, 192, 71), (8192, 8192, 384, 768, 245), (8192, 8192, 512, 768, 241),
@@ -98,7 +98,7 @@ def norm_memory_theory(method: str, d_out: int, d_in: int, r: int, w_bytes: int,
     if method == "dense_fp32":
         return (2 + copy) * d_out * d_in * 4
     if method == "factored":
-        cols = min(d_in, max(64, chunk_bytes // (8 * d_out) // 64 * 64))
+        cols = chunk_columns(d_out, d_in, chunk_bytes)  # the operator's own rule
         return (1 + copy) * d_out * cols * 4
     if method == "factored_cached":
         rows = min(d_out, max(1, row_chunk_bytes // (12 * r)))

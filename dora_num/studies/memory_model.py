@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -134,7 +133,9 @@ def _norm_transient(cfg: MemoryConfig, d_in: int, d_out: int) -> int:
     dense = d_out * d_in * 4
     if cfg.norm == "dense":  # W.float() (a copy unless fp32) + BA + s*BA, then + the sum
         return (2 if w == 4 else 3) * dense + d_out * 4
-    cols = min(d_in, max(64, cfg.chunk_bytes // (2 * 4 * d_out) // 64 * 64))
+    from ..ops.norm import chunk_columns  # the operator's own rule (lazy: torch)
+
+    cols = chunk_columns(d_out, d_in, cfg.chunk_bytes)
     wchunk = d_out * cols * 4
     u_gram = d_out * r * 4 + r * r * 4 + min(6 * 2**20, 3 * d_out * r * 4)
     u_copy = 0 if (w == 4 or cfg.fp32_out_mm) else wchunk + r * cols * 4  # fp32 chunk of W (and of A)

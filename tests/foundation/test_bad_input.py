@@ -174,8 +174,7 @@ def test_at_least_20_cases():
 
 
 # --------------------------------------------------------------------------
-# Inputs to DoRALinear.forward: the layer should name ``x``.  It does not yet:
-# torch's own matmul error surfaces ("mat1 and mat2 shapes cannot be multiplied").
+# Inputs to DoRALinear.forward: the layer names ``x`` (not torch's matmul error).
 # --------------------------------------------------------------------------
 
 LAYER_X = [
@@ -185,7 +184,6 @@ LAYER_X = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="DoRALinear.forward does not check x (lead: add a check naming x)")
 @pytest.mark.parametrize("fn, match", [c[1:] for c in LAYER_X], ids=[c[0] for c in LAYER_X])
 def test_layer_input_named(fn, match):
     with pytest.raises((ValueError, TypeError), match=match):

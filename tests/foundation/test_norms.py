@@ -38,7 +38,7 @@ from dora_num.testing import (
     row_norm_ref64_error_bound,
 )
 
-BYTES_PER_COLUMN_ROW = 8  # fp32 chunk of W + its square (ops/norm.py, _chunk_columns)
+BYTES_PER_COLUMN_ROW = 8  # fp32 chunk of W + its square (ops/norm.py, chunk_columns)
 
 
 def _inputs(d_out, d_in, r, regime, seed, dtype=torch.float32):

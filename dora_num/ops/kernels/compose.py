@@ -32,12 +32,13 @@ dg reduction and its bound.  Stage 1: program ``(i, j)`` sums the fp32 products
 ``log2(BLOCK_M)``) into ``partials[i, cols_j]``.  Stage 2: one program per
 column block adds the ``nb = ceil(M / BLOCK_M)`` partials in a fixed order
 (chunks of ``FIN_CHUNK`` row blocks in sequence, a fixed tree inside each
-chunk; no atomics), so the result is bitwise reproducible run to run.  With products ``p_k`` each rounded once, standard
-model: ``|dg_hat - dg| <= gamma_{1 + BLOCK_M + nb} * sum_k |inner_k D_k|``
-(one rounding per product; ``BLOCK_M - 1`` for stage 1 in whatever order
-``tl.sum`` adds within and across threads; ``nb - 1`` for stage 2, which adds
-chunks of partials in sequence, each chunk by a fixed tree)
-where ``gamma_n = n u / (1 - n u)``, ``u = 2^-24`` (:func:`dg_error_bound`).
+chunk; no atomics), so the result is bitwise reproducible run to run.  With products ``p_k`` each
+rounded once, standard model: ``|dg_hat - dg| <= gamma_{A+1} * sum_k |inner_k D_k|``
+where ``A`` is the most additions any product passes through:
+``BLOCK_M - 1`` in stage 1 (any order ``tl.sum`` takes), then inside a chunk of
+partials and along the sequence of chunk sums in stage 2
+(:func:`dora_num.numerics.bounds.dg_max_additions` counts them; :func:`dg_error_bound`),
+``gamma_n = n u / (1 - n u)``, ``u = 2^-24``.
 
 Non-contiguous inputs are copied to contiguous (documented cost: one extra
 pass); the in-place forward refuses a non-contiguous destination.  Empty
@@ -46,7 +47,6 @@ inputs return empty outputs without a launch.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -288,15 +288,21 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
 
 
 def dg_error_bound(inner: torch.Tensor, grad: torch.Tensor, n_rows: int | None = None) -> torch.Tensor:
-    """A-priori bound on ``|dg_fused - dg_exact|`` per column (fp64 ``[N]``).
+    """A-priori bound on ``|dg_fused - sum_rows(inner * D)|`` per column (fp64 ``[N]``),
+    ``inner`` being the fp32 tensor the kernel multiplies (exact sum of its products).
 
-    ``gamma_n * sum_rows |inner * D|`` with ``n = 1 + BLOCK_M + nb`` (one
-    rounding per product, any order within a block, the sequential stage 2).
+    Each product rounds once (``u``, plus ``2^-150`` if it underflows), then passes
+    through at most ``A`` additions of this kernel's two-stage tree
+    (:func:`dora_num.numerics.bounds.dg_max_additions`, the one count of them):
+    ``gamma_{A+1} sum |inner D| + T 2^-150 (1 + gamma_A)``.  The bound of ``dg``
+    against the exact value from ``lora`` and ``base`` (which adds the rounding of
+    ``inner``) is :func:`dora_num.numerics.bounds.dg_bound`.
     """
+    from ...numerics.bounds import dg_max_additions, gamma
+
     inner2 = inner.reshape(-1, inner.shape[-1]).double()
     d2 = grad.reshape(-1, grad.shape[-1]).double()
     m = inner2.shape[0] if n_rows is None else n_rows
-    nb = max(1, math.ceil(m / BWD_BLOCK_M))
-    n = 1 + BWD_BLOCK_M + nb
-    gamma = n * U32 / (1 - n * U32)
-    return gamma * (inner2 * d2).abs().sum(dim=0)
+    adds = dg_max_additions("fused", max(1, m), block_m=BWD_BLOCK_M, chunk=FIN_CHUNK)
+    underflow = max(1, m) * 2.0**-150 * (1 + gamma(adds, U32))
+    return gamma(adds + 1, U32) * (inner2 * d2).abs().sum(dim=0) + underflow
