@@ -23,7 +23,7 @@ after every run so a run cut short loses only itself:
 
     history.csv.gz   run, path, impl, seed, repeat, step, metric, value
     evals.csv        run, path, impl, seed, repeat, step, metric, value
-    g_stats.csv      run, path, impl, seed, repeat, step, module, statistic, value
+    g_stats.csv.gz   run, path, impl, seed, repeat, step, module, statistic, value
     profile.csv      path, impl, step, seconds
     summary.json     configuration, plan, time per step, projections, wall times
 
@@ -377,7 +377,7 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
         save_dataframe(_order(pd.concat(hist, ignore_index=True), ["metric", "value"]), out / "history.csv.gz", **prov)
         save_dataframe(_order(pd.concat(evs, ignore_index=True), ["metric", "value"]), out / "evals.csv", **prov)
         save_dataframe(_order(pd.concat(gst, ignore_index=True), ["module", "statistic", "value"]),
-                       out / "g_stats.csv", **prov)
+                       out / "g_stats.csv.gz", **prov)
         save_dataframe(prof_df, out / "profile.csv", **prov)
         save_json(summary, out / "summary.json", **prov)
 
@@ -526,13 +526,13 @@ def load_recorded(folder: str | Path | None = None) -> Recorded:
     from ..repro.paths import committed_data
 
     folder = Path(folder) if folder is not None else committed_data(*RECORDED_DIR)
-    need = ("history.csv.gz", "evals.csv", "g_stats.csv", "profile.csv", "summary.json")
+    need = ("history.csv.gz", "evals.csv", "g_stats.csv.gz", "profile.csv", "summary.json")
     missing = [n for n in need if not (folder / n).is_file()]
     if missing:
         raise FileNotFoundError(f"no recorded runs in {folder} (missing {', '.join(missing)}); "
                                 f"record them with: {RECORD_COMMAND}")
     return Recorded(pd.read_csv(folder / "history.csv.gz"), pd.read_csv(folder / "evals.csv"),
-                    pd.read_csv(folder / "g_stats.csv"), pd.read_csv(folder / "profile.csv"),
+                    pd.read_csv(folder / "g_stats.csv.gz"), pd.read_csv(folder / "profile.csv"),
                     json.loads((folder / "summary.json").read_text()), folder)
 
 

@@ -105,7 +105,7 @@ def test_smoke_study_end_to_end(tmp_path):
     prof = pd.read_csv(tmp_path / "profile.csv")
     assert sorted(prof.path.unique()) == ["eager", "fused"] and len(prof) == 2 * cfg.profile_steps
     assert res.summary["projected_total_s"] > 0
-    for name in ("history.csv.gz", "evals.csv", "g_stats.csv", "profile.csv", "summary.json"):
+    for name in ("history.csv.gz", "evals.csv", "g_stats.csv.gz", "profile.csv", "summary.json"):
         assert (tmp_path / name).is_file()
         assert read_provenance(tmp_path / name)["producer"] == "dora_num.studies.convergence"
     hist = pd.read_csv(tmp_path / "history.csv.gz")
@@ -119,6 +119,14 @@ def test_smoke_study_end_to_end(tmp_path):
     assert (dt[dt.kind.isin(["fused_vs_eager", "repeat"])].max_abs == 0).all()
     assert (dt[dt.kind == "seed_to_seed"].mean_abs > 0).all()
     assert res.summary["fused_impl"] == "custom_op" and not res.summary["skipped"]
+    rec = cv.load_recorded(tmp_path)
+    assert len(rec.history) == len(res.history) and rec.summary["plan"] == res.summary["plan"]
+    assert set(cv.seconds_per_step(rec)) == {"eager", "fused"}
+
+
+def test_load_recorded_names_the_missing_runs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no recorded runs in .*python3 -m dora_num.studies.convergence"):
+        cv.load_recorded(tmp_path)
 
 
 def _tidy_loss(path):
