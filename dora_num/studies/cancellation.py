@@ -123,16 +123,17 @@ def real_compose_inputs(adapter_dir=None, modules=None, *, n_texts: int = 16, ma
 
 
 def g_sweep(fmt, n_per_decade: int = 4, lo_exp: int = -22, hi_exp: int = -3) -> np.ndarray:
-    """fp32 values of g with ``|g-1|`` from ``2^lo_exp`` to ``2^hi_exp`` on both sides of 1, plus g = 1
-    and the exact zone ends of ``fmt`` (±1 fp32 ulp around each)."""
+    """fp32 values of g with ``|g-1|`` from ``2^lo_exp`` to ``2^hi_exp`` on both sides of 1
+    (``n_per_decade`` points per octave), plus g = 1 and the exact zone ends of ``fmt``,
+    each with its fp32 neighbours."""
     fmt = get_format(fmt)
     k = np.arange(lo_exp * n_per_decade, hi_exp * n_per_decade + 1) / n_per_decade
     d = 2.0 ** k
-    ends = np.array([fmt.spacing_below_one / 2, fmt.spacing_above_one / 2])
-    g = np.concatenate([1 + d, 1 - d, [1.0], 1 - ends[:1], 1 + ends[1:]])
-    g = round_to(g, "fp32")
-    g = np.concatenate([g, np.nextafter(g.astype(np.float32), np.float32(2)).astype(np.float64),
-                        np.nextafter(g.astype(np.float32), np.float32(0)).astype(np.float64)])
+    special = round_to(np.array([1.0, 1 - fmt.spacing_below_one / 2, 1 + fmt.spacing_above_one / 2]), "fp32")
+    s32 = special.astype(np.float32)
+    special = np.concatenate([special, np.nextafter(s32, np.float32(2)).astype(np.float64),
+                              np.nextafter(s32, np.float32(0)).astype(np.float64)])
+    g = round_to(np.concatenate([1 + d, 1 - d, special]), "fp32")
     return np.unique(g)
 
 
@@ -191,8 +192,9 @@ def paper_benchmark(shape=(2048, 8192), g_values=PAPER_G_VALUES, *, s: float = 0
     Floors: ``output_floor`` = max |fl(ref) - ref| (rounding the exact result once
     to bf16: no method can do better on this metric); ``cr_stored_floor`` = max
     |CR(exact on the stored inputs) - ref| (input storage + one output rounding).
-    ``*_ulp_max`` = the max ULP error against the correctly rounded result on the
-    stored inputs: the metric that sees the ``(g-1)*base`` term.
+    ``*_ulp_max`` / ``*_ulp_mean`` = ULP errors against the correctly rounded result
+    on the stored inputs with the fp32 g: the metric that sees the ``(g-1)*base``
+    term.  ``*_fp32_*``: the same forms with fp32 intermediates and g in fp32.
     """
     fmt = get_format(fmt)
     rng = np.random.default_rng(seed)
@@ -213,6 +215,11 @@ def paper_benchmark(shape=(2048, 8192), g_values=PAPER_G_VALUES, *, s: float = 0
             key = formula.split("_")[1]
             row[f"{key}_max_abs"] = float(np.abs(out - ref).max())
             row[f"{key}_ulp_max"] = float(np.abs(ulp_distance(out, truth.rounded, fmt)).max())
+            row[f"{key}_ulp_mean"] = float(np.abs(ulp_distance(out, truth.rounded, fmt)).mean())
+        for formula in ("compose_naive", "compose_stable"):  # the contract: fp32 intermediates, g in fp32
+            out = emulate(formula, {"base": b, "lora": l, "g": gg, "s": sf}, fmt, "fp32")
+            key = formula.split("_")[1] + "_fp32"
+            row[f"{key}_max_abs"] = float(np.abs(out - ref).max())
             row[f"{key}_ulp_mean"] = float(np.abs(ulp_distance(out, truth.rounded, fmt)).mean())
         row["ratio_max_abs"] = row["naive_max_abs"] / row["stable_max_abs"]
         rows.append(row)

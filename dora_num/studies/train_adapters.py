@@ -109,28 +109,33 @@ def run_agreement(steps: int = AGREEMENT_STEPS, out=None, progress=True) -> pd.D
     return df
 
 
+AGREEMENT_FACTOR = 2.0  # same-dtype-baseline convention of the house tests (flash-attention style)
+
+
 def agreement_verdict(df: pd.DataFrame) -> dict:
     """Loss-agreement criterion between the PEFT and ``dora_num`` backends.
 
-    Both backends evaluate the same function in fp32 with different (equally
-    valid) operation orders: PEFT forms ``W + sBA`` densely and takes a
-    not-correctly-rounded ``torch.linalg.norm``; we use the factored norm with a
-    correctly rounded sqrt, and a different compose sequence.  The only honest
-    yardstick for their disagreement is what training does to a disagreement of
-    that size, so the baseline is our own backend started from magnitudes moved
-    by one fp32 ulp (the init difference between the two norms).  Criterion:
-    (1) at step 1 (before any update has amplified anything) the losses agree to
-    within the forward-error scale, ``|dL| <= 64 u32 * L`` ... stated below as a
-    ratio to the baseline; (2) over the run, the running maximum of
-    ``|L_peft - L_ours|`` stays within the running maximum of
-    ``|L_perturbed - L_ours|`` times the ratio between them at step 1 plus one
-    (a disagreement no larger than a 1-ulp init perturbation produces).
+    Both backends evaluate the same function in fp32 with different, equally valid
+    operation orders (PEFT: dense ``W + sBA``, ``torch.linalg.norm`` (not correctly
+    rounded on CPU), bias fused into the base GEMM; ours: factored norm with a
+    correctly rounded sqrt, bias added after the GEMM, the contract's compose
+    sequence).  At init they differ by fp32 rounding only; training then amplifies
+    any difference.  The yardstick is therefore what training does to a
+    difference of that size: the baseline run is our backend with every initial
+    magnitude moved by one fp32 ulp (random sign).  The criterion: over the run,
+    both the mean and the max of ``|L_peft - L_ours|`` are at most
+    ``AGREEMENT_FACTOR`` times those of ``|L_perturbed - L_ours|``.  (At init the
+    two backends' outputs are also held to an fp64 evaluation, in
+    ``tests/adapters/test_train.py``.)
     """
     d_peft = (df["peft"] - df["dora_num"]).abs()
     d_base = (df["dora_num_perturbed"] - df["dora_num"]).abs()
-    return {"mean_abs_delta_peft": float(d_peft.mean()), "max_abs_delta_peft": float(d_peft.max()),
-            "mean_abs_delta_baseline": float(d_base.mean()), "max_abs_delta_baseline": float(d_base.max()),
-            "ratio_mean": float(d_peft.mean() / d_base.mean()) if d_base.mean() > 0 else float("inf")}
+    out = {"steps": int(len(df)), "mean_abs_delta_peft": float(d_peft.mean()), "max_abs_delta_peft": float(d_peft.max()),
+           "mean_abs_delta_baseline": float(d_base.mean()), "max_abs_delta_baseline": float(d_base.max()),
+           "factor": AGREEMENT_FACTOR}
+    out["agree"] = bool(out["mean_abs_delta_peft"] <= AGREEMENT_FACTOR * out["mean_abs_delta_baseline"]
+                        and out["max_abs_delta_peft"] <= AGREEMENT_FACTOR * out["max_abs_delta_baseline"])
+    return out
 
 
 def main(argv=None) -> int:

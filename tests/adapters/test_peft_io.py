@@ -213,3 +213,25 @@ def test_bin_that_executes_code_is_refused(tiny_export, tmp_path):
 def test_export_refuses_model_without_dora():
     with pytest.raises(AdapterError, match="no DoRALinear modules"):
         peft_io.export_peft_dora(make_base(), "/nonexistent")
+
+
+def test_reads_an_adapter_written_by_peft(tmp_path):
+    """An adapter saved by PEFT's own save_pretrained (rsLoRA, trained-looking values)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_base()
+    pm = get_peft_model(make_base(), LoraConfig(r=RANK, lora_alpha=4, use_dora=True, use_rslora=True,
+                                                target_modules=["q", "up"]))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in pm.parameters():
+            if p.requires_grad:
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    pm.save_pretrained(str(tmp_path / "peft_saved"))
+    states = {s.name: s for s in load_peft_dora(tmp_path / "peft_saved", base)}
+    assert sorted(states) == NAMES
+    for n, st in states.items():
+        lyr = pm.base_model.model.get_submodule(n)
+        assert torch.equal(st.A, lyr.lora_A["default"].weight) and torch.equal(st.B, lyr.lora_B["default"].weight)
+        assert torch.equal(st.m, lyr.lora_magnitude_vector["default"].weight)
+        assert st.scale == lyr.scaling["default"] == 4 / math.sqrt(RANK)
