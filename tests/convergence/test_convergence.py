@@ -124,6 +124,14 @@ def test_smoke_study_end_to_end(tmp_path):
     assert set(cv.seconds_per_step(rec)) == {"eager", "fused"}
 
 
+def test_deadline_skips_whole_runs():
+    """A run that would end after the deadline is skipped, never cut short."""
+    cfg = cv.ConvergenceConfig(**dict(TINY, steps=1, eval_every=1, repeat_seed=None, deadline_s=1e-6))
+    res = cv.run_study(cfg, None, log=lambda *_: None)
+    assert list(res.summary["runs"]) == ["eager_s0"]
+    assert [s["run"] for s in res.summary["skipped"]] == ["fused_s0", "eager_s1", "fused_s1"]
+
+
 def test_load_recorded_names_the_missing_runs(tmp_path):
     with pytest.raises(FileNotFoundError, match="no recorded runs in .*python3 -m dora_num.studies.convergence"):
         cv.load_recorded(tmp_path)
