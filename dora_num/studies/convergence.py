@@ -506,8 +506,9 @@ if __name__ == "__main__":
 # --------------------------------------------------------------------------
 
 RECORDED_DIR = ("gpu", "convergence")
-RECORD_COMMAND = ("PYTHONPATH=. python3 -m dora_num.studies.convergence --out data/gpu/convergence "
-                  "--base .carry/minilm --deadline-s 520   # on the H200, one call")
+RECORD_COMMAND = ("PYTHONPATH=. python3 -m dora_num.studies.convergence --out $OUT/convergence "
+                  "--base .carry/minilm --deadline-s 520  (one call on the H200, ~5 min; then copy "
+                  "$OUT/convergence/* with their .provenance.json sidecars to data/gpu/convergence/)")
 
 
 @dataclass
