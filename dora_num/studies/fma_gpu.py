@@ -136,11 +136,20 @@ def predict_compose(rows: int = 2048, cols: int = 2048) -> pd.DataFrame:
 
 
 def compare_rates(csv: pd.DataFrame, pred: pd.DataFrame) -> pd.DataFrame:
-    """Measured agreement (GPU, all inputs) beside each model's prediction."""
-    m = pred.merge(csv[["variant", "agreement", "production", "n"]], on="variant", how="left")
+    """Measured agreement (GPU, all inputs) beside each model's prediction; for exact
+    predictions also whether the GPU's ULP histogram (``ulp_0 .. ulp_>4``) is identical."""
+    ulp = [f"ulp_{k}" for k in ULP_COLS]
+    have = [c for c in ulp if c in csv.columns]
+    m = pred.merge(csv[["variant", "agreement", "production", "n"] + have], on="variant", how="left",
+                   suffixes=("", "_gpu"))
     m = m.rename(columns={"agreement": "gpu_agreement"})
     tol = 0.5 / m["n"].astype(float)  # the rates are counts / n: equal counts <=> |diff| < 1/(2n)
     m["within_prediction"] = (m["gpu_agreement"] >= m["agreement_lo"] - tol) & (m["gpu_agreement"] <= m["agreement_hi"] + tol)
+    if have and all(c in pred.columns for c in have):
+        same = np.ones(len(m), dtype=bool)
+        for c in have:
+            same &= (m[c].astype(float) == m[c + "_gpu"].astype(float)).to_numpy()
+        m["ulp_hist_identical"] = np.where(m["exact_prediction"].astype(bool), same, None)
     return m
 
 
@@ -307,8 +316,12 @@ def headline_failures(csv: pd.DataFrame, rates: pd.DataFrame, checks: pd.DataFra
             bad.append(f"production variant {r['variant']} agrees on {r['agreement']:.6%} of inputs, not 100%")
     # each non-production variant: its rate within the prediction of at least one model
     for v, grp in rates[~rates["production"].astype(bool)].groupby("variant"):
-        if not grp["within_prediction"].any():
-            bad.append(f"{v}: GPU agreement {grp['gpu_agreement'].iloc[0]:.6f} outside every model's prediction "
+        ok = grp["within_prediction"].astype(bool)
+        if "ulp_hist_identical" in grp:  # an exact prediction must also give the GPU's ULP histogram
+            ok &= grp["ulp_hist_identical"].map(lambda x: x is None or (x == x and bool(x)))
+        if not ok.any():
+            bad.append(f"{v}: GPU agreement {grp['gpu_agreement'].iloc[0]:.6f} (or its ULP histogram) outside every "
+                       "model's prediction "
                        + ", ".join(f"{m}: [{lo:.6f}, {hi:.6f}]" for m, lo, hi in
                                    zip(grp["model"], grp["agreement_lo"], grp["agreement_hi"])))
     if not checks["inputs_regenerated"].fillna(True).astype(bool).all():
