@@ -31,6 +31,7 @@ import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -67,6 +68,7 @@ class TrainConfig:
     eval_limit: int | None = None  # validation pairs used (None: all)
     perturb_seed: int | None = None  # move each m by 1 fp32 ulp (random sign): the noise-floor baseline
     progress: bool = True
+    joint_encode: bool = False  # one forward over summaries + signatures (half the launches; pads to the longer)
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -102,6 +104,23 @@ class TrainResult:
     def seconds_per_step(self) -> float:
         t = [h["seconds"] for h in self.history[1:]] or [h["seconds"] for h in self.history]
         return float(np.median(t)) if t else float("nan")
+
+
+@dataclass
+class TrainHooks:
+    """Optional extension points of :func:`train` (None: the single-process default).
+
+    ``wrap_model(model) -> module`` runs the training forwards (e.g. DDP; evaluation
+    uses the bare model); ``shard(indices) -> indices`` picks this process's part of
+    a batch; ``gather(embeddings) -> embeddings`` rebuilds the whole batch's
+    embeddings (autograd-aware) before the loss; ``on_step(record)`` sees each
+    step's history record.
+    """
+
+    wrap_model: Callable | None = None
+    shard: Callable | None = None
+    gather: Callable | None = None
+    on_step: Callable | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -247,7 +266,8 @@ def evaluate(model, tok, pairs: list[dict], cfg: TrainConfig) -> dict:
     return {"mrr10": mrr_at_k(q, k, 10), "val_loss": float(np.mean(losses)) if losses else float("nan")}
 
 
-def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None) -> TrainResult:
+def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None,
+          hooks: TrainHooks | None = None) -> TrainResult:
     """Fine-tune MiniLM with DoRA per ``cfg``; returns losses, evaluations, g snapshots, the model."""
     cfg.validate()
     corpus = load_corpus() if corpus is None else corpus
@@ -258,6 +278,8 @@ def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / max(cfg.warmup_steps, 1)))
     res = TrainResult(config=cfg, model=model, module_names=names)
+    hooks = hooks or TrainHooks()
+    fwd_model = hooks.wrap_model(model) if hooks.wrap_model else model
     capture, evals = set(cfg.capture_steps), set(cfg.eval_steps)
 
     def snapshot(step):
@@ -275,10 +297,18 @@ def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None)
     bar = tqdm(batches, desc=f"{cfg.backend} r={cfg.rank} lr={cfg.lr:g}", disable=not cfg.progress, leave=False)
     for step, idx in enumerate(bar, start=1):
         t0 = time.perf_counter()
-        qb = tokenize(tok, [train_pairs[i]["summary"] for i in idx], cfg.max_len, cfg.device)
-        db = tokenize(tok, [train_pairs[i]["signature"] for i in idx], cfg.max_len, cfg.device)
+        idx = hooks.shard(idx) if hooks.shard else idx
+        summaries, signatures = [train_pairs[i]["summary"] for i in idx], [train_pairs[i]["signature"] for i in idx]
         with _autocast(cfg):
-            loss = contrastive_loss(embed(model, qb), embed(model, db))
+            if cfg.joint_encode:
+                e = embed(fwd_model, tokenize(tok, summaries + signatures, cfg.max_len, cfg.device))
+                q, d = e[: len(idx)], e[len(idx) :]
+            else:
+                q = embed(fwd_model, tokenize(tok, summaries, cfg.max_len, cfg.device))
+                d = embed(fwd_model, tokenize(tok, signatures, cfg.max_len, cfg.device))
+            if hooks.gather:
+                q, d = hooks.gather(q), hooks.gather(d)
+            loss = contrastive_loss(q, d)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
@@ -288,6 +318,8 @@ def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None)
         res.history.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm, "lr": lr,
                             "seconds": time.perf_counter() - t0})
         bar.set_postfix(loss=f"{res.history[-1]['loss']:.4f}")
+        if hooks.on_step:
+            hooks.on_step(res.history[-1])
         snapshot(step)
     model.eval()
     return res
