@@ -31,9 +31,10 @@ from ..repro.paths import data_dir
 
 RANKS = (8, 16, 64, 128)
 LRS = (1e-3, 1e-4)
-# Sized for the shared 2-core CPU machine (measured there, 2026-11-29, load ~10:
-# ~10-15 s per step at batch 16 / max_len 32 for every rank): a grid of 8 runs must fit
-# in about an hour of wall time.  On a free machine or a GPU raise --steps.
+# Sized for the shared 2-core CPU machine, one torch thread per run, two runs at a time
+# (measured there 2026-11-29 with the machine's load average at 5-10: median 4.2-21 s per
+# step at batch 16 / max_len 32, about the same for every rank since the frozen MiniLM
+# dominates; the grid took ~55 min of wall time).  On a free machine or a GPU raise --steps.
 STEPS = 50
 CAPTURE = (10, 25, 50)
 BATCH = 16

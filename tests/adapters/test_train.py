@@ -116,3 +116,11 @@ def test_mrr_at_k_known_values():
 def test_config_validation(bad, msg):
     with pytest.raises(ValueError, match=msg):
         T.TrainConfig(**{**SMALL, **bad}).validate()
+
+
+def test_bf16_autocast_step(small_corpus):
+    """The optional bf16 autocast path runs (fp32 master weights, finite loss, g still fp32)."""
+    res = T.train(T.TrainConfig(steps=1, bf16_autocast=True, capture_steps=(1,), **SMALL), corpus=small_corpus)
+    assert np.isfinite(res.history[0]["loss"])
+    assert all(p.dtype == torch.float32 for p in res.model.parameters())
+    assert all(g.dtype == np.float32 for g in res.g_minus_1[1].values())
