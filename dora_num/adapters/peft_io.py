@@ -123,6 +123,17 @@ def _pattern_value(patterns: dict, name: str, default):
     return default
 
 
+def is_targeted(cfg: dict, name: str) -> bool:
+    """PEFT's target rule: a regex string must match the whole name; a list entry must
+    equal the name or a dot-separated suffix of it.  No ``target_modules``: anything goes."""
+    tm = cfg.get("target_modules")
+    if tm is None:
+        return True
+    if isinstance(tm, str):
+        return re.fullmatch(tm, name) is not None
+    return any(name == t or name.endswith("." + t) for t in tm)
+
+
 def module_scale(cfg: dict, name: str, rank: int) -> tuple[float, float]:
     """``(alpha, s)`` of module ``name`` (rsLoRA: ``alpha/sqrt(r)``, else ``alpha/r``)."""
     alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, cfg.get("lora_alpha", 8)))
@@ -216,6 +227,9 @@ def load_peft_dora(adapter_dir: str | os.PathLike, base_model) -> list[DoRAModul
     out = []
     for name, g in sorted(groups.items()):
         A, B, m = g["A"], g["B"], g["m"]
+        if not is_targeted(cfg, name):
+            raise AdapterError(f"{wpath}: module {name!r} is not covered by the config's target_modules "
+                               f"{cfg.get('target_modules')!r}: adapter weights and config disagree")
         rank = A.shape[0]
         want_r = int(_pattern_value(cfg.get("rank_pattern"), name, cfg["r"]))
         if rank != want_r:

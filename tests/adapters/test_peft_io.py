@@ -141,6 +141,8 @@ CASES = {
     "use_dora_false": (lambda a: _edit_config(a, use_dora=False), "not DoRA"),
     "not_lora": (lambda a: _edit_config(a, peft_type="IA3"), "not 'LORA'"),
     "bad_rank": (lambda a: _edit_config(a, r=0), "r must be a positive integer"),
+    "not_in_target_modules": (lambda a: _edit_config(a, target_modules=["q"]), "'encoder.up' is not covered by the config"),
+    "regex_target_excludes": (lambda a: _edit_config(a, target_modules=r".*\.q"), "'encoder.up' is not covered"),
     "no_config": (lambda a: (a / "adapter_config.json").unlink(), "adapter_config.json is missing"),
     "config_not_json": (lambda a: (a / "adapter_config.json").write_text("{not json"), "cannot parse"),
     "no_weights": (lambda a: (a / "adapter_model.safetensors").unlink(), "has neither adapter_model.safetensors"),
