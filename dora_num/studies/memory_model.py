@@ -463,9 +463,10 @@ def run_measure(out: Path, *, base_path=None, smoke: bool = False) -> Path:
     return out / "memory_peaks.csv"
 
 
-def ingest(src: Path, dest: Path | None = None) -> list[Path]:
+def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
     """Copy a ``--measure`` folder into ``data/gpu/memory/`` with provenance (GPU device
-    description from its ``device.json``)."""
+    description from its ``device.json``; ``git_sha``: the commit the GPU ran, since the
+    device machine gets a working tree without ``.git``)."""
     import pandas as pd
 
     from ..repro.paths import data_dir
@@ -477,7 +478,8 @@ def ingest(src: Path, dest: Path | None = None) -> list[Path]:
     return [save_dataframe(df, dest / "memory_peaks.csv", device=meta["device"],
                            producer="python -m dora_num.studies.memory_model --measure",
                            params={"tolerance": meta.get("tolerance"), "smoke": meta.get("smoke")},
-                           extra={"versions_gpu": meta.get("versions"), "torch_cuda": meta.get("torch_cuda")})]
+                           extra={"versions_gpu": meta.get("versions"), "torch_cuda": meta.get("torch_cuda"),
+                                  "measured_at_git_sha": git_sha, "argv_gpu": meta.get("argv")})]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,9 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", type=Path, default=None, help="MiniLM model folder (default: the packaged one)")
     ap.add_argument("--smoke", action="store_true", help="small sizes")
     ap.add_argument("--ingest", type=Path, metavar="DIR", help="record a --measure folder into data/gpu/memory/")
+    ap.add_argument("--git-sha", default=None, help="with --ingest: the commit the GPU run measured")
     a = ap.parse_args(argv)
     if a.ingest:
-        for p in ingest(a.ingest):
+        for p in ingest(a.ingest, git_sha=a.git_sha):
             print(p)
         return 0
     if not a.measure or a.out is None:
