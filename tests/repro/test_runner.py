@@ -80,3 +80,16 @@ def test_cli_reports_unknown_notebook():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "no notebook matches ['97']" in proc.stderr
+
+
+def test_full_run_skips_notebook_whose_recorded_data_is_missing(tmp_path, capsys):
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    stem = "97_needs_gpu_data"
+    _write_notebook(nbdir / f"{stem}.ipynb", ["raise RuntimeError('must not run without its data')"])
+    nb = nbformat.read(nbdir / f"{stem}.ipynb", as_version=4)
+    nb.metadata["dora_num"] = {"requires": ["data/gpu/no_such_run/history.csv.gz"]}
+    nbformat.write(nb, nbdir / f"{stem}.ipynb")
+    (res,) = reproduce(notebooks_dir=nbdir, build_dir=tmp_path / "build")
+    assert res.skipped == "recorded data missing: data/gpu/no_such_run/history.csv.gz"
+    assert f"{stem}: SKIPPED" in capsys.readouterr().out
