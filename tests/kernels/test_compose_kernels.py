@@ -17,6 +17,8 @@ from dora_num.numerics.formulas import norm_assembly, scale_constants
 from dora_num.ops import compose as C
 from dora_num.ops import reference as ref
 from dora_num.ops.kernels import compose as kc
+
+from ._bitwise import _bits, assert_bitwise  # noqa: F401  (shared with the CPU/GPU kernel tests)
 from dora_num.ops.kernels.norm_assembly import norm_assembly_triton
 
 CPU_DTYPES = [
@@ -36,19 +38,6 @@ SHAPES = [
 S = scale_constants(0.37)[0]
 
 
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(kc, "POISON", True)
-
-
-def _bits(t):
-    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_bitwise(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    diff = int((_bits(a) != _bits(b)).sum())
-    assert diff == 0, f"{diff} of {a.numel()} elements differ in their bits"
 
 
 def _inputs(shape, dtype, g_spread=1e-3, seed=0):

@@ -18,6 +18,8 @@ from dora_num.ops import compose as C
 from dora_num.ops import reference as ref
 from dora_num.ops.kernels import compose as kc
 
+from ._bitwise import _bits, assert_bitwise  # noqa: F401  (shared with the CPU/GPU kernel tests)
+
 pytestmark = pytest.mark.gpu
 
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in (torch.bfloat16, torch.float16, torch.float32)]
@@ -25,19 +27,6 @@ SHAPES = [pytest.param(s, id="x".join(map(str, s))) for s in ((1, 1), (3, 63), (
 S = scale_constants(0.37)[0]
 
 
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(kc, "POISON", True)
-
-
-def _bits(t):
-    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_bitwise(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    diff = int((_bits(a) != _bits(b)).sum())
-    assert diff == 0, f"{diff} of {a.numel()} elements differ in their bits"
 
 
 def _inputs(shape, dtype, seed=0):
