@@ -27,6 +27,7 @@ rounding to bf16/fp16/fp8, FMA contraction, exact) live beside it in
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -46,7 +47,9 @@ class TorchFP32:
 
     @staticmethod
     def const(x: float) -> float:
-        return float(torch.tensor(x, dtype=torch.float32))
+        # fl32(x) as a Python float; numpy, not torch.tensor(...), so that
+        # torch.compile does not break the graph on a tensor-to-scalar conversion.
+        return float(np.float32(x))
 
     @staticmethod
     def add(a, b):
