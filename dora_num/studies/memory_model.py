@@ -15,13 +15,29 @@ exist, gradients set to None before the forward), the bytes of::
                        recomputation with checkpointing)
     backward_transient the largest backward working set of one module
 
-``peak = static + max(forward_norm, backward)`` over two phases: the last layer's
-norm transient on top of the activations of the layers before it (with
-checkpointing: on top of the checkpoint boundaries, in the forward and again in
-the recomputation), and the last layer's backward on top of every activation
-(with checkpointing: the boundaries + one recomputed layer) + the gradients
-(they accumulate while activations are freed: an upper estimate; adapter
-gradients are small against activations).
+and, static too, the step's input tensors (allocated after the CUDA baseline).
+
+``peak = static + max(forward_norm, loss_backward, backward)`` over three phases:
+the last layer's norm transient on top of the activations of the layers before it
+(with checkpointing: on top of the checkpoint boundaries, in the forward and again
+in the recomputation); the loss head's backward on top of EVERY activation (the
+first node the backward runs: nothing is freed yet); and the last layer's backward
+on top of every activation but the loss head's (freed by then) + the incoming
+output gradient (with checkpointing: the boundaries + one recomputed layer) + the
+gradients (they accumulate while activations are freed: an upper estimate;
+adapter gradients are small against activations).
+
+Why the loss phase (found on the H200, data/gpu/memory/memory_peaks.csv, sha
+692511c): the wide bf16 stack peaked at the same 4.2035 GB with the eager and the
+fused compose, although the fused backward needs 4 bytes per element against the
+eager's 16.  The fused tier saves ``base`` and ``lora`` (2 x 2 bytes in bf16,
+exactly the eager tier's fp32 ``inner``), so the activations are equal; and the
+peak is not in any compose backward but in the loss's: ``mean(hf**2)`` backward
+holds 4 fp32 ``[T, h]`` tensors (:func:`_loss_bwd_transient`) on top of all
+activations, before any layer's backward runs.  A two-phase model predicted the
+fused peak 17.8% low (the eager one was right by coincidence: its compose
+transient is about as large as the loss head's).  The input tensor (``T h e``)
+was also missing from the total.
 
 Activations per layer (``T`` tokens, ``e`` activation bytes, eager compose; the
 fused compose saves ``base`` and ``lora``, ``2 e`` per output element, instead
@@ -177,6 +193,31 @@ def _layer_acts(cfg: MemoryConfig) -> int:
     return T * h * e + attn + ln + 2 * T * f * e + masks + dora
 
 
+def _loss_bwd_transient(cfg: MemoryConfig) -> int:
+    """Working set of the loss head's backward, allocated on top of EVERY activation
+    (none has been freed yet: it is the first node the backward runs).
+
+    ``stack``: ``loss = mean(hf ** 2)`` with ``hf = out.float()`` (``T h`` fp32).
+    ``MeanBackward`` materialises ``grad / numel`` as a ``[T, h]`` fp32 tensor, and
+    ``PowBackward0`` evaluates ``grad * (2 * hf.pow(1))`` in one C++ expression, so
+    ``hf.pow(1)`` (a copy), ``2 * (...)`` and the product coexist with ``grad``:
+    4 fp32 ``[T, h]`` tensors, ``16 T h`` bytes, more than any compose backward
+    (eager: 16 bytes per element; fused: ``2 e``) together with the activations the
+    compose backward no longer shares memory with (``hf`` and the last GELU input
+    are freed by then).
+    ``bert``: ``mean_pool`` saves the fp32 hidden state; ``MulBackward0`` writes one
+    ``[T, h]`` fp32 gradient (the pooled and squared tensors are ``[batch, h]``)."""
+    T = cfg.batch * cfg.seq
+    return (4 if cfg.arch == "stack" else 1) * T * cfg.hidden * 4
+
+
+def _inputs(cfg: MemoryConfig) -> int:
+    """The step's input tensors: allocated before the step (so outside the CPU
+    measurement's dynamic part) but after the CUDA baseline, hence static."""
+    T = cfg.batch * cfg.seq
+    return T * cfg.hidden * BYTES[cfg.dtype] if cfg.arch == "stack" else 2 * T * 8  # bert: int64 ids + mask
+
+
 def predict_peak(cfg: MemoryConfig) -> dict:
     """Peak bytes of one steady-state training step, by component (module docstring)."""
     cfg.validate()
@@ -200,6 +241,7 @@ def predict_peak(cfg: MemoryConfig) -> dict:
         "base_sq_cache": (n_m * 4) if cfg.norm == "cached" else 0,
         "optimizer_states": shard(2 * adapter, 1),
         "gradients": shard(adapter, 2),
+        "inputs": _inputs(cfg),
     }
     T = cfg.batch * cfg.seq
     e = w
@@ -209,23 +251,30 @@ def predict_peak(cfg: MemoryConfig) -> dict:
     head = T * cfg.hidden * 4 if cfg.arch == "stack" else 2 * T * cfg.hidden * 4
     norm_t = max(_norm_transient(cfg, i, o) for i, o in targeted)
     bwd_t = max(_compose_bwd_transient(cfg, o) + T * i * e + T * cfg.rank * e for i, o in targeted)
+    loss_t = _loss_bwd_transient(cfg)
     if cfg.checkpointing:
         acts = L * bound_ - inp + head
         phases = {"forward_norm": acts - head + norm_t,
+                  "loss_backward": acts + loss_t,
                   "backward": acts - head - bound_ + layer + comp["gradients"] + bwd_t}
     else:
         acts = L * layer - inp + head
         phases = {"forward_norm": acts - head - layer + norm_t,
-                  "backward": acts + comp["gradients"] + bwd_t}
+                  "loss_backward": acts + loss_t,
+                  # the loss head's saved tensors are freed once its node has run; the last
+                  # module's output gradient (T h e) is live during its compose backward
+                  "backward": acts - head + bound_ + comp["gradients"] + bwd_t}
     comp["activations"] = acts
     comp["norm_transient"] = norm_t
+    comp["loss_transient"] = loss_t
     comp["backward_transient"] = bwd_t
-    static = sum(comp[k] for k in ("weights", "adapter_params", "base_sq_cache", "optimizer_states"))
+    static = sum(comp[k] for k in ("weights", "adapter_params", "base_sq_cache", "optimizer_states", "inputs"))
     comp["static"] = static
     comp["dynamic"] = max(phases.values())
     comp["peak"] = static + comp["dynamic"]
-    comp["norm_phase_dominates"] = int(phases["forward_norm"] > phases["backward"])
-    return {k: int(round(v)) for k, v in comp.items()}
+    comp["norm_phase_dominates"] = int(phases["forward_norm"] > max(phases["loss_backward"], phases["backward"]))
+    comp["phase"] = max(phases, key=phases.get)
+    return {k: (v if isinstance(v, str) else int(round(v))) for k, v in comp.items()}
 
 
 def zero_table(cfg: MemoryConfig, n_gpus=(1, 2, 4, 8)):
@@ -410,6 +459,34 @@ def compare(cfgs, *, device: str = "cpu", base_path=None):
                      "compared": key, "predicted": pred[key],
                      "rel_err": (pred[key] - meas["peak"]) / meas["peak"], "device": device})
     return pd.DataFrame(rows)
+
+
+def repredict(measured):
+    """Recompute the predictions of a measured table (e.g. ``data/gpu/memory/memory_peaks.csv``)
+    with the CURRENT model, from its config columns; the measurements are kept.  The
+    predictions recorded at measurement time move to ``predicted_at_measure`` /
+    ``rel_err_at_measure``.  Rows with an ``error`` are dropped."""
+    import pandas as pd
+    from dataclasses import fields
+
+    df = measured.copy()
+    if "error" in df:
+        df = df[df["error"].isna() | (df["error"].astype(str) == "")]
+    df = df.rename(columns={"predicted": "predicted_at_measure", "rel_err": "rel_err_at_measure"})
+    names = [f.name for f in fields(MemoryConfig)]
+    missing = [n for n in names + ["measured", "compared"] if n not in df]
+    if missing:
+        raise ValueError(f"measured table lacks the columns {missing}")
+    rows = []
+    for _, r in df.iterrows():
+        cfg = MemoryConfig(**{n: (r[n].item() if hasattr(r[n], "item") else r[n]) for n in names})
+        pred = predict_peak(cfg)
+        rows.append({**{f"pred_{k}": v for k, v in pred.items()}, "predicted": pred[r["compared"]]})
+    new = pd.DataFrame(rows, index=df.index)
+    df = df.drop(columns=[c for c in new.columns if c in df])
+    df = pd.concat([df, new], axis=1)
+    df["rel_err"] = (df["predicted"] - df["measured"]) / df["measured"]
+    return df
 
 
 # --------------------------------------------------------------------------
