@@ -23,7 +23,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from .compose import PATHS, compose
-from .norm import DEFAULT_CHUNK_BYTES, cached_base_row_norm_sq, magnitude_scale, weight_norm_cached
+from .norm import cached_base_row_norm_sq, magnitude_scale, weight_norm_cached
 
 
 class DoRALinear(nn.Module):
@@ -36,7 +36,7 @@ class DoRALinear(nn.Module):
         use_rslora: bool = False,
         lora_dropout: float = 0.0,
         compose_path: str = "auto",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
     ):
         super().__init__()
         if not isinstance(base, nn.Linear):

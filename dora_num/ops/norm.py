@@ -20,7 +20,8 @@ large (the update cancelling the row).
 Realistic adapters have ``||sBA|| << ||W||`` and ``kappa ≈ 1``.
 
 Memory: ``base`` needs one fp32 chunk of W and its square,
-``2 * d_out * chunk * 4`` bytes, kept under ``chunk_bytes``.  With the cached
+``2 * d_out * chunk * 4`` bytes, kept under ``chunk_bytes`` (by default a quarter of
+a dense fp32 ``[d_out, d_in]``, at most 256 MiB: :func:`resolve_chunk_bytes`).  With the cached
 ``base_sq`` and 16-bit W on CUDA, ``U = W A^T`` is one tensor-core product with
 fp32 output (no fp32 copy of W), and the extra memory is ``U`` (``d_out*r*4``)
 plus ``G`` (``r*r*4``) plus row blocks under ``ROW_CHUNK_BYTES``: 8192x8192,
@@ -56,9 +57,25 @@ def dense_row_norm(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
         return torch.linalg.vector_norm(dense, dim=1)
 
 
-def chunk_columns(d_out: int, d_in: int, chunk_bytes: int) -> int:
+def resolve_chunk_bytes(d_out: int, d_in: int, chunk_bytes: int | None) -> int:
+    """The byte budget of one fp32 chunk of W plus its square.
+
+    ``None`` (the default everywhere) means ``min(256 MiB, d_out*d_in*4 / 4)``, never
+    below one 64-column chunk: each temporary is then at most an eighth of a dense
+    fp32 ``[d_out, d_in]`` matrix (the two together a quarter) for ``d_in >= 512``,
+    and never above the 256 MiB of the paper's implementation at large sizes.
+    An explicit ``chunk_bytes`` is used as given (validated by :func:`chunk_columns`).
+    """
+    if chunk_bytes is not None:
+        return chunk_bytes
+    smallest = min(CHUNK_ALIGN, d_in) * 2 * 4 * max(d_out, 1)
+    return max(smallest, min(DEFAULT_CHUNK_BYTES, d_out * d_in))
+
+
+def chunk_columns(d_out: int, d_in: int, chunk_bytes: int | None) -> int:
     """Widest chunk (a multiple of 64 columns, or all of ``d_in``) whose fp32
-    copy of W plus its square fit in ``chunk_bytes``."""
+    copy of W plus its square fit in ``chunk_bytes`` (``None``: :func:`resolve_chunk_bytes`)."""
+    chunk_bytes = resolve_chunk_bytes(d_out, d_in, chunk_bytes)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
         raise TypeError(f"chunk_bytes must be an int, got {type(chunk_bytes).__name__}")
     if chunk_bytes <= 0:
@@ -76,7 +93,7 @@ def chunk_columns(d_out: int, d_in: int, chunk_bytes: int) -> int:
     return max(CHUNK_ALIGN, cols // CHUNK_ALIGN * CHUNK_ALIGN)
 
 
-def base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+def base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) -> torch.Tensor:
     """``rowsum(W*W)`` in fp32, chunked along ``d_in``; depends on the frozen W only."""
     check_tensor("W", W, ndim=2)
     d_out, d_in = W.shape
@@ -159,7 +176,7 @@ def factored_row_norm(
     B: torch.Tensor,
     scale: float,
     *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     base_sq: torch.Tensor | None = None,
     check: bool = True,
 ) -> torch.Tensor:
@@ -225,7 +242,7 @@ def factored_row_norm(
 _CACHE_ATTR = "_dora_num_base_sq"
 
 
-def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) -> torch.Tensor:
     """``rowsum(W*W)`` (fp32), cached on the tensor ``W`` itself.
 
     The cache key is W's storage pointer, version counter (bumped by every
@@ -256,7 +273,7 @@ def _(W, A, B, scale, chunk_bytes, check):
 
 
 def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, *,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, check: bool = True) -> torch.Tensor:
+                       chunk_bytes: int | None = None, check: bool = True) -> torch.Tensor:
     """Factored ``||W + sBA||_row`` with the cached ``base_sq`` (detached).
 
     Eager: the cache lives on ``W`` itself (not on a detached alias, which is a new
@@ -266,7 +283,8 @@ def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale:
     """
     if torch.compiler.is_compiling():
         Wd = W if not W.requires_grad else W.detach()
-        return _weight_norm_op(Wd, A.detach(), B.detach(), float(scale), int(chunk_bytes), bool(check))
+        cb = resolve_chunk_bytes(W.shape[0], W.shape[1], chunk_bytes)
+        return _weight_norm_op(Wd, A.detach(), B.detach(), float(scale), int(cb), bool(check))
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
     return factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes=chunk_bytes,
                              base_sq=base_sq, check=check)
