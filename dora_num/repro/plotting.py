@@ -19,7 +19,7 @@ def set_theme() -> None:
     import seaborn as sns
 
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind")
-    matplotlib.rcParams.update({"figure.dpi": 110, "savefig.dpi": 150, "savefig.bbox": "tight",
+    matplotlib.rcParams.update({"figure.dpi": 110, "savefig.dpi": 100, "savefig.bbox": "tight",
                                 "pdf.fonttype": 42, "svg.hashsalt": "dora-num"})
 
 

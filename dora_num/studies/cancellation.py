@@ -181,6 +181,26 @@ def compose_error_sweep(inputs: dict, g_values: np.ndarray, formats=("bf16", "fp
 # 3. The paper's benchmark.
 # ----------------------------------------------------------------------------
 
+def recorded_paper_benchmark(shape) -> "pd.DataFrame":
+    """The g = 1 paper-shape benchmark as recorded in ``data/01_cancellation_at_g1/`` by
+    notebook 01 with ``RECOMPUTE_PAPER_SHAPE = True`` (about 3 minutes on 2 cores, so
+    ``make reproduce`` reads it instead).  Refuses a record made at another shape."""
+    import pandas as pd
+
+    from ..repro.paths import committed_data
+    from ..repro.provenance import read_provenance
+
+    path = committed_data("01_cancellation_at_g1", "paper_benchmark_g1_paper_shape.csv")
+    if not path.is_file():
+        raise FileNotFoundError(f"no recorded paper-shape benchmark at {path}; run notebook 01 with "
+                                "RECOMPUTE_PAPER_SHAPE=True")
+    recorded = read_provenance(path)["parameters"].get("PAPER_SHAPE_AT_G1")
+    if list(recorded or []) != list(shape):
+        raise ValueError(f"{path} was recorded at shape {recorded}, not {list(shape)}; "
+                         "run notebook 01 with RECOMPUTE_PAPER_SHAPE=True")
+    return pd.read_csv(path)
+
+
 def paper_benchmark(shape=(2048, 8192), g_values=PAPER_G_VALUES, *, s: float = 0.5, seed: int = 1234,
                     fmt="bf16") -> pd.DataFrame:
     """The paper's stability benchmark (PAPER.md) and the two floors that explain it.
