@@ -58,3 +58,27 @@ def test_output_root_redirects_writes(tmp_path, monkeypatch):
     assert paths.data_dir("x") == tmp_path / "data" / "x"
     assert paths.figures_dir("y").is_dir()
     assert paths.committed_data("z") == paths.REPO_ROOT / "data" / "z"
+
+
+def test_dirty_flag_ignores_artifacts(tmp_path):
+    """A reproduce run rewrites data/ and figures/ as it goes; that must not mark the code dirty."""
+    import subprocess
+
+    from dora_num.repro.provenance import git_state
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.invalid")
+    git("config", "user.name", "t")
+    for rel in ("code.py", "data/x.csv", "figures/f.png"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("0\n")
+    git("add", "-A")
+    git("commit", "-qm", "init")
+    (tmp_path / "data/x.csv").write_text("1\n")
+    (tmp_path / "figures/f.png").write_text("1\n")
+    assert git_state(tmp_path)["dirty"] is False
+    (tmp_path / "code.py").write_text("1\n")
+    assert git_state(tmp_path)["dirty"] is True
