@@ -291,6 +291,19 @@ def _hist(rows: list, key: dict, d: np.ndarray) -> None:
     rows.extend({**key, "ulp": int(v), "count": int(c)} for v, c in zip(vals, counts))
 
 
+def _vs_exact(d_prod, d_exact) -> dict:
+    """Summary columns of ULP differences against the exact result (and the worst vs production)."""
+    return {"correctly_rounded": float((d_exact == 0).mean()),
+            "within_1ulp_of_exact": float((np.abs(d_exact) <= 1).mean()),
+            "max_abs_ulp_vs_exact": int(np.abs(d_exact).max()),
+            "max_abs_ulp_vs_production": int(np.abs(d_prod).max())}
+
+
+def _hist_both(hist, key, d_prod, d_exact) -> None:
+    _hist(hist, {**key, "vs": "production"}, d_prod)
+    _hist(hist, {**key, "vs": "exact"}, d_exact)
+
+
 def _explain(rows: list, key: dict, records_prod: list, outputs_prod: np.ndarray, name: str, inputs: dict,
              fmt: str, final) -> None:
     """Per site: the single-site contraction's effect binned by ``q = removed / ulp(site result)``."""
@@ -337,12 +350,8 @@ def assembly_study(sets: dict[str, AssemblyInputs]) -> dict[str, pd.DataFrame]:
                 summary.append({**key, "n": int(w.size), "production": choice == ("none", "none") and sq == "rn",
                                 "agree_vs_production": float((d_prod == 0).mean()),
                                 "t_agree_vs_production": float((t == t0).mean()),
-                                "correctly_rounded": float((d_exact == 0).mean()),
-                                "within_1ulp_of_exact": float((np.abs(d_exact) <= 1).mean()),
-                                "max_abs_ulp_vs_exact": int(np.abs(d_exact).max()),
-                                "max_abs_ulp_vs_production": int(np.abs(d_prod).max())})
-                _hist(hist, {**key, "vs": "production"}, d_prod)
-                _hist(hist, {**key, "vs": "exact"}, d_exact)
+                                **_vs_exact(d_prod, d_exact)})
+                _hist_both(hist, key, d_prod, d_exact)
         for cat in np.unique(inp.category):
             sel = inp.category == cat
             for choice in M.placements(name):
@@ -386,12 +395,8 @@ def compose_study(sets: dict[str, ComposeInputs], out_fmts=("fp32", "bf16")) -> 
                     summary.append({**key, "n": int(out.size),
                                     "production": name != "compose_naive" and all(c == "none" for c in choice),
                                     "agree_vs_production": float((d_prod == 0).mean()),
-                                    "correctly_rounded": float((d_exact == 0).mean()),
-                                    "within_1ulp_of_exact": float((np.abs(d_exact) <= 1).mean()),
-                                    "max_abs_ulp_vs_exact": int(np.abs(d_exact).max()),
-                                    "max_abs_ulp_vs_production": int(np.abs(d_prod).max())})
-                    _hist(hist, {**key, "vs": "production"}, d_prod)
-                    _hist(hist, {**key, "vs": "exact"}, d_exact)
+                                    **_vs_exact(d_prod, d_exact)})
+                    _hist_both(hist, key, d_prod, d_exact)
     return {"summary": pd.DataFrame(summary), "hist": pd.DataFrame(hist), "explain": pd.DataFrame(explain)}
 
 
