@@ -161,8 +161,11 @@ def _rel(p: Path) -> str:
         return str(p)
 
 
-def save_dataframe(df, path, **prov) -> Path:
-    """A pandas DataFrame as CSV (``.csv``/``.csv.gz``) or Parquet, with provenance."""
+def save_dataframe(df, path, *, float_format: str | None = None, **prov) -> Path:
+    """A pandas DataFrame as CSV (``.csv``/``.csv.gz``) or Parquet, with provenance.
+
+    ``float_format`` (CSV only), e.g. ``"%.9g"``, which round-trips every float32
+    value exactly at about half the digits of float64's shortest repr."""
     path = Path(path)
     name = path.name
     if name.endswith(".csv") or name.endswith(".csv.gz"):
@@ -173,9 +176,9 @@ def save_dataframe(df, path, **prov) -> Path:
                 import gzip
 
                 with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz:
-                    gz.write(df.to_csv(index=False, lineterminator="\n").encode())
+                    gz.write(df.to_csv(index=False, lineterminator="\n", float_format=float_format).encode())
             else:
-                buf.write(df.to_csv(index=False, lineterminator="\n").encode())
+                buf.write(df.to_csv(index=False, lineterminator="\n", float_format=float_format).encode())
     elif name.endswith(".parquet"):
         def w(buf):
             df.to_parquet(buf, index=False)

@@ -57,6 +57,9 @@ from ..repro.provenance import save_dataframe, save_json
 
 PATHS = ("eager", "fused")
 PROFILE_WARMUP = 3  # steps dropped from the profile (Triton JIT + autotune, cuBLAS heuristics)
+# Loss and gradient norm are float32 values (``.item()`` of fp32 tensors): 9 significant
+# digits write them exactly; learning rate and seconds need no more.
+HISTORY_FLOAT_FORMAT = "%.9g"
 RUN_ORDER_NOTE = "eager s0, fused s0, eager s0 repeat, then eager/fused per further seed"
 
 
@@ -92,6 +95,7 @@ class ConvergenceConfig:
     # and 5.5 ms with 1.
     threads: int | None = None
     progress: bool = True
+    profile_only: bool = False  # only the profiling phase (time per step, both paths)
 
     def validate(self) -> None:
         if not self.seeds:
@@ -349,6 +353,8 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
                "torch": torch.__version__, "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                "cudnn_deterministic": torch.backends.cudnn.deterministic}
     prof_df, prof = pd.DataFrame(columns=["path", "impl", "step", "seconds"]), {}
+    if cfg.profile_only and (cfg.profile_steps <= 0 or set(cfg.paths) != set(PATHS)):
+        raise ValueError("profile_only needs profile_steps > 0 and both paths")
     if cfg.profile_steps > 0 and set(cfg.paths) == set(PATHS):
         prof_df, prof = profile(cfg, impl, base_path, corpus, dist_)
         sps = {p: prof[p]["median_s_per_step"] for p in PATHS}
@@ -363,6 +369,16 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
                 + ", ".join(f"{p} {1e3 * sps[p]:.2f} ms/step" for p in PATHS)
                 + f"; fused/eager = {sps['fused'] / sps['eager']:.3f}; projected total {projected:.0f} s")
 
+    if cfg.profile_only:
+        summary["profile_only"] = True
+        summary["elapsed_s"] = time.perf_counter() - t_start
+        if out is not None and dist_.main:
+            prov = dict(params=params, producer="dora_num.studies.convergence --profile-only")
+            save_dataframe(prof_df, out / "profile.csv", **prov)
+            save_json(summary, out / "summary.json", **prov)
+        empty = pd.DataFrame()
+        return StudyResult(empty, empty, empty, prof_df, summary)
+
     hist, evs, gst = [], [], []
     bar = None
     if cfg.progress and dist_.main:
@@ -374,7 +390,8 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
         if out is None or not dist_.main:
             return
         prov = dict(params=params, producer="dora_num.studies.convergence")
-        save_dataframe(_order(pd.concat(hist, ignore_index=True), ["metric", "value"]), out / "history.csv.gz", **prov)
+        save_dataframe(_order(pd.concat(hist, ignore_index=True), ["metric", "value"]), out / "history.csv.gz",
+                       float_format=HISTORY_FLOAT_FORMAT, **prov)
         save_dataframe(_order(pd.concat(evs, ignore_index=True), ["metric", "value"]), out / "evals.csv", **prov)
         save_dataframe(_order(pd.concat(gst, ignore_index=True), ["module", "statistic", "value"]),
                        out / "g_stats.csv.gz", **prov)
@@ -447,6 +464,12 @@ def build_arg_parser(p: argparse.ArgumentParser | None = None) -> argparse.Argum
                         "(default: kernels where they run; custom_op with --smoke)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip runs that would end after this")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--profile-only", action="store_true",
+                   help="only time both paths (--profile-steps steps) and write profile.csv, summary.json")
+    p.add_argument("--ingest", nargs="+", metavar="DIR", default=None,
+                   help="instead of training: merge the folders of GPU processes (a --profile-only one and "
+                        "the runs, split by seed) into --out, with provenance; see ingest()")
+    p.add_argument("--git-sha", default=None, help="with --ingest: the commit the GPU processes ran")
     return p
 
 
@@ -472,11 +495,16 @@ def config_from_args(args) -> ConvergenceConfig:
     if args.fused_impl is not None:
         kw["fused_impl"] = args.fused_impl
     kw["progress"] = not args.no_progress
+    kw["profile_only"] = args.profile_only
     return ConvergenceConfig(**kw)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
+    if args.ingest:
+        for path in ingest([Path(d) for d in args.ingest], Path(args.out), git_sha=args.git_sha):
+            print(path)
+        return 0
     cfg = config_from_args(args)
     from .convergence_dist import init_distributed
 
@@ -497,18 +525,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 # --------------------------------------------------------------------------
 # Reading recorded runs (notebook 04)
 # --------------------------------------------------------------------------
 
 RECORDED_DIR = ("gpu", "convergence")
-RECORD_COMMAND = ("PYTHONPATH=. python3 -m dora_num.studies.convergence --out $OUT/convergence "
-                  "--base .carry/minilm --deadline-s 520  (one call on the H200, ~5 min; then copy "
-                  "$OUT/convergence/* with their .provenance.json sidecars to data/gpu/convergence/)")
+RECORD_COMMAND = ("bash .ci/gpu/convergence.sh on the H200 (a --profile-only process, then one process per "
+                  "seed), then: python -m dora_num.studies.convergence --ingest DIR... "
+                  "--out data/gpu/convergence --git-sha SHA")
 
 
 @dataclass
@@ -532,9 +557,18 @@ def load_recorded(folder: str | Path | None = None) -> Recorded:
     if missing:
         raise FileNotFoundError(f"no recorded runs in {folder} (missing {', '.join(missing)}); "
                                 f"record them with: {RECORD_COMMAND}")
-    return Recorded(pd.read_csv(folder / "history.csv.gz"), pd.read_csv(folder / "evals.csv"),
+    return Recorded(_read_history(folder / "history.csv.gz"), pd.read_csv(folder / "evals.csv"),
                     pd.read_csv(folder / "g_stats.csv.gz"), pd.read_csv(folder / "profile.csv"),
                     json.loads((folder / "summary.json").read_text()), folder)
+
+
+def _read_history(path: Path) -> pd.DataFrame:
+    """The tidy history, loss and gradient norm back to their exact float32 values
+    (written with ``HISTORY_FLOAT_FORMAT``: the decimal string identifies the float32)."""
+    h = pd.read_csv(path)
+    exact = h.metric.isin(["loss", "grad_norm"])
+    h.loc[exact, "value"] = h.loc[exact, "value"].to_numpy(np.float32).astype(np.float64)
+    return h
 
 
 def from_study(res: StudyResult, folder: Path) -> Recorded:
@@ -542,6 +576,114 @@ def from_study(res: StudyResult, folder: Path) -> Recorded:
 
 
 def seconds_per_step(rec: Recorded) -> dict[str, float]:
-    """Median time per step of each path over all its recorded steps (first step of each run dropped)."""
+    """Median time per step of each path: from the profile (one process alone on the
+    GPU, first ``PROFILE_WARMUP`` steps dropped) when there is one, else over the
+    runs' recorded steps (first step of each run dropped), which may have shared the
+    GPU with other processes."""
+    prof = rec.profile
+    if len(prof) and set(prof.path) == set(PATHS):
+        kept = prof[prof.step > PROFILE_WARMUP]
+        return {p: float(g.seconds.median()) for p, g in kept.groupby("path")}
     h = rec.history[(rec.history.metric == "seconds") & (rec.history.step > 1)]
     return {p: float(g.value.median()) for p, g in h.groupby("path")}
+
+
+# --------------------------------------------------------------------------
+# Recording GPU runs made by several processes
+# --------------------------------------------------------------------------
+
+def merge_parts(parts: list[Path]) -> Recorded:
+    """One :class:`Recorded` from the folders of several processes of one study: at
+    most one ``--profile-only`` folder and any number of run folders (e.g. one per
+    seed).  Refuses parts whose configurations differ beyond seeds, repeat and
+    paths, duplicated runs, and a fused arm that differs between parts."""
+    parts = [Path(p) for p in parts]
+    if not parts:
+        raise ValueError("no folders to merge")
+    summaries, profiles, runs = [], [], []
+    for d in parts:
+        f = d / "summary.json"
+        if not f.is_file():
+            raise FileNotFoundError(f"{d} has no summary.json (not a convergence output folder)")
+        sm = json.loads(f.read_text())
+        summaries.append(sm)
+        if sm.get("profile_only"):
+            profiles.append(d)
+        else:
+            runs.append(d)
+    if len(profiles) > 1:
+        raise ValueError(f"more than one --profile-only folder: {profiles}")
+    varying = {"seeds", "repeat_seed", "paths", "plan", "profile_steps", "profile_only", "deadline_s", "progress"}
+    cfg0 = {k: v for k, v in summaries[0]["config"].items() if k not in varying}
+    for d, sm in zip(parts, summaries):
+        cfg = {k: v for k, v in sm["config"].items() if k not in varying}
+        diff = sorted(k for k in set(cfg) | set(cfg0) if cfg.get(k) != cfg0.get(k))
+        if diff:
+            raise ValueError(f"{d} was run with a different configuration: {diff}")
+    impls = {sm["fused_impl"] for sm in summaries}
+    if len(impls) != 1:
+        raise ValueError(f"parts disagree on the fused arm: {sorted(impls)}")
+    tables = {"history": [], "evals": [], "g_stats": []}
+    merged_runs, skipped, plan, processes = {}, [], [], []
+    for d, sm in zip(parts, summaries):
+        processes.append({"folder": d.name, "profile_only": bool(sm.get("profile_only")),
+                          "runs": list(sm.get("runs", {})), "elapsed_s": sm.get("elapsed_s")})
+        if sm.get("profile_only"):
+            continue
+        dup = set(sm["runs"]) & set(merged_runs)
+        if dup:
+            raise ValueError(f"runs recorded twice: {sorted(dup)}")
+        merged_runs.update(sm["runs"])
+        skipped += sm.get("skipped", [])
+        plan += sm["plan"]
+        tables["history"].append(_read_history(d / "history.csv.gz"))
+        tables["evals"].append(pd.read_csv(d / "evals.csv"))
+        tables["g_stats"].append(pd.read_csv(d / "g_stats.csv.gz"))
+    if not runs:
+        raise ValueError("no run folders among the parts (only a profile)")
+    seeds = sorted({p["seed"] for p in plan})
+    reps = sorted({p["seed"] for p in plan if p["repeat"]})
+    order = {s.name: i for i, s in enumerate(run_plan(seeds, reps[0] if reps else None, PATHS))}
+    plan.sort(key=lambda p: order.get(p["name"], len(order)))
+    profile = pd.read_csv(profiles[0] / "profile.csv") if profiles else pd.DataFrame(
+        columns=["path", "impl", "step", "seconds"])
+    first = summaries[parts.index(runs[0])]
+    summary = {**first,
+               "config": {**first["config"], "seeds": seeds,
+                          "repeat_seed": reps[0] if reps else None, "plan": [p["name"] for p in plan]},
+               "plan": plan, "runs": merged_runs, "skipped": skipped, "processes": processes}
+    if profiles:
+        sp = summaries[parts.index(profiles[0])]
+        summary["profile"] = sp.get("profile")
+        summary["profile_config"] = sp["config"]
+    else:
+        summary.pop("profile", None)
+    cat = (lambda fs: pd.concat(fs, ignore_index=True))
+    return Recorded(cat(tables["history"]), cat(tables["evals"]), cat(tables["g_stats"]), profile, summary,
+                    runs[0])
+
+
+def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None) -> list[Path]:
+    """Merge the GPU processes' folders (:func:`merge_parts`) into ``dest`` (e.g.
+    ``data/gpu/convergence``) with provenance: the GPU machine's device description
+    and library versions from the parts' own sidecars, ``git_sha`` the commit that ran
+    (the device machine's copy has no ``.git``)."""
+    from ..repro.provenance import read_provenance
+
+    rec = merge_parts(parts)
+    side = read_provenance(rec.folder / "summary.json")
+    prov = dict(device=side.get("device"), producer="dora_num.studies.convergence (GPU processes, merged by --ingest)",
+                params=rec.summary["config"],
+                extra={"measured_at_git_sha": git_sha, "gpu_versions": side.get("versions"),
+                       "parts": [Path(p).name for p in parts]})
+    dest = Path(dest)
+    return [save_dataframe(_order(rec.history, ["metric", "value"]), dest / "history.csv.gz",
+                           float_format=HISTORY_FLOAT_FORMAT, **prov),
+            save_dataframe(_order(rec.evals, ["metric", "value"]), dest / "evals.csv", **prov),
+            save_dataframe(_order(rec.g_stats, ["module", "statistic", "value"]), dest / "g_stats.csv.gz", **prov),
+            save_dataframe(rec.profile, dest / "profile.csv", **prov),
+            save_json(rec.summary, dest / "summary.json", **prov)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -122,6 +122,47 @@ def test_smoke_study_end_to_end(tmp_path):
     rec = cv.load_recorded(tmp_path)
     assert len(rec.history) == len(res.history) and rec.summary["plan"] == res.summary["plan"]
     assert set(cv.seconds_per_step(rec)) == {"eager", "fused"}
+    # the history is written with 9 significant digits: loss and gradient norm come back bit-exact
+    for metric in ("loss", "grad_norm"):
+        written = rec.history[rec.history.metric == metric].value.to_numpy()
+        measured = res.history[res.history.metric == metric].value.to_numpy()
+        assert np.array_equal(written, measured), metric
+
+
+def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
+    """The GPU recipe: a profile alone, then one process per seed; --ingest merges them
+    into the folder notebook 04 reads, in the plan's order, with the parts' device."""
+    base = dict(TINY, profile_steps=cv.PROFILE_WARMUP + 1)
+    prof = cv.run_study(cv.ConvergenceConfig(**dict(base, profile_only=True)), tmp_path / "profile",
+                        log=lambda *_: None)
+    assert prof.summary["profile_only"] and not (tmp_path / "profile" / "history.csv.gz").exists()
+    for seed, rep in ((1, None), (0, 0)):
+        cv.run_study(cv.ConvergenceConfig(**dict(base, seeds=(seed,), repeat_seed=rep, profile_steps=0)),
+                     tmp_path / f"s{seed}", log=lambda *_: None)
+    parts = [tmp_path / "s1", tmp_path / "profile", tmp_path / "s0"]
+    out = tmp_path / "merged"
+    assert cv.main(["--ingest", *map(str, parts), "--out", str(out), "--git-sha", "abc123"]) == 0
+    rec = cv.load_recorded(out)
+    assert [p["name"] for p in rec.summary["plan"]] == ["eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1",
+                                                        "fused_s1"]
+    assert sorted(rec.history.run.unique()) == sorted(rec.summary["runs"])
+    assert rec.summary["config"]["seeds"] == [0, 1] and rec.summary["config"]["repeat_seed"] == 0
+    assert sorted(rec.profile.path.unique()) == ["eager", "fused"]
+    side = read_provenance(out / "summary.json")
+    assert side["extra"]["measured_at_git_sha"] == "abc123"
+    assert side["device"] == read_provenance(tmp_path / "s0" / "summary.json")["device"]
+    # time per step comes from the isolated profile, not from runs that shared the device
+    kept = rec.profile[rec.profile.step > cv.PROFILE_WARMUP]
+    assert cv.seconds_per_step(rec)["eager"] == kept[kept.path == "eager"].seconds.median()
+    with pytest.raises(ValueError, match="runs recorded twice"):
+        cv.merge_parts([tmp_path / "s0", tmp_path / "s0"])
+    other = tmp_path / "other"
+    cv.run_study(cv.ConvergenceConfig(**dict(base, seeds=(2,), repeat_seed=None, profile_steps=0, lr=5e-4)),
+                 other, log=lambda *_: None)
+    with pytest.raises(ValueError, match="different configuration: \\['lr'\\]"):
+        cv.merge_parts([tmp_path / "s0", other])
+    with pytest.raises(FileNotFoundError, match="no summary.json"):
+        cv.merge_parts([tmp_path])
 
 
 def test_deadline_skips_whole_runs():
@@ -133,7 +174,7 @@ def test_deadline_skips_whole_runs():
 
 
 def test_load_recorded_names_the_missing_runs(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no recorded runs in .*python3 -m dora_num.studies.convergence"):
+    with pytest.raises(FileNotFoundError, match="no recorded runs in .*dora_num.studies.convergence --ingest"):
         cv.load_recorded(tmp_path)
 
 

@@ -286,3 +286,19 @@ def test_weight_norm_op_and_base_sq_cache():
     again = N.cached_base_row_norm_sq(W)
     assert again is not first
     assert_bitwise(again, dn.base_row_norm_sq(W))
+
+
+@pytest.mark.parametrize("rows", [1, 65, 64 * 64 + 3], ids=lambda r: f"{r}rows")
+def test_dg_stage2_in_kernel_equals_second_launch(rows, monkeypatch):
+    """The in-kernel stage 2 (last program per column block) sums in the order of the
+    separate stage-2 kernel: the same bits under the interpreter, where both tile
+    widths reduce axis 0 row by row; rows = 64*64+3 gives 65 partials, two chunks."""
+    base, lora, g, grad = _inputs((rows, 5), torch.float32)
+    inner = ref.compose_inner_ref(base, lora, S)
+    got = {}
+    for in_kernel in (True, False):
+        monkeypatch.setattr(kc, "DG_FINAL_IN_KERNEL", in_kernel)
+        got[in_kernel] = kc.compose_bwd(grad, inner, g, S)[2]
+    assert_bitwise(got[True], got[False])
+    exact = (inner.double() * grad.double()).sum(0)
+    assert bool(((got[True].double() - exact).abs() <= kc.dg_error_bound(inner, grad)).all())

@@ -29,10 +29,12 @@ is checked for the absence of ``fma.rn.f32`` by the GPU suite.
 
 dg reduction and its bound.  Stage 1: program ``(i, j)`` sums the fp32 products
 ``inner*D`` of its ``BLOCK_M`` rows with ``tl.sum`` (a reduction tree of depth
-``log2(BLOCK_M)``) into ``partials[i, cols_j]``.  Stage 2: one program per
-column block adds the ``nb = ceil(M / BLOCK_M)`` partials in a fixed order
+``log2(BLOCK_M)``) into ``partials[i, cols_j]``.  Stage 2: for each column
+block, the ``nb = ceil(M / BLOCK_M)`` partials are added in a fixed order
 (chunks of ``FIN_CHUNK`` row blocks in sequence, a fixed tree inside each
-chunk; no atomics), so the result is bitwise reproducible run to run.  With products ``p_k`` each
+chunk), by the last program of that column block to finish stage 1 (found with
+an integer arrival counter; ``DG_FINAL_IN_KERNEL``) or by a second launch.  No
+float atomics: the result is bitwise reproducible run to run.  With products ``p_k`` each
 rounded once, standard model: ``|dg_hat - dg| <= gamma_{A+1} * sum_k |inner_k D_k|``
 where ``A`` is the most additions any product passes through:
 ``BLOCK_M - 1`` in stage 1 (any order ``tl.sum`` takes), then inside a chunk of
@@ -70,6 +72,12 @@ BWD_MAX_BLOCK_N = 128
 BWD_NUM_WARPS = 4
 FIN_BLOCK_N = 64
 FIN_CHUNK = 64
+# Stage 2 of dg inside the backward kernel (the last program of each column block
+# sums the partials) instead of a second launch: the same fixed summation order,
+# one launch fewer.  At 8192x8192 bf16 the training step is bound by the host,
+# ~70 us per Triton launch on the H200 host (studies/bench_overhead.py).
+# ``DORA_NUM_DG_TWO_LAUNCH=1`` restores the separate stage-2 kernel (ablation).
+DG_FINAL_IN_KERNEL = os.environ.get("DORA_NUM_DG_TWO_LAUNCH", "0") != "1"
 # Under the interpreter each program instance costs ~1 ms: use big tiles there.
 if INTERPRET:
     FWD_TILE_ELEMS = 1 << 16
@@ -121,11 +129,11 @@ def _compose_fwd_kernel(
 
 @triton.jit
 def _compose_bwd_kernel(
-    grad_ptr, inner_ptr, base_ptr, lora_ptr, g_ptr, dlora_ptr, dbase_ptr, partial_ptr,
+    grad_ptr, inner_ptr, base_ptr, lora_ptr, g_ptr, dlora_ptr, dbase_ptr, partial_ptr, count_ptr, dg_ptr,
     n_rows, n_cols, s,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_DLORA: tl.constexpr, WRITE_DBASE: tl.constexpr, NEED_DG: tl.constexpr,
-    RECOMPUTE_INNER: tl.constexpr,
+    RECOMPUTE_INNER: tl.constexpr, FINAL_IN_KERNEL: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -152,23 +160,37 @@ def _compose_bwd_kernel(
             inner = tl.load(inner_ptr + offsets, mask=mask, other=0.0)
         part = tl.sum(inner * d, axis=0)
         tl.store(partial_ptr + pid_m.to(tl.int64) * n_cols + cols, part, mask=col_mask)
+        if FINAL_IN_KERNEL:
+            # The last program of this column block to arrive (an integer counter: no
+            # float atomics) adds the partials in the fixed order of _dg_final_sum.
+            # Which program is last varies; the order of the sum does not.
+            tl.debug_barrier()  # every thread's partial store precedes the release below
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(0) - 1:
+                _dg_final_sum(partial_ptr, dg_ptr, cols, col_mask, tl.num_programs(0), n_cols, BLOCK_N, CHUNK)
+
+
+@triton.jit
+def _dg_final_sum(partial_ptr, dg_ptr, cols, col_mask, n_blocks, n_cols, BLOCK_N: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    # Fixed order: chunks of CHUNK row blocks in sequence, each reduced by tl.sum's
+    # (compile-time fixed) tree.  A sequential loop over single rows was latency
+    # bound: ~50 us of a 0.24 ms backward at 8192x8192 on the H200.  ".cg": read
+    # from L2, where the other programs' partials are (not from this SM's L1).
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_blocks, CHUNK):
+        idx = start + tl.arange(0, CHUNK)
+        tile = tl.load(partial_ptr + idx[:, None].to(tl.int64) * n_cols + cols[None, :],
+                       mask=(idx[:, None] < n_blocks) & col_mask[None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(tile, axis=0)
+    tl.store(dg_ptr + cols, acc, mask=col_mask)
 
 
 @triton.jit
 def _dg_final_kernel(partial_ptr, dg_ptr, n_blocks, n_cols, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # Fixed order: chunks of CHUNK row blocks in sequence, each reduced by tl.sum's
-    # (compile-time fixed) tree.  A sequential loop over single rows was latency
-    # bound: ~50 us of a 0.24 ms backward at 8192x8192 on the H200.
-    for start in range(0, n_blocks, CHUNK):
-        idx = start + tl.arange(0, CHUNK)
-        tile = tl.load(partial_ptr + idx[:, None].to(tl.int64) * n_cols + cols[None, :],
-                       mask=(idx[:, None] < n_blocks) & col_mask[None, :], other=0.0)
-        acc += tl.sum(tile, axis=0)
-    tl.store(dg_ptr + cols, acc, mask=col_mask)
+    """Stage 2 as its own launch (``DG_FINAL_IN_KERNEL = False``)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _dg_final_sum(partial_ptr, dg_ptr, cols, cols < n_cols, n_blocks, n_cols, BLOCK_N, CHUNK)
 
 
 # --------------------------------------------------------------------------
@@ -265,19 +287,24 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
         block_m = BWD_BLOCK_M
         block_n = min(BWD_MAX_BLOCK_N, triton.next_power_of_2(n_cols))
         n_blocks = triton.cdiv(n_rows, block_m)
+        n_col_blocks = triton.cdiv(n_cols, block_n)
         partials = _new((n_blocks, n_cols), torch.float32, dev) if need_dg else None
+        final_in_kernel = need_dg and DG_FINAL_IN_KERNEL
+        # arrival counters, one per column block (a memset: far cheaper than a launch)
+        counts = torch.zeros(n_col_blocks, dtype=torch.int32, device=dev) if final_in_kernel else None
         dummy = grad2
-        _compose_bwd_kernel[(n_blocks, triton.cdiv(n_cols, block_n))](
+        _compose_bwd_kernel[(n_blocks, n_col_blocks)](
             grad2, inner2 if need_dg and not recompute else dummy,
             base2 if recompute else dummy, lora2 if recompute else dummy, g.contiguous(),
             dlora if need_dlora else dummy, dbase if need_dbase else dummy,
-            partials if need_dg else dummy,
+            partials if need_dg else dummy, counts if final_in_kernel else dummy, dg if need_dg else dummy,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n,
             WRITE_DLORA=need_dlora, WRITE_DBASE=need_dbase, NEED_DG=need_dg, RECOMPUTE_INNER=recompute,
+            FINAL_IN_KERNEL=final_in_kernel, CHUNK=FIN_CHUNK,
             num_warps=BWD_NUM_WARPS, enable_fp_fusion=False,
         )
-        if need_dg:
+        if need_dg and not final_in_kernel:
             fin_n = min(FIN_BLOCK_N, triton.next_power_of_2(n_cols))
             _dg_final_kernel[(triton.cdiv(n_cols, fin_n),)](
                 partials, dg, n_blocks, n_cols, BLOCK_N=fin_n, CHUNK=FIN_CHUNK, num_warps=4,
