@@ -96,6 +96,7 @@ class ConvergenceConfig:
     threads: int | None = None
     progress: bool = True
     profile_only: bool = False  # only the profiling phase (time per step, both paths)
+    runs: tuple[str, ...] | None = None  # only these runs of the plan (e.g. one per GPU process)
 
     def validate(self) -> None:
         if not self.seeds:
@@ -344,6 +345,11 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
     dist_ = dist_ or Distributed()
     impl = resolve_fused_impl(cfg)
     plan = run_plan(cfg.seeds, cfg.repeat_seed, cfg.paths)
+    if cfg.runs is not None:
+        unknown = sorted(set(cfg.runs) - {s.name for s in plan})
+        if unknown or not cfg.runs:
+            raise ValueError(f"runs {unknown or list(cfg.runs)} are not in the plan {[s.name for s in plan]}")
+        plan = [s for s in plan if s.name in cfg.runs]
     out = Path(out) if out is not None else None
     t_start = time.perf_counter()
     params = {**dataclasses.asdict(cfg), "fused_impl_resolved": impl, "world_size": dist_.world,
@@ -464,6 +470,8 @@ def build_arg_parser(p: argparse.ArgumentParser | None = None) -> argparse.Argum
                         "(default: kernels where they run; custom_op with --smoke)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip runs that would end after this")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--runs", nargs="+", default=None, metavar="NAME",
+                   help="only these runs of the plan, e.g. eager_s0_rep1 (one run per GPU process)")
     p.add_argument("--profile-only", action="store_true",
                    help="only time both paths (--profile-steps steps) and write profile.csv, summary.json")
     p.add_argument("--ingest", nargs="+", metavar="DIR", default=None,
@@ -496,6 +504,8 @@ def config_from_args(args) -> ConvergenceConfig:
         kw["fused_impl"] = args.fused_impl
     kw["progress"] = not args.no_progress
     kw["profile_only"] = args.profile_only
+    if args.runs is not None:
+        kw["runs"] = tuple(args.runs)
     return ConvergenceConfig(**kw)
 
 
@@ -613,7 +623,8 @@ def merge_parts(parts: list[Path]) -> Recorded:
             runs.append(d)
     if len(profiles) > 1:
         raise ValueError(f"more than one --profile-only folder: {profiles}")
-    varying = {"seeds", "repeat_seed", "paths", "plan", "profile_steps", "profile_only", "deadline_s", "progress"}
+    varying = {"seeds", "repeat_seed", "paths", "plan", "profile_steps", "profile_only", "deadline_s", "progress",
+               "runs"}
     cfg0 = {k: v for k, v in summaries[0]["config"].items() if k not in varying}
     for d, sm in zip(parts, summaries):
         cfg = {k: v for k, v in sm["config"].items() if k not in varying}
