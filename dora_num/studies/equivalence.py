@@ -95,7 +95,9 @@ def _series(x) -> np.ndarray:
 
 
 def delta_summary(a, b, steps=None) -> dict:
-    """``mean |a-b|``, ``max |a-b|`` and the step of the max (first on ties)."""
+    """``mean |a-b|``, ``max |a-b|`` and the step of the max (first on ties), the final
+    ``|a-b|``, how many steps are bitwise equal and the first step that is not
+    (``first_diff_step``, -1 if none: the two runs never part)."""
     a, b = _series(a), _series(b)
     if a.shape != b.shape:
         raise ValueError(f"series must have equal length, got {a.size} and {b.size}")
@@ -103,7 +105,8 @@ def delta_summary(a, b, steps=None) -> dict:
     d = np.abs(a - b)
     i = int(np.argmax(d))
     return {"mean_abs": float(d.mean()), "max_abs": float(d[i]), "step_of_max": int(steps[i]),
-            "final_abs": float(d[-1]), "n": int(a.size), "bitwise_equal_steps": int(np.sum(a == b))}
+            "final_abs": float(d[-1]), "n": int(a.size), "bitwise_equal_steps": int(np.sum(a == b)),
+            "first_diff_step": int(steps[np.argmax(a != b)]) if np.any(a != b) else -1}
 
 
 def integrated_autocorr_time(x) -> float:

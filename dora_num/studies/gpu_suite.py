@@ -517,7 +517,7 @@ def bench_fma(out_dir: Path, n: int = 1 << 22, sample: int = 1 << 18) -> list[di
     bits) and the sha256 of the reference's bytes.  The inputs are regenerated bit
     for bit on any machine by :func:`fma_inputs` / :func:`compose_fma_inputs`; the
     first 2^16 are stored as well, for a self-contained spot check.  ``sample`` is
-    2^18: the file is ~1.4 MB (2^20 made 5.4 MB, a third of the repo's data budget);
+    2^18: the file is ~2.4 MB (2^20 made 5.4 MB, a third of the repo's data budget);
     the agreement rates in the CSV are over all ``n``."""
     import hashlib
 

@@ -151,9 +151,10 @@ def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
     side = read_provenance(out / "summary.json")
     assert side["extra"]["measured_at_git_sha"] == "abc123"
     assert side["device"] == read_provenance(tmp_path / "s0" / "summary.json")["device"]
-    # time per step comes from the isolated profile, not from runs that shared the device
     kept = rec.profile[rec.profile.step > cv.PROFILE_WARMUP]
-    assert cv.seconds_per_step(rec)["eager"] == kept[kept.path == "eager"].seconds.median()
+    assert cv.seconds_per_step(rec, "profile")["eager"] == kept[kept.path == "eager"].seconds.median()
+    secs = rec.history[(rec.history.metric == "seconds") & (rec.history.step > 1) & (rec.history.path == "fused")]
+    assert cv.seconds_per_step(rec)["fused"] == secs.value.median()
     with pytest.raises(ValueError, match="runs recorded twice"):
         cv.merge_parts([tmp_path / "s0", tmp_path / "s0"])
     other = tmp_path / "other"

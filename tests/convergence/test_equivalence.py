@@ -52,6 +52,8 @@ def test_delta_summary_known_values():
     s = eq.delta_summary([1.0, 2.0, 3.0, 4.0], [1.0, 2.5, 1.0, 4.25], steps=[10, 20, 30, 40])
     assert s["mean_abs"] == pytest.approx((0 + 0.5 + 2 + 0.25) / 4)
     assert (s["max_abs"], s["step_of_max"], s["bitwise_equal_steps"], s["final_abs"]) == (2.0, 30, 1, 0.25)
+    assert s["first_diff_step"] == 20
+    assert eq.delta_summary([1.0, 2.0], [1.0, 2.0], steps=[5, 6])["first_diff_step"] == -1
 
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]], ids=["empty", "nan", "inf"])
