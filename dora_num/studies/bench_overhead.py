@@ -3,12 +3,13 @@
 ``python -m dora_num.studies.bench_overhead`` on a CUDA machine prints the CPU time
 per call of the fused forward and backward launchers and of one autograd training
 step through :class:`~dora_num.ops.compose.ComposeFunction`, and a cProfile of
-the step.  Recorded on the H200 host (2026-11-29, torch 2.11, triton 3.6): fused
-forward 66 us of CPU per call, fused backward (2 launches) 143 us, a training
-step 525 us of CPU against ~0.26 ms of GPU work at 8192x8192 bf16 (the bandwidth
-floor of its 8 B/element); Triton's ``JITFunction.run`` took ~70 us per launch.
-So below ~16384x8192 the fused training step is bounded by the host, not by
-memory bandwidth, under ``do_bench``'s one-step-at-a-time timing.
+the step.  Recorded on the H200 host (2026-11-29, torch 2.11, triton 3.6, git
+a4ce237; ``data/gpu/host_overhead.log``): fused forward 31 us of CPU per call,
+fused backward 65 us (one launch: dg's stage 2 runs inside it), a training step
+301 us of CPU (324 us wall) against ~0.28 ms of GPU work at 8192x8192 bf16.  An
+earlier probe (git aab0061, three launches, a busier host) read 66 / 143 / 525 us.
+So up to ~16384x8192 the fused training step timed one at a time is bound by the
+host, not by memory bandwidth (``bench_train_graphs`` times it without the host).
 """
 
 from __future__ import annotations

@@ -97,12 +97,17 @@ class ConvergenceConfig:
     progress: bool = True
     profile_only: bool = False  # only the profiling phase (time per step, both paths)
     runs: tuple[str, ...] | None = None  # only these runs of the plan (e.g. one per GPU process)
+    # Eager seeds also run with every m moved by 1 fp32 ulp at init (random signs): how far
+    # two runs drift apart from the smallest possible difference, with the same batches.
+    ulp_seeds: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if not self.seeds:
             raise ValueError("seeds must not be empty")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct, got {self.seeds}")
+        if not set(self.ulp_seeds) <= set(self.seeds):
+            raise ValueError(f"ulp_seeds {self.ulp_seeds} must be among seeds {self.seeds}")
         if self.repeat_seed is not None and self.repeat_seed not in self.seeds:
             raise ValueError(f"repeat_seed={self.repeat_seed} must be one of seeds {self.seeds}")
         for name in ("steps", "eval_every", "batch_size", "max_len", "rank"):
@@ -131,19 +136,28 @@ class RunSpec:
     path: str
     seed: int
     repeat: int = 0
+    perturbed: bool = False  # every m moved by 1 fp32 ulp at init (the chaos baseline)
 
     @property
     def name(self) -> str:
-        return f"{self.path}_s{self.seed}" + (f"_rep{self.repeat}" if self.repeat else "")
+        return (f"{self.path}_s{self.seed}" + (f"_rep{self.repeat}" if self.repeat else "")
+                + ("_ulp" if self.perturbed else ""))
 
 
-def run_plan(seeds, repeat_seed=None, paths=PATHS) -> list[RunSpec]:
-    """Eager and fused of the first seed, the repeat, then both paths per further seed."""
+# perturb_seed of a perturbed run: ULP_SEED_OFFSET + seed (the random signs of the ulp moves)
+ULP_SEED_OFFSET = 1_000_003
+
+
+def run_plan(seeds, repeat_seed=None, paths=PATHS, ulp_seeds=()) -> list[RunSpec]:
+    """Eager and fused of the first seed, the repeat, then both paths per further seed;
+    after each seed in ``ulp_seeds``, its eager run with every ``m`` moved by 1 ulp."""
     plan = []
     for i, s in enumerate(seeds):
         plan.extend(RunSpec(p, s) for p in paths)
         if s == repeat_seed and "eager" in paths:
             plan.append(RunSpec("eager", s, 1))
+        if s in ulp_seeds and "eager" in paths:
+            plan.append(RunSpec("eager", s, 0, True))
     return plan
 
 
@@ -198,7 +212,8 @@ def train_config(cfg: ConvergenceConfig, spec: RunSpec, *, steps=None, evals=Tru
                        compose_path="fused" if spec.path == "fused" else "eager",
                        bf16_autocast=cfg.bf16_autocast, device=cfg.device,
                        capture_steps=cfg.eval_steps if evals else (), eval_steps=cfg.eval_steps if evals else (),
-                       eval_limit=cfg.eval_limit, joint_encode=cfg.joint_encode, progress=cfg.progress if progress is None else progress)
+                       eval_limit=cfg.eval_limit, joint_encode=cfg.joint_encode, progress=cfg.progress if progress is None else progress,
+                       perturb_seed=ULP_SEED_OFFSET + spec.seed if spec.perturbed else None)
 
 
 @dataclass
@@ -263,16 +278,18 @@ def g_statistics(g_minus_1: dict[int, dict[str, np.ndarray]]) -> pd.DataFrame:
 def tidy_history(res, spec: RunSpec, impl: str) -> pd.DataFrame:
     h = pd.DataFrame(res.history)
     long = h.melt(id_vars=["step"], value_vars=["loss", "grad_norm", "lr", "seconds"], var_name="metric")
-    return long.assign(run=spec.name, path=spec.path, impl=impl, seed=spec.seed, repeat=spec.repeat)
+    return long.assign(run=spec.name, path=spec.path, impl=impl, seed=spec.seed, repeat=spec.repeat,
+                       perturbed=spec.perturbed)
 
 
 def tidy_evals(res, spec: RunSpec, impl: str) -> pd.DataFrame:
     e = pd.DataFrame(res.evals)
     long = e.melt(id_vars=["step"], value_vars=["val_loss", "mrr10"], var_name="metric")
-    return long.assign(run=spec.name, path=spec.path, impl=impl, seed=spec.seed, repeat=spec.repeat)
+    return long.assign(run=spec.name, path=spec.path, impl=impl, seed=spec.seed, repeat=spec.repeat,
+                       perturbed=spec.perturbed)
 
 
-_ID = ["run", "path", "impl", "seed", "repeat", "step"]
+_ID = ["run", "path", "impl", "seed", "repeat", "perturbed", "step"]
 
 
 def _order(df: pd.DataFrame, extra: list[str]) -> pd.DataFrame:
@@ -344,7 +361,7 @@ def run_study(cfg: ConvergenceConfig, out: str | Path | None = None, *, base_pat
 def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
     dist_ = dist_ or Distributed()
     impl = resolve_fused_impl(cfg)
-    plan = run_plan(cfg.seeds, cfg.repeat_seed, cfg.paths)
+    plan = run_plan(cfg.seeds, cfg.repeat_seed, cfg.paths, cfg.ulp_seeds)
     if cfg.runs is not None:
         unknown = sorted(set(cfg.runs) - {s.name for s in plan})
         if unknown or not cfg.runs:
@@ -422,7 +439,7 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
         hist.append(tidy_history(res, spec, r_impl))
         evs.append(tidy_evals(res, spec, r_impl))
         gst.append(g_statistics(res.g_minus_1).assign(run=spec.name, path=spec.path, impl=r_impl, seed=spec.seed,
-                                                      repeat=spec.repeat))
+                                                      repeat=spec.repeat, perturbed=spec.perturbed))
         summary["runs"][spec.name] = {"wall_s": wall, "median_s_per_step": res.seconds_per_step,
                                       "final_loss": res.history[-1]["loss"], "steps": len(res.history)}
         summary["elapsed_s"] = time.perf_counter() - t_start
@@ -438,9 +455,15 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
 
 
 def wide_loss(history: pd.DataFrame, metric: str = "loss") -> pd.DataFrame:
-    """The tidy history's ``metric`` as a frame with columns path, seed, repeat, step, ``metric``."""
-    h = history[history.metric == metric]
-    return h.rename(columns={"value": metric})[["path", "seed", "repeat", "step", metric]]
+    """The tidy history's ``metric`` as a frame with columns path, seed, repeat,
+    perturbed, step, ``metric``."""
+    h = _with_perturbed(history[history.metric == metric])
+    return h.rename(columns={"value": metric})[["path", "seed", "repeat", "perturbed", "step", metric]]
+
+
+def _with_perturbed(df: pd.DataFrame) -> pd.DataFrame:
+    """Tables recorded before the 1-ulp runs existed have no ``perturbed`` column: all False."""
+    return df if "perturbed" in df.columns else df.assign(perturbed=False)
 
 
 # --------------------------------------------------------------------------
@@ -470,6 +493,8 @@ def build_arg_parser(p: argparse.ArgumentParser | None = None) -> argparse.Argum
                         "(default: kernels where they run; custom_op with --smoke)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip runs that would end after this")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--ulp-seeds", type=int, nargs="+", default=None,
+                   help="eager seeds also run with every m moved by 1 ulp at init (runs NAME_ulp)")
     p.add_argument("--runs", nargs="+", default=None, metavar="NAME",
                    help="only these runs of the plan, e.g. eager_s0_rep1 (one run per GPU process)")
     p.add_argument("--profile-only", action="store_true",
@@ -506,6 +531,8 @@ def config_from_args(args) -> ConvergenceConfig:
     kw["profile_only"] = args.profile_only
     if args.runs is not None:
         kw["runs"] = tuple(args.runs)
+    if args.ulp_seeds is not None:
+        kw["ulp_seeds"] = tuple(args.ulp_seeds)
     return ConvergenceConfig(**kw)
 
 
@@ -567,15 +594,15 @@ def load_recorded(folder: str | Path | None = None) -> Recorded:
     if missing:
         raise FileNotFoundError(f"no recorded runs in {folder} (missing {', '.join(missing)}); "
                                 f"record them with: {RECORD_COMMAND}")
-    return Recorded(_read_history(folder / "history.csv.gz"), pd.read_csv(folder / "evals.csv"),
-                    pd.read_csv(folder / "g_stats.csv.gz"), pd.read_csv(folder / "profile.csv"),
+    return Recorded(_read_history(folder / "history.csv.gz"), _with_perturbed(pd.read_csv(folder / "evals.csv")),
+                    _with_perturbed(pd.read_csv(folder / "g_stats.csv.gz")), pd.read_csv(folder / "profile.csv"),
                     json.loads((folder / "summary.json").read_text()), folder)
 
 
 def _read_history(path: Path) -> pd.DataFrame:
     """The tidy history, loss and gradient norm back to their exact float32 values
     (written with ``HISTORY_FLOAT_FORMAT``: the decimal string identifies the float32)."""
-    h = pd.read_csv(path)
+    h = _with_perturbed(pd.read_csv(path))
     exact = h.metric.isin(["loss", "grad_norm"])
     h.loc[exact, "value"] = h.loc[exact, "value"].to_numpy(np.float32).astype(np.float64)
     return h
@@ -632,7 +659,7 @@ def merge_parts(parts: list[Path]) -> Recorded:
     if len(profiles) > 1:
         raise ValueError(f"more than one --profile-only folder: {profiles}")
     varying = {"seeds", "repeat_seed", "paths", "plan", "profile_steps", "profile_only", "deadline_s", "progress",
-               "runs"}
+               "runs", "ulp_seeds"}
     cfg0 = {k: v for k, v in summaries[0]["config"].items() if k not in varying}
     for d, sm in zip(parts, summaries):
         cfg = {k: v for k, v in sm["config"].items() if k not in varying}
@@ -656,19 +683,20 @@ def merge_parts(parts: list[Path]) -> Recorded:
         skipped += sm.get("skipped", [])
         plan += sm["plan"]
         tables["history"].append(_read_history(d / "history.csv.gz"))
-        tables["evals"].append(pd.read_csv(d / "evals.csv"))
-        tables["g_stats"].append(pd.read_csv(d / "g_stats.csv.gz"))
+        tables["evals"].append(_with_perturbed(pd.read_csv(d / "evals.csv")))
+        tables["g_stats"].append(_with_perturbed(pd.read_csv(d / "g_stats.csv.gz")))
     if not runs:
         raise ValueError("no run folders among the parts (only a profile)")
     seeds = sorted({p["seed"] for p in plan})
     reps = sorted({p["seed"] for p in plan if p["repeat"]})
-    order = {s.name: i for i, s in enumerate(run_plan(seeds, reps[0] if reps else None, PATHS))}
+    ulps = tuple(sorted({p["seed"] for p in plan if p.get("perturbed")}))
+    order = {s.name: i for i, s in enumerate(run_plan(seeds, reps[0] if reps else None, PATHS, ulps))}
     plan.sort(key=lambda p: order.get(p["name"], len(order)))
     profile = pd.read_csv(profiles[0] / "profile.csv") if profiles else pd.DataFrame(
         columns=["path", "impl", "step", "seconds"])
     first = summaries[parts.index(runs[0])]
     summary = {**first,
-               "config": {**first["config"], "seeds": seeds,
+               "config": {**first["config"], "seeds": seeds, "ulp_seeds": list(ulps),
                           "repeat_seed": reps[0] if reps else None, "plan": [p["name"] for p in plan]},
                "plan": plan, "runs": merged_runs, "skipped": skipped, "processes": processes}
     if profiles:

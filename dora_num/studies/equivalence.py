@@ -270,7 +270,7 @@ def delta_table(df: pd.DataFrame, value: str = "loss", *, relative: bool = False
 
     ``relative``: deltas divided by the mean of the first run's series (gradient norms).
     """
-    runs = curves(df, value)
+    runs = curves(_split_perturbed(df)[0], value)  # 1-ulp runs: perturbation_deltas
     rows = []
     for kind, ps in pairs(runs).items():
         for ka, kb in ps:
@@ -281,6 +281,58 @@ def delta_table(df: pd.DataFrame, value: str = "loss", *, relative: bool = False
                          "run_a": "/".join(map(str, ka)), "run_b": "/".join(map(str, kb)),
                          "path_a": ka[0], "seed_a": ka[1], "path_b": kb[0], "seed_b": kb[1], **s})
     return pd.DataFrame(rows)
+
+
+def _split_perturbed(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    if "perturbed" not in df.columns:
+        return df, df.iloc[:0]
+    p = df["perturbed"].astype(bool)
+    return df[~p].drop(columns="perturbed"), df[p].drop(columns="perturbed")
+
+
+def perturbation_pairs(df: pd.DataFrame, value: str = "loss") -> list[tuple[tuple, tuple, pd.Series, pd.Series]]:
+    """``(key, key, series, series)`` for each eager seed recorded twice: as is, and with
+    every ``m`` moved by 1 ulp at init (rows with ``perturbed`` true)."""
+    plain, pert = _split_perturbed(df)
+    if not len(pert):
+        return []
+    base, moved = curves(plain, value), curves(pert, value)
+    out = []
+    for k in sorted(moved):
+        ka = (k[0], k[1], 0)
+        if k[0] == "eager" and ka in base:
+            a, b = _aligned(base[ka], moved[k], ka, k)
+            out.append((ka, (*k, "ulp"), a, b))
+    return out
+
+
+def perturbation_deltas(df: pd.DataFrame, value: str = "loss") -> pd.DataFrame:
+    """:func:`delta_table`'s rows (kind ``ulp_perturbation``) for each eager seed against
+    itself with every ``m`` moved by 1 ulp: the smallest possible difference between two
+    runs on the same batches, and how far it grows."""
+    rows = []
+    for ka, kb, a, b in perturbation_pairs(df, value):
+        rows.append({"kind": "ulp_perturbation", "metric": value, "relative": False,
+                     "run_a": "/".join(map(str, ka)), "run_b": "/".join(map(str, kb)),
+                     "path_a": ka[0], "seed_a": ka[1], "path_b": kb[0], "seed_b": kb[1],
+                     **delta_summary(a.to_numpy(), b.to_numpy(), a.index.to_numpy())})
+    return pd.DataFrame(rows)
+
+
+def rolling_abs_deltas(df: pd.DataFrame, value: str = "loss", window: int = 50) -> pd.DataFrame:
+    """Rolling mean of ``|delta|`` per step for every pair of :func:`pairs` (unperturbed
+    runs) and of :func:`perturbation_pairs`: columns step, ``|delta VALUE|``, kind, pair."""
+    plain, _ = _split_perturbed(df)
+    runs = curves(plain, value)
+    items = [(kind, a, b, runs[a], runs[b]) for kind, ps in pairs(runs).items() for a, b in ps]
+    items += [("ulp_perturbation", ka, kb, sa, sb) for ka, kb, sa, sb in perturbation_pairs(df, value)]
+    frames = []
+    for kind, ka, kb, sa, sb in items:
+        d = (sb - sa).abs()
+        frames.append(pd.DataFrame({"step": d.index, f"|delta {value}|":
+                                    d.rolling(min(window, len(d)), min_periods=1).mean().to_numpy(),
+                                    "kind": kind, "pair": "/".join(map(str, ka)) + " vs " + "/".join(map(str, kb))}))
+    return pd.concat(frames, ignore_index=True)
 
 
 @dataclass(frozen=True)
@@ -300,12 +352,13 @@ def margin_from_eager(df: pd.DataFrame, value: str = "loss") -> Margin:
 
     Fixed before the fused runs are analysed: ``floor`` = mean over eager seed
     pairs of the per-step mean ``|delta|``; ``margin = MARGIN_FRACTION * floor``.
+    Runs with ``perturbed`` true (1-ulp baseline) never enter it.
     """
     paths = set(df["path"].unique())
     if paths != {"eager"}:
         raise ValueError(f"margin_from_eager takes eager runs only, got paths {sorted(paths)}: "
                          "select df[df.path == 'eager'] so the margin cannot depend on the fused runs")
-    runs = curves(df, value)
+    runs = curves(_split_perturbed(df)[0], value)  # 1-ulp runs: perturbation_deltas
     per_pair = []
     for ka, kb in pairs(runs)["seed_to_seed"]:
         a, b = _aligned(runs[ka], runs[kb], ka, kb)
@@ -320,7 +373,7 @@ def margin_from_eager(df: pd.DataFrame, value: str = "loss") -> Margin:
 
 def equivalence_verdict(df: pd.DataFrame, margin: Margin, value: str = "loss", *, alpha: float = ALPHA) -> dict:
     """Per seed: TOST on ``fused - eager`` and the below-floor test; overall verdict (IUT)."""
-    runs = curves(df, value)
+    runs = curves(_split_perturbed(df)[0], value)  # 1-ulp runs: perturbation_deltas
     per_seed = []
     for ka, kb in pairs(runs)["fused_vs_eager"]:
         a, b = _aligned(runs[ka], runs[kb], ka, kb)
@@ -353,7 +406,11 @@ def verdict_table(verdict: dict) -> pd.DataFrame:
 
 def paper_comparison(losses: pd.DataFrame, evals: pd.DataFrame | None, verdict: dict,
                      seconds_per_step: dict[str, float] | None = None) -> pd.DataFrame:
-    """Our numbers beside the paper's (PAPER.md), one row per quantity."""
+    """Our numbers beside the paper's (PAPER.md), one row per quantity (1-ulp runs, if
+    ``losses`` has them, give one more row of ours)."""
+    ulp = perturbation_deltas(losses, "loss")
+    losses = _split_perturbed(losses)[0]
+    evals = _split_perturbed(evals)[0] if evals is not None else None
     dt = delta_table(losses, "loss")
     fe, ss, rp = (dt[dt.kind == k] for k in ("fused_vs_eager", "seed_to_seed", "repeat"))
     rows = [
@@ -365,6 +422,8 @@ def paper_comparison(losses: pd.DataFrame, evals: pd.DataFrame | None, verdict: 
          PAPER["fused_vs_eager_mean_abs_delta"] / np.mean([PAPER["seed_to_seed_mean_abs_delta_low"],
                                                            PAPER["seed_to_seed_mean_abs_delta_high"]])),
         ("same-seed repeat mean |delta loss|", rp.mean_abs.mean() if len(rp) else np.nan, np.nan),
+        ("eager vs eager with m moved 1 ulp: mean |delta loss|", ulp.mean_abs.mean() if len(ulp) else np.nan,
+         np.nan),
         ("equivalence verdict (1 = equivalent)", float(verdict["equivalent"]), np.nan),
     ]
     if evals is not None and len(evals):

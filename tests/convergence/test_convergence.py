@@ -218,3 +218,24 @@ def test_ddp_two_gloo_ranks_match_single_process(tmp_path):
     assert (tol.loss.max() > 0) and (tol.grad_norm.max() > 0)  # the baseline does measure something
     assert (diff.loss <= tol.loss.max()).all(), (diff, tol)
     assert (diff.grad_norm <= tol.grad_norm.max()).all(), (diff, tol)
+
+
+def test_ulp_runs_are_planned_tagged_and_compared(tmp_path):
+    """--ulp-seeds adds eager runs whose magnitudes moved by 1 ulp at init; they carry
+    perturbed=True, stay out of the margin and the fused-vs-eager tables, and are
+    compared with their unperturbed eager run by perturbation_deltas."""
+    assert [s.name for s in cv.run_plan((0, 1), 0, cv.PATHS, (1,))] == [
+        "eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1", "eager_s1_ulp"]
+    with pytest.raises(ValueError, match="ulp_seeds"):
+        cv.ConvergenceConfig(**dict(TINY, ulp_seeds=(7,))).validate()
+    cfg = cv.ConvergenceConfig(**dict(TINY, repeat_seed=None, ulp_seeds=(0,)))
+    res = cv.run_study(cfg, tmp_path, log=lambda *_: None)
+    rec = cv.load_recorded(tmp_path)
+    loss = cv.wide_loss(rec.history)
+    assert set(rec.history[rec.history.perturbed].run) == {"eager_s0_ulp"}
+    ulp = eq.perturbation_deltas(loss)
+    assert list(ulp.run_b) == ["eager/0/0/ulp"] and ulp.mean_abs.iloc[0] > 0
+    margin = eq.margin_from_eager(loss[loss.path == "eager"])
+    assert margin.pairs == 1  # seeds 0 and 1; the 1-ulp run is not a third eager seed
+    assert set(eq.delta_table(loss).kind) == {"fused_vs_eager", "seed_to_seed"}
+    assert "eager_s0_ulp" in res.summary["runs"]
