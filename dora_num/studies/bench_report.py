@@ -8,9 +8,11 @@ temporaries each method allocates; verified against the allocator's peak):
   ``2 * d_out * d_in * b``.
 - ``dense_fp32``: ``B@A`` fp32, ``W.float()`` (a copy only for 16-bit W) and the
   sum: ``(2 + [b < 4]) * d_out * d_in * 4``.
-- ``factored`` (no cache): the fp32 column chunk of W (a copy only for 16-bit W)
-  and its square under the byte budget: ``(1 + [b < 4]) * d_out * cols * 4``
-  (dominant; ``U`` and the row blocks come after it is freed).
+- ``factored`` (no cache): the larger of two phases: the fp32 column chunk of W (a
+  copy only for 16-bit W) and its square under the byte budget,
+  ``(1 + [b < 4]) * d_out * cols * 4``, and, after it is freed, the temporaries of
+  ``factored_cached``.  With the default budget (a quarter of a dense fp32 W, at
+  most 256 MiB) the second phase is the larger one at 4096x4096, r=384.
 - ``factored_cached``: ``U`` (``d_out r 4``) + ``G`` (``r^2 4``) + the row blocks
   of the cross/Gram terms, ``(2 + [b < 4]) * rows * r * 4`` with
   ``rows = min(d_out, ROW_CHUNK_BYTES // (12 r))``.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..ops.norm import DEFAULT_CHUNK_BYTES, ROW_CHUNK_BYTES, chunk_columns
+from ..ops.norm import ROW_CHUNK_BYTES, chunk_columns
 
 PAPER_TABLE1 = pd.DataFrame(  # PAPER.md: H200, fp32, allocator peak, MB
     [(4096, 4096, 384, 192, 71), (8192, 8192, 384, 768, 245), (8192, 8192, 512, 768, 241),
@@ -91,16 +93,17 @@ def speedups(compose: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------
 
 def norm_memory_theory(method: str, d_out: int, d_in: int, r: int, w_bytes: int,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, row_chunk_bytes: int = ROW_CHUNK_BYTES) -> int:
+                       chunk_bytes: int | None = None, row_chunk_bytes: int = ROW_CHUNK_BYTES) -> int:
     """Bytes of the temporaries of one row-norm method (module docstring)."""
     copy = 1 if w_bytes < 4 else 0
     if method == "peft_dense_wdtype":
         return 2 * d_out * d_in * w_bytes
     if method == "dense_fp32":
         return (2 + copy) * d_out * d_in * 4
-    if method == "factored":
-        cols = chunk_columns(d_out, d_in, chunk_bytes)  # the operator's own rule
-        return (1 + copy) * d_out * cols * 4
+    if method == "factored":  # the base_sq chunks, then the phase of the cached variant
+        cols = chunk_columns(d_out, d_in, chunk_bytes)  # the operator's own rule (None: its default budget)
+        return max((1 + copy) * d_out * cols * 4,
+                   norm_memory_theory("factored_cached", d_out, d_in, r, w_bytes, chunk_bytes, row_chunk_bytes))
     if method == "factored_cached":
         rows = min(d_out, max(1, row_chunk_bytes // (12 * r)))
         return d_out * r * 4 + r * r * 4 + (2 + copy) * rows * r * 4
