@@ -50,11 +50,11 @@ ENV_PATH = "DORA_NUM_COMPOSE_PATH"
 # triton 3.6; runs at git aab0061 and a4ce237, 2026-11-29).  Where the step is bound
 # by the device (>= 8192x4096 elements) the fused tier wins everywhere, in the second
 # run by 3.1-10.4x (bf16), 2.2-10.5x (fp16), 2.2-3.1x (fp32).  Where both tiers are
-# bound by the host (<= 2048x8192: 0.4-0.7 ms per step either way) the ratio is
-# host noise: 1.15-3.2x for bf16/fp16, but 0.70-1.24x for fp32 (fp32 eager needs no
-# casts, so fewer launches); the first run had 0.98x or better everywhere.  No
-# crossover stands out of that noise, so the threshold is the smallest shape
-# measured; below it (unmeasured, launch-bound) the eager reference is kept.
+# bound by the host (<= 2048x8192 elements; fused 0.24-0.84 ms per step, eager
+# 0.43-1.45 ms) bf16/fp16 fused still wins by 1.15-3.26x; fp32 read 0.70-1.24x in
+# the second run and 0.98x or better in the first, inconclusive: fp32 eager launches
+# fewer kernels (no casts), so it may really be as fast there.  The threshold is the
+# smallest shape measured; below it (unmeasured, launch-bound) eager is kept.
 FUSED_TRAIN_MIN_ELEMENTS = 512 * 512
 FUSED_TRAIN_CROSSOVER_NOTE = ("fused faster than eager wherever the step is device-bound; host-bound "
                               "shapes (<= ~17M elements) are a tie within noise; threshold = smallest "

@@ -128,7 +128,7 @@ class DoRALinear(nn.Module):
         base_c = base if x_lora is x else Fn.linear(x_lora, W)
         lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B)
         g = self._g_fast()
-        finite = None if torch.compiler.is_compiling() else _FiniteCheck(g, self)
+        finite = None if torch.compiler.is_compiling() else _FiniteCheck(g)
         lora = lora.to(base_c.dtype)
         inference = not (torch.is_grad_enabled()
                          and (base_c.requires_grad or lora.requires_grad or g.requires_grad))
@@ -152,30 +152,29 @@ class DoRALinear(nn.Module):
 class _FiniteCheck:
     """``isfinite(g).all()``, started when ``g`` is computed and read at the end of the forward.
 
-    On CUDA the flag goes to pinned host memory behind an event, so reading it
-    waits for ``g``'s kernels only, while the compose and the output add are
-    already queued behind them: the GPU never drains.  (A ``bool(...)`` right after
-    ``g`` was a full device sync in the middle of every forward: at 4096->4096,
-    r=384 on the H200 it left the GPU idle while the host launched the compose.)
+    On CUDA the flag is copied to pinned host memory behind an event on ``g``'s
+    device and stream, so reading it waits for the work queued up to ``g`` (the
+    earlier layers included), while this layer's cast, compose and output add are
+    already queued behind it: the device is not drained to an empty queue in the
+    middle of the forward, as the former ``bool(...)`` right after ``g`` did (at
+    4096->4096, r=384 on the H200 that left the GPU idle while the host launched the
+    compose).  The pinned byte is allocated per call (the host caching allocator
+    makes that cheap), so replicas of a module on other threads do not share it.
     On other devices the flag is read directly.  Under ``torch.compile`` the
     compose custom op checks ``g`` itself.
     """
 
     __slots__ = ("flag", "event")
 
-    def __init__(self, g: torch.Tensor, owner: nn.Module):
+    def __init__(self, g: torch.Tensor):
         ok = torch.isfinite(g.detach()).all()
         if g.device.type != "cuda":
             self.flag, self.event = ok, None
             return
-        host = getattr(owner, "_finite_flag_host", None)
-        if host is None:
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            owner._finite_flag_host = host  # one pinned byte per layer, reused every forward
-        host.copy_(ok, non_blocking=True)
-        self.flag = host
+        self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self.flag.copy_(ok, non_blocking=True)
         self.event = torch.cuda.Event()
-        self.event.record()
+        self.event.record(torch.cuda.current_stream(g.device))  # the stream the copy was queued on
 
     def ok(self) -> bool:
         if self.event is not None:

@@ -5,8 +5,9 @@
 faster than ``torch.compile`` of the same forward+backward) is timed by the GPU
 suite one step at a time through autograd (``do_bench``).  At 8192x8192 bf16 that
 step is bound by the host: ~0.3 ms of Python, autograd and launch per step against
-~0.28 ms of GPU work, so the recorded ratio measures host overheads and moved
-between two runs of the same kernels (1.31x, then 0.93x).  Here each step (the
+~0.28 ms of GPU work, so the recorded ratio measures host overheads: 1.31x in the
+run at git aab0061, 0.93x at a4ce237 (stage 2 of dg moved into the backward
+kernel in between; the backward kernels' own times moved by -1% and +3%).  Here each step (the
 forward, ``torch.autograd.grad`` for base, lora and g) is captured once in a CUDA
 graph and replayed, which removes the host from the timing: what remains is each
 implementation's kernels, to set beside the bandwidth floor.

@@ -616,7 +616,7 @@ def seconds_per_step(rec: Recorded, source: str = "runs") -> dict[str, float]:
     """Median time per step of each path.
 
     ``"runs"``: over every recorded step of the runs (first step of each run
-    dropped); on the H200 the runs were 3-4 processes sharing the GPU, which costs
+    dropped; the 1-ulp runs left out, they ran in another wave); on the H200 the runs were 3-4 processes sharing the GPU, which costs
     little here because the harness is bound by each process's own host (Python).
     ``"profile"``: the profiling phase (one process alone; first ``PROFILE_WARMUP``
     steps dropped), short, and eager runs first in it, so eager carries more
@@ -629,7 +629,8 @@ def seconds_per_step(rec: Recorded, source: str = "runs") -> dict[str, float]:
         return {p: float(g.seconds.median()) for p, g in kept.groupby("path")}
     if source != "runs":
         raise ValueError(f"source must be 'runs' or 'profile', got {source!r}")
-    h = rec.history[(rec.history.metric == "seconds") & (rec.history.step > 1)]
+    h = _with_perturbed(rec.history)
+    h = h[(h.metric == "seconds") & (h.step > 1) & ~h.perturbed.astype(bool)]  # 1-ulp runs: another wave
     return {p: float(g.value.median()) for p, g in h.groupby("path")}
 
 
@@ -698,7 +699,9 @@ def merge_parts(parts: list[Path]) -> Recorded:
     summary = {**first,
                "config": {**first["config"], "seeds": seeds, "ulp_seeds": list(ulps),
                           "repeat_seed": reps[0] if reps else None, "plan": [p["name"] for p in plan]},
-               "plan": plan, "runs": merged_runs, "skipped": skipped, "processes": processes}
+               "plan": plan, "runs": merged_runs, "skipped": skipped, "processes": processes,
+               "run_order": "one process per run (see processes); plan listed in run_plan's order"}
+    summary["config"].pop("runs", None)  # each part's own selection, meaningless once merged
     if profiles:
         sp = summaries[parts.index(profiles[0])]
         summary["profile"] = sp.get("profile")

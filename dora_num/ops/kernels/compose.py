@@ -28,11 +28,12 @@ barriers: it is one compile flag, it removes *every* contraction in the kernel
 is checked for the absence of ``fma.rn.f32`` by the GPU suite.
 
 dg reduction and its bound.  Stage 1: program ``(i, j)`` sums the fp32 products
-``inner*D`` of its ``BLOCK_M`` rows with ``tl.sum`` (a reduction tree of depth
-``log2(BLOCK_M)``) into ``partials[i, cols_j]``.  Stage 2: for each column
+``inner*D`` of its ``BLOCK_M`` rows with ``tl.sum`` (in an order fixed at compile
+time by the tile's layout: on the H200 each thread adds its column's 64 rows in one
+chain) into ``partials[i, cols_j]``.  Stage 2: for each column
 block, the ``nb = ceil(M / BLOCK_M)`` partials are added in a fixed order
-(chunks of ``FIN_CHUNK`` row blocks in sequence, a fixed tree inside each
-chunk), by the last program of that column block to finish stage 1 (found with
+(chunks of ``FIN_CHUNK`` row blocks in sequence, an order inside each chunk fixed
+by the tile shape), by the last program of that column block to finish stage 1 (found with
 an integer arrival counter; ``DG_FINAL_IN_KERNEL``) or by a second launch.  No
 float atomics: the result is bitwise reproducible run to run.  With products ``p_k`` each
 rounded once, standard model: ``|dg_hat - dg| <= gamma_{A+1} * sum_k |inner_k D_k|``
@@ -73,10 +74,13 @@ BWD_NUM_WARPS = 4
 FIN_BLOCK_N = 64
 FIN_CHUNK = 64
 # Stage 2 of dg inside the backward kernel (the last program of each column block
-# sums the partials) instead of a second launch: the same fixed summation order,
-# one launch fewer.  At 8192x8192 bf16 the training step is bound by the host,
-# ~70 us per Triton launch on the H200 host (studies/bench_overhead.py).
-# ``DORA_NUM_DG_TWO_LAUNCH=1`` restores the separate stage-2 kernel (ablation).
+# sums the partials) instead of a second launch: one launch fewer, since at
+# 8192x8192 bf16 the training step is bound by the host (31-65 us of CPU per
+# launcher call on the H200 host: studies/bench_overhead.py).  Its order is fixed
+# but belongs to the backward's 64x128 tile, not to the stage-2 kernel's 64x64
+# tile, so the two modes need not agree bitwise (each is deterministic and within
+# the same bound).  ``DORA_NUM_DG_TWO_LAUNCH=1`` restores the separate stage-2
+# kernel (ablation).
 DG_FINAL_IN_KERNEL = os.environ.get("DORA_NUM_DG_TWO_LAUNCH", "0") != "1"
 # Under the interpreter each program instance costs ~1 ms: use big tiles there.
 if INTERPRET:
@@ -290,7 +294,8 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
         n_col_blocks = triton.cdiv(n_cols, block_n)
         partials = _new((n_blocks, n_cols), torch.float32, dev) if need_dg else None
         final_in_kernel = need_dg and DG_FINAL_IN_KERNEL
-        # arrival counters, one per column block (a memset: far cheaper than a launch)
+        # arrival counters, one per column block (torch's fill kernel: a few us of host, against
+        # tens for a Triton launch)
         counts = torch.zeros(n_col_blocks, dtype=torch.int32, device=dev) if final_in_kernel else None
         dummy = grad2
         _compose_bwd_kernel[(n_blocks, n_col_blocks)](
