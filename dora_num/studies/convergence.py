@@ -1,19 +1,27 @@
 """Notebook 04's data: 2000-step, three-seed convergence of fused vs eager DoRA training.
 
     PYTHONPATH=. python3 -m dora_num.studies.convergence --out DIR [--steps 2000] [--seeds 0 1 2]
-                                                       [--base MODEL_DIR] [--smoke]
+                         [--ulp-seeds ...] [--runs NAME ...] [--profile-only] [--base MODEL_DIR] [--smoke]
+    python -m dora_num.studies.convergence --ingest DIR ... --out data/gpu/convergence --git-sha SHA
     torchrun --nproc_per_node N -m dora_num.studies.convergence --out DIR ...   # DDP, N ranks
 
-One process runs, in this order, after a short profiling phase (time per step of
-both paths, first ``PROFILE_WARMUP`` steps dropped: Triton compiles there):
+The plan (:func:`run_plan`), after a short profiling phase (time per step of both
+paths, first ``PROFILE_WARMUP`` steps dropped: Triton compiles there):
 
-    eager s0, fused s0, eager s0 (repeat), eager s1, fused s1, eager s2, fused s2
+    eager s0, fused s0, eager s0 (repeat), [eager s0 with m + 1 ulp], eager s1, fused s1, ...
 
 on the MiniLM + DoRA contrastive harness (:mod:`dora_num.adapters.train`; all 36
 encoder linears, bf16 autocast on CUDA).  A seed fixes the adapter init, the batch
 order and the dropout masks; eager and fused runs of one seed see identical
 inputs, so every per-step difference between them comes from the compose
-implementation.  The repeat measures same-seed run-to-run nondeterminism.
+implementation.  The repeat measures same-seed run-to-run nondeterminism; the
+optional 1-ulp runs (``--ulp-seeds``) move every magnitude ``m`` by one fp32 ulp
+at init, the smallest difference two runs on the same batches can have.
+
+One process can run the whole plan; on the H200 each step costs ~0.1 s of host
+Python, so the recorded runs were made one process per run (``--runs``, several
+processes sharing the GPU; ``.ci/gpu/convergence.sh``) after a ``--profile-only``
+process alone, and merged with ``--ingest`` (:func:`merge_parts`).
 
 Recorded per step: loss, gradient norm (global L2 over A, B, m), learning rate,
 seconds; every ``eval_every`` steps (and at 0): validation loss and MRR@10, and
@@ -21,9 +29,9 @@ seconds; every ``eval_every`` steps (and at 0): validation loss and MRR@10, and
 Files under ``--out`` (tidy long format, each with a provenance sidecar), rewritten
 after every run so a run cut short loses only itself:
 
-    history.csv.gz   run, path, impl, seed, repeat, step, metric, value
-    evals.csv        run, path, impl, seed, repeat, step, metric, value
-    g_stats.csv.gz   run, path, impl, seed, repeat, step, module, statistic, value
+    history.csv.gz   run, path, impl, seed, repeat, perturbed, step, metric, value
+    evals.csv        run, path, impl, seed, repeat, perturbed, step, metric, value
+    g_stats.csv.gz   run, path, impl, seed, repeat, perturbed, step, module, statistic, value
     profile.csv      path, impl, step, seconds
     summary.json     configuration, plan, time per step, projections, wall times
 
@@ -32,9 +40,6 @@ fused arm runs the compose through the ``torch.library`` custom op
 ``dora_num::compose_fwd`` with its PyTorch implementation and its registered
 autograd (the route the fused path takes under ``torch.compile``): a live check
 of the pipeline and of that route, not a measurement of the kernels.
-
-GPU sizing (the issue's budget: <= 7 minutes on one H200 for everything): see
-``GPU_DEFAULTS`` and :func:`project_seconds`.
 """
 
 from __future__ import annotations
@@ -568,8 +573,9 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------
 
 RECORDED_DIR = ("gpu", "convergence")
-RECORD_COMMAND = ("bash .ci/gpu/convergence.sh on the H200 (a --profile-only process, then one process per "
-                  "seed), then: python -m dora_num.studies.convergence --ingest DIR... "
+RECORD_COMMAND = ("on the H200: a --profile-only process, then bash .ci/gpu/convergence.sh RUN... (one "
+                  "process per run; README, 'Recording GPU data'), then: "
+                  "python -m dora_num.studies.convergence --ingest DIR... "
                   "--out data/gpu/convergence --git-sha SHA")
 
 
@@ -616,8 +622,9 @@ def seconds_per_step(rec: Recorded, source: str = "runs") -> dict[str, float]:
     """Median time per step of each path.
 
     ``"runs"``: over every recorded step of the runs (first step of each run
-    dropped; the 1-ulp runs left out, they ran in another wave); on the H200 the runs were 3-4 processes sharing the GPU, which costs
-    little here because the harness is bound by each process's own host (Python).
+    dropped; the 1-ulp runs left out, they ran in another wave).  On the H200 the
+    runs were 3-4 processes sharing the GPU, which costs little here because the
+    harness is bound by each process's own host (Python).
     ``"profile"``: the profiling phase (one process alone; first ``PROFILE_WARMUP``
     steps dropped), short, and eager runs first in it, so eager carries more
     warm-up (cuBLAS heuristics for new sequence lengths)."""
