@@ -271,16 +271,22 @@ def delta_table(df: pd.DataFrame, value: str = "loss", *, relative: bool = False
     ``relative``: deltas divided by the mean of the first run's series (gradient norms).
     """
     runs = curves(_split_perturbed(df)[0], value)  # 1-ulp runs: perturbation_deltas
-    rows = []
-    for kind, ps in pairs(runs).items():
-        for ka, kb in ps:
-            a, b = _aligned(runs[ka], runs[kb], ka, kb)
-            scale = float(np.mean(np.abs(a.to_numpy()))) if relative else 1.0
-            s = delta_summary(a.to_numpy() / scale, b.to_numpy() / scale, a.index.to_numpy())
-            rows.append({"kind": kind, "metric": value, "relative": relative,
-                         "run_a": "/".join(map(str, ka)), "run_b": "/".join(map(str, kb)),
-                         "path_a": ka[0], "seed_a": ka[1], "path_b": kb[0], "seed_b": kb[1], **s})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([_delta_row(kind, value, ka, kb, *_aligned(runs[ka], runs[kb], ka, kb), relative)
+                         for kind, ps in pairs(runs).items() for ka, kb in ps])
+
+
+def _label(key: tuple) -> str:
+    return "/".join(map(str, key))
+
+
+def _delta_row(kind: str, value: str, ka: tuple, kb: tuple, a: pd.Series, b: pd.Series,
+               relative: bool = False) -> dict:
+    """One row of :func:`delta_table` / :func:`perturbation_deltas` (``relative``: deltas
+    divided by the mean of ``|a|``)."""
+    scale = float(np.mean(np.abs(a.to_numpy()))) if relative else 1.0
+    return {"kind": kind, "metric": value, "relative": relative, "run_a": _label(ka), "run_b": _label(kb),
+            "path_a": ka[0], "seed_a": ka[1], "path_b": kb[0], "seed_b": kb[1],
+            **delta_summary(a.to_numpy() / scale, b.to_numpy() / scale, a.index.to_numpy())}
 
 
 def _split_perturbed(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -310,13 +316,8 @@ def perturbation_deltas(df: pd.DataFrame, value: str = "loss") -> pd.DataFrame:
     """:func:`delta_table`'s rows (kind ``ulp_perturbation``) for each eager seed against
     itself with every ``m`` moved by 1 ulp: the smallest possible difference between two
     runs on the same batches, and how far it grows."""
-    rows = []
-    for ka, kb, a, b in perturbation_pairs(df, value):
-        rows.append({"kind": "ulp_perturbation", "metric": value, "relative": False,
-                     "run_a": "/".join(map(str, ka)), "run_b": "/".join(map(str, kb)),
-                     "path_a": ka[0], "seed_a": ka[1], "path_b": kb[0], "seed_b": kb[1],
-                     **delta_summary(a.to_numpy(), b.to_numpy(), a.index.to_numpy())})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([_delta_row("ulp_perturbation", value, ka, kb, a, b)
+                         for ka, kb, a, b in perturbation_pairs(df, value)])
 
 
 def rolling_abs_deltas(df: pd.DataFrame, value: str = "loss", window: int = 50) -> pd.DataFrame:
@@ -331,7 +332,7 @@ def rolling_abs_deltas(df: pd.DataFrame, value: str = "loss", window: int = 50) 
         d = (sb - sa).abs()
         frames.append(pd.DataFrame({"step": d.index, f"|delta {value}|":
                                     d.rolling(min(window, len(d)), min_periods=1).mean().to_numpy(),
-                                    "kind": kind, "pair": "/".join(map(str, ka)) + " vs " + "/".join(map(str, kb))}))
+                                    "kind": kind, "pair": _label(ka) + " vs " + _label(kb)}))
     return pd.concat(frames, ignore_index=True)
 
 
