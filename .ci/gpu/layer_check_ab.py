@@ -6,7 +6,9 @@ tokens), bf16, with four versions of the check swapped in (the current pinned by
 + event per call; one cached pinned byte; a sync right after ``g``; no check), and
 PEFT's default DoRA layer, in 4 interleaved rounds; plus the host (CPU) time of one
 step.  Recorded in ``data/gpu/layer_check_ab.log`` (run at git f27de12 from an
-uncommitted copy of this file, identical below this docstring).
+uncommitted copy of this file, identical below this docstring).  It patches
+``_FiniteCheck(g)`` as it was at f27de12 (the check now also takes the norm's flag):
+rerun it against that revision (``git worktree add /tmp/ab f27de12``).
 """
 import math, time, torch, statistics
 from dora_num.ops import layer as L

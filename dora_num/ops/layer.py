@@ -23,7 +23,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from .compose import PATHS, compose
-from .norm import cached_base_row_norm_sq, magnitude_scale, weight_norm_cached
+from .norm import cached_base_row_norm_sq, magnitude_scale, magnitude_scale_fast, weight_norm_cached
 
 
 class DoRALinear(nn.Module):
@@ -91,13 +91,14 @@ class DoRALinear(nn.Module):
         """``g = m / max(wnorm, eps)`` (fp32, differentiable in m)."""
         return magnitude_scale(self.magnitude, self.weight_norm())
 
-    def _g_fast(self) -> torch.Tensor:
-        """``g`` without the per-input value checks (their syncs); the forward checks
-        ``g`` once instead (:class:`_FiniteCheck`), and on failure the checked path
-        runs and raises naming the input at fault."""
-        wnorm = weight_norm_cached(self.base.weight, self.lora_A, self.lora_B, self.scale,
-                                   chunk_bytes=self.chunk_bytes, check=False)
-        return magnitude_scale(self.magnitude, wnorm, check=False)
+    def _g_fast(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(g, bad)`` without the per-input value checks (their syncs): ``bad`` is a
+        device flag, nonzero iff some ``wnorm`` or ``g`` is not finite
+        (:func:`~dora_num.ops.norm.magnitude_scale_fast`); the forward reads it once,
+        late (:class:`_FiniteCheck`), and on failure the checked path runs and raises
+        naming the input at fault.  ``bad`` None: check ``g`` itself."""
+        return magnitude_scale_fast(self.base.weight, self.lora_A, self.lora_B, self.scale, self.magnitude,
+                                    chunk_bytes=self.chunk_bytes)
 
     def _raise_not_finite(self) -> None:
         self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
@@ -127,8 +128,8 @@ class DoRALinear(nn.Module):
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
         base_c = base if x_lora is x else Fn.linear(x_lora, W)
         lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B)
-        g = self._g_fast()
-        finite = None if torch.compiler.is_compiling() else _FiniteCheck(g)
+        g, bad = self._g_fast()
+        finite = None if torch.compiler.is_compiling() else _FiniteCheck(g, bad)
         lora = lora.to(base_c.dtype)
         inference = not (torch.is_grad_enabled()
                          and (base_c.requires_grad or lora.requires_grad or g.requires_grad))
@@ -150,35 +151,36 @@ class DoRALinear(nn.Module):
 
 
 class _FiniteCheck:
-    """``isfinite(g).all()``, started when ``g`` is computed and read at the end of the forward.
+    """The finiteness flag of ``g``, started when ``g`` is computed and read at the end of the forward.
 
-    On CUDA the flag is copied to pinned host memory behind an event on ``g``'s
-    device and stream, so reading it waits for the work queued up to ``g`` (the
-    earlier layers included), while this layer's cast, compose and output add are
-    already queued behind it: the device is not drained to an empty queue in the
-    middle of the forward, as the former ``bool(...)`` right after ``g`` did.  (At
-    4096->4096, r=384 the layer is bound by the host, and an interleaved A/B on the
-    H200 measured no difference between the two; dropping the check saved 10%:
-    ``data/gpu/layer_check_ab.log``.)
-    The pinned byte is allocated per call (the host caching allocator
-    makes that cheap), so replicas of a module on other threads do not share it.
-    On other devices the flag is read directly.  Under ``torch.compile`` the
-    compose custom op checks ``g`` itself.
+    ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_fast`
+    (None: computed here from ``g``).  On CUDA it is copied to pinned host memory
+    behind an event on ``g``'s device and stream, so reading it waits for the work
+    queued up to ``g`` (the earlier layers included), while this layer's cast,
+    compose and output add are already queued behind it: the device is not drained
+    to an empty queue in the middle of the forward, as a ``bool(...)`` right after
+    ``g`` would.  (At 4096->4096, r=384 the layer was bound by the host, and an
+    interleaved A/B on the H200 measured no difference between the two; dropping
+    the check saved 10%: ``data/gpu/layer_check_ab.log``.)  The pinned byte is
+    allocated per call (the host caching allocator makes that cheap), so replicas
+    of a module on other threads do not share it.  On other devices the flag is
+    read directly.  Under ``torch.compile`` the compose custom op checks ``g`` itself.
     """
 
     __slots__ = ("flag", "event")
 
-    def __init__(self, g: torch.Tensor):
-        ok = torch.isfinite(g.detach()).all()
+    def __init__(self, g: torch.Tensor, bad: torch.Tensor | None = None):
+        if bad is None:
+            bad = ~torch.isfinite(g.detach()).all()
         if g.device.type != "cuda":
-            self.flag, self.event = ok, None
+            self.flag, self.event = bad, None
             return
-        self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self.flag.copy_(ok, non_blocking=True)
+        self.flag = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+        self.flag.copy_(bad, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(g.device))  # the stream the copy was queued on
 
     def ok(self) -> bool:
         if self.event is not None:
             self.event.synchronize()
-        return bool(self.flag)
+        return not bool(self.flag.any())

@@ -30,6 +30,9 @@ r=384 needs ~13 MB + 24 MB against ~800 MB for the dense fp32 norm.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from ..numerics import formulas
@@ -39,6 +42,31 @@ from .validation import check_finite, check_lora_factors, check_scale, check_ten
 
 CHUNK_ALIGN = 64  # columns; chunk widths are multiples of this (coalesced, tensor-core friendly)
 DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+# Where the tail of the factored norm (cross, ba, assembly; for the layer also the clamp and
+# the finiteness flag of g) runs: "auto" = the one-launch Triton kernel of
+# dora_num.ops.kernels.norm_tail on CUDA, torch elsewhere; "triton" also on CPU under
+# TRITON_INTERPRET=1 (tests); "torch" = the torch sequence everywhere.
+NORM_TAIL_MODES = ("auto", "triton", "torch")
+NORM_TAIL = os.environ.get("DORA_NUM_NORM_TAIL", "auto").strip().lower() or "auto"
+if NORM_TAIL not in NORM_TAIL_MODES:
+    raise ValueError(f"environment variable DORA_NUM_NORM_TAIL must be one of {NORM_TAIL_MODES}, got {NORM_TAIL!r}")
+
+
+def _tail_kernel_used(device: torch.device) -> bool:
+    if NORM_TAIL == "torch":
+        return False
+    if device.type == "cuda":
+        return True
+    return NORM_TAIL == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)`` where autocast is on, else a no-op
+    (constructing an autocast context costs ~10 us of Python on the hot path)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def dense_row_norm(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
@@ -98,7 +126,7 @@ def base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) -> torc
     check_tensor("W", W, ndim=2)
     d_out, d_in = W.shape
     cols = chunk_columns(d_out, d_in, chunk_bytes)
-    with torch.no_grad(), torch.autocast(W.device.type, enabled=False):
+    with torch.no_grad(), _autocast_off(W.device.type):
         acc = torch.zeros(d_out, dtype=torch.float32, device=W.device)
         for start in range(0, d_in, cols):
             Wc = W[:, start : start + cols].float()
@@ -206,33 +234,53 @@ def factored_row_norm(
                 f"base_sq must be float32 [d_out] = [{d_out}] on {W.device}, "
                 f"got shape {tuple(base_sq.shape)} on {base_sq.device}"
             )
-    s, two_s, s_sq = scale_constants(s_raw)
-    with torch.no_grad(), torch.autocast(W.device.type, enabled=False):
-        acc_base = base_row_norm_sq(W, chunk_bytes=chunk_bytes) if base_sq is None else base_sq
-        if s == 0.0:
-            zeros = torch.zeros_like(acc_base)
-            wnorm = norm_assembly(TorchFP32CorrectSqrt, acc_base, zeros, zeros, 0.0, 0.0)
-        else:
-            U = _u_product(W, A, cols)
-            G = _gram_fp32(A)
-            cross = torch.empty(d_out, dtype=torch.float32, device=W.device)
-            ba = torch.empty(d_out, dtype=torch.float32, device=W.device)
-            rows = max(1, ROW_CHUNK_BYTES // (3 * 4 * r))
-            for start in range(0, d_out, rows):
-                Bc = B[start : start + rows].float()
-                cross[start : start + rows] = (Bc * U[start : start + rows]).sum(dim=1)
-                ba[start : start + rows] = ((Bc @ G) * Bc).sum(dim=1)
-                del Bc
-            del U
-            wnorm = norm_assembly(TorchFP32CorrectSqrt, acc_base, cross, ba, two_s, s_sq)
+    with torch.no_grad(), _autocast_off(W.device.type):
+        wnorm = _factored_core(W, A, B, scale_constants(s_raw), cols, chunk_bytes, base_sq)[0]
     if check and not torch.compiler.is_compiling() and not bool(torch.isfinite(wnorm).all()):
-        for name, t in (("W", W), ("A", A), ("B", B)) + ((("base_sq", base_sq),) if base_sq is not None else ()):
+        for name, t in (("W", W), ("A", A), ("B", B)):
             check_finite(name, t)
+        if base_sq is not None:
+            try:
+                check_finite("base_sq", base_sq)
+            except ValueError as e:
+                raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
+                                 "overflowed float32 (exceeds 3.4e38; rescale W)") from None
         raise ValueError(
             "factored row norm overflowed float32 (inputs are finite): the squared row norm "
             "exceeds 3.4e38; rescale W or the adapter"
         )
     return wnorm
+
+
+def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, m=None, eps=None):
+    """``(wnorm, den, bad)`` of the factored norm, unchecked (callers hold no_grad, autocast off).
+
+    With ``m`` and the tail kernel: ``den = max(wnorm, eps)`` and ``bad``, an int32
+    ``[1]`` device flag, nonzero iff some ``wnorm`` or ``m / den`` is not finite
+    (:func:`dora_num.ops.kernels.norm_tail.norm_tail`); otherwise both are None.
+    """
+    s, two_s, s_sq = consts
+    acc_base = base_row_norm_sq(W, chunk_bytes=chunk_bytes) if base_sq is None else base_sq
+    if s == 0.0:
+        zeros = torch.zeros_like(acc_base)
+        return norm_assembly(TorchFP32CorrectSqrt, acc_base, zeros, zeros, 0.0, 0.0), None, None
+    U = _u_product(W, A, cols)
+    G = _gram_fp32(A)
+    if _tail_kernel_used(W.device):
+        from .kernels.norm_tail import norm_tail
+
+        return norm_tail(U, B, G, acc_base, two_s, s_sq, m=m, eps=eps)
+    d_out, r = B.shape
+    cross = torch.empty(d_out, dtype=torch.float32, device=W.device)
+    ba = torch.empty(d_out, dtype=torch.float32, device=W.device)
+    rows = max(1, ROW_CHUNK_BYTES // (3 * 4 * r))
+    for start in range(0, d_out, rows):
+        Bc = B[start : start + rows].float()
+        cross[start : start + rows] = (Bc * U[start : start + rows]).sum(dim=1)
+        ba[start : start + rows] = ((Bc @ G) * Bc).sum(dim=1)
+        del Bc
+    del U
+    return norm_assembly(TorchFP32CorrectSqrt, acc_base, cross, ba, two_s, s_sq), None, None
 
 
 # --------------------------------------------------------------------------
@@ -290,6 +338,45 @@ def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale:
                              base_sq=base_sq, check=check)
 
 
+def magnitude_scale_fast(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, m: torch.Tensor, *,
+                         chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(g, bad)`` for :class:`~dora_num.ops.layer.DoRALinear`'s forward, without a device sync.
+
+    ``g = m / max(||W + sBA||_row, eps)`` (fp32, differentiable in ``m``; the norm
+    detached, ``base_sq`` cached on W), bitwise the ``g`` of :func:`magnitude_scale`
+    on :func:`weight_norm_cached` given the same ``wnorm``.  ``bad`` is a device tensor,
+    nonzero iff some ``wnorm`` or ``g`` is not finite (the caller reads it once, late;
+    None under ``torch.compile``, where the compose op checks ``g`` itself).  On
+    CUDA the norm's tail, the clamp and the flag are one Triton launch
+    (:mod:`dora_num.ops.kernels.norm_tail`) and ``g`` one division.
+    """
+    if torch.compiler.is_compiling():
+        wnorm = weight_norm_cached(W, A, B, scale, chunk_bytes=chunk_bytes, check=False)
+        return magnitude_scale(m, wnorm, check=False), None
+    d_out, d_in, _ = check_lora_factors(W, A, B)
+    check_tensor("m", m, ndim=1)
+    if m.shape[0] != d_out or m.device != W.device:
+        raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
+    eps = default_eps(m.dtype)
+    base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
+    tail_m = m.detach() if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+    with torch.no_grad(), _autocast_off(W.device.type):
+        wnorm, den, bad = _factored_core(W.detach(), A.detach(), B.detach(), scale_constants(check_scale(scale)),
+                                         chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
+                                         m=tail_m, eps=eps)
+    if den is None:  # the torch tail
+        g = magnitude_scale(m, wnorm, eps=eps, check=False)
+        return g, ~(torch.isfinite(wnorm).all() & torch.isfinite(g.detach()).all())
+    # den = max(wnorm, eps) is the maximum of formulas.magnitude_scale, taken (exactly) in the
+    # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).
+    return m.float() / den, bad
+
+
+def default_eps(dtype: torch.dtype) -> float:
+    """The ``eps`` of :func:`magnitude_scale` for a magnitude of this dtype."""
+    return 1e-6 if dtype in (torch.float16, torch.bfloat16) else 1e-12
+
+
 def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None = None,
                     check: bool = True) -> torch.Tensor:
     """``g = m / max(wnorm, eps)`` in fp32 (differentiable in ``m``; ``wnorm`` detached).
@@ -307,7 +394,7 @@ def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None =
     if m.device != wnorm.device:
         raise ValueError(f"m is on {m.device} but wnorm on {wnorm.device}")
     if eps is None:
-        eps = 1e-6 if m.dtype in (torch.float16, torch.bfloat16) else 1e-12
+        eps = default_eps(m.dtype)
     if not (eps > 0):
         raise ValueError(f"eps must be positive, got {eps}")
     if check and not torch.compiler.is_compiling():  # value checks sync; skipped while tracing

@@ -10,6 +10,10 @@ fused backward 65 us (one launch: dg's stage 2 runs inside it), a training step
 earlier probe (git aab0061, three launches, a busier host) read 66 / 143 / 525 us.
 So up to ~16384x8192 the fused training step timed one at a time is bound by the
 host, not by memory bandwidth (``bench_train_graphs`` times it without the host).
+
+:func:`layer_host_cost` times ``DoRALinear`` where its GPU work is negligible, with the
+norm's tail kernel and with its torch tail (the A/B of
+:mod:`dora_num.ops.kernels.norm_tail`).
 """
 
 from __future__ import annotations
@@ -69,6 +73,56 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
         print(s.getvalue())
+    layer_host_cost()
+
+
+def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
+    """Host time per call of ``DoRALinear`` (forward; forward+backward) at a shape whose GPU
+    work is microseconds (512->512, r=16, 64 tokens, bf16), so wall time is host time:
+    the norm's tail kernel against its torch tail, interleaved over ``rounds`` rounds
+    (median and min of the rounds)."""
+    import statistics
+
+    import torch
+
+    from ..ops import norm as N
+    from ..ops.layer import DoRALinear
+
+    torch.manual_seed(0)
+    layer = DoRALinear(torch.nn.Linear(512, 512, bias=False, device="cuda", dtype=torch.bfloat16), 16, 32.0)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 1e-2)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    D = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+
+    def fwd():
+        with torch.no_grad():
+            layer(x)
+
+    def fwd_bwd():
+        layer(x).backward(D)
+
+    times = {(tail, name): [] for tail in ("auto", "torch") for name in ("fwd", "fwd_bwd")}
+    prev = N.NORM_TAIL
+    try:
+        for _ in range(rounds):
+            for tail in ("auto", "torch"):
+                N.NORM_TAIL = tail
+                for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+                    for _ in range(10):
+                        fn()
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        fn()
+                    torch.cuda.synchronize()
+                    times[(tail, name)].append((time.perf_counter() - t) / reps * 1e6)
+    finally:
+        N.NORM_TAIL = prev
+    for (tail, name), ts in times.items():
+        label = "tail kernel" if tail == "auto" else "torch tail"
+        print(f"DoRALinear 512->512 r=16 T=64 bf16 {name} ({label}): host {statistics.median(ts):.1f} us "
+              f"median of {rounds} rounds (min {min(ts):.1f})", flush=True)
 
 
 if __name__ == "__main__":

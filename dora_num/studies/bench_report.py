@@ -13,8 +13,11 @@ temporaries each method allocates; verified against the allocator's peak):
   ``(1 + [b < 4]) * d_out * cols * 4``, and, after it is freed, the temporaries of
   ``factored_cached``.  With the default budget (a quarter of a dense fp32 W, at
   most 256 MiB) the second phase is the larger one at 4096x4096, r=384.
-- ``factored_cached``: ``U`` (``d_out r 4``) + ``G`` (``r^2 4``) + the row blocks
-  of the cross/Gram terms, ``(2 + [b < 4]) * rows * r * 4`` with
+- ``factored_cached``: ``U`` (``d_out r 4``) + ``G`` (``r^2 4``); the tail kernel
+  (:mod:`dora_num.ops.kernels.norm_tail`, CUDA's default) keeps ``B@G`` and the fp32
+  copy of ``B`` in registers (its ``[d_out]`` outputs are left out, as every method's).
+- ``factored_cached_torch_tail`` (the torch tail, ``DORA_NUM_NORM_TAIL=torch``): ``U`` +
+  ``G`` + the row blocks of the cross/Gram terms, ``(2 + [b < 4]) * rows * r * 4`` with
   ``rows = min(d_out, ROW_CHUNK_BYTES // (12 r))``.
 
 Targets (issue 4) are judged against the bandwidth floor: the time the traffic
@@ -105,6 +108,8 @@ def norm_memory_theory(method: str, d_out: int, d_in: int, r: int, w_bytes: int,
         return max((1 + copy) * d_out * cols * 4,
                    norm_memory_theory("factored_cached", d_out, d_in, r, w_bytes, chunk_bytes, row_chunk_bytes))
     if method == "factored_cached":
+        return d_out * r * 4 + r * r * 4
+    if method == "factored_cached_torch_tail":
         rows = min(d_out, max(1, row_chunk_bytes // (12 * r)))
         return d_out * r * 4 + r * r * 4 + (2 + copy) * rows * r * 4
     raise ValueError(f"unknown norm method {method!r}")

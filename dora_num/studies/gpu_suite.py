@@ -323,6 +323,18 @@ def _peft_style_norm(W, A, B, s):
         return torch.linalg.norm(W + s * (B @ A), dim=1).to(W.dtype)
 
 
+def _with_torch_tail(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the norm's torch tail (``DORA_NUM_NORM_TAIL=torch``): the A/B
+    of :mod:`dora_num.ops.kernels.norm_tail` in the same run."""
+    from ..ops import norm as N
+
+    prev, N.NORM_TAIL = N.NORM_TAIL, "torch"
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        N.NORM_TAIL = prev
+
+
 def bench_norms(shapes, w_dtypes) -> list[dict]:
     import torch
 
@@ -344,6 +356,7 @@ def bench_norms(shapes, w_dtypes) -> list[dict]:
                 "dense_fp32": lambda: dense_row_norm(W, A, B, s),
                 "factored": lambda: factored_row_norm(W, A, B, s),
                 "factored_cached": lambda: factored_row_norm(W, A, B, s, base_sq=cache),
+                "factored_cached_torch_tail": lambda: _with_torch_tail(factored_row_norm, W, A, B, s, base_sq=cache),
             }
             for name, fn in methods.items():
                 peak, out = peak_extra_bytes(fn)
@@ -377,6 +390,21 @@ def _peft_layer(lin, r, alpha, autocast_adapter_dtype):
     cfg = LoraConfig(r=r, lora_alpha=alpha, use_rslora=True, use_dora=True, target_modules=["proj"],
                      lora_dropout=0.0)
     return get_peft_model(Holder(lin), cfg, autocast_adapter_dtype=autocast_adapter_dtype)
+
+
+def _TorchTail(layer):
+    """``layer`` whose forward takes the norm's torch tail (``DORA_NUM_NORM_TAIL=torch``)."""
+    import torch
+
+    class TorchTail(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return _with_torch_tail(self.inner, x)
+
+    return TorchTail(layer)
 
 
 # Rounds of the layer timings (interleaved across implementations).  DoRALinear's
@@ -416,7 +444,9 @@ def bench_layers(shapes, profile_to: Path | None = None) -> list[dict]:
         x64 = x.double()
         y_ref = x64 @ W64.T + (g64 - 1) * (x64 @ W64.T) + g64 * s * (x64 @ A64.T @ B64.T)
         del W64, A64, B64, wn, x64
-        layers = {"dora_num": ours}
+        # the same layer with the torch tail of the norm (the code before the tail kernel), timed
+        # in the same rounds: the A/B of dora_num.ops.kernels.norm_tail
+        layers = {"dora_num": ours, "dora_num_torch_tail": _TorchTail(copy.deepcopy(ours))}
         for name, autocast in (("peft_default", True), ("peft_bf16_adapters", False)):
             pm = _peft_layer(copy.deepcopy(lin), r, alpha, autocast)
             mod = pm.base_model.model.proj

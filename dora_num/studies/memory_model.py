@@ -303,7 +303,7 @@ def norm_mode(mode: str, chunk_bytes: int):
 
     if mode not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {mode!r}")
-    orig = L.weight_norm_cached
+    orig = L.weight_norm_cached, L.magnitude_scale_fast
 
     def dense(W, A, B, scale, *, chunk_bytes=chunk_bytes, check=True):
         return N.dense_row_norm(W.detach(), A.detach(), B.detach(), scale)
@@ -313,11 +313,17 @@ def norm_mode(mode: str, chunk_bytes: int):
             return N.factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes=chunk_bytes,
                                        check=check)
 
-    L.weight_norm_cached = {"dense": dense, "factored": factored, "cached": orig}[mode]
+    def scale_of(norm):  # the layer's forward: (g, None); the layer then checks g itself
+        def fast(W, A, B, scale, m, *, chunk_bytes=chunk_bytes):
+            return N.magnitude_scale(m, norm(W, A, B, scale, chunk_bytes=chunk_bytes, check=False), check=False), None
+        return fast
+
+    L.weight_norm_cached, L.magnitude_scale_fast = {
+        "dense": (dense, scale_of(dense)), "factored": (factored, scale_of(factored)), "cached": orig}[mode]
     try:
         yield
     finally:
-        L.weight_norm_cached = orig
+        L.weight_norm_cached, L.magnitude_scale_fast = orig
 
 
 class _Stack:

@@ -23,6 +23,7 @@ the allocator events (:func:`dora_num.testing.measure_cpu_allocations`).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -149,6 +150,27 @@ def test_factored_and_dense_within_bounds(case, record):
         record("norms", case=case + "/cancelling-rows",
                rel_err_factored=float(np.max(np.abs(f_full.double().numpy() - ex)[rows] / ex[rows])),
                rel_err_dense=float(np.max(err_d[rows] / ex[rows])))
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_norm_tail_kernel_within_bound(case, monkeypatch):
+    """The one-launch Triton tail (cross, ba, assembly; CUDA's default) under the same
+    bound, here under TRITON_INTERPRET=1 (on the H200: tests/kernels/test_gpu_kernels.py)."""
+    from dora_num.ops import norm as N
+
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("the CPU run of the tail kernel needs TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)")
+    d_out, d_in, r, regime, dtype = CASES[case]
+    W, A, B, s = _inputs(d_out, d_in, r, regime, seed=len(case) * 7919 + d_in, dtype=dtype)
+    ex = row_norm_ref64(W, A, B, s).numpy()
+    bound = factored_norm_bound(W.float().numpy(), A.float().numpy(), B.float().numpy(), s) \
+        + row_norm_ref64_error_bound(W, A, B, s).numpy()
+    monkeypatch.setattr(N, "NORM_TAIL", "triton")
+    assert N._tail_kernel_used(W.device)
+    f = dn.factored_row_norm(W, A, B, s, base_sq=dn.base_row_norm_sq(W))
+    assert f.dtype == torch.float32 and f.shape == (d_out,)
+    err = np.abs(f.double().numpy() - ex)
+    assert (err <= bound).all(), f"tail kernel: worst err/bound {_ratio_to(err, bound):.3g}"
 
 
 def test_chunk_width_is_multiple_of_64_and_changes_result_only_within_bound():

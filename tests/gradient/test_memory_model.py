@@ -132,10 +132,22 @@ def test_repredict_rejects_a_table_without_configs():
 def test_norm_mode_restores_the_layer():
     from dora_num.ops import layer
 
-    orig = layer.weight_norm_cached
+    import torch
+
+    from dora_num.ops.norm import dense_row_norm, magnitude_scale
+
+    orig = layer.weight_norm_cached, layer.magnitude_scale_fast
+    torch.manual_seed(0)
+    lay = layer.DoRALinear(torch.nn.Linear(16, 8, bias=False), 4)
+    with torch.no_grad():
+        lay.lora_B.normal_()
     with mm.norm_mode("dense", 2**20):
-        assert layer.weight_norm_cached is not orig
-    assert layer.weight_norm_cached is orig
+        assert layer.weight_norm_cached is not orig[0]
+        g, bad = lay._g_fast()  # the forward's g comes from the dense norm
+        W, A, B = lay.base.weight, lay.lora_A, lay.lora_B
+        assert bad is None
+        assert torch.equal(g, magnitude_scale(lay.magnitude, dense_row_norm(W, A, B, lay.scale)))
+    assert (layer.weight_norm_cached, layer.magnitude_scale_fast) == orig
     with pytest.raises(ValueError, match="norm"):
         with mm.norm_mode("sparse", 2**20):
             pass

@@ -110,8 +110,8 @@ def test_compiled_model_runs_kernels_fullgraph():
 
 def test_factored_norm_tensor_core_within_bound_and_small():
     """At the target shape 8192x8192, r=384, bf16: U within its bound, peak extra memory
-    within the memory model (U + G + row blocks) and <= 1/15 of the dense fp32 norm's."""
-    from dora_num.ops.norm import ROW_CHUNK_BYTES
+    within the memory model (U + G + a few [d_out] vectors: the tail kernel keeps B @ G
+    and B's fp32 copy in registers) and <= 1/15 of the dense fp32 norm's."""
 
     d_out, d_in, r = 8192, 8192, 384
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -133,11 +133,57 @@ def test_factored_norm_tensor_core_within_bound_and_small():
     w = dn.factored_row_norm(W, A, B, s, base_sq=base_sq)
     peak = torch.cuda.max_memory_allocated() - before
     dense_bytes = 3 * d_out * d_in * 4  # dense fp32 norm: B@A, W.float(), their sum (measured 805 MB)
-    model = d_out * r * 4 + r * r * 4 + ROW_CHUNK_BYTES * 4 // 3 + 4 * d_out * 4
+    model = d_out * r * 4 + r * r * 4 + 4 * d_out * 4
     assert peak <= model, f"peak extra {peak} B above the model's {model} B"
     assert peak <= dense_bytes / 15, f"peak extra {peak} B vs dense fp32 {dense_bytes} B"
     ref64 = torch.linalg.vector_norm(W.double() + s * (B.double() @ A.double()), dim=1)
     assert float(((w.double() - ref64).abs() / ref64).max()) < 1e-5
+
+
+@pytest.mark.parametrize("d_out,r", [(100, 65), (4096, 384), (8192, 512)])
+def test_norm_tail_bitwise_on_exact_sums_and_flag(d_out, r):
+    """The tail kernel on the H200: with sums exact in any order, wnorm and den are bitwise
+    torch's assembly and clamp (no contraction, sqrt.rn); the flag fires on a NaN in m."""
+    from dora_num.ops.kernels.norm_tail import norm_tail
+
+    from .test_norm_tail import _exact_inputs, _exact_terms
+
+    U, B, G, base = _exact_inputs(d_out, r, torch.bfloat16, device="cuda")
+    _, two_s, s_sq = scale_constants(0.37)
+    m = 0.5 + torch.rand(d_out, device="cuda")
+    w, den, bad = norm_tail(U, B, G, base, two_s, s_sq, m=m, eps=1e-12)
+    cross, ba = _exact_terms(U, B, G)
+    want = norm_assembly(TorchFP32, base, cross, ba, two_s, s_sq)  # torch.sqrt on CUDA: correctly rounded
+    assert_bitwise(w, want)
+    assert_bitwise(den, want.clamp_min(1e-12))
+    assert int(bad) == 0
+    m[-1] = float("nan")
+    assert int(norm_tail(U, B, G, base, two_s, s_sq, m=m, eps=1e-12)[2]) == 1
+
+
+def test_layer_g_tail_kernel_vs_torch_tail_within_bound(monkeypatch):
+    """4096->4096, r=384, bf16: the layer's g through the tail kernel (the default on CUDA)
+    is bitwise magnitude_scale(m, weight_norm()), and within the norm's bound of the torch tail's."""
+    from dora_num.numerics.bounds import factored_norm_bound
+    from dora_num.ops import norm as N
+
+    torch.manual_seed(4)
+    d, r = 4096, 384
+    layer = dn.DoRALinear(torch.nn.Linear(d, d, bias=False, device="cuda", dtype=torch.bfloat16), rank=r,
+                          alpha=192.0, use_rslora=True)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 1e-2)
+    assert N._tail_kernel_used(layer.magnitude.device)
+    g_tail, bad = layer._g_fast()
+    assert int(bad) == 0
+    assert_bitwise(g_tail, dn.magnitude_scale(layer.magnitude, layer.weight_norm()))
+    monkeypatch.setattr(N, "NORM_TAIL", "torch")
+    g_torch, _ = layer._g_fast()
+    W, A, B = (t.detach().float().cpu().numpy() for t in (layer.base.weight, layer.lora_A, layer.lora_B))
+    w = layer.weight_norm().double().cpu().numpy()
+    rel = torch.from_numpy(2 * factored_norm_bound(W, A, B, layer.scale) / w).cuda() + 3 * 2.0**-24
+    diff = (g_tail.double() - g_torch.double()).abs()
+    assert bool((diff <= rel * g_torch.double().abs()).all()), float((diff / (rel * g_torch.double().abs())).max())
 
 
 def test_dispatch_on_cuda(monkeypatch):

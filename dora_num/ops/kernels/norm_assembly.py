@@ -38,13 +38,9 @@ PRODUCTION = {"fp_fusion": False, "sqrt": "rn"}
 
 
 @triton.jit
-def _norm_assembly_kernel(base_ptr, cross_ptr, ba_ptr, out_ptr, n, two_s, s_sq,
-                          SQRT: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    base = tl.load(base_ptr + offsets, mask=mask, other=0.0)
-    cross = tl.load(cross_ptr + offsets, mask=mask, other=0.0)
-    ba = tl.load(ba_ptr + offsets, mask=mask, other=0.0)
+def _assemble(base, cross, ba, two_s, s_sq, SQRT: tl.constexpr):
+    """The assembly sequence of the module docstring on fp32 blocks (one definition,
+    shared by :func:`_norm_assembly_kernel` and the norm tail of :mod:`.norm_tail`)."""
     t = two_s * cross + base
     t = s_sq * ba + t
     t = tl.maximum(t, 0.0, propagate_nan=tl.PropagateNan.ALL)
@@ -55,7 +51,18 @@ def _norm_assembly_kernel(base_ptr, cross_ptr, ba_ptr, out_ptr, n, two_s, s_sq,
     else:
         w = tl.inline_asm_elementwise("sqrt.rn.f32 $0, $1;", "=r,r", [t],
                                       dtype=tl.float32, is_pure=True, pack=1)
-    tl.store(out_ptr + offsets, w, mask=mask)
+    return w
+
+
+@triton.jit
+def _norm_assembly_kernel(base_ptr, cross_ptr, ba_ptr, out_ptr, n, two_s, s_sq,
+                          SQRT: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    base = tl.load(base_ptr + offsets, mask=mask, other=0.0)
+    cross = tl.load(cross_ptr + offsets, mask=mask, other=0.0)
+    ba = tl.load(ba_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, _assemble(base, cross, ba, two_s, s_sq, SQRT), mask=mask)
 
 
 def norm_assembly_triton(base_sq: torch.Tensor, cross: torch.Tensor, ba: torch.Tensor,
