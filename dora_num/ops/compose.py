@@ -96,11 +96,14 @@ def fused_available(device: torch.device) -> bool:
 # Implementations shared by the autograd Function and the custom ops
 # --------------------------------------------------------------------------
 
-def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, out=None):
+def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, out=None, add_base: bool = False):
+    """``(delta, inner)``, or ``(base + delta, inner)`` with ``add_base`` (delta rounded first)."""
     if fused:
-        res, inner = _kernels().compose_fwd(base, lora, g, s, write_inner=write_inner, out=out)
+        res, inner = _kernels().compose_fwd(base, lora, g, s, write_inner=write_inner, out=out, add_base=add_base)
         return res, inner
     res = ref.compose_stable_ref(base, lora, g, s)
+    if add_base:
+        res = base + res
     if out is not None:
         out.copy_(res)
         res = out
@@ -109,13 +112,17 @@ def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, out=None)
 
 
 def _bwd_impl(grad, inner, g, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool, fused: bool,
-              base=None, lora=None):
+              base=None, lora=None, add_grad: bool = False):
+    """``(dlora, dbase, dg)``; with ``add_grad`` (the backward of ``add_base``) ``dbase`` is
+    ``grad + dbase``, the two terms base receives, summed as autograd would."""
     if fused:
         return _kernels().compose_bwd(grad, inner, g, s, need_dlora=need_dlora, need_dbase=need_dbase,
-                                      need_dg=need_dg, base=base, lora=lora)
+                                      need_dg=need_dg, base=base, lora=lora, add_grad=add_grad)
     if need_dg and inner is None:
         inner = ref.compose_inner_ref(base, lora, s)
     dlora, dbase, dg = ref.compose_backward_ref(grad, inner, g, s, need_dg=need_dg)
+    if add_grad:
+        dbase = grad + dbase
     return (dlora if need_dlora else None), (dbase if need_dbase else None), dg
 
 
@@ -132,23 +139,25 @@ class ComposeFunction(torch.autograd.Function):
     """Stable compose with the contract's explicit backward; ``fused`` picks the Triton kernels."""
 
     @staticmethod
-    def forward(ctx, base, lora, g, s: float, fused: bool = False):
+    def forward(ctx, base, lora, g, s: float, fused: bool = False, add_base: bool = False):
         recompute = fused and RECOMPUTE_INNER and g.requires_grad
-        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad and not recompute, fused)
+        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad and not recompute, fused, add_base=add_base)
         if recompute:
             ctx.save_for_backward(None, g, base, lora)
         else:
             ctx.save_for_backward(inner, g, None, None)
         ctx.s = s
         ctx.fused = fused
+        ctx.add_base = add_base
         return out
 
     @staticmethod
     def backward(ctx, grad):
         inner, g, base, lora = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dlora, dbase, dg = _bwd_impl(grad, inner, g, ctx.s, need[1], need[0], need[2], ctx.fused, base, lora)
-        return dbase, dlora, dg, None, None
+        dlora, dbase, dg = _bwd_impl(grad, inner, g, ctx.s, need[1], need[0], need[2], ctx.fused, base, lora,
+                                     add_grad=ctx.add_base)
+        return dbase, dlora, dg, None, None, None
 
 
 # --------------------------------------------------------------------------
@@ -257,7 +266,7 @@ def select_tier(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, path: s
 
 
 def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: float, *, path: str = "auto",
-            out: torch.Tensor | None = None, _g_checked: bool = False) -> torch.Tensor:
+            out: torch.Tensor | None = None, _g_checked: bool = False, _add_base: bool = False) -> torch.Tensor:
     """DoRA compose ``delta = (g-1)*base + g*(s*lora)``, autograd-aware.
 
     ``path``: ``"eager"`` (torch reference), ``"fused"`` (Triton kernels) or
@@ -267,7 +276,9 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     :func:`compose_stable` to have them rejected).  Empty inputs return empty.
     ``out`` (inference only: no input may need a gradient) receives the result
     and may alias ``base`` or ``lora`` (in-place; contiguous).  Non-contiguous
-    inputs are copied to contiguous by the fused tiers.
+    inputs are copied to contiguous by the fused tiers.  (``_add_base``, for
+    :class:`~dora_num.ops.layer.DoRALinear`: return ``base + delta``, bitwise torch's add
+    of the two, in the same pass.)
     """
     check_compose_args(base, lora, g)
     s, _, _ = scale_constants(check_scale(scale))
@@ -275,6 +286,8 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     fused = tier != "eager"
     if torch.compiler.is_compiling():  # tier fixed at trace time; counters and logs are eager-only
         res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused)[0]
+        if _add_base:
+            res = base + res
         return res if out is None else out.copy_(res)
     else:
         _COUNTS[tier] += 1
@@ -284,7 +297,7 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
             raise ValueError("out= is for inference only; an input requires a gradient")
         if not _g_checked:
             check_finite("g", g)
-        return _fwd_impl(base, lora, g, s, False, fused, out=out)[0]
+        return _fwd_impl(base, lora, g, s, False, fused, out=out, add_base=_add_base)[0]
     if not _g_checked:  # (DoRALinear checks its g once, itself)
         check_finite("g", g.detach())
-    return ComposeFunction.apply(base, lora, g, s, fused)
+    return ComposeFunction.apply(base, lora, g, s, fused, _add_base)

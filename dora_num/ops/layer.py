@@ -17,12 +17,18 @@ dtype).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as Fn
 from torch import nn
 
 from .compose import PATHS, compose
+
+# Fold the output add base + delta into the compose (bitwise the same; one launch and one
+# autograd node fewer per layer).  DORA_NUM_FOLD_OUTPUT_ADD=0 restores the separate add
+# (ablation, and the baseline of the GPU suite's layer A/B).
+FOLD_OUTPUT_ADD = os.environ.get("DORA_NUM_FOLD_OUTPUT_ADD", "1") != "0"
 from .norm import cached_base_row_norm_sq, magnitude_scale, magnitude_scale_fast, weight_norm_cached
 
 
@@ -133,11 +139,16 @@ class DoRALinear(nn.Module):
         lora = lora.to(base_c.dtype)
         inference = not (torch.is_grad_enabled()
                          and (base_c.requires_grad or lora.requires_grad or g.requires_grad))
-        # Inference: the compose writes delta over the lora buffer (no new allocation).
-        delta = compose(base_c, lora, g, self.scale, path=self.compose_path,
-                        out=lora if inference and lora.is_contiguous() else None, _g_checked=True)
-        out = base if bias is None else base + bias.to(base.dtype)
-        out = out + delta
+        # Inference: the compose writes over the lora buffer (no new allocation).  Without
+        # bias and dropout the output add base + delta happens in the compose's pass
+        # (_add_base: bitwise the same two roundings; one launch and, in the backward,
+        # autograd's accumulation of base's two gradients fewer).
+        fold = FOLD_OUTPUT_ADD and bias is None and base_c is base
+        out = compose(base_c, lora, g, self.scale, path=self.compose_path,
+                      out=lora if inference and lora.is_contiguous() else None, _g_checked=True,
+                      _add_base=fold)
+        if not fold:
+            out = (base if bias is None else base + bias.to(base.dtype)) + out
         if finite is not None and not finite.ok():  # every kernel of this forward is queued by now
             self._raise_not_finite()
         return out

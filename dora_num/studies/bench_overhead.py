@@ -13,7 +13,8 @@ host, not by memory bandwidth (``bench_train_graphs`` times it without the host)
 
 :func:`layer_host_cost` times ``DoRALinear`` where its GPU work is negligible, with the
 norm's tail kernel and with its torch tail (the A/B of
-:mod:`dora_num.ops.kernels.norm_tail`).
+:mod:`dora_num.ops.kernels.norm_tail`), each with the output add folded into the
+compose and separate (``DoRALinear.FOLD_OUTPUT_ADD``).
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
     from ..ops import norm as N
     from ..ops.layer import DoRALinear
 
+    from ..ops import layer as L
+
     torch.manual_seed(0)
-    layer = DoRALinear(torch.nn.Linear(512, 512, bias=False, device="cuda", dtype=torch.bfloat16), 16, 32.0)
+    layer = DoRALinear(torch.nn.Linear(512, 512, bias=False, device="cuda", dtype=torch.bfloat16), 16, 32.0,
+                       compose_path="fused")  # the tier of the large shapes
     with torch.no_grad():
         layer.lora_B.normal_(0, 1e-2)
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -102,12 +106,13 @@ def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
     def fwd_bwd():
         layer(x).backward(D)
 
-    times = {(tail, name): [] for tail in ("auto", "torch") for name in ("fwd", "fwd_bwd")}
-    prev = N.NORM_TAIL
+    configs = [(tail, fold) for tail in ("auto", "torch") for fold in (True, False)]
+    times = {(tail, fold, name): [] for tail, fold in configs for name in ("fwd", "fwd_bwd")}
+    prev = N.NORM_TAIL, L.FOLD_OUTPUT_ADD
     try:
         for _ in range(rounds):
-            for tail in ("auto", "torch"):
-                N.NORM_TAIL = tail
+            for tail, fold in configs:
+                N.NORM_TAIL, L.FOLD_OUTPUT_ADD = tail, fold
                 for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
                     for _ in range(10):
                         fn()
@@ -116,13 +121,13 @@ def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
                     for _ in range(reps):
                         fn()
                     torch.cuda.synchronize()
-                    times[(tail, name)].append((time.perf_counter() - t) / reps * 1e6)
+                    times[(tail, fold, name)].append((time.perf_counter() - t) / reps * 1e6)
     finally:
-        N.NORM_TAIL = prev
-    for (tail, name), ts in times.items():
-        label = "tail kernel" if tail == "auto" else "torch tail"
-        print(f"DoRALinear 512->512 r=16 T=64 bf16 {name} ({label}): host {statistics.median(ts):.1f} us "
-              f"median of {rounds} rounds (min {min(ts):.1f})", flush=True)
+        N.NORM_TAIL, L.FOLD_OUTPUT_ADD = prev
+    for (tail, fold, name), ts in times.items():
+        label = ("tail kernel" if tail == "auto" else "torch tail") + (", add folded" if fold else ", add separate")
+        print(f"DoRALinear 512->512 r=16 T=64 bf16 fused tier {name} ({label}): host "
+              f"{statistics.median(ts):.1f} us median of {rounds} rounds (min {min(ts):.1f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def run_plan(seeds, repeat_seed=None, paths=PATHS, ulp_seeds=()) -> list[RunSpec
 # The fused arm without kernels: the torch.library custom op's PyTorch implementation
 # --------------------------------------------------------------------------
 
-def _custom_op_compose(base, lora, g, scale, *, path="auto", out=None, _g_checked=False):
+def _custom_op_compose(base, lora, g, scale, *, path="auto", out=None, _g_checked=False, _add_base=False):
     """``compose`` routed through ``dora_num::compose_fwd`` (PyTorch implementation)."""
     from ..numerics.formulas import scale_constants
     from ..ops.validation import check_scale
@@ -178,6 +178,8 @@ def _custom_op_compose(base, lora, g, scale, *, path="auto", out=None, _g_checke
     s = scale_constants(check_scale(scale))[0]
     need_dg = bool(torch.is_grad_enabled() and g.requires_grad)
     res = torch.ops.dora_num.compose_fwd(base, lora, g, s, need_dg, False)[0]
+    if _add_base:
+        res = base + res
     return res if out is None else out.copy_(res)
 
 

@@ -73,7 +73,8 @@ def emulated_compose(choice: tuple[str, ...]):
         v = M.evaluate("compose_stable", choice, {"base": base.detach().double().numpy(),
                                                   "lora": lora.detach().double().numpy(),
                                                   "g": g.detach().double().numpy(), "s": s})
-        return torch.from_numpy(round_to(v, fmt)).to(base.dtype)
+        delta = torch.from_numpy(round_to(v, fmt)).to(base.dtype)
+        return base + delta if kwargs.get("_add_base") else delta  # the layer's output add, as compose's
 
     L.compose = compose
     try:

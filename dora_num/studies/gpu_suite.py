@@ -323,16 +323,20 @@ def _peft_style_norm(W, A, B, s):
         return torch.linalg.norm(W + s * (B @ A), dim=1).to(W.dtype)
 
 
-def _with_torch_tail(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with the norm's torch tail (``DORA_NUM_NORM_TAIL=torch``): the A/B
-    of :mod:`dora_num.ops.kernels.norm_tail` in the same run."""
+def _with_torch_tail(fn, *args, fold: bool | None = None, **kwargs):
+    """``fn(*args, **kwargs)`` with the norm's torch tail (``DORA_NUM_NORM_TAIL=torch``) and,
+    if ``fold`` is given, ``DoRALinear.FOLD_OUTPUT_ADD = fold``: the same-run A/B of
+    :mod:`dora_num.ops.kernels.norm_tail` and of the folded output add."""
+    from ..ops import layer as L
     from ..ops import norm as N
 
-    prev, N.NORM_TAIL = N.NORM_TAIL, "torch"
+    prev = N.NORM_TAIL, L.FOLD_OUTPUT_ADD
+    N.NORM_TAIL = "torch"
+    L.FOLD_OUTPUT_ADD = prev[1] if fold is None else fold
     try:
         return fn(*args, **kwargs)
     finally:
-        N.NORM_TAIL = prev
+        N.NORM_TAIL, L.FOLD_OUTPUT_ADD = prev
 
 
 def bench_norms(shapes, w_dtypes) -> list[dict]:
@@ -392,19 +396,19 @@ def _peft_layer(lin, r, alpha, autocast_adapter_dtype):
     return get_peft_model(Holder(lin), cfg, autocast_adapter_dtype=autocast_adapter_dtype)
 
 
-def _TorchTail(layer):
-    """``layer`` whose forward takes the norm's torch tail (``DORA_NUM_NORM_TAIL=torch``)."""
+def _PreviousHostPath(layer):
+    """``layer`` on its previous host path: the norm's torch tail, the output add separate."""
     import torch
 
-    class TorchTail(torch.nn.Module):
+    class PreviousHostPath(torch.nn.Module):
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
 
         def forward(self, x):
-            return _with_torch_tail(self.inner, x)
+            return _with_torch_tail(self.inner, x, fold=False)
 
-    return TorchTail(layer)
+    return PreviousHostPath(layer)
 
 
 # Rounds of the layer timings (interleaved across implementations).  DoRALinear's
@@ -444,9 +448,9 @@ def bench_layers(shapes, profile_to: Path | None = None) -> list[dict]:
         x64 = x.double()
         y_ref = x64 @ W64.T + (g64 - 1) * (x64 @ W64.T) + g64 * s * (x64 @ A64.T @ B64.T)
         del W64, A64, B64, wn, x64
-        # the same layer with the torch tail of the norm (the code before the tail kernel), timed
-        # in the same rounds: the A/B of dora_num.ops.kernels.norm_tail
-        layers = {"dora_num": ours, "dora_num_torch_tail": _TorchTail(copy.deepcopy(ours))}
+        # the same layer on its previous host path (the norm's torch tail, the output add as a
+        # separate op), timed in the same rounds: the A/B of this path's two changes
+        layers = {"dora_num": ours, "dora_num_prev_host_path": _PreviousHostPath(copy.deepcopy(ours))}
         for name, autocast in (("peft_default", True), ("peft_bf16_adapters", False)):
             pm = _peft_layer(copy.deepcopy(lin), r, alpha, autocast)
             mod = pm.base_model.model.proj

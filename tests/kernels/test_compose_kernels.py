@@ -108,6 +108,27 @@ def test_backward_bitwise_and_dg_bound(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_base_and_add_grad_are_torchs_adds(shape, dtype):
+    """The layer's fold: y = base + delta in the forward's pass, and dbase = D + (g-1)*D in the
+    backward's, bitwise torch's add of the separately rounded tensors (and in place)."""
+    base, lora, g, grad = _inputs(shape, dtype)
+    delta = ref.compose_stable_ref(base, lora, g, S)
+    y, _ = kc.compose_fwd(base, lora, g, S, add_base=True)
+    assert_bitwise(y, base + delta)
+    target = lora.clone()
+    y2, _ = kc.compose_fwd(base, target, g, S, out=target, add_base=True)
+    assert y2.data_ptr() == target.data_ptr()
+    assert_bitwise(y2, base + delta)
+    inner = ref.compose_inner_ref(base, lora, S)
+    dl, db, dg = kc.compose_bwd(grad, None, g, S, base=base, lora=lora, add_grad=True)
+    dl_r, db_r, _ = ref.compose_backward_ref(grad, inner, g, S)
+    assert_bitwise(dl, dl_r)
+    assert_bitwise(db, grad + db_r)
+    assert_bitwise(dg, kc.compose_bwd(grad, None, g, S, base=base, lora=lora)[2])
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_backward_recompute_inner_is_bitwise_the_same(dtype):
     base, lora, g, grad = _inputs((9, 777), dtype)
     inner = ref.compose_inner_ref(base, lora, S)
@@ -199,6 +220,51 @@ def test_compose_fused_autograd_matches_eager():
     inner = ref.compose_inner_ref(base, lora, S)
     exact = (inner.double() * grad.double()).sum(0)
     assert bool(((res["fused"][3].double() - exact).abs() <= kc.dg_error_bound(inner, grad)).all())
+
+
+def unfolded_layer_step(layer, x, D, path):
+    """``DoRALinear``'s step written out as separate autograd ops (compose, then ``base + delta``):
+    the reference for the layer's folded output add.  Returns the output and the gradients."""
+    import torch.nn.functional as Fn
+
+    xr = x.detach().clone().requires_grad_(True)
+    base = Fn.linear(xr, layer.base.weight)
+    lora = Fn.linear(Fn.linear(xr, layer.lora_A), layer.lora_B)
+    g = layer._g_fast()[0]
+    y = base + dn.compose(base, lora, g, layer.scale, path=path)
+    y.backward(D)
+    grads = (xr.grad, layer.lora_A.grad, layer.lora_B.grad, layer.magnitude.grad)
+    layer.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+def folded_layer_step(layer, x, D):
+    xr = x.detach().clone().requires_grad_(True)
+    y = layer(xr)
+    y.backward(D)
+    grads = (xr.grad, layer.lora_A.grad, layer.lora_B.grad, layer.magnitude.grad)
+    layer.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+@pytest.mark.parametrize("path", ["eager", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_layer_output_add_folded_into_compose_is_bitwise(path, dtype):
+    """DoRALinear (no bias, no dropout) adds base inside the compose; output and every
+    gradient are bitwise those of the separate ops, on both tiers."""
+    torch.manual_seed(5)
+    layer = dn.DoRALinear(torch.nn.Linear(48, 40, bias=False).to(dtype), rank=6, alpha=12.0, compose_path=path)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    x = torch.randn(2, 5, 48).to(dtype)
+    D = torch.randn(2, 5, 40).to(dtype)
+    y_ref, g_ref = unfolded_layer_step(layer, x, D, path)
+    y, gr = folded_layer_step(layer, x, D)
+    assert_bitwise(y, y_ref)
+    for a, b in zip(gr, g_ref):
+        assert_bitwise(a, b)
+    with torch.no_grad():  # inference: written over the lora buffer, same bits
+        assert_bitwise(layer(x), y_ref)
 
 
 def test_dispatch_tiers_and_overrides(monkeypatch):

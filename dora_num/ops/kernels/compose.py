@@ -97,7 +97,9 @@ POISON = False
 
 def _new(shape, dtype, device):
     t = torch.empty(shape, dtype=dtype, device=device)
-    return t.fill_(float("nan")) if POISON else t
+    if not POISON:
+        return t
+    return t.fill_(float("nan") if t.is_floating_point() else -1)
 
 
 # --------------------------------------------------------------------------
@@ -108,7 +110,7 @@ def _new(shape, dtype, device):
 def _compose_fwd_kernel(
     base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr,
     n_rows, n_cols, s,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_INNER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_INNER: tl.constexpr, ADD_BASE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -124,8 +126,10 @@ def _compose_fwd_kernel(
     sl = s * lora
     t = g[None, :] * sl
     prod = gm1[None, :] * base
-    out = prod + t
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (prod + t).to(out_ptr.dtype.element_ty)
+    if ADD_BASE:  # y = base + delta, delta rounded first: torch's add of the two tensors, bit for bit
+        out = (base + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offsets, out, mask=mask)
     if WRITE_INNER:
         inner = sl + base
         tl.store(inner_ptr + offsets, inner, mask=mask)
@@ -138,6 +142,7 @@ def _compose_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_DLORA: tl.constexpr, WRITE_DBASE: tl.constexpr, NEED_DG: tl.constexpr,
     RECOMPUTE_INNER: tl.constexpr, FINAL_IN_KERNEL: tl.constexpr, CHUNK: tl.constexpr,
+    ADD_GRAD: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -153,7 +158,10 @@ def _compose_bwd_kernel(
         tl.store(dlora_ptr + offsets, (gs[None, :] * d).to(dlora_ptr.dtype.element_ty), mask=mask)
     if WRITE_DBASE:
         gm1 = g - 1.0
-        tl.store(dbase_ptr + offsets, (gm1[None, :] * d).to(dbase_ptr.dtype.element_ty), mask=mask)
+        dbase = (gm1[None, :] * d).to(dbase_ptr.dtype.element_ty)
+        if ADD_GRAD:  # base also fed y = base + delta directly: D + dbase, as autograd accumulates them
+            dbase = (d + dbase.to(tl.float32)).to(dbase_ptr.dtype.element_ty)
+        tl.store(dbase_ptr + offsets, dbase, mask=mask)
     if NEED_DG:
         if RECOMPUTE_INNER:  # the forward's inner, bit for bit: sl = s*lora; inner = sl + base
             base = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -215,9 +223,13 @@ def _fwd_blocks(n_cols: int) -> tuple[int, int]:
 
 
 def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float, *,
-                write_inner: bool = False, out: torch.Tensor | None = None,
+                write_inner: bool = False, out: torch.Tensor | None = None, add_base: bool = False,
                 fp_fusion: bool = False, return_kernel: bool = False):
     """Fused stable compose.  Returns ``(out, inner)`` (``inner`` None unless asked).
+
+    ``add_base``: ``out = base + delta`` with ``delta`` rounded to the activation dtype
+    first, i.e. bitwise ``base + compose(...)`` in torch (the layer's output, one pass
+    and one launch fewer).
 
     ``s`` must already be fp32-exact (:func:`~dora_num.numerics.formulas.scale_constants`).
     ``out`` may alias ``base`` or ``lora`` (in-place inference: each element is
@@ -247,7 +259,7 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
         kernel = _compose_fwd_kernel[grid](
             base2, lora2, g.contiguous(), out2, inner2 if write_inner else out2,
             n_rows, n_cols, float(s),
-            BLOCK_M=block_m, BLOCK_N=block_n, WRITE_INNER=write_inner,
+            BLOCK_M=block_m, BLOCK_N=block_n, WRITE_INNER=write_inner, ADD_BASE=add_base,
             num_warps=FWD_NUM_WARPS, enable_fp_fusion=fp_fusion,
         )
     res = (out2.view(shape), inner2.view(shape) if write_inner else None)
@@ -256,8 +268,11 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
 
 def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor, s: float, *,
                 need_dlora: bool = True, need_dbase: bool = True, need_dg: bool = True,
-                base: torch.Tensor | None = None, lora: torch.Tensor | None = None):
+                base: torch.Tensor | None = None, lora: torch.Tensor | None = None, add_grad: bool = False):
     """Fused compose backward: ``(dlora, dbase, dg)``; entries not asked for are None.
+
+    ``add_grad`` (the backward of ``compose_fwd(add_base=True)``): ``dbase = grad + (g-1)*grad``
+    with the second term rounded first, bitwise autograd's accumulation of the two.
 
     ``dg`` is fp32 ``[N]``, summed over every leading dimension by the
     deterministic two-stage reduction of the module docstring, from the saved
@@ -306,7 +321,7 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n,
             WRITE_DLORA=need_dlora, WRITE_DBASE=need_dbase, NEED_DG=need_dg, RECOMPUTE_INNER=recompute,
-            FINAL_IN_KERNEL=final_in_kernel, CHUNK=FIN_CHUNK,
+            FINAL_IN_KERNEL=final_in_kernel, CHUNK=FIN_CHUNK, ADD_GRAD=add_grad,
             num_warps=BWD_NUM_WARPS, enable_fp_fusion=False,
         )
         if need_dg and not final_in_kernel:

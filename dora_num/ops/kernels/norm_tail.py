@@ -11,7 +11,7 @@ Given the fp32 ``U = W A^T`` ``[d_out, r]``, ``G = A A^T`` ``[r, r]`` and
     ba    = rowsum(BG * B)
     wnorm = assembly(base_sq, cross, ba)   # norm_assembly._assemble, production variant
     den   = max(wnorm, eps)          # optional, with m:
-    flag |= any(!isfinite(wnorm) or !isfinite(m / den))   # div_rn: torch's division
+    flag[program] = any(!isfinite(wnorm) or !isfinite(m / den))   # div_rn: torch's division
 
 Why a kernel: the torch sequence it replaces (a cast of ``B``, two products, a
 GEMM, two reductions, two copies, the six operations of the assembly, then the
@@ -83,14 +83,15 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
         g = tl.math.div_rn(m, den)
         finite = (tl.abs(w) < float("inf")) & (tl.abs(g) < float("inf"))  # False for NaN too
         bad = tl.max(tl.where(row_mask & ~finite, 1, 0), axis=0)
-        tl.atomic_or(flag_ptr, bad)
+        tl.store(flag_ptr + tl.program_id(0), bad)  # one slot per program: no zero-fill, no atomics
 
 
 def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.Tensor,
               two_s: float, s_sq: float, *, m: torch.Tensor | None = None, eps: float | None = None):
     """``(wnorm, den, flag)``: fp32 ``[d_out]`` row norms, and with ``m``: ``max(wnorm, eps)``
-    and an int32 ``[1]`` device flag, nonzero iff some ``wnorm`` or ``m / den`` is not finite
-    (``den`` and ``flag`` are None without ``m``).
+    and an int32 device flag with one entry per program (``ceil(d_out / BLOCK_M)``), some
+    entry nonzero iff some ``wnorm`` or ``m / den`` is not finite (``den`` and ``flag`` are
+    None without ``m``).
 
     ``U`` fp32 ``[d_out, r]``, ``B`` ``[d_out, r]`` (fp32, bf16 or fp16), ``G`` fp32
     ``[r, r]``, ``base_sq`` and ``m`` ``[d_out]`` (``m`` fp32, bf16 or fp16), all on one
@@ -114,11 +115,12 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     U, B, G, base_sq = (t.contiguous() for t in (U, B, G, base_sq))
     wnorm = _kc._new((d_out,), torch.float32, dev)
     den = _kc._new((d_out,), torch.float32, dev) if m is not None else None
-    flag = torch.zeros(1, dtype=torch.int32, device=dev) if m is not None else None
+    n_programs = triton.cdiv(d_out, BLOCK_M)
+    flag = _kc._new((n_programs,), torch.int32, dev) if m is not None else None
     if d_out:
         block_r = max(16, min(BLOCK_R, triton.next_power_of_2(r)))
         block_k = max(16, min(BLOCK_K, triton.next_power_of_2(r)))
-        _norm_tail_kernel[(triton.cdiv(d_out, BLOCK_M),)](
+        _norm_tail_kernel[(n_programs,)](
             U, B, G, base_sq, m.contiguous() if m is not None else base_sq,
             wnorm, den if m is not None else wnorm, flag if m is not None else wnorm,
             d_out, r, float(two_s), float(s_sq), float(eps if eps is not None else 0.0),

@@ -1,0 +1,46 @@
+"""cProfile of the host path of ``DoRALinear`` pieces on the H200 (a device script).
+
+``PYTHONPATH=. python3 .ci/gpu/layer_host_cprofile.py``: 512->512, r=16, 64 tokens, bf16,
+fused compose tier; 500 calls of each piece, functions by own time.
+"""
+import cProfile
+import io
+import pstats
+
+import torch
+import torch.nn.functional as Fn
+
+from dora_num.ops import layer as L
+from dora_num.ops.compose import compose
+
+torch.manual_seed(0)
+d, r, T = 512, 16, 64
+dt = torch.bfloat16
+layer = L.DoRALinear(torch.nn.Linear(d, d, bias=False, device="cuda", dtype=dt), r, 32.0, compose_path="fused")
+with torch.no_grad():
+    layer.lora_B.normal_(0, 1e-2)
+x = torch.randn(T, d, device="cuda", dtype=dt, requires_grad=True)
+D = torch.randn(T, d, device="cuda", dtype=dt)
+g = layer._g_fast()[0].detach()
+base = Fn.linear(x.detach(), layer.base.weight)
+lora = Fn.linear(Fn.linear(x.detach(), layer.lora_A.detach()), layer.lora_B.detach())
+bl, ll, gl = (t.clone().requires_grad_(True) for t in (base, lora, g))
+
+pieces = {
+    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, _g_checked=True),
+    "magnitude_scale_fast": lambda: layer._g_fast(),
+    "layer fwd+bwd": lambda: layer(x).backward(D),
+}
+for name, fn in pieces.items():
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(500):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(28)
+    print(f"===== {name} =====\n" + s.getvalue(), flush=True)
