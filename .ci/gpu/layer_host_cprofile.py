@@ -27,7 +27,7 @@ lora = Fn.linear(Fn.linear(x.detach(), layer.lora_A.detach()), layer.lora_B.deta
 bl, ll, gl = (t.clone().requires_grad_(True) for t in (base, lora, g))
 
 pieces = {
-    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, _g_checked=True),
+    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, _trusted=True),
     "magnitude_scale_fast": lambda: layer._g_fast(),
     "layer fwd+bwd": lambda: layer(x).backward(D),
 }

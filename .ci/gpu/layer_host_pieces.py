@@ -86,7 +86,7 @@ pieces = {
     "_FiniteCheck(g, flag) + ok()": lambda: SHIPPED(g, flag_dev).ok(),
     "  pinned empty": lambda: torch.empty((1,), dtype=torch.int32, pin_memory=True),
     "  cuda.Event() + record": lambda: torch.cuda.Event().record(),
-    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, _g_checked=True),
+    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, _trusted=True),
     "ComposeFunction.apply fused": lambda: ComposeFunction.apply(bl, ll, gl, layer.scale, True),
     "compose fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
         ComposeFunction.apply(bl, ll, gl, layer.scale, True), (bl, ll, gl), D),

@@ -54,7 +54,7 @@ pieces = {
     "magnitude_scale_fast (g, flag)": lambda: layer._g_fast(),
     "compose fused training fwd+bwd (ComposeFunction)": lambda: torch.autograd.grad(
         ComposeFunction.apply(bl, ll, gl, layer.scale, True), (bl, ll, gl), D),
-    "compose() public, fwd only (training)": lambda: compose(bl, ll, gl, layer.scale, _g_checked=True),
+    "compose() public, fwd only (training)": lambda: compose(bl, ll, gl, layer.scale, _trusted=True),
     "layer forward (no grad)": lambda: layer(x.detach()),
     "layer forward (grad)": lambda: layer(x),
     "layer forward+backward": step,

@@ -266,7 +266,7 @@ def select_tier(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, path: s
 
 
 def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: float, *, path: str = "auto",
-            out: torch.Tensor | None = None, _g_checked: bool = False, _add_base: bool = False) -> torch.Tensor:
+            out: torch.Tensor | None = None, _trusted: bool = False, _add_base: bool = False) -> torch.Tensor:
     """DoRA compose ``delta = (g-1)*base + g*(s*lora)``, autograd-aware.
 
     ``path``: ``"eager"`` (torch reference), ``"fused"`` (Triton kernels) or
@@ -276,11 +276,14 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     :func:`compose_stable` to have them rejected).  Empty inputs return empty.
     ``out`` (inference only: no input may need a gradient) receives the result
     and may alias ``base`` or ``lora`` (in-place; contiguous).  Non-contiguous
-    inputs are copied to contiguous by the fused tiers.  (``_add_base``, for
-    :class:`~dora_num.ops.layer.DoRALinear`: return ``base + delta``, bitwise torch's add
-    of the two, in the same pass.)
+    inputs are copied to contiguous by the fused tiers.  (Private, for
+    :class:`~dora_num.ops.layer.DoRALinear`: ``_trusted`` skips the argument checks and the
+    finite check of ``g``, the layer having built the arguments and checking ``g`` once
+    itself; ``_add_base`` returns ``base + delta``, bitwise torch's add of the two, in the
+    same pass.)
     """
-    check_compose_args(base, lora, g)
+    if not _trusted:
+        check_compose_args(base, lora, g)
     s, _, _ = scale_constants(check_scale(scale))
     tier = select_tier(base, lora, g, path)
     fused = tier != "eager"
@@ -295,9 +298,9 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     if out is not None:
         if torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad):
             raise ValueError("out= is for inference only; an input requires a gradient")
-        if not _g_checked:
+        if not _trusted:
             check_finite("g", g)
         return _fwd_impl(base, lora, g, s, False, fused, out=out, add_base=_add_base)[0]
-    if not _g_checked:  # (DoRALinear checks its g once, itself)
+    if not _trusted:  # (DoRALinear checks its g once, itself)
         check_finite("g", g.detach())
     return ComposeFunction.apply(base, lora, g, s, fused, _add_base)

@@ -129,14 +129,15 @@ class DoRALinear(nn.Module):
         W = self.base.weight
         bias = self.base.bias
         self._check_input(x, W)
+        # g first: its flag is then ready long before the forward reads it (the GPU runs
+        # the norm while the host queues the products below)
+        g, bad = self._g_fast()
+        finite = None if torch.compiler.is_compiling() else _FiniteCheck(g, bad)
         x_lora = self.dropout(x)
         base = Fn.linear(x, W)
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
         base_c = base if x_lora is x else Fn.linear(x_lora, W)
-        lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B)
-        g, bad = self._g_fast()
-        finite = None if torch.compiler.is_compiling() else _FiniteCheck(g, bad)
-        lora = lora.to(base_c.dtype)
+        lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B).to(base_c.dtype)
         inference = not (torch.is_grad_enabled()
                          and (base_c.requires_grad or lora.requires_grad or g.requires_grad))
         # Inference: the compose writes over the lora buffer (no new allocation).  Without
@@ -145,7 +146,7 @@ class DoRALinear(nn.Module):
         # autograd's accumulation of base's two gradients fewer).
         fold = FOLD_OUTPUT_ADD and bias is None and base_c is base
         out = compose(base_c, lora, g, self.scale, path=self.compose_path,
-                      out=lora if inference and lora.is_contiguous() else None, _g_checked=True,
+                      out=lora if inference and lora.is_contiguous() else None, _trusted=True,
                       _add_base=fold)
         if not fold:
             out = (base if bias is None else base + bias.to(base.dtype)) + out
@@ -167,10 +168,9 @@ class _FiniteCheck:
     ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_fast`
     (None: computed here from ``g``).  On CUDA it is copied to pinned host memory
     behind an event on ``g``'s device and stream, so reading it waits for the work
-    queued up to ``g`` (the earlier layers included), while this layer's cast,
-    compose and output add are already queued behind it: the device is not drained
-    to an empty queue in the middle of the forward, as a ``bool(...)`` right after
-    ``g`` would.  (At 4096->4096, r=384 the layer was bound by the host, and an
+    queued up to ``g`` (the earlier layers included), while this layer's products and
+    compose are already queued behind it: the device is not drained to an empty
+    queue in the middle of the forward, as a ``bool(...)`` right after ``g`` would.  (At 4096->4096, r=384 the layer was bound by the host, and an
     interleaved A/B on the H200 measured no difference between the two; dropping
     the check saved 10%: ``data/gpu/layer_check_ab.log``.)  The pinned byte is
     allocated per call (the host caching allocator makes that cheap), so replicas

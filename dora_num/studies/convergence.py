@@ -170,7 +170,7 @@ def run_plan(seeds, repeat_seed=None, paths=PATHS, ulp_seeds=()) -> list[RunSpec
 # The fused arm without kernels: the torch.library custom op's PyTorch implementation
 # --------------------------------------------------------------------------
 
-def _custom_op_compose(base, lora, g, scale, *, path="auto", out=None, _g_checked=False, _add_base=False):
+def _custom_op_compose(base, lora, g, scale, *, path="auto", out=None, _trusted=False, _add_base=False):
     """``compose`` routed through ``dora_num::compose_fwd`` (PyTorch implementation)."""
     from ..numerics.formulas import scale_constants
     from ..ops.validation import check_scale

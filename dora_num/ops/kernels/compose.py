@@ -180,6 +180,7 @@ def _compose_bwd_kernel(
             arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == tl.num_programs(0) - 1:
                 _dg_final_sum(partial_ptr, dg_ptr, cols, col_mask, tl.num_programs(0), n_cols, BLOCK_N, CHUNK)
+                tl.store(count_ptr + pid_n, 0)  # every program has arrived: reset for the next launch
 
 
 @triton.jit
@@ -214,6 +215,28 @@ def _as_2d(name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.view(-1, t.shape[-1]) if t.dim() != 2 else t
+
+
+_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, all zero between launches
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 arrival counters of the in-kernel dg stage 2, zero on entry.
+
+    The kernel's last program of each column block resets its counter to zero, so
+    the buffer is reused (no fill launch per backward: the layer's step is bound by
+    the host).  One buffer per device and stream: kernels on one stream run in
+    order, so they never share a counter concurrently (a CUDA graph captures on its
+    own stream, and replays leave the counters zero as well).  Under the
+    interpreter, a fresh zeroed buffer every call.
+    """
+    if device.type != "cuda":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def _fwd_blocks(n_cols: int) -> tuple[int, int]:
@@ -309,9 +332,7 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
         n_col_blocks = triton.cdiv(n_cols, block_n)
         partials = _new((n_blocks, n_cols), torch.float32, dev) if need_dg else None
         final_in_kernel = need_dg and DG_FINAL_IN_KERNEL
-        # arrival counters, one per column block (torch's fill kernel: a few us of host, against
-        # tens for a Triton launch)
-        counts = torch.zeros(n_col_blocks, dtype=torch.int32, device=dev) if final_in_kernel else None
+        counts = _arrival_counters(dev, n_col_blocks) if final_in_kernel else None
         dummy = grad2
         _compose_bwd_kernel[(n_blocks, n_col_blocks)](
             grad2, inner2 if need_dg and not recompute else dummy,
