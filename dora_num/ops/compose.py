@@ -47,14 +47,15 @@ ENV_PATH = "DORA_NUM_COMPOSE_PATH"
 
 # Crossover of the training tier (forward + backward through autograd), measured on
 # the H200 by the GPU suite (data/gpu/compose_bench.csv, op="train", torch 2.11 /
-# triton 3.6; runs at git aab0061 and a4ce237, 2026-11-29).  Where the step is bound
-# by the device (>= 8192x4096 elements) the fused tier wins everywhere, in the second
-# run by 3.1-10.4x (bf16), 2.2-10.5x (fp16), 2.2-3.1x (fp32).  Where both tiers are
-# bound by the host (<= 2048x8192 elements; fused 0.24-0.84 ms per step, eager
-# 0.43-1.45 ms) bf16/fp16 fused still wins by 1.15-3.26x; fp32 read 0.70-1.24x in
-# the second run and 0.98x or better in the first, inconclusive: fp32 eager launches
-# fewer kernels (no casts), so it may really be as fast there.  The threshold is the
-# smallest shape measured; below it (unmeasured, launch-bound) eager is kept.
+# triton 3.6; runs at git aab0061, a4ce237 and 6f3caa2, 2026-11-29; numbers below from
+# the last, the recorded one).  Where the step is bound by the device (>= 8192x4096
+# elements) the fused tier wins everywhere: 2.4-10.4x (bf16), 2.6-10.5x (fp16),
+# 1.4-3.1x (fp32).  Where both tiers are bound by the host (the rest: <= 2048x8192
+# elements, and 512 columns at 8192-16384 tokens) bf16/fp16 fused still wins by
+# 1.16-2.17x; fp32 reads 0.77-1.41x (0.70-1.24x and >= 0.98x in the earlier runs),
+# inconclusive: fp32 eager launches fewer kernels (no casts), so it may really be as
+# fast there.  The threshold is the smallest shape measured; below it (unmeasured,
+# launch-bound) eager is kept.
 FUSED_TRAIN_MIN_ELEMENTS = 512 * 512
 FUSED_TRAIN_CROSSOVER_NOTE = ("fused faster than eager wherever the step is device-bound; host-bound "
                               "shapes (<= ~17M elements) are a tie within noise; threshold = smallest "

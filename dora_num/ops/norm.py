@@ -23,9 +23,13 @@ Memory: ``base`` needs one fp32 chunk of W and its square,
 ``2 * d_out * chunk * 4`` bytes, kept under ``chunk_bytes`` (by default a quarter of
 a dense fp32 ``[d_out, d_in]``, at most 256 MiB: :func:`resolve_chunk_bytes`).  With the cached
 ``base_sq`` and 16-bit W on CUDA, ``U = W A^T`` is one tensor-core product with
-fp32 output (no fp32 copy of W), and the extra memory is ``U`` (``d_out*r*4``)
-plus ``G`` (``r*r*4``) plus row blocks under ``ROW_CHUNK_BYTES``: 8192x8192,
-r=384 needs ~13 MB + 24 MB against ~800 MB for the dense fp32 norm.
+fp32 output (no fp32 copy of W).  On CUDA the tail (``cross``, ``ba``, the
+assembly) is one Triton launch (:mod:`dora_num.ops.kernels.norm_tail`, which keeps
+``B G`` and the fp32 copy of ``B`` in registers), so the extra memory is ``U``
+(``d_out*r*4``) plus ``G`` (``r*r*4``): 13.2 MB at 8192x8192, r=384, against 805 MB
+for the dense fp32 norm (H200, ``data/gpu/norm_bench.csv``).  Elsewhere (or with
+``DORA_NUM_NORM_TAIL=torch``) the tail is torch operations over row blocks of ``B``
+under ``ROW_CHUNK_BYTES``.
 """
 
 from __future__ import annotations
@@ -192,9 +196,10 @@ def _gram_fp32(A: torch.Tensor) -> torch.Tensor:
     return Af @ Af.T
 
 
-# Temporaries of the cross/Gram terms: three [rows, r] fp32 blocks.  24 MiB keeps
-# 8192 x r=384 to two row blocks: the loop is launch-bound (H200, 2026-11-29: 7
-# blocks of 6 MiB cost ~0.9 ms of the cached norm at 8192x8192, its GEMMs ~0.1 ms).
+# Temporaries of the torch tail's cross/Gram terms: three [rows, r] fp32 blocks.  24 MiB
+# keeps 8192 x r=384 to two row blocks: the loop is launch-bound (H200, 2026-11-29: 7
+# blocks of 6 MiB cost ~0.9 ms of the cached norm at 8192x8192, its GEMMs ~0.1 ms; the
+# tail kernel that replaced it on CUDA takes the norm to 0.23 ms, the torch tail 0.42 ms).
 ROW_CHUNK_BYTES = 24 * 2**20
 
 
@@ -213,11 +218,14 @@ def factored_row_norm(
     ``base = rowsum(W*W)`` (fp32, over column chunks of W under ``chunk_bytes``,
     unless the cached ``base_sq`` is given: fp32 ``[d_out]``), ``U = W A^T`` in
     fp32 (:func:`_u_product`: a tensor-core product with exact products and fp32
-    accumulation for 16-bit W on CUDA, no fp32 copy of W), then ``cross`` and
-    ``ba`` over row blocks of ``B`` (temporaries under ``ROW_CHUNK_BYTES``), all
-    under ``no_grad`` with autocast off, and the assembly of
-    :func:`~dora_num.numerics.formulas.norm_assembly` with a correctly rounded
-    square root.  ``scale == 0`` skips the cross and Gram terms.
+    accumulation for 16-bit W on CUDA, no fp32 copy of W), then ``cross``, ``ba`` and
+    the assembly of :func:`~dora_num.numerics.formulas.norm_assembly` with a correctly
+    rounded square root: one Triton launch on CUDA (:mod:`dora_num.ops.kernels.norm_tail`),
+    torch operations over row blocks of ``B`` elsewhere (temporaries under
+    ``ROW_CHUNK_BYTES``); all under ``no_grad`` with autocast off.  The two tails sum
+    ``cross`` and ``ba`` in different orders, both within
+    :func:`~dora_num.numerics.bounds.factored_norm_bound`.  ``scale == 0`` skips the
+    cross and Gram terms.
 
     A non-finite result raises ``ValueError`` naming the input at fault (the check
     costs O(d_out) and a device sync unless it fires; ``check=False`` skips it, for
