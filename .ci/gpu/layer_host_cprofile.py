@@ -1,7 +1,10 @@
 """cProfile of the host path of ``DoRALinear`` pieces on the H200 (a device script).
 
 ``PYTHONPATH=. python3 .ci/gpu/layer_host_cprofile.py``: 512->512, r=16, 64 tokens, bf16,
-fused compose tier; 500 calls of each piece, functions by own time.
+the layer on the fused compose tier; 500 calls of each piece, functions by own time.
+Recorded: ``data/gpu/diagnostics/layer_host_cprofile_c658e09.log`` (at git c658e09; in
+that run the ``compose()`` piece took ``path="auto"``, i.e. the eager tier at this size;
+it now asks for the fused tier).
 """
 import cProfile
 import io
@@ -27,7 +30,7 @@ lora = Fn.linear(Fn.linear(x.detach(), layer.lora_A.detach()), layer.lora_B.deta
 bl, ll, gl = (t.clone().requires_grad_(True) for t in (base, lora, g))
 
 pieces = {
-    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, _trusted=True),
+    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, path="fused", _trusted=True),
     "magnitude_scale_fast": lambda: layer._g_fast(),
     "layer fwd+bwd": lambda: layer(x).backward(D),
 }

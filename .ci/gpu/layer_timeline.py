@@ -5,6 +5,7 @@ bf16: (1) interleaved timings of the step as shipped and with the finiteness wai
 removed (the A/B of what the mid-step wait costs); (2) a torch.profiler trace of
 three steps, printed as a timeline (host annotations and GPU kernels, microseconds
 from the step's start) so the gaps where the GPU waits for the host are visible.
+Recorded: ``data/gpu/diagnostics/layer_timeline_c658e09.log`` (at git c658e09).
 """
 import json
 import os
