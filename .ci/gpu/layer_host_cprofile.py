@@ -6,15 +6,12 @@ Recorded: ``data/gpu/diagnostics/layer_host_cprofile_c658e09.log`` (at git c658e
 that run the ``compose()`` piece took ``path="auto"``, i.e. the eager tier at this size;
 it now asks for the fused tier).
 """
-import cProfile
-import io
-import pstats
-
 import torch
 import torch.nn.functional as Fn
 
 from dora_num.ops import layer as L
 from dora_num.ops.compose import compose
+from dora_num.studies.bench_overhead import cprofile_top
 
 torch.manual_seed(0)
 d, r, T = 512, 16, 64
@@ -38,12 +35,4 @@ for name, fn in pieces.items():
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(500):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(28)
-    print(f"===== {name} =====\n" + s.getvalue(), flush=True)
+    print(f"===== {name} =====\n" + cprofile_top(fn, calls=500, lines=28), flush=True)

@@ -6,14 +6,7 @@
 #   python -m dora_num gpu-suite --ingest r/suite
 #   cp r/pytest_gpu.log data/gpu/  (with a sidecar: see README "Recording GPU results")
 # Needs .carry/minilm (python -m dora_num.studies.carry .carry/minilm) carried along.
-set -u
-: "${OUT:?set OUT}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4
-SHA=${DORA_NUM_GIT_SHA:-unknown}
-R=$OUT/r
-mkdir -p "$R"
-nvidia-smi > "$R/nvidia-smi.txt" 2>&1
-t0=$(date +%s)
+source "$(dirname "$0")/_setup.sh"
 timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/kernels > "$R/pytest_gpu.log" 2>&1
 echo "pytest exit $? after $(( $(date +%s) - t0 )) s" >> "$R/pytest_gpu.log"
 timeout 120 python3 -m dora_num.studies.convergence --out "$R/conv_profile" --base .carry/minilm \

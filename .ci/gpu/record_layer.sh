@@ -8,15 +8,8 @@
 #   python -m dora_num.studies.memory_model --ingest r/memory --git-sha <sha>
 #   cp r/pytest_gpu.log r/overhead.log r/graphs/train_graphs.csv data/gpu/  (with sidecars)
 # Needs .carry/minilm (python -m dora_num.studies.carry .carry/minilm) carried along.
-set -u
-: "${OUT:?set OUT}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4
-SHA=${DORA_NUM_GIT_SHA:-unknown}
+source "$(dirname "$0")/_setup.sh"
 SECTIONS=${SECTIONS:-norm layer}
-R=$OUT/r
-mkdir -p "$R"
-nvidia-smi > "$R/nvidia-smi.txt" 2>&1
-t0=$(date +%s)
 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/kernels > "$R/pytest_gpu.log" 2>&1
 echo "pytest exit $? after $(( $(date +%s) - t0 )) s" >> "$R/pytest_gpu.log"
 if [ "$SECTIONS" = all ]; then only=(); else only=(--only $SECTIONS); fi

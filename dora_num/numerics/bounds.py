@@ -212,7 +212,7 @@ def gamma(n, u: float):
 _gam = gamma
 
 
-def factored_norm_bound(W, A, B, s: float) -> np.ndarray:
+def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False) -> np.ndarray:
     r"""Bound on ``|factored_row_norm(W, A, B, s) - ||W + sBA||_row|``.
 
     fp32 (``u = 2^-24``), any summation order (so ``gamma_n`` holds for blocked,
@@ -223,7 +223,11 @@ def factored_norm_bound(W, A, B, s: float) -> np.ndarray:
       ``|dcross| <= gamma_{d+r} sum_k |B_k| (|W||A|^T)_k``;
     - ``G = A A^T``, ``ba = sum (B G) * B``: ``|dba| <= gamma_{d+2r} (|B||A|)(|B||A|)^T``;
     - assembly: as :func:`assembly_bound` (fp32, no FMA), with the term errors
-      added to ``dQ``.  With ``Q = w^2``: ``dQ / Q <= ~ gamma_d kappa`` where
+      added to ``dQ``.
+    - ``tensor_core_products``: ``U`` and ``G`` from 16-bit W and A on CUDA
+      (``torch.mm(..., out_dtype=float32)``), whose accumulator may truncate: ``2u``
+      per addition, ``gamma'_d = gamma_{2d}``, so ``d`` becomes ``2d`` in the cross and
+      Gram terms (:func:`dora_num.ops.norm._u_product`).  With ``Q = w^2``: ``dQ / Q <= ~ gamma_d kappa`` where
       ``kappa = (base + |2s cross| + s^2 ba) / w^2``: the relative error of ``w``
       grows like ``u d kappa / 2``.
     """
@@ -239,10 +243,11 @@ def factored_norm_bound(W, A, B, s: float) -> np.ndarray:
     ba_mag = (BA * BA).sum(1)
     cross = (B * (W @ A.T)).sum(1)
     ba = ((B @ A) ** 2).sum(1)
-    d_terms = _gam(d, u) * base + two_s * _gam(d + r, u) * cross_mag + s_sq * _gam(d + 2 * r, u) * ba_mag
+    dp = 2 * d if tensor_core_products else d  # additions charged to the products U and G
+    d_terms = _gam(d, u) * base + two_s * _gam(dp + r, u) * cross_mag + s_sq * _gam(dp + 2 * r, u) * ba_mag
     S = base + two_s * cross_mag + s_sq * ba_mag  # >= the magnitudes of the computed terms' sum
-    dQ = d_terms + _pw(u, 2) * (base + d_terms) + ((1 + u) ** 3 - 1) * two_s * (cross_mag * (1 + _gam(d + r, u))) \
-        + _pw(u, 2) * s_sq * ba_mag * (1 + _gam(d + 2 * r, u)) + 3e-45  # + two fp32 underflow errors
+    dQ = d_terms + _pw(u, 2) * (base + d_terms) + ((1 + u) ** 3 - 1) * two_s * (cross_mag * (1 + _gam(dp + r, u))) \
+        + _pw(u, 2) * s_sq * ba_mag * (1 + _gam(dp + 2 * r, u)) + 3e-45  # + two fp32 underflow errors
     Q64 = base + two_s * cross + s_sq * ba
     slack = 1e-12 * S  # float64 evaluation of Q (d + r terms, relative error <= (d + 2r) 2^-53 of S)
     Q_lo = np.maximum(Q64 - slack, 0.0)

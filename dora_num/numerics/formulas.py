@@ -18,12 +18,9 @@ rounding, computed once per call, never per element.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 
-@functools.lru_cache(maxsize=256)  # a pure function of one float, called on every forward
 def scale_constants(scale: float) -> tuple[float, float, float]:
     """``(s, 2s, s^2)`` as Python floats exactly representable in fp32.
 

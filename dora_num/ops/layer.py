@@ -7,11 +7,14 @@ section 4.3; PEFT does the same).  Initialisation follows PEFT's LoRA defaults:
 layer equals the base layer at init and ``g = 1`` up to the rounding of ``m``.
 ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
 
-The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`,
-through the custom op of :func:`~dora_num.ops.norm.weight_norm_cached`, so the
-layer compiles with ``fullgraph=True``); ``rowsum(W*W)`` is cached for the
-frozen W and recomputed when W changes (its storage, version counter, shape or
-dtype).
+The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`); the
+forward takes ``g`` from :func:`~dora_num.ops.norm.magnitude_scale_fast` (on CUDA the
+norm's tail, the clamp and a finiteness flag are one Triton launch, the flag read
+once at the end of the forward), and under ``torch.compile`` through the custom op of
+:func:`~dora_num.ops.norm.weight_norm_cached`, so the layer compiles with
+``fullgraph=True``.  ``rowsum(W*W)`` is cached for the frozen W and recomputed when W
+changes (its storage, version counter, shape or dtype).  Without bias and dropout
+the output add ``base + delta`` runs in the compose's pass (bitwise the same).
 """
 
 from __future__ import annotations

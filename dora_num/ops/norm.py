@@ -264,7 +264,8 @@ def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, m=None, eps
     """``(wnorm, den, bad)`` of the factored norm, unchecked (callers hold no_grad, autocast off).
 
     With ``m`` and the tail kernel: ``den = max(wnorm, eps)`` and ``bad``, an int32
-    ``[1]`` device flag, nonzero iff some ``wnorm`` or ``m / den`` is not finite
+    device flag (one entry per program of the kernel), some entry nonzero iff some
+    ``wnorm`` or ``m / den`` is not finite
     (:func:`dora_num.ops.kernels.norm_tail.norm_tail`); otherwise both are None.
     """
     s, two_s, s_sq = consts
@@ -358,8 +359,8 @@ def magnitude_scale_fast(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scal
     CUDA the norm's tail, the clamp and the flag are one Triton launch
     (:mod:`dora_num.ops.kernels.norm_tail`) and ``g`` one division.
     """
-    if torch.compiler.is_compiling():
-        wnorm = weight_norm_cached(W, A, B, scale, chunk_bytes=chunk_bytes, check=False)
+    if torch.compiler.is_compiling():  # the op checks wnorm at run time (as the flag does in eager)
+        wnorm = weight_norm_cached(W, A, B, scale, chunk_bytes=chunk_bytes, check=True)
         return magnitude_scale(m, wnorm, check=False), None
     d_out, d_in, _ = check_lora_factors(W, A, B)
     check_tensor("m", m, ndim=1)

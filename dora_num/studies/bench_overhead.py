@@ -65,16 +65,24 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / 100 * 1e6
         print(f"{shape} train step: CPU {cpu:.1f} us, wall {wall:.1f} us", flush=True)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(50):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
-        print(s.getvalue())
+        print(cprofile_top(step, calls=50, lines=12))
     layer_host_cost()
+
+
+def cprofile_top(fn, *, calls: int, lines: int, sort: str = "tottime") -> str:
+    """cProfile of ``calls`` calls of ``fn`` (CUDA work drained after), the top ``lines``
+    functions by ``sort``."""
+    import torch
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(lines)
+    return s.getvalue()
 
 
 def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:

@@ -201,17 +201,19 @@ def captured_assembly():
     from ..ops import norm as N
 
     seen: list[tuple] = []
-    orig = N.norm_assembly
+    orig = N.norm_assembly, N.NORM_TAIL
 
     def record(ar, *args):
         seen.append(tuple(a.detach().double().cpu().numpy() if isinstance(a, torch.Tensor) else a for a in args))
-        return orig(ar, *args)
+        return orig[0](ar, *args)
 
-    N.norm_assembly = record
+    # the torch tail, where the assembly is a call to record (on CUDA the tail kernel
+    # assembles in registers)
+    N.norm_assembly, N.NORM_TAIL = record, "torch"
     try:
         yield seen
     finally:
-        N.norm_assembly = orig
+        N.norm_assembly, N.NORM_TAIL = orig
 
 
 def layer_terms(layer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

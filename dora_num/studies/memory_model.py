@@ -143,7 +143,12 @@ def layer_linears(cfg: MemoryConfig) -> list[tuple[str, int, int, bool]]:
 
 
 def _norm_transient(cfg: MemoryConfig, d_in: int, d_out: int) -> int:
-    """Largest working set of one module's row norm (bytes), as :mod:`dora_num.ops.norm` allocates."""
+    """Largest working set of one module's row norm (bytes), as :mod:`dora_num.ops.norm` allocates.
+
+    The factored norm is charged the torch tail's row blocks (capped at 6 MiB, the row
+    budget when the model was fitted); on CUDA the tail kernel has none, so this term
+    is an upper bound there by up to 6 MiB.  In every recorded H200 configuration
+    another term or phase is the larger one, so no recorded prediction depends on it."""
     w = BYTES[cfg.dtype]
     r = cfg.rank
     dense = d_out * d_in * 4

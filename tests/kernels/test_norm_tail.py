@@ -76,10 +76,14 @@ def test_tail_flag_names_nonfinite_rows_and_ignores_masked_ones():
     m = torch.ones(d_out)
 
     def flag(**kw):
-        args = dict(U=U, B=B, G=G, base_sq=base, m=m)
+        args = dict(U=U, B=B, G=G, base_sq=base, m=m, eps=1e-12)
         args.update(kw)
         return norm_tail(args["U"], args["B"], args["G"], args["base_sq"], two_s, s_sq,
-                         m=args["m"], eps=1e-12)[2].tolist()  # one slot per program, each written
+                         m=args["m"], eps=args["eps"])[2].tolist()  # one slot per program, each written
+
+    # eps = 0: a masked row (all-zero terms) has den = 0 and g = 1/0 = inf; only the
+    # row mask keeps it out of the flag (every real row here has wnorm > 0)
+    assert flag(eps=0.0) == [0, 0]
 
     assert flag() == [0, 0]
     for bad_m in (float("nan"), float("inf"), -float("inf")):

@@ -11,12 +11,15 @@ inputs upcast to fp32 (exact), every operation one fp32 rounding::
     out   = gm1 * base + t     # mul, then add: two roundings, NOT an FMA
     inner = sl + base          # == muladd(s, lora, base) of compose_inner
     -> out rounded once to the activation dtype
+    y     = base + out         # ADD_BASE (the layer's output): out rounded first, then
+                               # one fp32 add rounded once: torch's add of the two tensors
 
 Backward, upstream gradient ``D``::
 
     gs    = g * s              # once per column
     dlora = gs * D             # rounded once to D's dtype
-    dbase = gm1 * D
+    dbase = gm1 * D            # ADD_GRAD: D + dbase (rounded first), as autograd
+                               # accumulates base's two gradients under ADD_BASE
     dg    = sum_rows(inner * D)   # two-stage, deterministic (below)
 
 Contraction.  Triton contracts ``a*b + c`` into ``fma.rn.f32`` by default
@@ -218,23 +221,28 @@ def _as_2d(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 _COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, all zero between launches
+_OUTGROWN: list = []  # buffers replaced by larger ones, kept alive (a captured graph may point at them)
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """``n`` int32 arrival counters of the in-kernel dg stage 2, zero on entry.
 
     The kernel's last program of each column block resets its counter to zero, so
-    the buffer is reused (no fill launch per backward: the layer's step is bound by
-    the host).  One buffer per device and stream: kernels on one stream run in
-    order, so they never share a counter concurrently (a CUDA graph captures on its
-    own stream, and replays leave the counters zero as well).  Under the
-    interpreter, a fresh zeroed buffer every call.
+    the buffer is reused in eager mode (no fill launch per backward: the layer's step
+    is bound by the host).  One buffer per device and stream: kernels on one stream
+    run in order, so they never share a counter concurrently.  While a CUDA graph is
+    being captured the buffer is a fresh ``torch.zeros`` captured with the graph and
+    never cached: the graph owns it (its fill replays with it), whatever stream it is
+    later replayed on and whatever other graphs do.  A buffer outgrown by a larger
+    launch is kept alive.  Under the interpreter, a fresh zeroed buffer every call.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return buf
 

@@ -19,8 +19,9 @@ Variants (the FMA/sqrt study, issue 6):
 Production: ``fp_fusion=False, sqrt="rn"``: bitwise equal to
 ``norm_assembly(TorchFP32, ...)`` on CUDA (whose ``torch.sqrt`` is correctly
 rounded) and to :class:`~dora_num.numerics.arithmetic.TorchFP32CorrectSqrt`
-everywhere.  The norm assembly is O(d_out) work and never on a hot path; the
-kernel exists to study (and pin down) what a fused implementation does.
+everywhere.  The assembly is O(d_out) work; this kernel exists to study (and pin
+down) what a fused implementation does, and its sequence (:func:`_assemble`) is the
+one the production tail kernel of :mod:`.norm_tail` runs on every forward.
 """
 
 from __future__ import annotations
