@@ -27,12 +27,12 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from .compose import PATHS, compose
+from .norm import cached_base_row_norm_sq, magnitude_scale, magnitude_scale_fast, weight_norm_cached
 
 # Fold the output add base + delta into the compose (bitwise the same; one launch and one
 # autograd node fewer per layer).  DORA_NUM_FOLD_OUTPUT_ADD=0 restores the separate add
 # (ablation, and the baseline of the GPU suite's layer A/B).
 FOLD_OUTPUT_ADD = os.environ.get("DORA_NUM_FOLD_OUTPUT_ADD", "1") != "0"
-from .norm import cached_base_row_norm_sq, magnitude_scale, magnitude_scale_fast, weight_norm_cached
 
 
 class DoRALinear(nn.Module):
@@ -173,12 +173,13 @@ class _FiniteCheck:
     behind an event on ``g``'s device and stream, so reading it waits for the work
     queued up to ``g`` (the earlier layers included), while this layer's products and
     compose are already queued behind it: the device is not drained to an empty
-    queue in the middle of the forward, as a ``bool(...)`` right after ``g`` would.  (At 4096->4096, r=384 the layer was bound by the host, and an
-    interleaved A/B on the H200 measured no difference between the two; dropping
-    the check saved 10%: ``data/gpu/layer_check_ab.log``.)  The pinned byte is
-    allocated per call (the host caching allocator makes that cheap), so replicas
-    of a module on other threads do not share it.  On other devices the flag is
-    read directly.  Under ``torch.compile`` the compose custom op checks ``g`` itself.
+    queue in the middle of the forward, as a ``bool(...)`` right after ``g`` would.
+    (At 4096->4096, r=384 the layer was bound by the host, and an interleaved A/B on
+    the H200 measured no difference between the two; dropping the check saved 10%:
+    ``data/gpu/layer_check_ab.log``.)  The pinned flag is allocated per call (the host
+    caching allocator makes that cheap), so replicas of a module on other threads do
+    not share it.  On other devices the flag is read directly.  Under
+    ``torch.compile`` the compose custom op checks ``g`` and the norm op ``wnorm``.
     """
 
     __slots__ = ("flag", "event")
