@@ -9,6 +9,7 @@ copy bandwidth measured in the same process (bytes read + bytes written).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
 
@@ -130,3 +131,20 @@ def ulp_histogram(a: torch.Tensor, b: torch.Tensor, max_ulp: int = 4) -> dict[st
     out = {str(k): int((d == k).sum()) for k in range(max_ulp + 1)}
     out[f">{max_ulp}"] = int((d > max_ulp).sum())
     return out
+
+
+@contextlib.contextmanager
+def host_path(norm_tail: str, fold: bool | None = None):
+    """Within: the norm's tail (``dora_num.ops.norm.NORM_TAIL``: ``"auto"`` / ``"torch"``) and,
+    if given, ``DoRALinear.FOLD_OUTPUT_ADD`` set as asked; the same-run A/B switches of the
+    layer's host path (GPU suite, host probe).  Restored on exit."""
+    from ..ops import layer as L
+    from ..ops import norm as N
+
+    prev = N.NORM_TAIL, L.FOLD_OUTPUT_ADD
+    N.NORM_TAIL = norm_tail
+    L.FOLD_OUTPUT_ADD = prev[1] if fold is None else fold
+    try:
+        yield
+    finally:
+        N.NORM_TAIL, L.FOLD_OUTPUT_ADD = prev

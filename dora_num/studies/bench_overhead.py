@@ -88,16 +88,14 @@ def cprofile_top(fn, *, calls: int, lines: int, sort: str = "tottime") -> str:
 def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
     """Host time per call of ``DoRALinear`` (forward; forward+backward) at a shape whose GPU
     work is microseconds (512->512, r=16, 64 tokens, bf16), so wall time is host time:
-    the norm's tail kernel against its torch tail, interleaved over ``rounds`` rounds
-    (median and min of the rounds)."""
+    the norm's tail kernel or its torch tail, each with the output add folded or separate,
+    interleaved over ``rounds`` rounds (median and min of the rounds)."""
     import statistics
 
     import torch
 
-    from ..ops import norm as N
     from ..ops.layer import DoRALinear
-
-    from ..ops import layer as L
+    from .bench import host_path
 
     torch.manual_seed(0)
     layer = DoRALinear(torch.nn.Linear(512, 512, bias=False, device="cuda", dtype=torch.bfloat16), 16, 32.0,
@@ -116,11 +114,9 @@ def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
 
     configs = [(tail, fold) for tail in ("auto", "torch") for fold in (True, False)]
     times = {(tail, fold, name): [] for tail, fold in configs for name in ("fwd", "fwd_bwd")}
-    prev = N.NORM_TAIL, L.FOLD_OUTPUT_ADD
-    try:
-        for _ in range(rounds):
-            for tail, fold in configs:
-                N.NORM_TAIL, L.FOLD_OUTPUT_ADD = tail, fold
+    for _ in range(rounds):
+        for tail, fold in configs:
+            with host_path(tail, fold):
                 for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
                     for _ in range(10):
                         fn()
@@ -130,8 +126,6 @@ def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
                         fn()
                     torch.cuda.synchronize()
                     times[(tail, fold, name)].append((time.perf_counter() - t) / reps * 1e6)
-    finally:
-        N.NORM_TAIL, L.FOLD_OUTPUT_ADD = prev
     for (tail, fold, name), ts in times.items():
         label = ("tail kernel" if tail == "auto" else "torch tail") + (", add folded" if fold else ", add separate")
         print(f"DoRALinear 512->512 r=16 T=64 bf16 fused tier {name} ({label}): host "

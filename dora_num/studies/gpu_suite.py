@@ -323,20 +323,13 @@ def _peft_style_norm(W, A, B, s):
         return torch.linalg.norm(W + s * (B @ A), dim=1).to(W.dtype)
 
 
-def _with_torch_tail(fn, *args, fold: bool | None = None, **kwargs):
-    """``fn(*args, **kwargs)`` with the norm's torch tail (``DORA_NUM_NORM_TAIL=torch``) and,
-    if ``fold`` is given, ``DoRALinear.FOLD_OUTPUT_ADD = fold``: the same-run A/B of
-    :mod:`dora_num.ops.kernels.norm_tail` and of the folded output add."""
-    from ..ops import layer as L
-    from ..ops import norm as N
+def _torch_tail_norm(W, A, B, s, base_sq):
+    """The cached factored norm with the torch tail: the same-run A/B of the tail kernel."""
+    from ..ops.norm import factored_row_norm
+    from .bench import host_path
 
-    prev = N.NORM_TAIL, L.FOLD_OUTPUT_ADD
-    N.NORM_TAIL = "torch"
-    L.FOLD_OUTPUT_ADD = prev[1] if fold is None else fold
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        N.NORM_TAIL, L.FOLD_OUTPUT_ADD = prev
+    with host_path("torch"):
+        return factored_row_norm(W, A, B, s, base_sq=base_sq)
 
 
 def bench_norms(shapes, w_dtypes) -> list[dict]:
@@ -360,7 +353,7 @@ def bench_norms(shapes, w_dtypes) -> list[dict]:
                 "dense_fp32": lambda: dense_row_norm(W, A, B, s),
                 "factored": lambda: factored_row_norm(W, A, B, s),
                 "factored_cached": lambda: factored_row_norm(W, A, B, s, base_sq=cache),
-                "factored_cached_torch_tail": lambda: _with_torch_tail(factored_row_norm, W, A, B, s, base_sq=cache),
+                "factored_cached_torch_tail": lambda: _torch_tail_norm(W, A, B, s, cache),
             }
             for name, fn in methods.items():
                 peak, out = peak_extra_bytes(fn)
@@ -406,7 +399,10 @@ def _PreviousHostPath(layer):
             self.inner = inner
 
         def forward(self, x):
-            return _with_torch_tail(self.inner, x, fold=False)
+            from .bench import host_path
+
+            with host_path("torch", fold=False):
+                return self.inner(x)
 
     return PreviousHostPath(layer)
 
