@@ -13,7 +13,7 @@ rerun it against that revision (``git worktree add /tmp/ab f27de12``).
 import math, time, torch, statistics
 from dora_num.ops import layer as L
 from dora_num.studies.bench import time_ms
-from dora_num.studies.gpu_suite import _peft_layer
+from dora_num.studies.suite import _peft_layer
 import copy
 
 class Cached(L._FiniteCheck):

@@ -11,7 +11,7 @@ import torch.nn.functional as Fn
 
 from dora_num.ops import layer as L
 from dora_num.ops.compose import compose
-from dora_num.studies.bench_overhead import cprofile_top
+from dora_num.studies.speed.overhead import cprofile_top
 
 torch.manual_seed(0)
 d, r, T = 512, 16, 64

@@ -39,8 +39,8 @@ def test_base_model_forms(tiny_export, base_kind):
 
 
 def _fp64_reference(states, x):
-    """The tiny model evaluated in float64 from the loaded states (dora_num.testing oracle)."""
-    from dora_num.testing import dora_linear_ref64
+    """The tiny model evaluated in float64 from the loaded states (dora_num.oracles oracle)."""
+    from dora_num.oracles import dora_linear_ref64
 
     st = {s.name: s for s in states}
     h = x.double()

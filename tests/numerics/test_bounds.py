@@ -9,7 +9,7 @@ import pytest
 
 from dora_num.numerics.bounds import assembly_bound, compose_bound
 from dora_num.numerics.formats import FORMATS
-from dora_num.studies.bounds import COMBOS, REGIMES, conditioning, sweep
+from dora_num.studies.bounds.sweep import COMBOS, REGIMES, conditioning, sweep
 
 N_PER_REGIME = 34_000  # x 3 regimes = 102,000 elements per formula, format and arithmetic
 

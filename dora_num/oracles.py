@@ -1,0 +1,247 @@
+"""Test oracles: an fp64 DoRA layer, PEFT's DoRA layer on given factors, norm bounds.
+
+Used by ``tests/ops`` (and usable from notebooks) to hold the fp32 operator
+to an independent evaluation of the same mathematics:
+
+- :func:`dora_linear_ref64` / :class:`DoRALinearRef64`: the DoRA layer evaluated in
+  float64, differentiable (autograd in fp64), with the row norm detached as in
+  DoRA section 4.3.  The compose is :func:`dora_num.numerics.formulas.compose_stable`
+  under :class:`TorchFP64` (the formula is written once); the norm is the plain
+  dense definition ``||W + sBA||_row`` in fp64 (independent of the factored one).
+- :func:`peft_dora_linear`: PEFT's own DoRA ``Linear`` wrapping a copy of an
+  ``nn.Linear``, with :func:`set_dora_state` to put identical ``A, B, m`` into it
+  and into a :class:`~dora_num.DoRALinear`.
+- :func:`row_norm_ref64` and :func:`row_norm_ref64_error_bound`: the dense row norm
+  in float64 and a bound on its own error, to add to the fp32 bounds of
+  :mod:`dora_num.numerics.bounds` (which compare with the exact norm).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .numerics import formulas as F
+from .numerics.arithmetic import TorchFP32
+from .numerics.bounds import gamma
+
+U32 = 2.0**-24  # unit roundoff of IEEE binary32
+U64 = 2.0**-53  # unit roundoff of IEEE binary64
+
+
+class TorchFP64(TorchFP32):
+    """The torch arithmetic of :class:`TorchFP32` on float64 tensors (one rounding
+    per op, no FMA, ``u = 2^-53``): the formulas of
+    :mod:`dora_num.numerics.formulas` evaluated as an fp64 reference."""
+
+    name = "torch-fp64"
+    dtype = torch.float64
+
+    @staticmethod
+    def const(x: float) -> float:
+        return float(x)
+
+
+def fp32_scale(scale: float) -> float:
+    """The scale an fp32 evaluation actually multiplies by: ``fl32(scale)``.
+
+    Both dora_num (:func:`~dora_num.numerics.formulas.scale_constants`) and PEFT
+    (torch casts a Python scalar to the tensor's dtype) use it, so the fp64
+    reference does too."""
+    return F.scale_constants(scale)[0]
+
+
+# --------------------------------------------------------------------------
+# fp64 DoRA layer
+# --------------------------------------------------------------------------
+
+def row_norm_ref64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
+                   *, round_scale: bool = True) -> torch.Tensor:
+    """``||W + s BA||_row`` in float64 from the dense definition (no gradient).
+
+    ``s = fl32(scale)`` (what fp32 evaluations use), or ``scale`` itself with
+    ``round_scale=False`` (what an fp64 evaluation such as PEFT in fp64 uses)."""
+    s = fp32_scale(scale) if round_scale else float(scale)
+    with torch.no_grad():
+        return torch.linalg.vector_norm(W.double() + s * (B.double() @ A.double()), dim=1)
+
+
+def dora_linear_ref64(x, W, bias, A, B, m, scale: float, *, round_scale: bool = True) -> torch.Tensor:
+    """The DoRA layer in float64: ``x W^T + b + (g-1)(x W^T) + g s (x A^T B^T)``.
+
+    ``g = m / ||W + sBA||_row`` with the norm detached.  All inputs are used as
+    float64 tensors as given (pass fp64 leaves with ``requires_grad`` to get fp64
+    gradients by autograd).  No eps guard: the reference is for nonzero rows.
+    ``round_scale`` as in :func:`row_norm_ref64`.
+    """
+    s = fp32_scale(scale) if round_scale else float(scale)
+    wnorm = row_norm_ref64(W, A, B, s, round_scale=False)
+    g = m / wnorm
+    base = x @ W.T
+    lora = (x @ A.T) @ B.T
+    delta = F.compose_stable(TorchFP64, base, lora, g, s)
+    out = base if bias is None else base + bias
+    return out + delta
+
+
+class DoRALinearRef64(nn.Module):
+    """A module evaluating :func:`dora_linear_ref64` on fp64 copies of a layer's state.
+
+    Drop-in replacement for a DoRA-wrapped ``nn.Linear`` inside a model converted
+    to float64 (``model.double()``), for model-level references.
+    """
+
+    def __init__(self, W, bias, A, B, m, scale: float, *, round_scale: bool = True):
+        super().__init__()
+        self.register_buffer("W", W.detach().double().clone())
+        self.register_buffer("bias", None if bias is None else bias.detach().double().clone())
+        self.A = nn.Parameter(A.detach().double().clone())
+        self.B = nn.Parameter(B.detach().double().clone())
+        self.m = nn.Parameter(m.detach().double().clone())
+        self.scale = float(scale)
+        self.round_scale = round_scale
+
+    def forward(self, x):
+        return dora_linear_ref64(x.double(), self.W, self.bias, self.A, self.B, self.m, self.scale,
+                                 round_scale=self.round_scale)
+
+
+# --------------------------------------------------------------------------
+# PEFT's DoRA layer on given factors
+# --------------------------------------------------------------------------
+
+class _Holder(nn.Module):
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def peft_dora_linear(linear: nn.Linear, rank: int, alpha: float, *, use_rslora: bool = False) -> nn.Module:
+    """PEFT's DoRA ``Linear`` (``LoraConfig(use_dora=True)``) around a deep copy of ``linear``."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=use_rslora, use_dora=True,
+        lora_dropout=0.0, target_modules=["lin"], init_lora_weights=True,
+    )
+    model = peft.get_peft_model(_Holder(copy.deepcopy(linear)), config)
+    return model.base_model.model.lin
+
+
+def peft_dora_params(layer: nn.Module, adapter: str = "default") -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+    """``(A, B, m)`` parameters of a PEFT DoRA ``Linear``: ``[r, d_in]``, ``[d_out, r]``, ``[d_out]``."""
+    return (
+        layer.lora_A[adapter].weight,
+        layer.lora_B[adapter].weight,
+        layer.lora_magnitude_vector[adapter].weight,
+    )
+
+
+def peft_scale(layer: nn.Module, adapter: str = "default") -> float:
+    return float(layer.scaling[adapter])
+
+
+def set_dora_state(layer: nn.Module, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor) -> None:
+    """Copy ``A, B, m`` into a PEFT DoRA ``Linear`` or a :class:`~dora_num.DoRALinear`."""
+    if hasattr(layer, "lora_magnitude_vector"):
+        pA, pB, pm = peft_dora_params(layer)
+    else:
+        pA, pB, pm = layer.lora_A, layer.lora_B, layer.magnitude
+    with torch.no_grad():
+        for dst, src, name in ((pA, A, "A"), (pB, B, "B"), (pm, m, "m")):
+            if dst.shape != src.shape:
+                raise ValueError(f"{name} has shape {tuple(src.shape)}; the layer expects {tuple(dst.shape)}")
+            dst.copy_(src)
+
+
+def perturbed_adapter(W: torch.Tensor, A: torch.Tensor, scale: float, *, seed: int,
+                      update_ratio: float = 0.05, g_spread: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic trained-looking ``(B, m)`` for given ``W`` and ``A``.
+
+    ``B`` is Gaussian, scaled so that ``||s BA||_F = update_ratio * ||W||_F``
+    (realistic: ``||sBA|| << ||W||``); ``m = ||W + sBA||_row * (1 + g_spread * z)``
+    with ``z ~ N(0, 1)``, so ``g - 1`` is of order ``g_spread`` (DESIGN.md: about
+    1e-3 in training).  Computed in fp64, returned in ``W``'s dtype.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    d_out, r = W.shape[0], A.shape[0]
+    B = torch.randn(d_out, r, generator=gen, dtype=torch.float64)
+    s = fp32_scale(scale)
+    upd = torch.linalg.matrix_norm(s * (B @ A.double()))
+    wn = torch.linalg.matrix_norm(W.double())
+    if upd > 0 and wn > 0:
+        B = B * (update_ratio * wn / upd)
+    B = B.to(W.dtype)
+    wnorm = row_norm_ref64(W, A, B, s)
+    z = torch.randn(d_out, generator=gen, dtype=torch.float64)
+    m = (wnorm * (1.0 + g_spread * z)).to(W.dtype)
+    return B, m
+
+
+def row_norm_ref64_error_bound(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bound on ``|row_norm_ref64 - ||W + sBA||_row|`` (float64 ``[d_out]``).
+
+    The dense evaluation in float64 (``u = 2^-53``): each element of
+    ``W + s BA`` carries ``gamma_{r+2} M`` with ``M = |W| + |s| |B||A|`` (the
+    product, the scaling and the sum); the norm of the perturbed row moves by at
+    most the norm of the perturbation; the fp64 norm itself (squares, a
+    ``d_in``-term sum in any order, a square root) adds ``gamma_{d_in+3}``::
+
+        gamma_{r+2} ||M_j|| + gamma_{d_in+3} (||T_j|| + gamma_{r+2} ||M_j||)
+    """
+    d_in, r = W.shape[1], A.shape[0]
+    s = fp32_scale(scale)
+    with torch.no_grad():
+        W64, A64, B64 = W.double(), A.double(), B.double()
+        exact = row_norm_ref64(W64, A64, B64, s)
+        Mrow = torch.linalg.vector_norm(W64.abs() + abs(s) * (B64.abs() @ A64.abs()), dim=1)
+        g_r = gamma(r + 2, U64)
+        return g_r * Mrow + gamma(d_in + 3, U64) * (exact + g_r * Mrow)
+
+
+# --------------------------------------------------------------------------
+# Host-memory measurement (torch.profiler, CPU)
+# --------------------------------------------------------------------------
+
+def measure_cpu_allocations(fn) -> dict:
+    """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True``; report its
+    CPU allocator traffic, measured from the profiler's allocation events.
+
+    Returns ``{"largest_block": bytes of the largest single allocation,
+    "peak_extra": peak of live bytes above the level at the first event,
+    "n_allocations": count, "largest_shapes": input shapes of the op that made
+    the largest block}``.  Works on CPU tensors (the CUDA analogue is
+    ``torch.cuda.max_memory_allocated``).  Uses the profiler's event tree
+    (``kineto_results.experimental_event_tree``), the one place where each
+    allocation's size and the running total are exposed.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        fn()
+    allocs = []
+    stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, parent = stack.pop()
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            if fields.device.type == "cpu":
+                allocs.append((node.start_time_ns, fields.alloc_size, fields.total_allocated, parent))
+        stack.extend((child, node) for child in node.children)
+    if not allocs:
+        return {"largest_block": 0, "peak_extra": 0, "n_allocations": 0, "largest_op": None}
+    allocs.sort(key=lambda a: a[0])
+    start_level = allocs[0][2] - allocs[0][1]
+    largest = max(allocs, key=lambda a: a[1])
+    op = largest[3]
+    return {
+        "largest_block": int(largest[1]),
+        "peak_extra": int(max(a[2] for a in allocs) - start_level),
+        "n_allocations": sum(1 for a in allocs if a[1] > 0),
+        "largest_op": None if op is None else op.name,
+    }

@@ -1,0 +1,1 @@
+"""Notebook 03: measured error against the a-priori bounds; factored vs dense conditioning."""

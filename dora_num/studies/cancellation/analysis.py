@@ -1,0 +1,268 @@
+"""Notebook 01 (cancellation at g≈1): collapse fractions and compose error on real adapters.
+
+Two questions:
+
+1. **How often does g≈1 collapse?**  For every training run (ranks 8-128, two
+   learning rates, several steps), the fraction of g inside the paper's symmetric
+   zone ``|g-1| < eps/2`` and the fraction that actually rounds to 1 (the exact,
+   asymmetric zone), per format; the value-level absorption ``fl(g*x) == x`` on
+   real MiniLM base activations ``x W^T`` (of the base model: the adapter changes
+   the inputs of later layers only slightly, and g alone is stored per run).
+2. **What does the stable form save?**  The compose evaluated by the emulated
+   arithmetics of :mod:`dora_num.numerics.emulate` (per-op rounding in the storage
+   format; fp32 intermediates with one final rounding; fp32 with g held in the
+   storage format) against the correctly rounded exact result
+   (:func:`dora_num.numerics.ground_truth.compose_exact`) on the same stored
+   inputs: real ``base = x W^T`` and ``lora = x A^T B^T`` of the committed r=16
+   adapter, with ``|g-1|`` swept across the format's spacing boundaries.  Errors
+   in ULPs of the output format, and as a fraction of the ``(g-1)*base`` term.
+
+The paper's benchmark (random N(0,1) inputs, bf16, max absolute error against the
+fp64 stable formula on the fp64 inputs) is reproduced by :func:`paper_benchmark`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ...adapters.collapse import FORMATS, POOLED, collapse_table
+from ...numerics.emulate import emulate
+from ...numerics.formats import get_format, round_to, ulp_distance
+from ...numerics.ground_truth import compose_exact
+from ...repro.paths import committed_data
+
+# The paper's reported numbers (PAPER.md; Qwen2-VL-7B, r=128, 326 modules, 1.77M g values).
+PAPER_COLLAPSE = pd.DataFrame([
+    {"source": "paper: Qwen2-VL-7B r=128", "format": "bf16", "frac_symmetric_zone": 1.00, "g_std": 0.0015},
+    {"source": "paper: Qwen2-VL-7B r=128", "format": "fp16", "frac_symmetric_zone": 0.20, "g_std": 0.0015},
+])
+PAPER_G_VALUES = (0.9, 0.99, 0.999, 0.9999, 1.0, 1.0001, 1.001, 1.01, 1.1)
+PAPER_PEAK = {"naive": 2.342e-2, "stable": 7.81e-3, "ratio": 3.0}  # [2048, 8192], bf16, g = 1
+
+VARIANTS = (("per_op", "fp32"), ("fp32", "fp32"), ("fp32", "storage"))  # (arithmetic, where g is held)
+VARIANT_LABEL = {("per_op", "fp32"): "per-op in format (g in format)", ("fp32", "fp32"): "fp32 intermediates",
+                 ("fp32", "storage"): "fp32 intermediates, g in format"}
+
+
+# ----------------------------------------------------------------------------
+# 1. Collapse on the recorded training runs.
+# ----------------------------------------------------------------------------
+
+def load_runs(root=None) -> dict[str, dict]:
+    """``{run: {"rank", "lr", "g": {step: {module: g (float64)}}}}`` from ``data/adapters/runs/*.npz``."""
+    from .train_adapters import load_g_npz
+
+    root = committed_data("adapters", "runs") if root is None else root
+    out = {}
+    for p in sorted(root.glob("r*_lr*.npz")):
+        rank, lr = p.stem.split("_lr")
+        g = {s: {n: 1.0 + v.astype(np.float64) for n, v in mods.items()} for s, mods in load_g_npz(p).items()}
+        out[p.stem] = {"rank": int(rank[1:]), "lr": float(lr), "g": g}
+    if not out:
+        raise FileNotFoundError(f"no training runs under {root} (python -m dora_num.studies.cancellation.train_adapters)")
+    return out
+
+
+def collapse_over_training(runs: dict, formats=FORMATS, activations: dict | None = None,
+                           steps: str = "all") -> pd.DataFrame:
+    """Tidy collapse table per run x step x format (pooled over modules; per module with ``module``)."""
+    frames = []
+    for name, run in runs.items():
+        picked = sorted(run["g"]) if steps == "all" else [max(run["g"])]
+        for step in picked:
+            df = collapse_table(run["g"][step], formats, activations=activations)
+            frames.append(df.assign(run=name, rank=run["rank"], lr=run["lr"], step=step))
+    return pd.concat(frames, ignore_index=True)
+
+
+def pooled(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["module"] == POOLED].reset_index(drop=True)
+
+
+# ----------------------------------------------------------------------------
+# 2. Real activations of the r=16 adapter.
+# ----------------------------------------------------------------------------
+
+def real_compose_inputs(adapter_dir=None, modules=None, *, n_texts: int = 16, max_rows: int = 64, seed: int = 0):
+    """``{module: (base, lora, s)}``: fp32 ``x W^T`` and ``x A^T B^T`` on real text (base MiniLM inputs x)."""
+    import torch
+
+    from ...adapters.collapse import base_activations
+    from ...adapters.corpus import load_corpus
+    from ...adapters.model import load_base_model
+    from ...adapters.peft_io import load_peft_dora
+
+    adapter_dir = committed_data("adapters", "minilm_dora_r16") if adapter_dir is None else adapter_dir
+    model, tok = load_base_model()
+    states = {s.name: s for s in load_peft_dora(adapter_dir, model)}
+    names = sorted(states) if modules is None else list(modules)
+    texts = [p["summary"] for p in load_corpus(split="validation")[:n_texts]]
+    inputs: dict[str, list] = {}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda m, i, o, n=n: inputs.setdefault(n, []).append(i[0].reshape(-1, i[0].shape[-1]))) for n in names]
+    from ...adapters.model import tokenize
+
+    with torch.no_grad():
+        batch = tokenize(tok, texts)
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    keep = batch["attention_mask"].reshape(-1).bool()
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    with torch.no_grad():
+        for n in names:
+            x = torch.cat(inputs[n])[keep]
+            x = x[torch.randperm(x.shape[0], generator=gen)[:max_rows].sort().values]
+            st = states[n]
+            base = x @ st.W.T.float()
+            lora = (x @ st.A.T.float()) @ st.B.T.float()
+            out[n] = (base.numpy().astype(np.float64), lora.numpy().astype(np.float64), float(st.scale))
+    return out
+
+
+def g_sweep(fmt, n_per_decade: int = 4, lo_exp: int = -22, hi_exp: int = -3) -> np.ndarray:
+    """fp32 values of g with ``|g-1|`` from ``2^lo_exp`` to ``2^hi_exp`` on both sides of 1
+    (``n_per_decade`` points per octave), plus g = 1 and the exact zone ends of ``fmt``,
+    each with its fp32 neighbours."""
+    fmt = get_format(fmt)
+    k = np.arange(lo_exp * n_per_decade, hi_exp * n_per_decade + 1) / n_per_decade
+    d = 2.0 ** k
+    special = round_to(np.array([1.0, 1 - fmt.spacing_below_one / 2, 1 + fmt.spacing_above_one / 2]), "fp32")
+    s32 = special.astype(np.float32)
+    special = np.concatenate([special, np.nextafter(s32, np.float32(2)).astype(np.float64),
+                              np.nextafter(s32, np.float32(0)).astype(np.float64)])
+    g = round_to(np.concatenate([1 + d, 1 - d, special]), "fp32")
+    return np.unique(g)
+
+
+def compose_error_sweep(inputs: dict, g_values: np.ndarray, formats=("bf16", "fp16"), *,
+                        variants=VARIANTS) -> pd.DataFrame:
+    """Per format x module x g x formula x variant: ULP errors against the correctly rounded exact compose.
+
+    Inputs are stored in the format first (``round_to``), so every arithmetic and
+    the exact reference see the same values.  Columns: ``ulp_median``, ``ulp_p99``,
+    ``ulp_max``, ``frac_le1`` (elements within 1 ulp), ``n``, ``term_lost_median``
+    (``|error| / |(g-1)*base|``, median: 1 means the ``(g-1)*base`` term is lost).
+    """
+    rows = []
+    for fname in formats:
+        fmt = get_format(fname)
+        for mod, (base, lora, s) in inputs.items():
+            b, l = round_to(base, fmt), round_to(lora, fmt)
+            ok = np.isfinite(b) & np.isfinite(l)
+            b, l = b[ok].ravel(), l[ok].ravel()
+            for g in g_values:
+                gg = np.full_like(b, g)
+                truth = compose_exact(b, l, gg, s, fmt)
+                term = np.abs((g - 1.0) * b)
+                for formula in ("compose_naive", "compose_stable"):
+                    for variant, g_in in variants:
+                        out = emulate(formula, {"base": b, "lora": l, "g": gg, "s": s}, fmt, variant, g_in)
+                        fin = np.isfinite(out)
+                        e = np.abs(ulp_distance(np.where(fin, out, 0.0), truth.rounded, fmt)).astype(np.float64)
+                        e[~fin] = np.inf
+                        with np.errstate(divide="ignore", invalid="ignore"):
+                            lost = np.abs(out - truth.value) / term
+                        rows.append({
+                            "format": fmt.name, "module": mod, "g": g, "gm1": g - 1.0, "formula": formula,
+                            "variant": VARIANT_LABEL[(variant, g_in)], "n": int(e.size),
+                            "ulp_median": float(np.median(e)), "ulp_mean": float(e.mean()), "ulp_p99": float(np.quantile(e, 0.99)),
+                            "ulp_max": float(e.max()), "n_le1": int((e <= 1).sum()),
+                            "term_lost_median": float(np.nanmedian(lost[term > 0])) if (term > 0).any() else np.nan,
+                        })
+    df = pd.DataFrame(rows)
+    df["frac_le1"] = df["n_le1"] / df["n"]
+    return df
+
+
+# ----------------------------------------------------------------------------
+# 3. The paper's benchmark.
+# ----------------------------------------------------------------------------
+
+def recorded_paper_benchmark(shape) -> "pd.DataFrame":
+    """The g = 1 paper-shape benchmark as recorded in ``data/01_cancellation_at_g1/`` by
+    notebook 01 with ``RECOMPUTE_PAPER_SHAPE = True`` (about 3 minutes on 2 cores, so
+    ``make reproduce`` reads it instead).  Refuses a record made at another shape."""
+    import pandas as pd
+
+    from ...repro.paths import committed_data
+    from ...repro.provenance import read_provenance
+
+    path = committed_data("01_cancellation_at_g1", "paper_benchmark_g1_paper_shape.csv")
+    if not path.is_file():
+        raise FileNotFoundError(f"no recorded paper-shape benchmark at {path}; run notebook 01 with "
+                                "RECOMPUTE_PAPER_SHAPE=True")
+    recorded = read_provenance(path)["parameters"].get("PAPER_SHAPE_AT_G1")
+    if list(recorded or []) != list(shape):
+        raise ValueError(f"{path} was recorded at shape {recorded}, not {list(shape)}; "
+                         "run notebook 01 with RECOMPUTE_PAPER_SHAPE=True")
+    return pd.read_csv(path)
+
+
+def paper_benchmark(shape=(2048, 8192), g_values=PAPER_G_VALUES, *, s: float = 0.5, seed: int = 1234,
+                    fmt="bf16") -> pd.DataFrame:
+    """The paper's stability benchmark (PAPER.md) and the two floors that explain it.
+
+    lora, base ~ N(0,1) in fp64 (seed 1234); per g: inputs and g stored in bf16,
+    every op in bf16 (eager bf16 PyTorch = ``per_op`` emulation); reference: the
+    stable formula in float64 on the fp64 inputs (the paper's; its own float64
+    error is ~1e-16, invisible at these sizes).  Metric: max absolute error.
+    Floors: ``output_floor`` = max |fl(ref) - ref| (rounding the exact result once
+    to bf16: no method can do better on this metric); ``cr_stored_floor`` = max
+    |CR(exact on the stored inputs) - ref| (input storage + one output rounding).
+    ``*_ulp_max`` / ``*_ulp_mean`` = ULP errors against the correctly rounded result
+    on the stored inputs with the fp32 g: the metric that sees the ``(g-1)*base``
+    term.  ``*_fp32_*``: the same forms with fp32 intermediates and g in fp32.
+    """
+    fmt = get_format(fmt)
+    rng = np.random.default_rng(seed)
+    lora64 = rng.standard_normal(shape)
+    base64 = rng.standard_normal(shape)
+    b, l = round_to(base64, fmt), round_to(lora64, fmt)
+    sf = float(np.float32(s))
+    rows = []
+    for g in g_values:
+        g32 = float(np.float32(g))
+        ref = (g32 - 1.0) * base64 + g32 * (sf * lora64)  # the paper's: fp64 stable formula, fp64 inputs
+        gg = np.full(shape, g32)
+        truth = compose_exact(b, l, gg, sf, fmt)
+        row = {"g": g, "output_floor": float(np.abs(round_to(ref, fmt) - ref).max()),
+               "cr_stored_floor": float(np.abs(truth.rounded - ref).max())}
+        for formula in ("compose_naive", "compose_stable"):
+            out = emulate(formula, {"base": b, "lora": l, "g": gg, "s": sf}, fmt, "per_op")
+            key = formula.split("_")[1]
+            row[f"{key}_max_abs"] = float(np.abs(out - ref).max())
+            row[f"{key}_ulp_max"] = float(np.abs(ulp_distance(out, truth.rounded, fmt)).max())
+            row[f"{key}_ulp_mean"] = float(np.abs(ulp_distance(out, truth.rounded, fmt)).mean())
+        for formula in ("compose_naive", "compose_stable"):  # the contract: fp32 intermediates, g in fp32
+            out = emulate(formula, {"base": b, "lora": l, "g": gg, "s": sf}, fmt, "fp32")
+            key = formula.split("_")[1] + "_fp32"
+            row[f"{key}_max_abs"] = float(np.abs(out - ref).max())
+            row[f"{key}_ulp_mean"] = float(np.abs(ulp_distance(out, truth.rounded, fmt)).mean())
+        row["ratio_max_abs"] = row["naive_max_abs"] / row["stable_max_abs"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def headline(sweep: pd.DataFrame) -> dict:
+    """The claims the notebook asserts (see its last cell)."""
+    from scipy.stats import spearmanr
+
+    fp32 = VARIANT_LABEL[("fp32", "fp32")]
+    st = sweep[(sweep["formula"] == "compose_stable") & (sweep["variant"] == fp32)]
+    out = {"stable_fp32_frac_within_1ulp": float(st["n_le1"].sum() / st["n"].sum())}
+    # Naive with fp32 intermediates isolates the cancellation (g exact in fp32, no
+    # storage rounding of g): its mean ULP error against |g-1|, g = 1 excluded.
+    nv = sweep[(sweep["formula"] == "compose_naive") & (sweep["variant"] == fp32) & (sweep["g"] != 1.0)]
+    for fmt, sub in nv.groupby("format"):
+        w = sub.assign(err=sub["ulp_mean"] * sub["n"])
+        agg = w.groupby("gm1")[["err", "n"]].sum()
+        agg = pd.DataFrame({"absd": np.abs(agg.index.to_numpy()), "err": (agg["err"] / agg["n"]).to_numpy()})
+        rho = spearmanr(agg["absd"], agg["err"]).statistic
+        small = agg[agg["absd"] <= agg["absd"].quantile(0.2)]["err"].mean()
+        large = agg[agg["absd"] >= agg["absd"].quantile(0.8)]["err"].mean()
+        out[f"naive_fp32_{fmt}"] = {"spearman_absd_vs_mean_ulp": float(rho), "mean_ulp_smallest_fifth": float(small),
+                                    "mean_ulp_largest_fifth": float(large)}
+    return out

@@ -1,0 +1,452 @@
+"""Notebook 02, the exact CPU study: FMA contraction and square-root rounding in the
+norm assembly and the compose.
+
+For every contraction site of :mod:`dora_num.numerics.formulas` (found by
+:func:`~dora_num.studies.fma.models.contraction_sites`) and every placement of
+contractions, the formula is evaluated exactly (one rounding per operation, a
+contracted site rounded once) and compared, element by element, with
+
+- the production sequence (no contraction, correctly rounded sqrt): how many
+  results change and by how many ulps;
+- the exact result of the formula for the same inputs, rounded once
+  (:mod:`dora_num.numerics.ground_truth`): is the contracted result better?
+
+The square root is either correctly rounded or, for ``sqrt.approx``, the worst
+faithful result (the other neighbour of the exact root), which bounds what any
+faithful approximation can change.
+
+Why an element changes (:func:`explain`): contracting a site removes the fp32
+rounding of its product, an error ``e`` with ``|e| <= u |fl(a*b)|``.  The site's
+result changes iff ``e`` moves ``a*b + c`` across a rounding boundary of the
+result, which for a uniformly placed ``a*b + c`` happens with probability
+``q = |e| / ulp(result)`` (capped at 1).  So a contraction matters where the
+product is large against the result: the cross term cancelling the row norm,
+``g-1`` times a large ``base`` against a small delta.  A power-of-two scale makes
+``2s*cross`` and ``s^2*ba`` (and ``s*lora``) exact: those sites then change nothing.
+
+Inputs: real MiniLM row terms and activations with perturbed adapters
+(:func:`minilm_layers`), the GPU suite's seeded inputs (regenerated bit for bit),
+and adversarial sets (:func:`adversarial_assembly_inputs`,
+:func:`adversarial_compose_inputs`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ...numerics.formats import quantum, round_to, ulp_distance
+from ...numerics.formulas import scale_constants
+from ...numerics.ground_truth import assembly_exact, compose_exact
+from . import models as M
+
+PRODUCTION_SQRT = "rn"
+SQRT_MODELS = ("rn", "faithful_other")
+Q_BINS = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, np.inf)  # bins of q = removed error / ulp(site result)
+
+
+@dataclass
+class AssemblyInputs:
+    """fp32 row terms (float64 arrays of fp32 values) and the adapter scale."""
+
+    base_sq: np.ndarray
+    cross: np.ndarray
+    ba: np.ndarray
+    s: float
+    category: np.ndarray  # a label per row
+
+    def terms(self) -> dict:
+        s, two_s, s_sq = scale_constants(self.s)
+        return {"base_sq": self.base_sq, "cross": self.cross, "ba": self.ba, "two_s": two_s, "s_sq": s_sq}
+
+
+@dataclass
+class ComposeInputs:
+    """Flattened compose inputs: ``base``, ``lora`` (fp32 values), ``g`` per element, scale."""
+
+    base: np.ndarray
+    lora: np.ndarray
+    g: np.ndarray
+    s: float
+    category: np.ndarray
+
+
+def _f32(x) -> np.ndarray:
+    return round_to(np.asarray(x, dtype=np.float64), "fp32")
+
+
+# --------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------
+
+def gpu_suite_sizes() -> dict:
+    """The sizes the GPU suite draws its FMA inputs at (:func:`~dora_num.studies.suite.bench_fma`'s
+    defaults; the seeded streams depend on them, so a prefix must be cut from a draw of the full size)."""
+    import inspect
+
+    from ..suite import bench_fma
+
+    return {"norm": inspect.signature(bench_fma).parameters["n"].default, "compose_rows": 2048, "compose_cols": 2048}
+
+
+def gpu_suite_assembly_inputs(n: int, n_total: int | None = None) -> AssemblyInputs:
+    """The first ``n`` of the GPU suite's ``n_total`` norm-assembly inputs
+    (:func:`~dora_num.studies.suite.fma_inputs`; default: the suite's full size)."""
+    from ..suite import FMA_SCALE, fma_inputs
+
+    n_total = gpu_suite_sizes()["norm"] if n_total is None else n_total
+    if n > n_total:
+        raise ValueError(f"n={n} exceeds n_total={n_total}")
+    b, c, a = (v[:n].astype(np.float64) for v in fma_inputs(n_total))
+    return AssemblyInputs(b, c, a, FMA_SCALE, np.full(n, "gpu_suite", dtype=object))
+
+
+def gpu_suite_compose_inputs(rows: int, cols: int, rows_total: int | None = None) -> ComposeInputs:
+    """The first ``rows`` rows of the GPU suite's ``rows_total x cols`` compose inputs."""
+    from ..suite import FMA_SCALE as SCALE, compose_fma_inputs
+
+    rows_total = gpu_suite_sizes()["compose_rows"] if rows_total is None else rows_total
+    base, lora, g = compose_fma_inputs(rows_total, cols)
+    base, lora = base[:rows], lora[:rows]
+    gg = np.broadcast_to(g.astype(np.float64), base.shape)
+    return ComposeInputs(base.astype(np.float64).ravel(), lora.astype(np.float64).ravel(), gg.ravel().copy(),
+                         scale_constants(SCALE)[0], np.full(base.size, "gpu_suite", dtype=object))
+
+
+def adversarial_assembly_inputs(n: int, s: float, seed: int) -> AssemblyInputs:
+    """Rows built to make the assembly's sites matter.
+
+    - ``cancel``: the cross term cancels all but ``10^-k`` (k in 1..6) of ``base_sq``;
+    - ``large_update``: ``||sBA_j||`` comparable to ``||W_j||`` (every term of one size);
+    - ``near_zero``: ``W_j ≈ -s(BA)_j`` (relative gap ~1e-4..1e-7): the sum cancels to
+      a few ulps of ``base_sq`` or below zero (the clamp);
+    - ``realistic``: ``||sBA|| << ||W||`` (cross ~1e-2, ba ~1e-4 of base_sq).
+    """
+    rng = np.random.Generator(np.random.PCG64(seed))
+    s, two_s, s_sq = scale_constants(s)
+    cat = rng.choice(np.array(["cancel", "large_update", "near_zero", "realistic"], dtype=object), n,
+                     p=[0.4, 0.3, 0.02, 0.28])
+    base = np.exp(rng.normal(0.0, 1.0, n)) * 100.0
+    cross = base * rng.normal(0.0, 1e-2, n) / two_s
+    ba = base * np.abs(rng.normal(0.0, 1.0, n)) * 1e-4 / s_sq
+    k = cat == "cancel"
+    cross[k] = -(base[k] / two_s) * (1.0 - 10.0 ** rng.uniform(-6, -1, int(k.sum())))
+    k = cat == "large_update"
+    cross[k] = base[k] * rng.normal(0.0, 0.5, int(k.sum())) / s
+    ba[k] = base[k] * rng.uniform(0.25, 4.0, int(k.sum())) / s_sq
+    k = cat == "near_zero"  # |w - v|^2 with v = w (1 + d)/s... in terms: base, -base(1+d)/s, base(1+d)^2/s^2
+    d = 10.0 ** rng.uniform(-7, -4, int(k.sum())) * rng.choice([-1.0, 1.0], int(k.sum()))
+    cross[k] = -base[k] * (1 + d) / s
+    ba[k] = base[k] * (1 + d) ** 2 / s_sq
+    return AssemblyInputs(_f32(base), _f32(cross), _f32(ba), s, cat)
+
+
+def adversarial_compose_inputs(n: int, s: float, seed: int) -> ComposeInputs:
+    """Compose inputs where the contraction sites matter.
+
+    - ``g_one_ulp``: ``g`` within a few fp32 ulps of 1 (``g-1`` tiny, exact);
+    - ``big_base``: ``|base| >> |s lora|`` with ``|g-1| ~ 1e-3`` (the ``(g-1) base`` term dominates);
+    - ``cancel``: ``s g lora ≈ -(g-1) base`` (the two terms of the stable form cancel);
+    - ``realistic``: ``base, lora ~ N(0,1)``, ``g - 1 ~ 1e-3``.
+    """
+    rng = np.random.Generator(np.random.PCG64(seed))
+    s = scale_constants(s)[0]
+    cat = rng.choice(np.array(["g_one_ulp", "big_base", "cancel", "realistic"], dtype=object), n)
+    base = rng.normal(0, 1, n)
+    lora = rng.normal(0, 1, n)
+    g = 1.0 + 1e-3 * rng.normal(0, 1, n)
+    k = cat == "g_one_ulp"
+    g[k] = 1.0 + rng.integers(-8, 9, int(k.sum())) * 2.0**-24
+    k = cat == "big_base"
+    base[k] *= 1e3
+    k = cat == "cancel"
+    lora[k] = -(g[k] - 1) * base[k] / (g[k] * s) * (1 + 1e-3 * rng.normal(0, 1, int(k.sum())))
+    return ComposeInputs(_f32(base), _f32(lora), _f32(g), s, cat)
+
+
+def minilm_layers(model, names: list[str], *, rank: int, alpha: float, use_rslora: bool, update_ratio: float,
+                  g_spread: float, seed: int, dtype=torch.float32) -> dict:
+    """``{name: DoRALinear}`` around the model's layers, ``A`` PEFT-initialised and ``(B, m)``
+    from :func:`dora_num.oracles.perturbed_adapter` (as notebook 00), in ``dtype``."""
+    import copy
+
+    from ...ops.layer import DoRALinear
+    from ...oracles import perturbed_adapter
+
+    modules = dict(model.named_modules())
+    out = {}
+    for i, name in enumerate(names):
+        lin = copy.deepcopy(modules[name]).to(dtype)
+        torch.manual_seed(seed + i)
+        dora = DoRALinear.from_linear(lin, rank, alpha, use_rslora=use_rslora, compose_path="eager")
+        W, A = lin.weight.detach(), dora.lora_A.detach()
+        B, m = perturbed_adapter(W.float(), A.float(), dora.scale, seed=seed + 1000 + i, update_ratio=update_ratio,
+                                 g_spread=g_spread)
+        with torch.no_grad():
+            dora.lora_B.copy_(B.to(dtype))
+            dora.magnitude.copy_(m.to(dora.magnitude.dtype))
+        out[name] = dora
+    return out
+
+
+@contextmanager
+def captured_assembly():
+    """Record the arguments of every production norm assembly
+    (:func:`dora_num.ops.norm.factored_row_norm` calls ``norm_assembly`` once per norm):
+    the row terms are then exactly those production assembles."""
+    from ...ops import norm as N
+
+    seen: list[tuple] = []
+    orig = N.norm_assembly, N.NORM_TAIL
+
+    def record(ar, *args):
+        seen.append(tuple(a.detach().double().cpu().numpy() if isinstance(a, torch.Tensor) else a for a in args))
+        return orig[0](ar, *args)
+
+    # the torch tail, where the assembly is a call to record (on CUDA the tail kernel
+    # assembles in registers)
+    N.norm_assembly, N.NORM_TAIL = record, "torch"
+    try:
+        yield seen
+    finally:
+        N.norm_assembly, N.NORM_TAIL = orig
+
+
+def layer_terms(layer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(base_sq, cross, ba, wnorm)`` of a :class:`~dora_num.DoRALinear`: the fp32 terms its
+    factored norm assembles and the production norm itself."""
+    from ...ops.norm import factored_row_norm
+
+    with captured_assembly() as seen:
+        wnorm = factored_row_norm(layer.base.weight, layer.lora_A, layer.lora_B, layer.scale)
+    b, c, a, _, _ = seen[-1]
+    return b, c, a, wnorm.double().numpy()
+
+
+def minilm_assembly_inputs(layers: dict) -> AssemblyInputs:
+    parts = [layer_terms(lay)[:3] + (name,) for name, lay in layers.items()]
+    scales = {float(scale_constants(lay.scale)[0]) for lay in layers.values()}
+    if len(scales) != 1:
+        raise ValueError(f"all layers must share one scale, got {sorted(scales)}")
+    cat = np.concatenate([np.full(p[0].shape, p[3], dtype=object) for p in parts])
+    return AssemblyInputs(*(np.concatenate([p[i] for p in parts]) for i in range(3)), scales.pop(), cat)
+
+
+def minilm_activations(model, tok, names: list[str], *, n_texts: int, max_tokens: int) -> dict:
+    """Real inputs of each layer: hidden states of ``n_texts`` corpus summaries (padding
+    dropped), at most ``max_tokens`` tokens per layer, fp32 ``[tokens, d_in]``."""
+    from ...adapters.corpus import load_corpus
+    from ...adapters.model import tokenize
+
+    texts = [r["summary"] for r in load_corpus()[:n_texts]]
+    batch = tokenize(tok, texts)
+    keep = batch["attention_mask"].reshape(-1).bool()
+    acts, hooks = {}, []
+    modules = dict(model.named_modules())
+    for name in names:
+        def hook(mod, inp, out, name=name):
+            x = inp[0].detach().reshape(-1, inp[0].shape[-1])[keep]
+            acts[name] = x[:max_tokens].float().clone()
+        hooks.append(modules[name].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return acts
+
+
+def minilm_compose_inputs(layers: dict, acts: dict) -> ComposeInputs:
+    """``base = x W^T``, ``lora = x A^T B^T`` and ``g`` exactly as ``DoRALinear.forward`` forms them."""
+    import torch.nn.functional as Fn
+
+    cols = {k: [] for k in ("base", "lora", "g", "cat")}
+    for name, lay in layers.items():
+        x = acts[name].to(lay.base.weight.dtype)
+        with torch.no_grad():
+            base = Fn.linear(x, lay.base.weight).float()
+            lora = Fn.linear(Fn.linear(x, lay.lora_A), lay.lora_B).float()
+            g = lay.magnitude_scale().float()
+        cols["base"].append(base.double().numpy().ravel())
+        cols["lora"].append(lora.double().numpy().ravel())
+        cols["g"].append(np.broadcast_to(g.double().numpy(), base.shape).ravel())
+        cols["cat"].append(np.full(base.numel(), name, dtype=object))
+    s = scale_constants(next(iter(layers.values())).scale)[0]
+    return ComposeInputs(*(np.concatenate(cols[k]) for k in ("base", "lora", "g")), s, np.concatenate(cols["cat"]))
+
+
+# --------------------------------------------------------------------------
+# Studies
+# --------------------------------------------------------------------------
+
+HIST_CAP = 8  # ULP distances beyond +-HIST_CAP are pooled at +-(HIST_CAP + 1) (e.g. a norm of 0 vs 1e-20)
+
+
+def _hist(rows: list, key: dict, d: np.ndarray) -> None:
+    d = np.clip(np.asarray(d, dtype=np.int64), -HIST_CAP - 1, HIST_CAP + 1)
+    vals, counts = np.unique(d, return_counts=True)
+    rows.extend({**key, "ulp": int(v), "count": int(c)} for v, c in zip(vals, counts))
+
+
+def _vs_exact(d_prod, d_exact) -> dict:
+    """Summary columns of ULP differences against the exact result (and the worst vs production)."""
+    return {"correctly_rounded": float((d_exact == 0).mean()),
+            "within_1ulp_of_exact": float((np.abs(d_exact) <= 1).mean()),
+            "max_abs_ulp_vs_exact": int(np.abs(d_exact).max()),
+            "max_abs_ulp_vs_production": int(np.abs(d_prod).max())}
+
+
+def _hist_both(hist, key, d_prod, d_exact) -> None:
+    _hist(hist, {**key, "vs": "production"}, d_prod)
+    _hist(hist, {**key, "vs": "exact"}, d_exact)
+
+
+def _explain(rows: list, key: dict, records_prod: list, outputs_prod: np.ndarray, name: str, inputs: dict,
+             fmt: str, final) -> None:
+    """Per site: the single-site contraction's effect binned by ``q = removed / ulp(site result)``."""
+    for i, rec in enumerate(records_prod):
+        choice = tuple("fma" if j == i else "none" for j in range(len(records_prod)))
+        recs: list = []
+        out = final(M.evaluate(name, choice, inputs, records=recs))
+        site_changed = recs[i]["out"] != rec["out"]
+        out_changed = out != outputs_prod
+        q = np.minimum(rec["removed"] / quantum(rec["out"], "fp32"), 1.0)
+        q = np.broadcast_to(q, out_changed.shape)
+        b = np.digitize(q, Q_BINS[1:-1])
+        for k in range(len(Q_BINS) - 1):
+            sel = b == k
+            if sel.any():
+                rows.append({**key, "site": i, "q_lo": Q_BINS[k], "q_hi": Q_BINS[k + 1], "n": int(sel.sum()),
+                             "mean_q": float(q[sel].mean()),
+                             "site_result_changed": float(np.broadcast_to(site_changed, sel.shape)[sel].mean()),
+                             "output_changed": float(out_changed[sel].mean())})
+
+
+def assembly_study(sets: dict[str, AssemblyInputs]) -> dict[str, pd.DataFrame]:
+    """Every placement x sqrt model of the norm assembly on each input set.
+
+    Returns ``summary`` (one row per set x placement x sqrt), ``hist`` (ULP
+    histograms vs production and vs exact) and ``explain`` (per site, by ``q``).
+    """
+    summary, hist, explain = [], [], []
+    name = "norm_assembly"
+    for set_name, inp in sets.items():
+        terms = inp.terms()
+        exact = assembly_exact(inp.base_sq, inp.cross, inp.ba, inp.s).rounded
+        recs0: list = []
+        t0 = M.evaluate(name, ("none",) * 2, terms, sqrt=lambda x: x, records=recs0)
+        w0 = M.sqrt_rn(t0)
+        _explain(explain, {"set": set_name, "formula": name}, recs0, w0, name, terms, "fp32", lambda x: x)
+        for choice in M.placements(name):
+            t = M.evaluate(name, choice, terms, sqrt=lambda x: x)
+            for sq in SQRT_MODELS:
+                w = M.sqrt_rn(t) if sq == "rn" else M.sqrt_other_neighbour(t)
+                d_prod = ulp_distance(w0, w, "fp32")
+                d_exact = ulp_distance(exact, w, "fp32")
+                key = {"set": set_name, "placement": M.placement_label(choice), "sqrt": sq}
+                summary.append({**key, "n": int(w.size), "production": choice == ("none", "none") and sq == "rn",
+                                "agree_vs_production": float((d_prod == 0).mean()),
+                                "t_agree_vs_production": float((t == t0).mean()),
+                                **_vs_exact(d_prod, d_exact)})
+                _hist_both(hist, key, d_prod, d_exact)
+        for cat in np.unique(inp.category):
+            sel = inp.category == cat
+            for choice in M.placements(name):
+                t = M.evaluate(name, choice, {k: (v[sel] if isinstance(v, np.ndarray) else v)
+                                              for k, v in terms.items()}, sqrt=lambda x: x)
+                summary.append({"set": set_name, "category": cat, "placement": M.placement_label(choice), "sqrt": "rn",
+                                "n": int(sel.sum()), "agree_vs_production": float((M.sqrt_rn(t) == w0[sel]).mean()),
+                                "t_agree_vs_production": float((t == t0[sel]).mean()),
+                                "correctly_rounded": float((M.sqrt_rn(t) == exact[sel]).mean())})
+    return {"summary": pd.DataFrame(summary), "hist": pd.DataFrame(hist), "explain": pd.DataFrame(explain)}
+
+
+COMPOSE_FORMULAS = ("compose_naive", "compose_stable", "compose_inner")
+
+
+def compose_study(sets: dict[str, ComposeInputs], out_fmts=("fp32", "bf16")) -> dict[str, pd.DataFrame]:
+    """Every placement of the compose formulas, outputs rounded once to each format.
+
+    ``inner`` (``s*lora + base``, saved in fp32 for the backward) is evaluated
+    in fp32 only; its exact value rounded once *is* the contracted result.
+    """
+    summary, hist, explain = [], [], []
+    for set_name, inp in sets.items():
+        for fmt in out_fmts:
+            base, lora = round_to(inp.base, fmt), round_to(inp.lora, fmt)  # storage values
+            args = {"base": base, "lora": lora, "g": inp.g, "s": scale_constants(inp.s)[0]}
+            exact = compose_exact(base, lora, inp.g, inp.s, fmt).rounded
+            for name in COMPOSE_FORMULAS:
+                if name == "compose_inner" and fmt != "fp32":
+                    continue
+                final = (lambda x: round_to(x, fmt)) if name != "compose_inner" else (lambda x: x)
+                recs0: list = []
+                out0 = final(M.evaluate(name, M.placements(name)[0], args, records=recs0))
+                ex = exact if name != "compose_inner" else M.evaluate(name, ("fma",), args)
+                _explain(explain, {"set": set_name, "formula": name, "fmt": fmt}, recs0, out0, name, args, fmt, final)
+                for choice in M.placements(name):
+                    out = final(M.evaluate(name, choice, args))
+                    d_prod = ulp_distance(out0, out, fmt)
+                    d_exact = ulp_distance(ex, out, fmt)
+                    key = {"set": set_name, "formula": name, "fmt": fmt, "placement": M.placement_label(choice)}
+                    summary.append({**key, "n": int(out.size),
+                                    "production": name != "compose_naive" and all(c == "none" for c in choice),
+                                    "agree_vs_production": float((d_prod == 0).mean()),
+                                    **_vs_exact(d_prod, d_exact)})
+                    _hist_both(hist, key, d_prod, d_exact)
+    return {"summary": pd.DataFrame(summary), "hist": pd.DataFrame(hist), "explain": pd.DataFrame(explain)}
+
+
+def sites_table() -> pd.DataFrame:
+    """Every contraction site of the formulas (derived by tracing them)."""
+    rows = [{"formula": s.formula, "site": s.index, "expression": f"{s.a}*{s.b} + {s.c}", "contracted": s.fused,
+             "rounding_removed": s.removes, "alternative": s.fused_alt or ""} for s in M.contraction_sites()]
+    covered = {r["formula"] for r in rows}
+    rows += [{"formula": f, "site": None, "expression": "(no a*b + c)", "contracted": "", "rounding_removed": "",
+              "alternative": ""} for f in M.formula_names() if f not in covered]
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------
+# Platform table (CPU rows; GPU rows from recorded data: fma_gpu.platform_rows)
+# --------------------------------------------------------------------------
+
+def sqrt_inputs(n: int, seed: int) -> dict[str, np.ndarray]:
+    """fp32 inputs for the platform table: random positive finite bit patterns (every
+    binade equally, subnormals included), uniform on [1, 4) (one period of the
+    significand pattern), and the values under the root in the GPU suite's norm assembly."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    bits = rng.integers(1, 0x7F800000, n, dtype=np.uint32)
+    t = M.evaluate("norm_assembly", ("none", "none"), gpu_suite_assembly_inputs(n, max(n, gpu_suite_sizes()["norm"])).terms(),
+                   sqrt=lambda x: x)
+    return {"random_bits": bits.view(np.float32).astype(np.float64),
+            "uniform_1_4": _f32(rng.uniform(1.0, 4.0, n)),
+            "norm_assembly_inputs": t}
+
+
+def sqrt_platform_row(impl: str, inputs: str, x: np.ndarray, r: np.ndarray) -> dict:
+    """Correct rounding of measured roots ``r`` of ``x``, decided exactly."""
+    ok = M.sqrt_is_correctly_rounded(x, r)
+    d = np.abs(ulp_distance(M.sqrt_rn(x), r, "fp32"))
+    return {"implementation": impl, "inputs": inputs, "n": int(x.size), "correctly_rounded": float(ok.mean()),
+            "one_ulp": float((d == 1).mean()), "max_ulp": int(d.max()) if d.size else 0}
+
+
+def sqrt_platform_cpu(n: int, seed: int) -> pd.DataFrame:
+    from ...numerics.arithmetic import TorchFP32CorrectSqrt
+
+    rows = []
+    for name, x in sqrt_inputs(n, seed).items():
+        x32 = x.astype(np.float32)
+        impls = {
+            "numpy np.sqrt (float32)": np.sqrt(x32).astype(np.float64),
+            "torch.sqrt (CPU, float32)": torch.sqrt(torch.from_numpy(x32)).double().numpy(),
+            "TorchFP32CorrectSqrt.sqrt (CPU, via float64)": TorchFP32CorrectSqrt.sqrt(torch.from_numpy(x32)).double().numpy(),
+        }
+        rows += [sqrt_platform_row(impl, name, x, r) for impl, r in impls.items()]
+    return pd.DataFrame(rows)

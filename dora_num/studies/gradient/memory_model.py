@@ -1,0 +1,593 @@
+"""A peak-memory model of DoRA fine-tuning, and its measurement.
+
+:func:`predict_peak` adds, for one training step in steady state (optimizer states
+exist, gradients set to None before the forward), the bytes of::
+
+    weights            every frozen base parameter (ZeRO-3: / N)
+    adapter_params     A [r, d_in] and B [d_out, r] in the weight dtype, m [d_out] fp32
+    base_sq_cache      rowsum(W*W) fp32 [d_out] per module (norm="cached")
+    optimizer_states   AdamW exp_avg + exp_avg_sq in the parameter dtype (ZeRO-1+: / N)
+    gradients          one per adapter parameter (ZeRO-2+: / N)
+    activations        tensors autograd saves for the backward (enumerated below);
+                       with checkpointing: each layer's input + one layer's full set
+    norm_transient     the largest DoRA row-norm working set of one module
+                       (dense / factored / cached; forward, and again in the
+                       recomputation with checkpointing)
+    backward_transient the largest backward working set of one module
+
+and, static too, the step's input tensors (allocated after the CUDA baseline).
+
+``peak = static + max(forward_norm, loss_backward, backward)`` over three phases:
+the last layer's norm transient on top of the activations of the layers before it
+(with checkpointing: on top of the checkpoint boundaries, in the forward and again
+in the recomputation); the loss head's backward on top of EVERY activation (the
+first node the backward runs: nothing is freed yet); and the last layer's backward
+on top of every activation but the loss head's (freed by then) + the incoming
+output gradient (with checkpointing: the boundaries + one recomputed layer) + the
+gradients (they accumulate while activations are freed: an upper estimate;
+adapter gradients are small against activations).
+
+Why the loss phase (found on the H200, data/gpu/memory/memory_peaks.csv, sha
+692511c): the wide bf16 stack peaked at the same 4.2035 GB with the eager and the
+fused compose, although the fused backward needs 4 bytes per element against the
+eager's 16.  The fused tier saves ``base`` and ``lora`` (2 x 2 bytes in bf16,
+exactly the eager tier's fp32 ``inner``), so the activations are equal; and the
+peak is not in any compose backward but in the loss's: ``mean(hf**2)`` backward
+holds 4 fp32 ``[T, h]`` tensors (:func:`_loss_bwd_transient`) on top of all
+activations, before any layer's backward runs.  A two-phase model predicted the
+fused peak 17.8% low (the eager one was right by coincidence: its compose
+transient is about as large as the loss head's).  The input tensor (``T h e``)
+was also missing from the total.
+
+Activations per layer (``T`` tokens, ``e`` activation bytes, eager compose; the
+fused compose saves ``base`` and ``lora``, ``2 e`` per output element, instead
+of the fp32 ``inner``, 4 bytes) come from reading what each op saves:
+
+- every DoRA module: its input ``x`` (shared by ``x W^T`` and ``x A^T``),
+  ``x A^T`` (``T r e``) and ``inner`` (``T d_out 4``); its output is new memory.
+- ``stack`` (synthetic: ``x -> gelu(DoRALinear(x))`` per layer, loss
+  ``mean(out.float()^2)``): ``x`` and the GELU input (``2 T h e``) + DoRA terms;
+  the loss saves ``out.float()`` (``T h 4``).
+- ``bert`` (MiniLM encoder, SDPA attention without a score matrix): layer input,
+  q/k/v, attention output (+ logsumexp ``b a s 4``), context, two LayerNorm
+  inputs and outputs with their fp32 statistics (``2 T 4`` each), the FFN input,
+  GELU input and output (``2 T f e``), two dropout masks (``T h`` bytes) + DoRA terms.
+
+ZeRO stages over ``N`` GPUs shard states (1), + gradients (2), + parameters (3);
+with one GPU here, stages > 0 are the model's arithmetic only (not measured).
+
+:func:`measure_peak` runs the same step and measures: on CUDA,
+``torch.cuda.max_memory_allocated`` minus the level before the model was built
+(after a warm-up matmul, so cuBLAS's workspace is excluded); on CPU, the dynamic
+part only (:func:`dora_num.oracles.measure_cpu_allocations`: the profiler's
+allocator events during the step, above the level at its start), compared with
+``peak - static`` of the model.  ``python -m dora_num.studies.gradient.memory_model
+--measure --out DIR`` runs the H200 validation in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+NORMS = ("dense", "factored", "cached")
+ARCHS = ("stack", "bert")
+TOLERANCE = 0.15  # relative; stated a priori: the model ignores allocator rounding and small temporaries
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    arch: str = "stack"
+    hidden: int = 8192
+    n_layers: int = 4
+    intermediate: int = 0  # bert FFN width
+    heads: int = 1
+    vocab: int = 0  # bert embeddings (word + position + type) in weights
+    max_pos: int = 0
+    targets: str = "all"  # DoRA on every linear of each layer ("all") or "attention" (bert q,k,v,o)
+    rank: int = 16
+    dtype: str = "fp32"  # weights, adapters and activations
+    batch: int = 1
+    seq: int = 1024
+    optimizer: str = "adamw"
+    checkpointing: bool = False
+    zero_stage: int = 0
+    n_gpus: int = 1
+    norm: str = "cached"
+    compose: str = "eager"
+    dropout: bool = False
+    chunk_bytes: int = 256 * 2**20
+    fp32_out_mm: bool = False  # CUDA 16-bit W: U = W A^T without an fp32 copy of W
+
+    def validate(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.dtype not in BYTES:
+            raise ValueError(f"dtype must be one of {tuple(BYTES)}, got {self.dtype!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.compose not in ("eager", "fused"):
+            raise ValueError(f"compose must be eager or fused, got {self.compose!r}")
+        if self.optimizer != "adamw":
+            raise ValueError(f"optimizer must be 'adamw' (the only one modelled), got {self.optimizer!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for name in ("hidden", "n_layers", "rank", "batch", "seq", "n_gpus", "heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.arch == "bert" and self.intermediate < 1:
+            raise ValueError("intermediate must be a positive int for arch='bert'")
+        if self.targets not in ("all", "attention"):
+            raise ValueError(f"targets must be 'all' or 'attention', got {self.targets!r}")
+
+
+MINILM = MemoryConfig(arch="bert", hidden=384, n_layers=6, intermediate=1536, heads=12, vocab=30522, max_pos=512,
+                      rank=16, dtype="fp32", batch=32, seq=64, dropout=True)
+
+
+def layer_linears(cfg: MemoryConfig) -> list[tuple[str, int, int, bool]]:
+    """``(name, d_in, d_out, targeted)`` of one layer's linears."""
+    h = cfg.hidden
+    if cfg.arch == "stack":
+        return [("fc", h, h, True)]
+    att = [("query", h, h), ("key", h, h), ("value", h, h), ("attention.output", h, h)]
+    ffn = [("intermediate", h, cfg.intermediate), ("output", cfg.intermediate, h)]
+    return [(n, i, o, True) for n, i, o in att] + [(n, i, o, cfg.targets == "all") for n, i, o in ffn]
+
+
+def _norm_transient(cfg: MemoryConfig, d_in: int, d_out: int) -> int:
+    """Largest working set of one module's row norm (bytes), as :mod:`dora_num.ops.norm` allocates.
+
+    The factored norm is charged the torch tail's row blocks (capped at 6 MiB, the row
+    budget when the model was fitted); on CUDA the tail kernel has none, so this term
+    is an upper bound there by up to 6 MiB.  In every recorded H200 configuration
+    another term or phase is the larger one, so no recorded prediction depends on it."""
+    w = BYTES[cfg.dtype]
+    r = cfg.rank
+    dense = d_out * d_in * 4
+    if cfg.norm == "dense":  # W.float() (a copy unless fp32) + BA + s*BA, then + the sum
+        return (2 if w == 4 else 3) * dense + d_out * 4
+    from ...ops.norm import chunk_columns  # the operator's own rule (lazy: torch)
+
+    cols = chunk_columns(d_out, d_in, cfg.chunk_bytes)
+    wchunk = d_out * cols * 4
+    u_gram = d_out * r * 4 + r * r * 4 + min(6 * 2**20, 3 * d_out * r * 4)
+    u_copy = 0 if (w == 4 or cfg.fp32_out_mm) else wchunk + r * cols * 4  # fp32 chunk of W (and of A)
+    if cfg.norm == "factored":
+        base = (1 if w == 4 else 2) * wchunk  # the chunk's square (+ the fp32 copy of a 16-bit chunk)
+        return max(base + d_out * 4, u_gram + u_copy + d_out * 4)
+    return u_gram + u_copy + 2 * d_out * 4
+
+
+def _module_acts(cfg: MemoryConfig, d_out: int) -> int:
+    e = BYTES[cfg.dtype]
+    T = cfg.batch * cfg.seq
+    keep = 4 if cfg.compose == "eager" else 2 * e
+    return T * cfg.rank * e + T * d_out * keep
+
+
+def _compose_bwd_transient(cfg: MemoryConfig, d_out: int) -> int:
+    """Working set of one compose backward (:func:`dora_num.ops.reference.compose_backward_ref`:
+    fp32 ``D``, ``dlora``, ``dbase`` and the products ``inner*D``, then casts; the fused
+    kernel writes ``dlora``, ``dbase`` in the activation dtype)."""
+    e = BYTES[cfg.dtype]
+    T = cfg.batch * cfg.seq
+    if cfg.compose == "fused":
+        return 2 * T * d_out * e
+    return T * d_out * (3 * 4 + (4 if e < 4 else 0))  # + the fp32 copy of a 16-bit D
+
+
+def _layer_acts(cfg: MemoryConfig) -> int:
+    e = BYTES[cfg.dtype]
+    T = cfg.batch * cfg.seq
+    h = cfg.hidden
+    dora = sum(_module_acts(cfg, o) for _, _, o, t in layer_linears(cfg) if t)
+    if cfg.arch == "stack":
+        return 2 * T * h * e + dora
+    f = cfg.intermediate
+    masks = 2 * T * h if cfg.dropout else 0
+    ln = 2 * (2 * T * h * e + 2 * T * 4)
+    attn = 3 * T * h * e + T * h * e + cfg.batch * cfg.heads * cfg.seq * 4 + T * h * e  # qkv, out+lse, context
+    return T * h * e + attn + ln + 2 * T * f * e + masks + dora
+
+
+def _loss_bwd_transient(cfg: MemoryConfig) -> int:
+    """Working set of the loss head's backward, allocated on top of EVERY activation
+    (none has been freed yet: it is the first node the backward runs).
+
+    ``stack``: ``loss = mean(hf ** 2)`` with ``hf = out.float()`` (``T h`` fp32).
+    ``MeanBackward`` materialises ``grad / numel`` as a ``[T, h]`` fp32 tensor, and
+    ``PowBackward0`` evaluates ``grad * (2 * hf.pow(1))`` in one C++ expression, so
+    ``hf.pow(1)`` (a copy), ``2 * (...)`` and the product coexist with ``grad``:
+    4 fp32 ``[T, h]`` tensors, ``16 T h`` bytes, more than any compose backward
+    (eager: 16 bytes per element; fused: ``2 e``) together with the activations the
+    compose backward no longer shares memory with (``hf`` and the last GELU input
+    are freed by then).
+    ``bert``: ``mean_pool`` saves the fp32 hidden state; ``MulBackward0`` writes one
+    ``[T, h]`` fp32 gradient (the pooled and squared tensors are ``[batch, h]``)."""
+    T = cfg.batch * cfg.seq
+    return (4 if cfg.arch == "stack" else 1) * T * cfg.hidden * 4
+
+
+def _inputs(cfg: MemoryConfig) -> int:
+    """The step's input tensors: allocated before the step (so outside the CPU
+    measurement's dynamic part) but after the CUDA baseline, hence static."""
+    T = cfg.batch * cfg.seq
+    return T * cfg.hidden * BYTES[cfg.dtype] if cfg.arch == "stack" else 2 * T * 8  # bert: int64 ids + mask
+
+
+def predict_peak(cfg: MemoryConfig) -> dict:
+    """Peak bytes of one steady-state training step, by component (module docstring)."""
+    cfg.validate()
+    w = BYTES[cfg.dtype]
+    N = cfg.n_gpus
+    lins = layer_linears(cfg)
+    L = cfg.n_layers
+    bias = cfg.arch == "bert"  # the synthetic stack has no biases
+    base_params = L * sum(i * o + (o if bias else 0) for _, i, o, _ in lins)
+    if cfg.arch == "bert":
+        h = cfg.hidden
+        base_params += L * 4 * h + (cfg.vocab + cfg.max_pos + 2) * h + 2 * h  # LayerNorms, embeddings (+ LN)
+    targeted = [(i, o) for _, i, o, t in lins if t]
+    n_ad = L * sum(cfg.rank * (i + o) for i, o in targeted)
+    n_m = L * sum(o for _, o in targeted)
+    adapter = n_ad * w + n_m * 4
+    shard = lambda x, stage: x / N if cfg.zero_stage >= stage else x  # noqa: E731
+    comp = {
+        "weights": shard(base_params * w, 3),
+        "adapter_params": shard(adapter, 3),
+        "base_sq_cache": (n_m * 4) if cfg.norm == "cached" else 0,
+        "optimizer_states": shard(2 * adapter, 1),
+        "gradients": shard(adapter, 2),
+        "inputs": _inputs(cfg),
+    }
+    T = cfg.batch * cfg.seq
+    e = w
+    layer = _layer_acts(cfg)
+    bound_ = T * cfg.hidden * e  # one layer's input (a checkpoint boundary)
+    inp = bound_ if cfg.arch == "stack" else 0  # the stack's input tensor exists before the step
+    head = T * cfg.hidden * 4 if cfg.arch == "stack" else 2 * T * cfg.hidden * 4
+    norm_t = max(_norm_transient(cfg, i, o) for i, o in targeted)
+    bwd_t = max(_compose_bwd_transient(cfg, o) + T * i * e + T * cfg.rank * e for i, o in targeted)
+    loss_t = _loss_bwd_transient(cfg)
+    if cfg.checkpointing:
+        acts = L * bound_ - inp + head
+        phases = {"forward_norm": acts - head + norm_t,
+                  "loss_backward": acts + loss_t,
+                  "backward": acts - head - bound_ + layer + comp["gradients"] + bwd_t}
+    else:
+        acts = L * layer - inp + head
+        phases = {"forward_norm": acts - head - layer + norm_t,
+                  "loss_backward": acts + loss_t,
+                  # the loss head's saved tensors are freed once its node has run; the last
+                  # module's output gradient (T h e) is live during its compose backward
+                  "backward": acts - head + bound_ + comp["gradients"] + bwd_t}
+    comp["activations"] = acts
+    comp["norm_transient"] = norm_t
+    comp["loss_transient"] = loss_t
+    comp["backward_transient"] = bwd_t
+    static = sum(comp[k] for k in ("weights", "adapter_params", "base_sq_cache", "optimizer_states", "inputs"))
+    comp["static"] = static
+    comp["dynamic"] = max(phases.values())
+    comp["peak"] = static + comp["dynamic"]
+    comp["norm_phase_dominates"] = int(phases["forward_norm"] > max(phases["loss_backward"], phases["backward"]))
+    comp["phase"] = max(phases, key=phases.get)
+    return {k: (v if isinstance(v, str) else int(round(v))) for k, v in comp.items()}
+
+
+def zero_table(cfg: MemoryConfig, n_gpus=(1, 2, 4, 8)):
+    """Predicted per-GPU components for ZeRO stages 0-3 (the model's arithmetic only)."""
+    import pandas as pd
+
+    rows = []
+    for n in n_gpus:
+        for st in (0, 1, 2, 3):
+            rows.append({"zero_stage": st, "n_gpus": n, **predict_peak(replace(cfg, zero_stage=st, n_gpus=n))})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------
+# The measured step
+# --------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def norm_mode(mode: str, chunk_bytes: int):
+    """Make every :class:`~dora_num.DoRALinear` take its row norm ``dense``, ``factored``
+    (no ``base_sq`` cache) or ``cached`` (the layer's own default) inside the block."""
+    import torch
+
+    from ...ops import layer as L
+    from ...ops import norm as N
+
+    if mode not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {mode!r}")
+    orig = L.weight_norm_cached, L.magnitude_scale_fast
+
+    def dense(W, A, B, scale, *, chunk_bytes=chunk_bytes, check=True):
+        return N.dense_row_norm(W.detach(), A.detach(), B.detach(), scale)
+
+    def factored(W, A, B, scale, *, chunk_bytes=chunk_bytes, check=True):
+        with torch.no_grad():
+            return N.factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes=chunk_bytes,
+                                       check=check)
+
+    def scale_of(norm):  # the layer's forward: (g, None); the layer then checks g itself
+        def fast(W, A, B, scale, m, *, chunk_bytes=chunk_bytes):
+            return N.magnitude_scale(m, norm(W, A, B, scale, chunk_bytes=chunk_bytes, check=False), check=False), None
+        return fast
+
+    L.weight_norm_cached, L.magnitude_scale_fast = {
+        "dense": (dense, scale_of(dense)), "factored": (factored, scale_of(factored)), "cached": orig}[mode]
+    try:
+        yield
+    finally:
+        L.weight_norm_cached, L.magnitude_scale_fast = orig
+
+
+class _Stack:
+    """``x -> gelu(DoRALinear(x))`` x n_layers (``cfg.arch == "stack"``)."""
+
+    @staticmethod
+    def build(cfg: MemoryConfig, device):
+        import torch
+        from torch import nn
+
+        from ...ops.layer import DoRALinear
+
+        dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(cfg.n_layers):
+            lin = nn.Linear(cfg.hidden, cfg.hidden, bias=False, device=device, dtype=dt)
+            lin.weight.requires_grad_(False)
+            lay = DoRALinear.from_linear(lin, cfg.rank, compose_path=cfg.compose, chunk_bytes=cfg.chunk_bytes)
+            with torch.no_grad():
+                lay.lora_B.normal_(0, 1e-3)
+            layers.append(lay)
+        torch.random.set_rng_state(gen_state)
+        model = nn.ModuleList(layers)
+        x = torch.randn(cfg.batch * cfg.seq, cfg.hidden, device=device, dtype=dt)
+        return model, x
+
+    @staticmethod
+    def loss(model, x, cfg):
+        import torch
+        import torch.nn.functional as Fn
+        from torch.utils.checkpoint import checkpoint
+
+        def block(lay, h):
+            return Fn.gelu(lay(h))
+
+        h = x
+        for lay in model:
+            h = checkpoint(block, lay, h, use_reentrant=False) if cfg.checkpointing else block(lay, h)
+        return (h.float() ** 2).mean()
+
+
+def _bert_build(cfg: MemoryConfig, device, base_path):
+    import torch
+
+    from ...adapters.model import load_base_model
+    from ...adapters.train import TrainConfig, inject_dora
+
+    dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
+    model, _ = load_base_model(base_path, dtype=dt)
+    inject_dora(model, TrainConfig(rank=cfg.rank, compose_path=cfg.compose, progress=False))
+    model.to(device)
+    for n, p in model.named_parameters():
+        p.requires_grad_(("lora_" in n) or n.endswith("magnitude"))
+    if cfg.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train() if cfg.dropout else model.eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(device)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _bert_loss(model, batch, cfg):
+    from ...adapters.model import mean_pool
+
+    out = model(**batch).last_hidden_state
+    return (mean_pool(out.float(), batch["attention_mask"]) ** 2).mean()
+
+
+def measure_peak(cfg: MemoryConfig, *, device: str = "cpu", base_path=None) -> dict:
+    """Measured peak of the second training step (bytes): ``{"peak": ..., "kind": ...}``.
+
+    CUDA: absolute peak above the pre-model baseline (``kind="total"``), compared
+    with ``predict_peak()["peak"]``.  CPU: dynamic part only (``kind="dynamic"``).
+    """
+    import torch
+
+    cfg.validate()
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        a = torch.randn(256, 256, device=dev)
+        (a @ a).sum().item()  # cuBLAS workspace, outside the model's budget
+        del a
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+    with norm_mode(cfg.norm, cfg.chunk_bytes):
+        if cfg.arch == "stack":
+            model, inp = _Stack.build(cfg, dev)
+            loss_fn = _Stack.loss
+        else:
+            model, inp = _bert_build(cfg, dev, base_path)
+            loss_fn = _bert_loss
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, inp, cfg)
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+
+        step()  # creates the optimizer states
+        if cuda:
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            res = {"peak": int(torch.cuda.max_memory_allocated() - baseline), "kind": "total",
+                   "seconds": time.perf_counter() - t0}
+        else:
+            from ...oracles import measure_cpu_allocations
+
+            opt.zero_grad(set_to_none=True)
+            m = measure_cpu_allocations(step)
+            res = {"peak": int(m["peak_extra"]), "kind": "dynamic"}
+    del model, opt, params, inp
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+def compare(cfgs, *, device: str = "cpu", base_path=None):
+    """Predicted vs measured, one row per config (tidy; ``rel_err`` of the prediction)."""
+    import pandas as pd
+
+    rows = []
+    for cfg in cfgs:
+        pred = predict_peak(cfg)
+        meas = measure_peak(cfg, device=device, base_path=base_path)
+        key = "peak" if meas["kind"] == "total" else "dynamic"
+        rows.append({**asdict(cfg), **{f"pred_{k}": v for k, v in pred.items()}, "measured": meas["peak"],
+                     "compared": key, "predicted": pred[key],
+                     "rel_err": (pred[key] - meas["peak"]) / meas["peak"], "device": device})
+    return pd.DataFrame(rows)
+
+
+def repredict(measured):
+    """Recompute the predictions of a measured table (e.g. ``data/gpu/memory/memory_peaks.csv``)
+    with the CURRENT model, from its config columns; the measurements are kept.  The
+    predictions recorded at measurement time move to ``predicted_at_measure`` /
+    ``rel_err_at_measure``.  Rows with an ``error`` are dropped."""
+    import pandas as pd
+    from dataclasses import fields
+
+    df = measured.copy()
+    if "error" in df:
+        df = df[df["error"].isna() | (df["error"].astype(str) == "")]
+    df = df.rename(columns={"predicted": "predicted_at_measure", "rel_err": "rel_err_at_measure"})
+    names = [f.name for f in fields(MemoryConfig)]
+    missing = [n for n in names + ["measured", "compared"] if n not in df]
+    if missing:
+        raise ValueError(f"measured table lacks the columns {missing}")
+    rows = []
+    for _, r in df.iterrows():
+        cfg = MemoryConfig(**{n: (r[n].item() if hasattr(r[n], "item") else r[n]) for n in names})
+        pred = predict_peak(cfg)
+        rows.append({**{f"pred_{k}": v for k, v in pred.items()}, "predicted": pred[r["compared"]]})
+    new = pd.DataFrame(rows, index=df.index)
+    df = df.drop(columns=[c for c in new.columns if c in df])
+    df = pd.concat([df, new], axis=1)
+    df["rel_err"] = (df["predicted"] - df["measured"]) / df["measured"]
+    return df
+
+
+# --------------------------------------------------------------------------
+# GPU validation (one process, <= 3 minutes on the H200)
+# --------------------------------------------------------------------------
+
+def gpu_configs(smoke: bool = False) -> list[MemoryConfig]:
+    """The H200 validation set: a wide stack (hidden 8192, 4 layers, r=384, 8192 tokens) x
+    norms x checkpointing x compose, the same stack at 256 tokens (where the norm
+    transient sets the peak), and the MiniLM harness (fp32 and bf16)."""
+    T = (2, 512) if smoke else (4, 2048)
+    wide = MemoryConfig(arch="stack", hidden=2048 if smoke else 8192, n_layers=2 if smoke else 4, rank=64 if smoke
+                        else 384, dtype="bf16", batch=T[0], seq=T[1], fp32_out_mm=True)
+    cfgs = [replace(wide, norm=n, checkpointing=c) for n in NORMS for c in (False, True)]
+    cfgs += [replace(wide, compose="fused"), replace(wide, dtype="fp32", fp32_out_mm=False)]
+    cfgs += [replace(wide, batch=1, seq=256, norm=n) for n in NORMS]  # few tokens: the norm transient decides
+    mini = replace(MINILM, batch=8 if smoke else 64, seq=64 if smoke else 128)
+    cfgs += [mini, replace(mini, checkpointing=True), replace(mini, dtype="bf16", fp32_out_mm=True),
+             replace(mini, norm="dense")]
+    return cfgs
+
+
+def run_measure(out: Path, *, base_path=None, smoke: bool = False) -> Path:
+    import pandas as pd
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--measure needs a CUDA device (it records torch.cuda.max_memory_allocated)")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for cfg in gpu_configs(smoke):
+        t0 = time.perf_counter()
+        try:
+            df = compare([cfg], device="cuda", base_path=base_path)
+            row = df.iloc[0].to_dict()
+            row["error"] = ""
+        except Exception as e:  # noqa: BLE001 - record and continue: one call of GPU time
+            row = {**asdict(cfg), "error": repr(e)[:300]}
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(f"[memory] {cfg.arch} h={cfg.hidden} {cfg.dtype} norm={cfg.norm} ckpt={cfg.checkpointing} "
+              f"compose={cfg.compose}: measured={row.get('measured')} predicted={row.get('predicted')} "
+              f"rel_err={row.get('rel_err')} {row['error']}", flush=True)
+    pd.DataFrame(rows).to_csv(out / "memory_peaks.csv", index=False, lineterminator="\n")
+    from ...repro.provenance import device_info, versions
+
+    p = torch.cuda.get_device_properties(0)
+    meta = {"device": {**device_info(), "total_memory": p.total_memory}, "versions": versions(),
+            "torch_cuda": torch.version.cuda, "argv": sys.argv, "smoke": smoke, "tolerance": TOLERANCE}
+    (out / "device.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return out / "memory_peaks.csv"
+
+
+def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
+    """Copy a ``--measure`` folder into ``data/gpu/memory/`` with provenance (GPU device
+    description from its ``device.json``; ``git_sha``: the commit the GPU ran, since the
+    device machine gets a working tree without ``.git``)."""
+    import pandas as pd
+
+    from ...repro.paths import data_dir
+    from ...repro.provenance import save_dataframe
+
+    dest = dest or data_dir("gpu", "memory")
+    meta = json.loads((src / "device.json").read_text())
+    df = pd.read_csv(src / "memory_peaks.csv")
+    return [save_dataframe(df, dest / "memory_peaks.csv", device=meta["device"],
+                           producer="python -m dora_num.studies.gradient.memory_model --measure",
+                           params={"tolerance": meta.get("tolerance"), "smoke": meta.get("smoke")},
+                           extra={"versions_gpu": meta.get("versions"), "torch_cuda": meta.get("torch_cuda"),
+                                  "measured_at_git_sha": git_sha, "argv_gpu": meta.get("argv")})]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.gradient.memory_model")
+    ap.add_argument("--measure", action="store_true", help="measure peaks on the CUDA device")
+    ap.add_argument("--out", type=Path, help="output folder (memory_peaks.csv, device.json)")
+    ap.add_argument("--base", type=Path, default=None, help="MiniLM model folder (default: the packaged one)")
+    ap.add_argument("--smoke", action="store_true", help="small sizes")
+    ap.add_argument("--ingest", type=Path, metavar="DIR", help="record a --measure folder into data/gpu/memory/")
+    ap.add_argument("--git-sha", default=None, help="with --ingest: the commit the GPU run measured")
+    a = ap.parse_args(argv)
+    if a.ingest:
+        for p in ingest(a.ingest, git_sha=a.git_sha):
+            print(p)
+        return 0
+    if not a.measure or a.out is None:
+        ap.error("use --measure --out DIR (or --ingest DIR)")
+    print(run_measure(a.out, base_path=a.base, smoke=a.smoke))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

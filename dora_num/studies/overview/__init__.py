@@ -1,0 +1,1 @@
+"""Notebook 00: the DoRA operator on a real model (factored vs dense norms on MiniLM)."""

@@ -1,0 +1,328 @@
+"""Tables for notebook 05 (memory and speed) from the recorded GPU suite (``data/gpu/``).
+
+Everything here reads measurements; nothing is re-measured.  Ratios are taken
+within the one recorded run.  Memory theory for the row norms (bytes of the
+temporaries each method allocates; verified against the allocator's peak):
+
+- ``peft_dense_wdtype``: ``B@A`` and ``W + s*BA`` in the weight dtype:
+  ``2 * d_out * d_in * b``.
+- ``dense_fp32``: ``B@A`` fp32, ``W.float()`` (a copy only for 16-bit W) and the
+  sum: ``(2 + [b < 4]) * d_out * d_in * 4``.
+- ``factored`` (no cache): the larger of two phases: the fp32 column chunk of W (a
+  copy only for 16-bit W) and its square under the byte budget,
+  ``(1 + [b < 4]) * d_out * cols * 4``, and, after it is freed, the temporaries of
+  ``factored_cached``.  With the default budget (a quarter of a dense fp32 W, at
+  most 256 MiB) the second phase is the larger one at 4096x4096, r=384.
+- ``factored_cached``: ``U`` (``d_out r 4``) + ``G`` (``r^2 4``); the tail kernel
+  (:mod:`dora_num.ops.kernels.norm_tail`, CUDA's default) keeps ``B@G`` and the fp32
+  copy of ``B`` in registers (its ``[d_out]`` outputs are left out, as every method's).
+- ``factored_cached_torch_tail`` (the torch tail, ``DORA_NUM_NORM_TAIL=torch``): ``U`` +
+  ``G`` + the row blocks of the cross/Gram terms, ``(2 + [b < 4]) * rows * r * 4`` with
+  ``rows = min(d_out, ROW_CHUNK_BYTES // (12 r))``.
+
+Targets (issue 4) are judged against the bandwidth floor: the time the traffic
+model's bytes take at the measured copy bandwidth.  A target that would need a
+configuration to run faster than that floor is *out of reach*; one that is
+reachable but not reached is *missed*.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from ...ops.norm import ROW_CHUNK_BYTES, chunk_columns
+
+PAPER_TABLE1 = pd.DataFrame(  # PAPER.md: H200, fp32, allocator peak, MB
+    [(4096, 4096, 384, 192, 71), (8192, 8192, 384, 768, 245), (8192, 8192, 512, 768, 241),
+     (8192, 28672, 384, 2688, 245)],
+    columns=["d_out", "d_in", "rank", "paper_dense_MB", "paper_factored_MB"])
+
+TARGET_SHAPES = ((8192, 8192), (16384, 8192))
+
+
+def load_recorded(folder: str | Path | None = None) -> dict:
+    """The recorded suite: DataFrames ``compose``, ``norm``, ``layer``, ``fma``, ``tiles``,
+    ``train_graphs`` (:mod:`~dora_num.studies.speed.train_graphs`; empty if not recorded) and ``device``."""
+    from ...repro.paths import committed_data
+
+    root = Path(folder) if folder is not None else committed_data("gpu")
+    if not (root / "device.json").is_file():
+        raise FileNotFoundError(f"no recorded GPU suite in {root} (expected device.json; run "
+                                f"`python -m dora_num gpu-suite --out DIR` on a GPU, then --ingest DIR)")
+    out = {"device": json.loads((root / "device.json").read_text())}
+    for key, name in (("compose", "compose_bench.csv"), ("norm", "norm_bench.csv"), ("layer", "layer_bench.csv"),
+                      ("fma", "fma_sqrt.csv"), ("tiles", "tile_sweep.csv"), ("train_graphs", "train_graphs.csv")):
+        p = root / name
+        out[key] = pd.read_csv(p) if p.is_file() else pd.DataFrame()
+    out["copy_gbps"] = float(out["device"]["copy"]["gbps"])
+    return out
+
+
+# --------------------------------------------------------------------------
+# compose
+# --------------------------------------------------------------------------
+
+def bandwidth_table(compose: pd.DataFrame) -> pd.DataFrame:
+    """Timed rows with their %-of-copy bandwidth (tidy: one row per op x impl x shape)."""
+    cols = ["dtype", "tokens", "d_out", "op", "impl", "ms", "ms_p20", "ms_p80", "bytes", "gbps", "pct_copy",
+            "check_ok", "bitwise", "err", "dg_rel_err"]
+    t = compose[compose["ms"].notna()]
+    return t[[c for c in cols if c in t.columns]].reset_index(drop=True)
+
+
+def speedups(compose: pd.DataFrame) -> pd.DataFrame:
+    """Per dtype x shape x op: fused time and its speedup over eager and torch.compile."""
+    t = compose[compose["ms"].notna()]
+    piv = t.pivot_table(index=["dtype", "tokens", "d_out", "op"], columns="impl", values="ms")
+    rows = []
+    for (dtype, tokens, d_out, op), r in piv.iterrows():
+        fused = r.get("fused")
+        if pd.isna(fused):
+            continue
+        eager = r.get("eager_autograd") if op in ("train", "bwd_autograd") else r.get("eager", r.get("eager_ref"))
+        if op == "bwd":
+            eager = r.get("eager_ref")
+        rows.append({"dtype": dtype, "tokens": tokens, "d_out": d_out, "op": op, "fused_ms": fused,
+                     "speedup_vs_eager": eager / fused if eager is not None and pd.notna(eager) else float("nan"),
+                     "speedup_vs_compile": r.get("compile", float("nan")) / fused})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------
+# norms
+# --------------------------------------------------------------------------
+
+def norm_memory_theory(method: str, d_out: int, d_in: int, r: int, w_bytes: int,
+                       chunk_bytes: int | None = None, row_chunk_bytes: int = ROW_CHUNK_BYTES) -> int:
+    """Bytes of the temporaries of one row-norm method (module docstring)."""
+    copy = 1 if w_bytes < 4 else 0
+    if method == "peft_dense_wdtype":
+        return 2 * d_out * d_in * w_bytes
+    if method == "dense_fp32":
+        return (2 + copy) * d_out * d_in * 4
+    if method == "factored":  # the base_sq chunks, then the phase of the cached variant
+        cols = chunk_columns(d_out, d_in, chunk_bytes)  # the operator's own rule (None: its default budget)
+        return max((1 + copy) * d_out * cols * 4,
+                   norm_memory_theory("factored_cached", d_out, d_in, r, w_bytes, chunk_bytes, row_chunk_bytes))
+    if method == "factored_cached":
+        return d_out * r * 4 + r * r * 4
+    if method == "factored_cached_torch_tail":
+        rows = min(d_out, max(1, row_chunk_bytes // (12 * r)))
+        return d_out * r * 4 + r * r * 4 + (2 + copy) * rows * r * 4
+    raise ValueError(f"unknown norm method {method!r}")
+
+
+def norm_table(norm: pd.DataFrame) -> pd.DataFrame:
+    """Measured peak and time per method, the theory, and ratios against the dense fp32 norm."""
+    t = norm.copy()
+    t["w_bytes"] = t["w_dtype"].map({"bfloat16": 2, "float16": 2, "float32": 4})
+    t["theory_bytes"] = [norm_memory_theory(m, a, b, r, w) for m, a, b, r, w in
+                         zip(t["method"], t["d_out"], t["d_in"], t["rank"], t["w_bytes"])]
+    t["measured_MB"] = t["peak_extra_bytes"] / 1e6
+    t["theory_MB"] = t["theory_bytes"] / 1e6
+    dense = t[t["method"] == "dense_fp32"].set_index(["d_out", "d_in", "rank", "w_dtype"])
+    key = list(zip(t["d_out"], t["d_in"], t["rank"], t["w_dtype"]))
+    t["mem_vs_dense_fp32"] = [p / dense.loc[k, "peak_extra_bytes"] for p, k in zip(t["peak_extra_bytes"], key)]
+    t["time_vs_dense_fp32"] = [m / dense.loc[k, "ms"] for m, k in zip(t["ms"], key)]
+    return t.merge(PAPER_TABLE1, on=["d_out", "d_in", "rank"], how="left")
+
+
+# --------------------------------------------------------------------------
+# layer
+# --------------------------------------------------------------------------
+
+def layer_table(layer: pd.DataFrame) -> pd.DataFrame:
+    """Time and peak memory of each implementation, and dora_num's ratios against each PEFT setting."""
+    t = layer.copy()
+    ours = t[t["impl"] == "dora_num"].set_index(["d_in", "d_out", "rank", "tokens", "mode"])
+    key = list(zip(t["d_in"], t["d_out"], t["rank"], t["tokens"], t["mode"]))
+    t["dora_num_speedup"] = [m / ours.loc[k, "ms"] for m, k in zip(t["ms"], key)]
+    t["dora_num_mem_ratio"] = [ours.loc[k, "peak_extra_bytes"] / p for p, k in zip(t["peak_extra_bytes"], key)]
+    return t
+
+
+# --------------------------------------------------------------------------
+# targets
+# --------------------------------------------------------------------------
+
+def _row(compose, dtype, tokens, d_out, op, impl):
+    t = compose[(compose["dtype"] == dtype) & (compose["tokens"] == tokens) & (compose["d_out"] == d_out)
+                & (compose["op"] == op) & (compose["impl"] == impl)]
+    if len(t) != 1:
+        raise KeyError(f"no single recorded row for {dtype} {tokens}x{d_out} {op}/{impl}")
+    return t.iloc[0]
+
+
+def target_status(data: dict) -> pd.DataFrame:
+    """One row per (target, shape): measured value, threshold, the floor, verdict."""
+    c, copy = data["compose"], data["copy_gbps"]
+    rows = []
+
+    def add(target, shape, measured, threshold, floor, note=""):
+        if measured >= threshold:
+            verdict = "met"
+        elif floor is not None and floor < threshold:
+            verdict = "out_of_reach"
+        else:
+            verdict = "missed"
+        rows.append({"target": target, "shape": shape, "measured": measured, "threshold": threshold,
+                     "best_possible": floor, "verdict": verdict, "note": note})
+
+    for tokens, d_out in TARGET_SHAPES:
+        shape = f"{tokens}x{d_out} bf16"
+        fwd = _row(c, "bfloat16", tokens, d_out, "fwd", "fused")
+        cmp_ = _row(c, "bfloat16", tokens, d_out, "fwd", "compile")
+        add("fwd_pct_copy", shape, fwd["pct_copy"], 90.0, 100.0)
+        add("fwd_speedup_vs_compile", shape, cmp_["ms"] / fwd["ms"], 1.6, 100.0 / cmp_["pct_copy"],
+            f"torch.compile already moves its bytes at {cmp_['pct_copy']:.1f}% of the copy bandwidth")
+        bwd = _row(c, "bfloat16", tokens, d_out, "bwd", "fused")
+        add("bwd_pct_copy", shape, bwd["pct_copy"], 80.0, 100.0, "dlora, dbase, dg; saved fp32 inner")
+        eag = _row(c, "bfloat16", tokens, d_out, "bwd_autograd", "eager_autograd")
+        add("bwd_speedup_vs_eager_autograd", shape, eag["ms"] / bwd["ms"], 6.0,
+            eag["ms"] / (bwd["bytes"] / (copy * 1e9) * 1e3), "eager autograd's backward alone (retain_graph)")
+        tr = _row(c, "bfloat16", tokens, d_out, "train", "fused")
+        trc = _row(c, "bfloat16", tokens, d_out, "train", "compile")
+        floor_ms = tr["bytes"] / (copy * 1e9) * 1e3
+        dev = train_device_times(data.get("train_graphs"), tokens, d_out)
+        if dev is not None:
+            # the target on the device: both steps replayed from CUDA graphs (no host in the timing)
+            add("train_speedup_vs_compile", shape, dev["compile_ms"] / dev["fused_ms"], 1.5,
+                dev["compile_ms"] / dev["floor_ms"],
+                f"device time (CUDA graphs): fused {dev['fused_ms']:.4f} ms, compile {dev['compile_ms']:.4f} ms, "
+                f"floor {dev['floor_ms']:.4f} ms = 8b per element (16 B in bf16) at the copy bandwidth: compile runs at "
+                f"{100 * dev['floor_ms'] / dev['compile_ms']:.0f}% of it")
+        add("train_step_speedup_vs_compile" if dev is not None else "train_speedup_vs_compile", shape,
+            trc["ms"] / tr["ms"], 1.5, trc["ms"] / floor_ms,
+            f"one step at a time through autograd (do_bench); floor {floor_ms:.3f} ms; fused at "
+            f"{tr['pct_copy']:.0f}% of it" + ("; host-bound below ~16384x8192: the ratio compares the two "
+                                               "host paths" if dev is not None else ""))
+    n = data["norm"]
+    sel = n[(n["d_out"] == 8192) & (n["d_in"] == 8192) & (n["rank"] == 384) & (n["w_dtype"] == "bfloat16")]
+    cached = sel[sel["method"] == "factored_cached"].iloc[0]
+    dense = sel[sel["method"] == "dense_fp32"].iloc[0]
+    add("norm_mem_fraction_inverse", "8192x8192 r=384 bf16", dense["peak_extra_bytes"] / cached["peak_extra_bytes"],
+        15.0, None, "dense fp32 peak / factored-cached peak")
+    add("norm_time_ratio_inverse", "8192x8192 r=384 bf16", dense["ms"] / cached["ms"], 1.0, None,
+        "dense fp32 time / factored-cached time")
+    lay = layer_table(data["layer"])
+    for _, r in lay[(lay["impl"] == "peft_default") & (lay["mode"] == "fwd_bwd")].iterrows():
+        shape = f"{r['d_in']}->{r['d_out']} r={r['rank']} T={r['tokens']}"
+        add("layer_fwd_bwd_speedup_vs_peft", shape, r["dora_num_speedup"], 2.0, None)
+        add("layer_peak_memory_lower_than_peft", shape, 1.0 / r["dora_num_mem_ratio"], 1.0 + 1e-12, None,
+            "PEFT peak / dora_num peak (forward+backward)")
+    return pd.DataFrame(rows)
+
+
+def train_device_times(tg: pd.DataFrame | None, tokens: int, d_out: int) -> dict | None:
+    """Median CUDA-graph replay time of the fused and the compiled training step at
+    one shape (over the interleaved rounds of ``train_graphs.csv``), and the floor;
+    None when not recorded or when a graph failed its check."""
+    if tg is None or not len(tg):
+        return None
+    sel = tg[(tg["tokens"] == tokens) & (tg["d_out"] == d_out) & (tg["mode"] == "cuda_graph")]
+    if set(sel["impl"]) != {"fused", "compile"} or not (sel["check_ok"] & sel["graph_bitwise_eager"]).all():
+        return None
+    med = sel.groupby("impl")["ms"].median()
+    return {"fused_ms": float(med["fused"]), "compile_ms": float(med["compile"]),
+            "floor_ms": float(sel["floor_ms"].iloc[0])}
+
+
+def train_timing_table(tg: pd.DataFrame) -> pd.DataFrame:
+    """``train_graphs.csv`` per shape, implementation and timing mode: median ms over the
+    rounds, its spread, and % of the bandwidth floor."""
+    g = tg.groupby(["tokens", "d_out", "mode", "impl"])
+    t = g["ms"].agg(["median", "min", "max"]).join(g["floor_ms"].first())
+    t["pct_floor"] = 100 * t["floor_ms"] / t["median"]
+    return t.reset_index()
+
+
+# --------------------------------------------------------------------------
+# figures (seaborn; one function per figure of notebook 05)
+# --------------------------------------------------------------------------
+
+def plot_bandwidth(bw: pd.DataFrame, dtype: str = "bfloat16"):
+    """% of the copy bandwidth vs elements (tokens x d_out), per op and implementation."""
+    import seaborn as sns
+
+    t = bw[(bw["dtype"] == dtype) & bw["op"].isin(["fwd", "bwd", "train"])].copy()
+    t["elements"] = t["tokens"] * t["d_out"]
+    g = sns.relplot(data=t, x="elements", y="pct_copy", hue="impl", style="impl", col="op", kind="line",
+                    marker="o", height=3.2, aspect=1.1, estimator="median", errorbar=None)
+    g.set(xscale="log", ylim=(0, 110), ylabel="% of copy bandwidth")
+    for ax in g.axes.flat:
+        ax.axhline(100, color="grey", lw=0.8, ls="--")
+    g.figure.suptitle(f"compose kernels, {dtype}: useful bytes / time vs device copy", y=1.04)
+    return g.figure
+
+
+def plot_speedups(sp: pd.DataFrame, dtype: str = "bfloat16"):
+    """Fused speedup over eager and over torch.compile, per op, vs elements."""
+    import seaborn as sns
+
+    t = sp[(sp["dtype"] == dtype) & sp["op"].isin(["fwd", "bwd_autograd", "train"])].copy()
+    t["elements"] = t["tokens"] * t["d_out"]
+    long = t.melt(id_vars=["op", "elements"], value_vars=["speedup_vs_eager", "speedup_vs_compile"],
+                  var_name="baseline", value_name="speedup").dropna()
+    g = sns.relplot(data=long, x="elements", y="speedup", hue="baseline", col="op", kind="line", marker="o",
+                    height=3.2, aspect=1.1, estimator="median", errorbar=None)
+    g.set(xscale="log", yscale="log")
+    for ax in g.axes.flat:
+        ax.axhline(1, color="grey", lw=0.8, ls="--")
+    return g.figure
+
+
+def plot_norm_memory(nt: pd.DataFrame):
+    """Peak extra memory per row-norm method (measured; the theory agrees within 0.1 MB)."""
+    import seaborn as sns
+
+    t = nt.copy()
+    t["shape"] = t["d_out"].astype(str) + "x" + t["d_in"].astype(str) + " r" + t["rank"].astype(str)
+    g = sns.catplot(data=t, x="shape", y="measured_MB", hue="method", col="w_dtype", kind="bar", height=3.6,
+                    aspect=1.4)
+    for ax in g.axes.flat:
+        ax.set_yscale("log")
+        ax.tick_params(axis="x", rotation=20)
+    g.set_axis_labels("", "peak extra memory (MB, log)")
+    return g.figure
+
+
+def plot_layer(lt: pd.DataFrame):
+    """Forward / forward+backward time and peak memory: dora_num vs PEFT."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    t = lt.copy()
+    t["shape"] = t["d_in"].astype(str) + " r" + t["rank"].astype(str) + " T" + t["tokens"].astype(str)
+    t["peak_MB"] = t["peak_extra_bytes"] / 1e6
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    sns.barplot(data=t[t["mode"] == "fwd_bwd"], x="shape", y="ms", hue="impl", ax=axes[0])
+    axes[0].set_title("forward + backward time (ms)")
+    sns.barplot(data=t[t["mode"] == "fwd_bwd"], x="shape", y="peak_MB", hue="impl", ax=axes[1])
+    axes[1].set_title("forward + backward peak extra memory (MB)")
+    for ax in axes:
+        ax.set_xlabel("")
+    fig.tight_layout()
+    return fig
+
+
+def plot_train_timing(tt: pd.DataFrame):
+    """Training step time by timing mode: one step through autograd (host in the loop)
+    vs CUDA-graph replay (device only), fused vs compile, as % of the bandwidth floor."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    t = tt[tt["mode"].isin(["do_bench_step", "cuda_graph"])].copy()
+    t["shape"] = t["tokens"].astype(str) + "x" + t["d_out"].astype(str)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+    for ax, mode, title in zip(axes, ("do_bench_step", "cuda_graph"),
+                               ("one step at a time through autograd", "CUDA graph replay (device only)")):
+        sns.barplot(data=t[t["mode"] == mode], x="shape", y="pct_floor", hue="impl", ax=ax)
+        ax.axhline(100, color="k", lw=0.8, ls="--")
+        ax.set_title(title)
+        ax.set_xlabel("tokens x d_out (bf16)")
+    axes[0].set_ylabel("% of the bandwidth floor (16 B/element)")
+    fig.tight_layout()
+    return fig

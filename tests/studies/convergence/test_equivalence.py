@@ -1,0 +1,202 @@
+"""The convergence statistics on synthetic series whose verdict is known."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from dora_num.studies.convergence import equivalence as eq
+
+N_STEPS = 2000
+
+
+def ar1(rng, n, phi, sigma):
+    """AR(1) with stationary standard deviation ``sigma`` (tau_int = (1+phi)/(1-phi))."""
+    e = rng.normal(0.0, sigma * math.sqrt(1 - phi * phi), n)
+    x = np.empty(n)
+    x[0] = rng.normal(0.0, sigma)
+    for t in range(1, n):
+        x[t] = phi * x[t - 1] + e[t]
+    return x
+
+
+def frame(curves: dict[tuple, np.ndarray]) -> pd.DataFrame:
+    rows = []
+    for (path, seed, rep), y in curves.items():
+        rows.append(pd.DataFrame({"path": path, "seed": seed, "repeat": rep, "step": np.arange(1, y.size + 1),
+                                  "loss": y}))
+    return pd.concat(rows, ignore_index=True)
+
+
+def synthetic_runs(rng, *, fused_bias=0.0, fused_noise=1e-4, seeds=(0, 1, 2)):
+    """Loss curves: a shared decay + per-seed batch noise (sd 0.05, the seed-to-seed
+    spread) + a per-run trajectory wobble; fused = eager of its seed + bias + noise."""
+    t = np.arange(1, N_STEPS + 1)
+    trend = 0.1 + 2.0 * np.exp(-t / 300)
+    out = {}
+    for s in seeds:
+        eager = trend + rng.normal(0, 0.05, N_STEPS) + ar1(rng, N_STEPS, 0.9, 0.01)
+        out[("eager", s, 0)] = eager
+        out[("fused", s, 0)] = eager + fused_bias + ar1(rng, N_STEPS, 0.9, fused_noise)
+    out[("eager", seeds[0], 1)] = out[("eager", seeds[0], 0)].copy()
+    return frame(out)
+
+
+# -- summaries ---------------------------------------------------------------
+
+def test_delta_summary_known_values():
+    s = eq.delta_summary([1.0, 2.0, 3.0, 4.0], [1.0, 2.5, 1.0, 4.25], steps=[10, 20, 30, 40])
+    assert s["mean_abs"] == pytest.approx((0 + 0.5 + 2 + 0.25) / 4)
+    assert (s["max_abs"], s["step_of_max"], s["bitwise_equal_steps"], s["final_abs"]) == (2.0, 30, 1, 0.25)
+    assert s["first_diff_step"] == 20
+    assert eq.delta_summary([1.0, 2.0], [1.0, 2.0], steps=[5, 6])["first_diff_step"] == -1
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]], ids=["empty", "nan", "inf"])
+def test_series_rejects_bad_input(bad):
+    with pytest.raises(ValueError, match="series"):
+        eq.delta_summary(bad, bad)
+
+
+def test_delta_summary_length_mismatch():
+    with pytest.raises(ValueError, match="equal length"):
+        eq.delta_summary([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("phi", [0.0, 0.5, 0.9], ids=["white", "phi0.5", "phi0.9"])
+def test_integrated_autocorrelation_time_of_ar1(phi):
+    """tau_int of AR(1) is (1+phi)/(1-phi); the estimator's relative standard error
+    is about sqrt(2 (2W+1) / n) (Sokal), W <= 5 tau: we allow 4 of those."""
+    rng = np.random.default_rng(7)
+    n = 50_000
+    x = ar1(rng, n, phi, 1.0)
+    tau = (1 + phi) / (1 - phi)
+    rel_se = math.sqrt(2 * (2 * eq.SOKAL_C * tau + 1) / n)
+    assert eq.integrated_autocorr_time(x) == pytest.approx(tau, rel=4 * rel_se)
+
+
+def test_block_size_grows_with_autocorrelation():
+    rng = np.random.default_rng(1)
+    white = eq.block_means(rng.normal(size=N_STEPS))
+    slow = eq.block_means(ar1(rng, N_STEPS, 0.98, 1.0))
+    assert white.size == math.ceil(math.sqrt(N_STEPS))
+    assert slow.size >= 2 * slow.tau_int > white.size
+    assert white.means.size == N_STEPS // white.size
+
+
+# -- the tests' size and power -----------------------------------------------
+
+def _tost_rejection_rate(rng, phi, reps, *, naive=False):
+    """Fraction of rejections when the true mean sits exactly on the margin (H0 true)."""
+    margin, hits = 0.1, 0
+    for _ in range(reps):
+        d = margin + ar1(rng, N_STEPS, phi, 1.0)
+        if naive:  # per-step values treated as independent
+            se = d.std(ddof=1) / math.sqrt(d.size)
+            p = max(stats.t.cdf((d.mean() - margin) / se, d.size - 1), stats.t.cdf((-d.mean() - margin) / se, d.size - 1))
+            hits += p < eq.ALPHA
+        else:
+            hits += eq.tost(d, margin)["equivalent"]
+    return hits / reps
+
+
+def test_tost_holds_its_level_under_autocorrelation():
+    """H0 true (mean = margin), AR(1) phi = 0.9: the block-mean TOST rejects at most
+    alpha + 3 binomial standard errors of the Monte Carlo; the naive per-step test
+    (autocorrelation ignored) rejects far more often: the correction is needed."""
+    reps = 300
+    mc_se = math.sqrt(eq.ALPHA * (1 - eq.ALPHA) / reps)
+    rate = _tost_rejection_rate(np.random.default_rng(3), 0.9, reps)
+    naive = _tost_rejection_rate(np.random.default_rng(3), 0.9, reps, naive=True)
+    assert rate <= eq.ALPHA + 3 * mc_se
+    assert naive > eq.ALPHA + 3 * mc_se
+
+
+def test_tost_detects_equivalence_and_bias():
+    rng = np.random.default_rng(5)
+    assert eq.tost(ar1(rng, N_STEPS, 0.5, 0.01), 0.01)["equivalent"]
+    biased = eq.tost(0.02 + ar1(rng, N_STEPS, 0.5, 0.01), 0.01)
+    assert not biased["equivalent"] and biased["ci_low"] > 0.01
+
+
+def test_tost_needs_enough_blocks():
+    res = eq.tost(np.zeros(20), 1.0)  # 20 steps -> 4 blocks of 5
+    assert not res["equivalent"] and "blocks" in res["reason"]
+
+
+def test_below_floor_test():
+    rng = np.random.default_rng(9)
+    assert eq.below_floor_test(ar1(rng, N_STEPS, 0.5, 0.01), 0.05)["equivalent"]
+    assert not eq.below_floor_test(ar1(rng, N_STEPS, 0.5, 0.1), 0.05)["equivalent"]
+
+
+@pytest.mark.parametrize("margin", [0.0, -1.0, float("inf"), float("nan")])
+def test_tost_rejects_bad_margin(margin):
+    with pytest.raises(ValueError, match="margin"):
+        eq.tost(np.zeros(100), margin)
+
+
+# -- run frames --------------------------------------------------------------
+
+def test_pairs_and_delta_table():
+    df = synthetic_runs(np.random.default_rng(0))
+    dt = eq.delta_table(df)
+    assert dict(dt.kind.value_counts()) == {"fused_vs_eager": 3, "seed_to_seed": 6, "repeat": 1}
+    assert (dt[dt.kind == "repeat"].max_abs == 0).all()
+    ss = dt[dt.kind == "seed_to_seed"].mean_abs
+    # two independent N(0, 0.05) batch noises: E|x - y| = 2 * 0.05 / sqrt(pi)
+    assert ss.mean() == pytest.approx(2 * math.hypot(0.05, 0.01) / math.sqrt(math.pi), rel=0.05)
+
+
+def test_margin_from_eager_refuses_fused_rows():
+    df = synthetic_runs(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="eager runs only"):
+        eq.margin_from_eager(df)
+    m = eq.margin_from_eager(df[df.path == "eager"])
+    assert m.pairs == 3 and m.margin == pytest.approx(eq.MARGIN_FRACTION * m.floor)
+
+
+def test_margin_needs_two_seeds():
+    df = synthetic_runs(np.random.default_rng(0), seeds=(0,))
+    with pytest.raises(ValueError, match="two seeds"):
+        eq.margin_from_eager(df[df.path == "eager"])
+
+
+@pytest.mark.parametrize(
+    "bias, noise, expected",
+    [
+        (0.0, 1e-4, True),  # fused tracks eager closely: equivalent
+        (0.0, 0.0, True),  # bitwise-identical curves
+        (0.5, 1e-4, False),  # systematic shift of ~ 8x the margin
+        (0.0, 0.2, False),  # unbiased but far noisier than seed-to-seed
+    ],
+    ids=["close", "identical", "biased", "noisy"],
+)
+def test_verdict_on_synthetic_runs(bias, noise, expected):
+    df = synthetic_runs(np.random.default_rng(11), fused_bias=bias * 0.05, fused_noise=noise)
+    margin = eq.margin_from_eager(df[df.path == "eager"])
+    v = eq.equivalence_verdict(df, margin)
+    assert v["equivalent"] is expected
+    assert len(v["per_seed"]) == 3
+    assert set(eq.verdict_table(v).test) == {"tost", "below_floor"}
+
+
+def test_tidy_frame_and_paper_table():
+    df = synthetic_runs(np.random.default_rng(2))
+    tidy = df.melt(id_vars=["path", "seed", "repeat", "step"], value_vars=["loss"], var_name="metric")
+    runs = eq.curves(tidy, "loss")
+    assert len(runs) == 7
+    v = eq.equivalence_verdict(tidy, eq.margin_from_eager(tidy[tidy.path == "eager"]))
+    tab = eq.paper_comparison(tidy, None, v, {"eager": 0.02, "fused": 0.018})
+    assert tab.set_index("quantity").loc["time per step fused / eager", "ours"] == pytest.approx(0.9)
+
+
+def test_misaligned_runs_raise():
+    df = synthetic_runs(np.random.default_rng(0))
+    df = df[~((df.path == "fused") & (df.seed == 1) & (df.step == 7))]
+    with pytest.raises(ValueError, match="same steps"):
+        eq.delta_table(df)

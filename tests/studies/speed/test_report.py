@@ -1,0 +1,104 @@
+"""The GPU suite's CPU-side parts: traffic model, recorded-data tables, ingest, CLI."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from dora_num.repro.paths import committed_data
+from dora_num.studies import bench
+from dora_num.studies.speed import report as br
+from dora_num.studies import suite as gpu_suite
+
+RECORDED = committed_data("gpu", "device.json").is_file()
+needs_recorded = pytest.mark.skipif(not RECORDED, reason="no recorded GPU suite in data/gpu/")
+
+
+def test_compose_traffic_model():
+    n, cols = 8192 * 8192, 8192
+    assert bench.compose_bytes("fwd", n, 2, cols) == 6 * n + 4 * cols
+    assert bench.compose_bytes("fwd_inner", n, 2, cols) == 10 * n + 4 * cols
+    nb = 8192 // 64
+    assert bench.compose_bytes("bwd", n, 2, cols, bwd_block_m=64) == 10 * n + 8 * cols + 8 * nb * cols
+    assert bench.compose_bytes("train", n, 2, cols, bwd_block_m=64) == (
+        bench.compose_bytes("fwd", n, 2, cols) + bench.compose_bytes("bwd_recompute", n, 2, cols, bwd_block_m=64))
+    with pytest.raises(ValueError, match="unknown traffic kind"):
+        bench.compose_bytes("sideways", n, 2, cols)
+
+
+def test_ulp_histogram_and_agreement():
+    a = torch.tensor([1.0, 1.0, -2.0, 0.5], dtype=torch.float32)
+    b = torch.nextafter(a, torch.full_like(a, 10.0))  # one ulp up (toward +10)
+    b[0] = a[0]
+    h = bench.ulp_histogram(a, b, max_ulp=2)
+    assert h == {"0": 1, "1": 3, "2": 0, ">2": 0}
+    assert bench.bitwise_agreement(a, b) == 0.25
+
+
+@needs_recorded
+def test_norm_memory_theory_matches_the_recorded_peaks():
+    """The memory model predicts the allocator's peak of every recorded norm within 0.1 MB
+    (the remainder is the [d_out] outputs and allocator rounding)."""
+    nt = br.norm_table(br.load_recorded()["norm"])
+    assert ((nt["peak_extra_bytes"] - nt["theory_bytes"]).abs() <= 100_000).all(), nt
+
+
+@needs_recorded
+def test_target_status_on_recorded_run():
+    status = br.target_status(br.load_recorded())
+    assert set(status["verdict"]) <= {"met", "out_of_reach", "missed"}
+    oor = status[status["verdict"] == "out_of_reach"]
+    assert (oor["best_possible"] < oor["threshold"]).all()
+
+
+def test_target_status_verdicts_on_a_synthetic_run():
+    """met / out_of_reach / missed follow from the numbers (not from the recorded run)."""
+    rows = []
+    for tokens in (8192, 16384):
+        n = tokens * 8192
+        for op, impl, ms, pct, nbytes in (
+            ("fwd", "fused", 1.0, 95.0, 6 * n), ("fwd", "compile", 1.0, 95.0, 6 * n),
+            ("bwd", "fused", 1.0, 85.0, 10 * n), ("bwd_autograd", "eager_autograd", 7.0, 10.0, 10 * n),
+            ("train", "fused", 1.0, 40.0, 16 * n), ("train", "compile", 1.2, 40.0, 16 * n)):
+            rows.append({"dtype": "bfloat16", "tokens": tokens, "d_out": 8192, "op": op, "impl": impl, "ms": ms,
+                         "pct_copy": pct, "bytes": nbytes})
+    norm = pd.DataFrame([{"d_out": 8192, "d_in": 8192, "rank": 384, "w_dtype": "bfloat16", "method": m,
+                          "peak_extra_bytes": p, "ms": t}
+                         for m, p, t in (("dense_fp32", 800, 2.0), ("factored_cached", 40, 0.5))])
+    layer = pd.DataFrame([{"impl": i, "d_in": 4096, "d_out": 4096, "rank": 384, "tokens": 4096, "mode": "fwd_bwd",
+                           "ms": t, "peak_extra_bytes": p} for i, t, p in (("dora_num", 1.0, 1), ("peft_default", 3.0, 2))])
+    copy_gbps = 16 * 8192 * 8192 / 1e9 / 0.5e-3  # train floor 0.5 ms at 8192 tokens
+    st = br.target_status({"compose": pd.DataFrame(rows), "norm": norm, "layer": layer, "copy_gbps": copy_gbps})
+    v = dict(zip(st["target"] + "@" + st["shape"], st["verdict"]))
+    assert v["fwd_pct_copy@8192x8192 bf16"] == "met"
+    assert v["fwd_speedup_vs_compile@8192x8192 bf16"] == "out_of_reach"  # compile at 95%: at most 1.05x
+    assert v["train_speedup_vs_compile@8192x8192 bf16"] == "missed"  # 1.2x, floor would allow 2.4x
+    assert v["bwd_speedup_vs_eager_autograd@8192x8192 bf16"] == "met"
+    assert v["norm_mem_fraction_inverse@8192x8192 r=384 bf16"] == "met"
+    assert v["layer_fwd_bwd_speedup_vs_peft@4096->4096 r=384 T=4096"] == "met"
+
+
+def test_ingest_writes_provenance_with_the_gpu_device(tmp_path):
+    src = tmp_path / "suite"
+    src.mkdir()
+    device = {"name": "NVIDIA H200", "capability": "9.0", "driver": "580"}
+    (src / "device.json").write_text(json.dumps({"device": device, "git_sha": "abc", "versions": {},
+                                                 "copy": {"gbps": 4000.0}, "sections": ["norm"], "smoke": True}))
+    (src / "norm_bench.csv").write_text("a,b\n1,2\n")
+    dest = tmp_path / "out"
+    written = gpu_suite.ingest(src, dest)
+    assert sorted(p.name for p in written) == ["device.json", "norm_bench.csv"]
+    side = json.loads((dest / "norm_bench.csv.provenance.json").read_text())
+    assert side["device"] == device and side["extra"]["gpu_git_sha"] == "abc"
+    assert (dest / "norm_bench.csv").read_text() == "a,b\n1,2\n"
+
+
+def test_cli_registers_gpu_suite(capsys):
+    from dora_num.__main__ import build_parser
+
+    args = build_parser().parse_args(["gpu-suite", "--out", "x", "--only", "norm", "--smoke"])
+    assert args.command == "gpu-suite" and args.only == ["norm"] and args.smoke
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            gpu_suite.run_suite(__import__("pathlib").Path("unused"), sections=("norm",))
