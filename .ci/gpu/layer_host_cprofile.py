@@ -2,15 +2,18 @@
 
 ``PYTHONPATH=. python3 .ci/gpu/layer_host_cprofile.py``: 512->512, r=16, 64 tokens, bf16,
 the layer on the fused compose tier; 500 calls of each piece, functions by own time.
-Recorded: ``data/gpu/diagnostics/layer_host_cprofile_c658e09.log`` (at git c658e09; in
-that run the ``compose()`` piece took ``path="auto"``, i.e. the eager tier at this size;
-it now asks for the fused tier).
+Recorded: ``data/gpu/diagnostics/layer_host_cprofile_c658e09.log`` (at git c658e09, by
+this script as it was then: its ``compose()`` piece took ``path="auto"``, i.e. the eager
+tier at this size, and skipped the argument checks through a private keyword; the piece
+now asks for the fused tier, through the public ``compose`` with its checks, and the
+norm piece is named after the public ``magnitude_scale_and_flag``).
 """
 import torch
 import torch.nn.functional as Fn
 
 from dora_num.ops import layer as L
 from dora_num.ops.compose import compose
+from dora_num.ops.norm import magnitude_scale_and_flag
 from dora_num.studies.speed.overhead import cprofile_top
 
 torch.manual_seed(0)
@@ -21,14 +24,21 @@ with torch.no_grad():
     layer.lora_B.normal_(0, 1e-2)
 x = torch.randn(T, d, device="cuda", dtype=dt, requires_grad=True)
 D = torch.randn(T, d, device="cuda", dtype=dt)
-g = layer._g_fast()[0].detach()
+
+
+def g_and_flag():
+    return magnitude_scale_and_flag(layer.base.weight, layer.lora_A, layer.lora_B, layer.scale, layer.magnitude,
+                                    chunk_bytes=layer.chunk_bytes)
+
+
+g = g_and_flag()[0].detach()
 base = Fn.linear(x.detach(), layer.base.weight)
 lora = Fn.linear(Fn.linear(x.detach(), layer.lora_A.detach()), layer.lora_B.detach())
 bl, ll, gl = (t.clone().requires_grad_(True) for t in (base, lora, g))
 
 pieces = {
-    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, path="fused", _trusted=True),
-    "magnitude_scale_fast": lambda: layer._g_fast(),
+    "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, path="fused"),
+    "magnitude_scale_and_flag": g_and_flag,
     "layer fwd+bwd": lambda: layer(x).backward(D),
 }
 for name, fn in pieces.items():

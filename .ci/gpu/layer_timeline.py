@@ -1,11 +1,15 @@
 """Timeline of one ``DoRALinear`` forward+backward step on the H200 (a device script).
 
 ``PYTHONPATH=. python3 .ci/gpu/layer_timeline.py``: at 4096->4096, r=384, 4096 tokens,
-bf16: (1) interleaved timings of the step as shipped and with the finiteness wait
-removed (the A/B of what the mid-step wait costs); (2) a torch.profiler trace of
-three steps, printed as a timeline (host annotations and GPU kernels, microseconds
-from the step's start) so the gaps where the GPU waits for the host are visible.
-Recorded: ``data/gpu/diagnostics/layer_timeline_c658e09.log`` (at git c658e09).
+bf16: (1) interleaved timings of the step under each finiteness check of ``g``
+(``OpConfig.finite_check``: ``late`` as shipped, ``sync`` right after ``g``, ``off``),
+the A/B of what the check costs; (2) a torch.profiler trace of three steps, printed as a
+timeline (host annotations and GPU kernels, microseconds from the step's start) so the
+gaps where the GPU waits for the host are visible.  Recorded:
+``data/gpu/diagnostics/layer_timeline_c658e09.log`` (at git c658e09, by this script as it
+was then: its variants were ``shipped`` (= ``late``) and ``no_wait``, which queued the
+flag's copy but did not wait for it, a subclass of the layer's private check class that
+``finite_check="off"`` replaces; ``git show c658e09:.ci/gpu/layer_timeline.py``).
 """
 import json
 import os
@@ -16,6 +20,7 @@ import time
 import torch
 
 from dora_num.ops import layer as L
+from dora_num.ops.config import override
 from dora_num.studies.bench import time_ms
 
 torch.manual_seed(0)
@@ -32,20 +37,12 @@ def step():
     layer(x).backward(D)
 
 
-class NoWait(L._FiniteCheck):
-    __slots__ = ()
-
-    def ok(self):
-        return True
-
-
-variants = {"shipped": L._FiniteCheck, "no_wait": NoWait}
+variants = ("late", "sync", "off")
 res = {k: [] for k in variants}
 for _ in range(5):
-    for name, cls in variants.items():
-        L._FiniteCheck = cls
-        res[name].append(time_ms(step).ms)
-L._FiniteCheck = variants["shipped"]
+    for name in variants:
+        with override(finite_check=name):
+            res[name].append(time_ms(step).ms)
 for name, ts in res.items():
     print(f"fwd+bwd {name:8s}: median {statistics.median(ts):.3f} ms  rounds {' '.join(f'{t:.3f}' for t in ts)}")
 

@@ -27,7 +27,6 @@ far below every format spacing studied).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -114,13 +113,16 @@ class TrainHooks:
     uses the bare model); ``shard(indices) -> indices`` picks this process's part of
     a batch; ``gather(embeddings) -> embeddings`` rebuilds the whole batch's
     embeddings (autograd-aware) before the loss; ``on_step(record)`` sees each
-    step's history record.
+    step's history record; ``compose_fn`` is the ``compose_fn`` of every
+    :class:`~dora_num.DoRALinear` of the ``dora_num`` backend (None: the layer's own
+    compose).
     """
 
     wrap_model: Callable | None = None
     shard: Callable | None = None
     gather: Callable | None = None
     on_step: Callable | None = None
+    compose_fn: Callable | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -132,15 +134,16 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
 
 
-def inject_dora(model: nn.Module, cfg: TrainConfig, names: list[str] | None = None) -> list[str]:
-    """Replace the encoder's linears by seeded :class:`DoRALinear` (in place); returns their names."""
+def inject_dora(model: nn.Module, cfg: TrainConfig, names: list[str] | None = None, **layer_kwargs) -> list[str]:
+    """Replace the encoder's linears by seeded :class:`DoRALinear` (in place); returns their names.
+    ``layer_kwargs`` go to every :class:`DoRALinear` (e.g. its ``norm=`` or ``compose_fn=`` seam)."""
     names = encoder_linear_names(model) if names is None else names
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         for n in names:
             lin = model.get_submodule(n)
             _set_submodule(model, n, DoRALinear.from_linear(lin, cfg.rank, cfg.alpha_value, use_rslora=cfg.use_rslora,
-                                                            compose_path=cfg.compose_path))
+                                                            compose_path=cfg.compose_path, **layer_kwargs))
     return names
 
 
@@ -208,10 +211,11 @@ def perturb_magnitudes_one_ulp(tensors: dict[str, tuple], seed: int) -> None:
         m.copy_(torch.nextafter(m, sign * float("inf")))
 
 
-def build_model(cfg: TrainConfig, base_path=None):
-    """``(model, tokenizer, module names)``: MiniLM with the seeded DoRA adapter on ``cfg.backend``."""
+def build_model(cfg: TrainConfig, base_path=None, *, compose_fn: Callable | None = None):
+    """``(model, tokenizer, module names)``: MiniLM with the seeded DoRA adapter on ``cfg.backend``
+    (``compose_fn``: :attr:`TrainHooks.compose_fn`)."""
     model, tok = load_base_model(base_path)
-    names = inject_dora(model, cfg)
+    names = inject_dora(model, cfg, compose_fn=compose_fn)
     if cfg.backend == "peft":
         base, _ = load_base_model(base_path)
         peft_model = peft_dora_model(base, cfg, names)
@@ -273,12 +277,12 @@ def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None,
     corpus = load_corpus() if corpus is None else corpus
     train_pairs = [p for p in corpus if p["split"] == "train"]
     val_pairs = [p for p in corpus if p["split"] == "validation"][: cfg.eval_limit]
-    model, tok, names = build_model(cfg, base_path)
+    hooks = hooks or TrainHooks()
+    model, tok, names = build_model(cfg, base_path, compose_fn=hooks.compose_fn)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / max(cfg.warmup_steps, 1)))
     res = TrainResult(config=cfg, model=model, module_names=names)
-    hooks = hooks or TrainHooks()
     fwd_model = hooks.wrap_model(model) if hooks.wrap_model else model
     capture, evals = set(cfg.capture_steps), set(cfg.eval_steps)
 
@@ -330,10 +334,3 @@ def config_dict(cfg: TrainConfig) -> dict:
     d["capture_steps"] = list(cfg.capture_steps)
     d["eval_steps"] = list(cfg.eval_steps)
     return d
-
-
-def clone_config(cfg: TrainConfig, **changes) -> TrainConfig:
-    new = copy.copy(cfg)
-    for k, v in changes.items():
-        setattr(new, k, v)
-    return new

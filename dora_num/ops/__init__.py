@@ -1,1 +1,1 @@
-"""The operator: references, factored norm, kernels, dispatch, ``DoRALinear``."""
+"""The operator: its switches (:mod:`.config`), references, factored norm, kernels, dispatch, ``DoRALinear``."""

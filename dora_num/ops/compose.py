@@ -11,55 +11,57 @@ and the same elementwise backward; ``dg`` differs only in summation order):
 ``fused forward`` (inference)
     one Triton pass (:func:`dora_num.ops.kernels.compose.compose_fwd`).
 ``fused training``
-    a Triton forward that also writes ``inner = s*lora + base`` (only when ``g``
-    needs a gradient) and a Triton backward writing ``dlora``, ``dbase`` and the
-    deterministic two-stage ``dg``.
+    a Triton forward and a Triton backward writing ``dlora``, ``dbase`` and the
+    deterministic two-stage ``dg``; when ``g`` needs a gradient the forward saves
+    ``base`` and ``lora`` and the backward recomputes ``inner = s*lora + base``
+    (``OpConfig.recompute_inner``, the default), or the forward writes ``inner``.
 
 ``path="auto"`` takes the fused forward for inference on CUDA, the fused
 training tier on CUDA when ``base.numel() >= FUSED_TRAIN_MIN_ELEMENTS`` and the
-eager tier otherwise.  ``path=`` overrides per call; the environment variable
-``DORA_NUM_COMPOSE_PATH`` (``eager``/``fused``/``auto``) overrides ``"auto"``.
-The tier taken is counted (:func:`dispatch_counts`) and logged at DEBUG level
-on the ``dora_num.dispatch`` logger, so tests can assert it.
+eager tier otherwise.  ``path=`` overrides per call; ``OpConfig.compose_path``
+(:mod:`dora_num.ops.config`; environment ``DORA_NUM_COMPOSE_PATH``, read once)
+says what ``"auto"`` resolves to.  The tier taken is counted
+(:func:`dispatch_counts`) and logged at DEBUG level on the ``dora_num.dispatch``
+logger, so tests can assert it.
+
+Configuration.  :func:`compose` reads :func:`~dora_num.ops.config.get_config` once
+per call; the autograd Function keeps that configuration for its backward (which
+autograd may run on another thread, one that does not see the caller's
+:func:`~dora_num.ops.config.override`).
 
 Under ``torch.compile`` the same tiers run inside the ``torch.library`` custom
 ops ``dora_num::compose_fwd`` / ``dora_num::compose_bwd`` (opaque to the
 compiler, so a model compiles with ``fullgraph=True`` and no graph break; the
 fused kernels or the eager reference run inside).  Checks that read tensor
-values (``g`` finite) run inside the op, at run time.
+values (``g`` finite) run inside the op, at run time.  The configuration is a
+trace-time constant there: the tier, and the configuration the ops receive (as
+``OpConfig.key``), are fixed when the graph is traced; TorchDynamo guards on the
+configuration and traces again when it changes (:mod:`dora_num.ops.config`).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 
 import torch
 
 from ..numerics.formulas import scale_constants
 from . import reference as ref
+from .config import COMPOSE_PATHS, OpConfig, get_config
 from .validation import check_compose_args, check_finite, check_scale
 
-PATHS = ("auto", "eager", "fused")
+PATHS = COMPOSE_PATHS
 TIERS = ("eager", "fused_forward", "fused_training")
-ENV_PATH = "DORA_NUM_COMPOSE_PATH"
 
-# Crossover of the training tier (forward + backward through autograd), measured on
-# the H200 by the GPU suite (data/gpu/compose_bench.csv, op="train", torch 2.11 /
-# triton 3.6; runs at git aab0061, a4ce237 and 6f3caa2, 2026-11-29; numbers below from
-# the last, the recorded one).  Where the step is bound by the device (>= 8192x4096
-# elements) the fused tier wins everywhere: 2.4-10.4x (bf16), 2.6-10.5x (fp16),
-# 1.4-3.1x (fp32).  Where both tiers are bound by the host (the rest: <= 2048x8192
-# elements, and 512 columns at 8192-16384 tokens) bf16/fp16 fused still wins by
-# 1.16-2.17x; fp32 reads 0.77-1.41x (0.70-1.24x and >= 0.98x in the earlier runs),
-# inconclusive: fp32 eager launches fewer kernels (no casts), so it may really be as
-# fast there.  The threshold is the smallest shape measured; below it (unmeasured,
-# launch-bound) eager is kept.
+# Crossover of the training tier (forward + backward through autograd), from the GPU
+# suite on the H200 (data/gpu/compose_bench.csv, op="train").  Where the step is bound by
+# the device (>= 8192x4096 elements) the fused tier wins everywhere: 2.4-10.4x (bf16),
+# 2.6-10.5x (fp16), 1.4-3.1x (fp32).  Where both tiers are bound by the host (the rest)
+# bf16/fp16 fused still wins by 1.16-2.17x; fp32 reads 0.77-1.41x, inconclusive (fp32
+# eager launches fewer kernels: no casts).  The threshold is the smallest shape
+# measured; below it (unmeasured, launch-bound) eager is kept.
 FUSED_TRAIN_MIN_ELEMENTS = 512 * 512
-FUSED_TRAIN_CROSSOVER_NOTE = ("fused faster than eager wherever the step is device-bound; host-bound "
-                              "shapes (<= ~17M elements) are a tie within noise; threshold = smallest "
-                              "measured shape")
 
 _log = logging.getLogger("dora_num.dispatch")
 _COUNTS: collections.Counter = collections.Counter()
@@ -80,9 +82,10 @@ def _kernels():
     return kc
 
 
-def fused_available(device: torch.device) -> bool:
-    """The Triton kernels can run on ``device`` (CUDA, or any device under TRITON_INTERPRET=1)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+def fused_available(device: torch.device, config: OpConfig | None = None) -> bool:
+    """The Triton kernels can run on ``device`` (CUDA, or CPU under the interpreter:
+    ``OpConfig.interpret``, i.e. ``TRITON_INTERPRET=1``)."""
+    if (get_config() if config is None else config).interpret:
         return device.type == "cpu"
     if device.type != "cuda":
         return False
@@ -97,10 +100,12 @@ def fused_available(device: torch.device) -> bool:
 # Implementations shared by the autograd Function and the custom ops
 # --------------------------------------------------------------------------
 
-def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, out=None, add_base: bool = False):
+def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, cfg: OpConfig, out=None,
+              add_base: bool = False):
     """``(delta, inner)``, or ``(base + delta, inner)`` with ``add_base`` (delta rounded first)."""
     if fused:
-        res, inner = _kernels().compose_fwd(base, lora, g, s, write_inner=write_inner, out=out, add_base=add_base)
+        res, inner = _kernels().compose_fwd(base, lora, g, s, write_inner=write_inner, out=out, add_base=add_base,
+                                            config=cfg)
         return res, inner
     res = ref.compose_stable_ref(base, lora, g, s)
     if add_base:
@@ -113,12 +118,12 @@ def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, out=None,
 
 
 def _bwd_impl(grad, inner, g, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool, fused: bool,
-              base=None, lora=None, add_grad: bool = False):
+              cfg: OpConfig, base=None, lora=None, add_grad: bool = False):
     """``(dlora, dbase, dg)``; with ``add_grad`` (the backward of ``add_base``) ``dbase`` is
     ``grad + dbase``, the two terms base receives, summed as autograd would."""
     if fused:
         return _kernels().compose_bwd(grad, inner, g, s, need_dlora=need_dlora, need_dbase=need_dbase,
-                                      need_dg=need_dg, base=base, lora=lora, add_grad=add_grad)
+                                      need_dg=need_dg, base=base, lora=lora, add_grad=add_grad, config=cfg)
     if need_dg and inner is None:
         inner = ref.compose_inner_ref(base, lora, s)
     dlora, dbase, dg = ref.compose_backward_ref(grad, inner, g, s, need_dg=need_dg)
@@ -127,22 +132,29 @@ def _bwd_impl(grad, inner, g, s: float, need_dlora: bool, need_dbase: bool, need
     return (dlora if need_dlora else None), (dbase if need_dbase else None), dg
 
 
-# The fused training tier does not write ``inner`` in the forward: it saves base
-# and lora (4 bytes per element for bf16, the same memory as an fp32 inner) and the
-# backward recomputes ``inner`` in registers with the forward's two operations (the
-# same bits).  Traffic per element, bf16: forward 6 B + backward 10 B, against
-# 10 B + 10 B when inner is written and re-read; the inner-writing forward
-# (``compose_fwd(write_inner=True)``) stays available and is measured beside it.
-RECOMPUTE_INNER = True
-
+# ``OpConfig.recompute_inner`` (default on): the fused training tier does not write
+# ``inner`` in the forward; it saves base and lora (4 bytes per element for bf16, the same
+# memory as an fp32 inner) and the backward recomputes ``inner`` in registers with the
+# forward's two operations (the same bits).  Traffic per element, bf16: forward 6 B +
+# backward 10 B, against 10 B + 10 B when inner is written and re-read; the
+# inner-writing forward stays available (``recompute_inner=False``) and is measured
+# beside it by the GPU suite.
 
 class ComposeFunction(torch.autograd.Function):
-    """Stable compose with the contract's explicit backward; ``fused`` picks the Triton kernels."""
+    """Stable compose with the contract's explicit backward; ``fused`` picks the Triton kernels.
+
+    ``ComposeFunction.apply(base, lora, g, s, fused=False, add_base=False, config=None)``:
+    ``s`` fp32-exact (:func:`~dora_num.numerics.formulas.scale_constants`), ``config`` the
+    :class:`~dora_num.ops.config.OpConfig` of forward and backward (default
+    :func:`~dora_num.ops.config.get_config` when the forward runs).
+    """
 
     @staticmethod
-    def forward(ctx, base, lora, g, s: float, fused: bool = False, add_base: bool = False):
-        recompute = fused and RECOMPUTE_INNER and g.requires_grad
-        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad and not recompute, fused, add_base=add_base)
+    def forward(ctx, base, lora, g, s: float, fused: bool = False, add_base: bool = False,
+                config: OpConfig | None = None):
+        cfg = get_config() if config is None else config
+        recompute = fused and cfg.recompute_inner and g.requires_grad
+        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad and not recompute, fused, cfg, add_base=add_base)
         if recompute:
             ctx.save_for_backward(None, g, base, lora)
         else:
@@ -150,15 +162,16 @@ class ComposeFunction(torch.autograd.Function):
         ctx.s = s
         ctx.fused = fused
         ctx.add_base = add_base
+        ctx.cfg = cfg
         return out
 
     @staticmethod
     def backward(ctx, grad):
         inner, g, base, lora = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dlora, dbase, dg = _bwd_impl(grad, inner, g, ctx.s, need[1], need[0], need[2], ctx.fused, base, lora,
-                                     add_grad=ctx.add_base)
-        return dbase, dlora, dg, None, None, None
+        dlora, dbase, dg = _bwd_impl(grad, inner, g, ctx.s, need[1], need[0], need[2], ctx.fused, ctx.cfg,
+                                     base, lora, add_grad=ctx.add_base)
+        return dbase, dlora, dg, None, None, None, None
 
 
 # --------------------------------------------------------------------------
@@ -168,21 +181,27 @@ class ComposeFunction(torch.autograd.Function):
 _EMPTY = (0,)
 
 
+def _writes_inner(need_dg: bool, fused: bool, cfg: OpConfig) -> bool:
+    return need_dg and not (fused and cfg.recompute_inner)
+
+
 @torch.library.custom_op("dora_num::compose_fwd", mutates_args=())
 def _compose_fwd_op(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float,
-                    need_dg: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    need_dg: bool, fused: bool, config: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, inner)``; ``inner`` is empty unless ``need_dg`` on the eager tier (or with
-    ``RECOMPUTE_INNER`` off), since the fused backward recomputes it."""
+    ``recompute_inner`` off), since the fused backward recomputes it.  ``config``: the
+    :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph."""
     check_finite("g", g)
-    out, inner = _fwd_impl(base, lora, g, s, need_dg and not (fused and RECOMPUTE_INNER), fused)
+    cfg = OpConfig.from_key(config)
+    out, inner = _fwd_impl(base, lora, g, s, _writes_inner(need_dg, fused, cfg), fused, cfg)
     if inner is None:
         inner = base.new_empty(_EMPTY, dtype=torch.float32)
     return out, inner
 
 
 @_compose_fwd_op.register_fake
-def _(base, lora, g, s, need_dg, fused):
-    write_inner = need_dg and not (fused and RECOMPUTE_INNER)
+def _(base, lora, g, s, need_dg, fused, config):
+    write_inner = _writes_inner(need_dg, fused, OpConfig.from_key(config))
     inner = base.new_empty(base.shape if write_inner else _EMPTY, dtype=torch.float32)
     return torch.empty_like(base), inner
 
@@ -190,11 +209,12 @@ def _(base, lora, g, s, need_dg, fused):
 @torch.library.custom_op("dora_num::compose_bwd", mutates_args=())
 def _compose_bwd_op(grad: torch.Tensor, inner: torch.Tensor, base: torch.Tensor, lora: torch.Tensor,
                     g: torch.Tensor, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool,
-                    fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    fused: bool, config: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``inner`` empty means: recompute it from ``base`` and ``lora``."""
     have_inner = inner.numel() > 0 or grad.numel() == 0
     dlora, dbase, dg = _bwd_impl(grad, inner if need_dg and have_inner else None, g, s, need_dlora, need_dbase,
-                                 need_dg, fused, base if need_dg and not have_inner else None,
+                                 need_dg, fused, OpConfig.from_key(config),
+                                 base if need_dg and not have_inner else None,
                                  lora if need_dg and not have_inner else None)
     empty = grad.new_empty(_EMPTY)
     return (dlora if dlora is not None else empty, dbase if dbase is not None else empty,
@@ -202,15 +222,15 @@ def _compose_bwd_op(grad: torch.Tensor, inner: torch.Tensor, base: torch.Tensor,
 
 
 @_compose_bwd_op.register_fake
-def _(grad, inner, base, lora, g, s, need_dlora, need_dbase, need_dg, fused):
+def _(grad, inner, base, lora, g, s, need_dlora, need_dbase, need_dg, fused, config):
     return (torch.empty_like(grad) if need_dlora else grad.new_empty(_EMPTY),
             torch.empty_like(grad) if need_dbase else grad.new_empty(_EMPTY),
             grad.new_empty((grad.shape[-1],) if need_dg else _EMPTY, dtype=torch.float32))
 
 
 def _op_setup_context(ctx, inputs, output):
-    base, lora, g, s, need_dg, fused = inputs
-    recompute = fused and RECOMPUTE_INNER and need_dg
+    base, lora, g, s, need_dg, fused, config = inputs
+    recompute = fused and OpConfig.from_key(config).recompute_inner and need_dg
     if recompute:
         ctx.save_for_backward(output[1], g, base, lora)
     else:
@@ -218,6 +238,7 @@ def _op_setup_context(ctx, inputs, output):
     ctx.s = s
     ctx.fused = fused
     ctx.need_dg = need_dg
+    ctx.config = config
 
 
 def _op_backward(ctx, grad_out, grad_inner):
@@ -226,8 +247,9 @@ def _op_backward(ctx, grad_out, grad_inner):
     if base is None:
         base = lora = grad_out.new_empty(_EMPTY)
     dlora, dbase, dg = _compose_bwd_op(grad_out.contiguous(), inner, base, lora, g, ctx.s, bool(need[1]),
-                                       bool(need[0]), bool(need[2]) and ctx.need_dg, ctx.fused)
-    return (dbase if need[0] else None, dlora if need[1] else None, dg if need[2] else None, None, None, None)
+                                       bool(need[0]), bool(need[2]) and ctx.need_dg, ctx.fused, ctx.config)
+    return (dbase if need[0] else None, dlora if need[1] else None, dg if need[2] else None, None, None, None,
+            None)
 
 
 _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -237,37 +259,37 @@ _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # Public function and dispatch
 # --------------------------------------------------------------------------
 
-def _resolve_path(path: str) -> str:
+def _resolve_path(path: str, cfg: OpConfig) -> str:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if path == "auto":
-        env = os.environ.get(ENV_PATH, "").strip().lower()
-        if env and env not in PATHS:
-            raise ValueError(f"environment variable {ENV_PATH} must be one of {PATHS}, got {env!r}")
-        path = env or "auto"
-    return path
+    return cfg.compose_path if path == "auto" else path
 
 
-def select_tier(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, path: str = "auto") -> str:
-    """The tier :func:`compose` takes for these arguments (one of :data:`TIERS`)."""
-    path = _resolve_path(path)
+def _select_tier(base, lora, g, path: str, cfg: OpConfig) -> str:
+    path = _resolve_path(path, cfg)
     training = torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad)
     if path == "eager":
         return "eager"
     if path == "fused":
-        if not fused_available(base.device):
+        if not fused_available(base.device, cfg):
             raise RuntimeError(f"path='fused' needs a CUDA device (or TRITON_INTERPRET=1 on CPU); "
                                f"base is on {base.device}")
         return "fused_training" if training else "fused_forward"
-    if base.device.type != "cuda" or not fused_available(base.device):
+    if base.device.type != "cuda" or not fused_available(base.device, cfg):
         return "eager"
     if not training:
         return "fused_forward"
     return "fused_training" if base.numel() >= FUSED_TRAIN_MIN_ELEMENTS else "eager"
 
 
+def select_tier(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, path: str = "auto") -> str:
+    """The tier :func:`compose` takes for these arguments (one of :data:`TIERS`) under the
+    current configuration."""
+    return _select_tier(base, lora, g, path, get_config())
+
+
 def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: float, *, path: str = "auto",
-            out: torch.Tensor | None = None, _trusted: bool = False, _add_base: bool = False) -> torch.Tensor:
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """DoRA compose ``delta = (g-1)*base + g*(s*lora)``, autograd-aware.
 
     ``path``: ``"eager"`` (torch reference), ``"fused"`` (Triton kernels) or
@@ -277,20 +299,26 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     :func:`compose_stable` to have them rejected).  Empty inputs return empty.
     ``out`` (inference only: no input may need a gradient) receives the result
     and may alias ``base`` or ``lora`` (in-place; contiguous).  Non-contiguous
-    inputs are copied to contiguous by the fused tiers.  (Private, for
-    :class:`~dora_num.ops.layer.DoRALinear`: ``_trusted`` skips the argument checks and the
-    finite check of ``g``, the layer having built the arguments and checking ``g`` once
-    itself; ``_add_base`` returns ``base + delta``, bitwise torch's add of the two, in the
-    same pass.)
+    inputs are copied to contiguous by the fused tiers.  The switches of
+    :mod:`dora_num.ops.config` are read once, here.
     """
-    if not _trusted:
-        check_compose_args(base, lora, g)
+    check_compose_args(base, lora, g)
+    return _compose(base, lora, g, scale, path=path, out=out, config=get_config(), check_g=True)
+
+
+def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g: bool,
+             add_base: bool = False) -> torch.Tensor:
+    """:func:`compose` without its argument checks, under ``config``, for callers that built
+    the arguments themselves (:class:`~dora_num.ops.layer.DoRALinear`).  ``check_g=False``
+    also skips the finite check of ``g`` (the layer checks its ``g`` once, itself);
+    ``add_base`` returns ``base + delta``, bitwise torch's add of the two tensors, from the
+    same pass (the layer's output add)."""
     s, _, _ = scale_constants(check_scale(scale))
-    tier = select_tier(base, lora, g, path)
+    tier = _select_tier(base, lora, g, path, config)
     fused = tier != "eager"
     if torch.compiler.is_compiling():  # tier fixed at trace time; counters and logs are eager-only
-        res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused)[0]
-        if _add_base:
+        res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused, config.key)[0]
+        if add_base:
             res = base + res
         return res if out is None else out.copy_(res)
     else:
@@ -299,9 +327,9 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     if out is not None:
         if torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad):
             raise ValueError("out= is for inference only; an input requires a gradient")
-        if not _trusted:
+        if check_g:
             check_finite("g", g)
-        return _fwd_impl(base, lora, g, s, False, fused, out=out, add_base=_add_base)[0]
-    if not _trusted:  # (DoRALinear checks its g once, itself)
+        return _fwd_impl(base, lora, g, s, False, fused, config, out=out, add_base=add_base)[0]
+    if check_g:
         check_finite("g", g.detach())
-    return ComposeFunction.apply(base, lora, g, s, fused, _add_base)
+    return ComposeFunction.apply(base, lora, g, s, fused, add_base, config)

@@ -4,18 +4,28 @@ Every choice of implementation that is not an argument of a call lives here: the
 compose tier taken by ``path="auto"``, where the factored norm's tail runs, whether
 ``DoRALinear`` folds its output add into the compose pass, where ``dg``'s second
 stage runs, whether the fused backward recomputes ``inner``, the kernels' tile
-sizes, and whether Triton runs under its CPU interpreter.  Nothing in the package
-assigns to another module's globals to change these; studies and tests use
-:func:`override`.
+sizes, whether Triton runs under its CPU interpreter, how ``DoRALinear`` checks that
+``g`` is finite, and whether kernel launchers poison their buffers (tests).  Nothing in
+the package assigns to another module's globals to change these; studies and tests use
+:func:`override`, and code reads them with :func:`get_config` once per public call
+(the kernel launchers take the caller's configuration as ``config=``, so an autograd
+backward runs under the configuration of its forward, even on autograd's device
+threads, which do not see the forward thread's overrides).
 
 Sources, in order:
 
 1. the process default, built from the environment by :func:`from_env` the first
    time :func:`get_config` is called (so a variable set after ``import dora_num``
-   but before the first operator call is honoured); :func:`reload` builds it again;
+   but before the first operator call is honoured); :func:`reload` builds it again.
+   (A ``torch.compile`` trace that runs before any eager operator call sees the
+   environment as it was when this module was imported: Dynamo cannot trace
+   :func:`from_env`, so a copy is built at import for it.);
 2. :func:`override`, a context manager whose changes are visible only inside the
-   ``with`` block and only to the thread (or asyncio task) that entered it
-   (``contextvars``), so concurrent studies do not see each other's switches.
+   ``with`` block and only to the thread that entered it (``threading.local``: a
+   thread started inside the block sees the process default), so concurrent
+   studies do not see each other's switches.  (Not ``contextvars``: TorchDynamo
+   cannot trace ``ContextVar.get`` and would break the graph of every compiled
+   layer; it traces a ``threading.local`` lookup and guards on it, below.)
 
 Environment variables (each validated; an invalid value raises ``ValueError``
 naming the variable):
@@ -32,23 +42,36 @@ variable                       field                                        defa
                                itself at import, so it cannot be overridden)
 =============================  ===========================================  =========
 
-Under ``torch.compile`` the configuration is read while tracing: it is a
-trace-time constant of the compiled graph.  A change made later (by
-:func:`override` or :func:`reload`) applies to eager calls at once, and to a
-compiled function only after it is compiled again (``torch._dynamo.reset()``).
+``torch.compile``.  The configuration is a trace-time constant of each compiled graph:
+the compose tier, the output-add fold and the configuration the custom ops receive (the
+string :attr:`OpConfig.key`, so a backward op on another thread cannot see another one)
+are fixed when the graph is traced.  TorchDynamo also guards on what :func:`get_config`
+read (this thread's override slot and the configuration's fields), so a call under
+another configuration is not served by that graph: it is traced again, and a call under
+a configuration seen before reuses its graph (observed with torch 2.13 on CPU,
+``tests/ops/test_compose.py::test_compiled_layer_under_override``: default, override,
+default, the same override, another override: three graphs).  Each distinct
+configuration costs one trace, counted against Dynamo's recompile limit
+(``torch._dynamo.config.recompile_limit``).  Do not enter :func:`override` inside a
+compiled function.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
+import functools
+import json
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 COMPOSE_PATHS = ("auto", "eager", "fused")
 NORM_TAIL_MODES = ("auto", "triton", "torch")
+FINITE_CHECKS = ("late", "sync", "off")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -60,10 +83,12 @@ class ComposeTiles:
     From the GPU suite's tile sweep at 8192x8192 bf16 on the H200
     (``data/gpu/tile_sweep.csv``).  Forward: every tile of 2048..16384 elements with
     4 or 8 warps reached 92.0-93.4% of the copy bandwidth, so 4096 / 4 warps.
-    Backward: 64 x 128 with 4 warps was best for the saved-inner kernel (89.1%),
-    against 62-85% for 32-row tiles and 36-88% for 128-row tiles; taller tiles
-    also keep the number of row blocks, which enters the dg bound, small.  Under
-    the CPU interpreter each program costs about a millisecond, so
+    Backward: 64 x 128 with 4 warps was best for both kernels (saved inner 89.1%,
+    recomputed inner 84.0%), against 61-86% / 60-82% for 32-row tiles and 37-88% /
+    31-81% for 128-row tiles; taller tiles also keep the number of row blocks, which
+    enters the dg bound, small.  ``bwd_block_m`` and ``fin_chunk`` fix the order of
+    ``dg``'s sum (its bound: :func:`dora_num.ops.kernels.compose.dg_error_bound`).
+    Under the CPU interpreter each program costs about a millisecond, so
     :func:`from_env` takes :meth:`for_interpreter` there.
     """
 
@@ -107,7 +132,15 @@ def _check_positive_ints(obj) -> None:
 
 @dataclass(frozen=True)
 class OpConfig:
-    """One immutable set of operator switches (module docstring for each source)."""
+    """One immutable set of operator switches (module docstring for each source).
+
+    ``finite_check`` is how :class:`~dora_num.ops.layer.DoRALinear` checks that ``g`` is
+    finite: ``"late"`` (the default: the norm's device flag is copied to pinned host
+    memory when ``g`` is formed and read once at the end of the forward, no device
+    drain in between), ``"sync"`` (the flag read right after ``g``: the device is
+    drained mid-forward; the A/B baseline of ``"late"``) or ``"off"`` (no check:
+    only for timing what the check costs; a non-finite ``g`` then propagates).
+    """
 
     compose_path: str = "auto"  # what compose(path="auto") resolves to: auto / eager / fused
     norm_tail: str = "auto"  # factored norm tail: auto (Triton on CUDA), triton (also CPU interpreter), torch
@@ -118,12 +151,16 @@ class OpConfig:
     norm_tail_tiles: NormTailTiles = field(default_factory=NormTailTiles)
     interpret: bool = False  # Triton runs under TRITON_INTERPRET=1 (CPU); read from the environment
     poison: bool = False  # fill every buffer a kernel launcher allocates with NaN (tests)
+    finite_check: str = "late"  # DoRALinear's check of g: late / sync / off (class docstring)
+    key: str = field(init=False, repr=False, compare=False)  # canonical text of the fields above
 
     def __post_init__(self):
         if self.compose_path not in COMPOSE_PATHS:
             raise ValueError(f"compose_path must be one of {COMPOSE_PATHS}, got {self.compose_path!r}")
         if self.norm_tail not in NORM_TAIL_MODES:
             raise ValueError(f"norm_tail must be one of {NORM_TAIL_MODES}, got {self.norm_tail!r}")
+        if self.finite_check not in FINITE_CHECKS:
+            raise ValueError(f"finite_check must be one of {FINITE_CHECKS}, got {self.finite_check!r}")
         for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -131,6 +168,25 @@ class OpConfig:
             raise TypeError(f"compose_tiles must be a ComposeTiles, got {type(self.compose_tiles).__name__}")
         if not isinstance(self.norm_tail_tiles, NormTailTiles):
             raise TypeError(f"norm_tail_tiles must be a NormTailTiles, got {type(self.norm_tail_tiles).__name__}")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        fields["compose_tiles"] = dataclasses.asdict(self.compose_tiles)
+        fields["norm_tail_tiles"] = dataclasses.asdict(self.norm_tail_tiles)
+        object.__setattr__(self, "key", json.dumps(fields, sort_keys=True, separators=(",", ":")))
+
+    @staticmethod
+    def from_key(key: str) -> "OpConfig":
+        """The configuration whose :attr:`key` is ``key`` (how the custom ops of
+        :mod:`dora_num.ops.compose` and :mod:`dora_num.ops.norm` receive it: a traced
+        graph holds it as a constant string)."""
+        return _from_key(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _from_key(key: str) -> OpConfig:
+    fields = json.loads(key)
+    fields["compose_tiles"] = ComposeTiles(**fields["compose_tiles"])
+    fields["norm_tail_tiles"] = NormTailTiles(**fields["norm_tail_tiles"])
+    return OpConfig(**fields)
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -168,27 +224,42 @@ def from_env(env: Mapping[str, str] | None = None) -> OpConfig:
     )
 
 
-_default: OpConfig | None = None
-_active: contextvars.ContextVar[OpConfig | None] = contextvars.ContextVar("dora_num_op_config", default=None)
+def _import_time_default() -> OpConfig | None:
+    try:
+        return from_env()
+    except ValueError:  # reported, naming the variable, by the first call of get_config()
+        return None
+
+
+# The process default.  Built from the environment at import only for a torch.compile trace
+# that runs before any eager operator call (TorchDynamo cannot trace from_env); the first
+# eager get_config() builds it again, so a variable set after import is honoured.
+_default: OpConfig | None = _import_time_default()
+_read_at_first_use = False
+_local = threading.local()  # .config: this thread's innermost override (None or absent: none)
+_local.config = None  # present in the importing thread: getattr with a default is slow where it is absent
+_ABSENT = object()
 
 
 def get_config() -> OpConfig:
-    """The configuration in force here: the innermost :func:`override`, else the
-    process default (built from the environment at the first call)."""
-    cfg = _active.get()
+    """The configuration in force here: this thread's innermost :func:`override`, else
+    the process default (built from the environment at the first call).  Costs one
+    attribute lookup; safe to call on every operator call."""
+    cfg = getattr(_local, "config", None)  # (what TorchDynamo traces and guards on; _local.__dict__ it does not)
     if cfg is not None:
         return cfg
-    global _default
-    if _default is None:
-        _default = from_env()
+    if not _read_at_first_use and not torch.compiler.is_compiling():
+        return reload()
     return _default
 
 
 def reload() -> OpConfig:
     """Build the process default from the environment again (e.g. after changing a
-    variable in a running session) and return it; overrides in force stay in force."""
-    global _default
+    variable in a running session) and return it.  An :func:`override` in force is a
+    snapshot taken when it was entered: it keeps its values until its block ends."""
+    global _default, _read_at_first_use
     _default = from_env()
+    _read_at_first_use = True
     return _default
 
 
@@ -198,15 +269,22 @@ def override(**changes) -> Iterator[OpConfig]:
 
     ``with override(norm_tail="torch", fold_output_add=False): ...``.  Unknown
     names raise ``TypeError``; invalid values raise as :class:`OpConfig` does.
-    Nested overrides compose; each is undone on exit, also on an exception.
-    ``interpret`` cannot be changed (Triton fixes it when it is imported).
+    Nested overrides compose; each is undone on exit, also on an exception.  The
+    change is seen by this thread only.  ``interpret`` cannot be changed (Triton
+    fixes it when it is imported).
     """
     if "interpret" in changes and changes["interpret"] != get_config().interpret:
         raise ValueError("interpret follows TRITON_INTERPRET, which Triton reads once at import; "
                          "set the variable before importing triton instead")
+    if "key" in changes:
+        raise TypeError("key is derived from the other fields; it cannot be overridden")
     cfg = dataclasses.replace(get_config(), **changes)
-    token = _active.set(cfg)
+    prev = _local.__dict__.get("config", _ABSENT)
+    _local.config = cfg
     try:
         yield cfg
-    finally:
-        _active.reset(token)
+    finally:  # exactly the state before (absent or not: what a compiled graph guards on)
+        if prev is _ABSENT:
+            del _local.config
+        else:
+            _local.config = prev

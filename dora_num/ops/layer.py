@@ -8,31 +8,47 @@ layer equals the base layer at init and ``g = 1`` up to the rounding of ``m``.
 ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
 
 The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`); the
-forward takes ``g`` from :func:`~dora_num.ops.norm.magnitude_scale_fast` (on CUDA the
-norm's tail, the clamp and a finiteness flag are one Triton launch, the flag read
+forward takes ``g`` from :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (on CUDA
+the norm's tail, the clamp and a finiteness flag are one Triton launch, the flag read
 once at the end of the forward), and under ``torch.compile`` through the custom op of
 :func:`~dora_num.ops.norm.weight_norm_cached`, so the layer compiles with
 ``fullgraph=True``.  ``rowsum(W*W)`` is cached for the frozen W and recomputed when W
 changes (its storage, version counter, shape or dtype).  Without bias and dropout
-the output add ``base + delta`` runs in the compose's pass (bitwise the same).
+the output add ``base + delta`` runs in the compose's pass (bitwise the same;
+``OpConfig.fold_output_add``).
+
+Seams for studies (instead of replacing this module's functions):
+
+- ``norm=``: ``"cached"`` (the default above), ``"factored"`` (the factored norm
+  without the cache of ``rowsum(W*W)``) or ``"dense"``
+  (:func:`~dora_num.ops.norm.dense_row_norm`, which materialises ``W + sBA``); the
+  magnitude's initial value comes from the same norm.  (``"dense"`` does not compile
+  with ``fullgraph=True``: it checks its inputs' values eagerly; measured with torch 2.13,
+  ``"cached"`` and ``"factored"`` do.)
+- ``compose_fn=``: called instead of :func:`dora_num.ops.compose.compose`, with its
+  signature ``compose_fn(base, lora, g, scale, *, path, out)``; it returns ``delta``
+  and the layer adds ``base`` (and the bias) itself.
+- ``forward(x, g=...)``: a given fp32 ``g [out_features]`` is used as it is (the
+  layer's own norm is not computed; ``g`` is still checked for finiteness).
+
+The switches of :mod:`dora_num.ops.config` are read once per forward.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as Fn
 from torch import nn
 
-from .compose import PATHS, compose
-from .norm import cached_base_row_norm_sq, magnitude_scale, magnitude_scale_fast, weight_norm_cached
+from .compose import PATHS, _compose
+from .config import OpConfig, get_config
+from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
+                   dense_row_norm, magnitude_scale)
+from .validation import check_tensor
 
-# Fold the output add base + delta into the compose (bitwise the same; one launch and one
-# autograd node fewer per layer).  DORA_NUM_FOLD_OUTPUT_ADD=0 restores the separate add
-# (ablation, and the baseline of the GPU suite's layer A/B).
-FOLD_OUTPUT_ADD = os.environ.get("DORA_NUM_FOLD_OUTPUT_ADD", "1") != "0"
+NORMS = ("cached", "factored", "dense")
 
 
 class DoRALinear(nn.Module):
@@ -46,6 +62,8 @@ class DoRALinear(nn.Module):
         lora_dropout: float = 0.0,
         compose_path: str = "auto",
         chunk_bytes: int | None = None,
+        norm: str = "cached",
+        compose_fn=None,
     ):
         super().__init__()
         if not isinstance(base, nn.Linear):
@@ -54,6 +72,10 @@ class DoRALinear(nn.Module):
             raise ValueError(f"rank must be a positive int, got {rank!r}")
         if compose_path not in PATHS:
             raise ValueError(f"compose_path must be one of {PATHS}, got {compose_path!r}")
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        if compose_fn is not None and not callable(compose_fn):
+            raise TypeError(f"compose_fn must be callable, got {type(compose_fn).__name__}")
         alpha = float(rank if alpha is None else alpha)
         if not math.isfinite(alpha):
             raise ValueError(f"alpha must be finite, got {alpha}")
@@ -66,6 +88,8 @@ class DoRALinear(nn.Module):
         self.scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         self.compose_path = compose_path
         self.chunk_bytes = chunk_bytes
+        self.norm = norm
+        self.compose_fn = compose_fn
         W = base.weight
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=W.dtype, device=W.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=W.dtype, device=W.device))
@@ -91,25 +115,38 @@ class DoRALinear(nn.Module):
         (:func:`~dora_num.ops.norm.cached_base_row_norm_sq`: the cache lives on W)."""
         return cached_base_row_norm_sq(self.base.weight, chunk_bytes=self.chunk_bytes)
 
+    def _row_norm(self, cfg: OpConfig, check: bool) -> torch.Tensor:
+        W, A, B = self.base.weight, self.lora_A, self.lora_B
+        if self.norm == "cached":
+            return _weight_norm_cached(W, A, B, self.scale, self.chunk_bytes, check, cfg)
+        if self.norm == "factored":
+            return _factored_row_norm(W.detach(), A.detach(), B.detach(), self.scale, self.chunk_bytes, None,
+                                      check, cfg)
+        return dense_row_norm(W.detach(), A.detach(), B.detach(), self.scale)
+
     def weight_norm(self) -> torch.Tensor:
-        """``||W + s B A||_row`` (fp32, detached), by the factored norm."""
-        return weight_norm_cached(self.base.weight, self.lora_A, self.lora_B, self.scale,
-                                  chunk_bytes=self.chunk_bytes)
+        """``||W + s B A||_row`` (fp32, detached), by the layer's ``norm``."""
+        return self._row_norm(get_config(), True)
 
     def magnitude_scale(self) -> torch.Tensor:
-        """``g = m / max(wnorm, eps)`` (fp32, differentiable in m)."""
+        """``g = m / max(wnorm, eps)`` (fp32, differentiable in m), checked: a non-finite
+        input raises naming it."""
         return magnitude_scale(self.magnitude, self.weight_norm())
 
-    def _g_fast(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(g, bad)`` without the per-input value checks (their syncs): ``bad`` is a
-        device flag, nonzero iff some ``wnorm`` or ``g`` is not finite
-        (:func:`~dora_num.ops.norm.magnitude_scale_fast`); the forward reads it once,
-        late (:class:`_FiniteCheck`), and on failure the checked path runs and raises
-        naming the input at fault.  ``bad`` None: check ``g`` itself."""
-        return magnitude_scale_fast(self.base.weight, self.lora_A, self.lora_B, self.scale, self.magnitude,
-                                    chunk_bytes=self.chunk_bytes)
+    def _g_and_flag(self, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(g, bad)`` without the per-input value checks (their syncs).  ``norm="cached"``:
+        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag`; the
+        other norms give ``bad=None`` (then the flag is computed from ``g``).  The forward
+        reads the flag once, late (:class:`_FiniteCheck`), and on failure the checked path
+        runs and raises naming the input at fault."""
+        if self.norm == "cached":
+            return _magnitude_scale_and_flag(self.base.weight, self.lora_A, self.lora_B, self.scale, self.magnitude,
+                                             self.chunk_bytes, cfg)
+        return magnitude_scale(self.magnitude, self._row_norm(cfg, False), check=False), None
 
-    def _raise_not_finite(self) -> None:
+    def _raise_not_finite(self, g_given: bool) -> None:
+        if g_given:
+            raise ValueError("the given g contains non-finite values")
         self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
         raise ValueError("g = m / max(wnorm, eps) contains non-finite values")
 
@@ -128,14 +165,34 @@ class DoRALinear(nn.Module):
             raise TypeError(f"x has dtype {x.dtype} but the layer's weight has {W.dtype} "
                             "(cast x, or run under torch.autocast)")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_g(self, g, W: torch.Tensor) -> None:
+        """Metadata checks of a given ``g`` (no device sync)."""
+        check_tensor("g", g, ndim=1, dtypes=(torch.float32,))
+        if g.shape[0] != self.out_features or g.device != W.device:
+            raise ValueError(f"g must be float32 [out_features] = [{self.out_features}] on {W.device}, "
+                             f"got {tuple(g.shape)} on {g.device}")
+
+    def forward(self, x: torch.Tensor, *, g: torch.Tensor | None = None) -> torch.Tensor:
+        """``y = x W^T + b + delta``; ``g`` given: used as it is instead of the layer's own."""
+        cfg = get_config()
         W = self.base.weight
         bias = self.base.bias
         self._check_input(x, W)
+        g_given = g is not None
         # g first: its flag is then ready long before the forward reads it (the GPU runs
         # the norm while the host queues the products below)
-        g, bad = self._g_fast()
-        finite = None if torch.compiler.is_compiling() else _FiniteCheck(g, bad)
+        if g_given:
+            self._check_g(g, W)
+            bad = None
+        else:
+            g, bad = self._g_and_flag(cfg)
+        finite = None
+        if not torch.compiler.is_compiling() and cfg.finite_check != "off":
+            finite = _FiniteCheck(g, bad)
+            if cfg.finite_check == "sync":  # the A/B baseline: read now, draining the device
+                if not finite.ok():
+                    self._raise_not_finite(g_given)
+                finite = None
         x_lora = self.dropout(x)
         base = Fn.linear(x, W)
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
@@ -145,41 +202,50 @@ class DoRALinear(nn.Module):
                          and (base_c.requires_grad or lora.requires_grad or g.requires_grad))
         # Inference: the compose writes over the lora buffer (no new allocation).  Without
         # bias and dropout the output add base + delta happens in the compose's pass
-        # (_add_base: bitwise the same two roundings; one launch and, in the backward,
+        # (add_base: bitwise the same two roundings; one launch and, in the backward,
         # autograd's accumulation of base's two gradients fewer).
-        fold = FOLD_OUTPUT_ADD and bias is None and base_c is base
-        out = compose(base_c, lora, g, self.scale, path=self.compose_path,
-                      out=lora if inference and lora.is_contiguous() else None, _trusted=True,
-                      _add_base=fold)
+        out_buf = lora if inference and lora.is_contiguous() else None
+        if self.compose_fn is None:
+            fold = cfg.fold_output_add and bias is None and base_c is base
+            out = _compose(base_c, lora, g, self.scale, path=self.compose_path, out=out_buf, config=cfg,
+                           check_g=False, add_base=fold)
+        else:
+            fold = False
+            out = self.compose_fn(base_c, lora, g, self.scale, path=self.compose_path, out=out_buf)
         if not fold:
             out = (base if bias is None else base + bias.to(base.dtype)) + out
         if finite is not None and not finite.ok():  # every kernel of this forward is queued by now
-            self._raise_not_finite()
+            self._raise_not_finite(g_given)
         return out
 
     def extra_repr(self) -> str:
+        seams = (f", norm={self.norm!r}" if self.norm != "cached" else "") + (
+            f", compose_fn={getattr(self.compose_fn, '__qualname__', self.compose_fn)}"
+            if self.compose_fn is not None else "")
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
             f"alpha={self.alpha}, scale={self.scale:.6g}, use_rslora={self.use_rslora}, "
-            f"compose_path={self.compose_path!r}"
+            f"compose_path={self.compose_path!r}" + seams
         )
 
 
 class _FiniteCheck:
     """The finiteness flag of ``g``, started when ``g`` is computed and read at the end of the forward.
 
-    ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_fast`
+    ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag`
     (None: computed here from ``g``).  On CUDA it is copied to pinned host memory
     behind an event on ``g``'s device and stream, so reading it waits for the work
     queued up to ``g`` (the earlier layers included), while this layer's products and
     compose are already queued behind it: the device is not drained to an empty
-    queue in the middle of the forward, as a ``bool(...)`` right after ``g`` would.
-    (At 4096->4096, r=384 the layer was bound by the host, and an interleaved A/B on
-    the H200 measured no difference between the two; dropping the check saved 10%:
-    ``data/gpu/layer_check_ab.log``.)  The pinned flag is allocated per call (the host
-    caching allocator makes that cheap), so replicas of a module on other threads do
-    not share it.  On other devices the flag is read directly.  Under
-    ``torch.compile`` the compose custom op checks ``g`` and the norm op ``wnorm``.
+    queue in the middle of the forward, as a ``bool(...)`` right after ``g`` would
+    (``OpConfig.finite_check="sync"``).  At 4096->4096, r=384, 4096 tokens, bf16, the
+    layer's step was bound by the host and an interleaved A/B on the H200 measured
+    1.90 ms per step for this check, 1.90 ms for the sync right after ``g`` and 1.70 ms
+    without a check (``data/gpu/layer_check_ab.log``; at 8192->8192, 2048 tokens: 2.18,
+    2.29, 2.10 ms).  The pinned flag is allocated per call (the host caching allocator
+    makes that cheap), so replicas of a module on other threads do not share it.  On
+    other devices the flag is read directly.  Under ``torch.compile`` the compose
+    custom op checks ``g`` and the norm op ``wnorm``.
     """
 
     __slots__ = ("flag", "event")

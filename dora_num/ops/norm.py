@@ -28,41 +28,43 @@ assembly) is one Triton launch (:mod:`dora_num.ops.kernels.norm_tail`, which kee
 ``B G`` and the fp32 copy of ``B`` in registers), so the extra memory is ``U``
 (``d_out*r*4``) plus ``G`` (``r*r*4``): 13.2 MB at 8192x8192, r=384, against 805 MB
 for the dense fp32 norm (H200, ``data/gpu/norm_bench.csv``).  Elsewhere (or with
-``DORA_NUM_NORM_TAIL=torch``) the tail is torch operations over row blocks of ``B``
-under ``ROW_CHUNK_BYTES``.
+``OpConfig.norm_tail="torch"``, environment ``DORA_NUM_NORM_TAIL=torch``) the tail is
+torch operations over row blocks of ``B`` under ``ROW_CHUNK_BYTES``.
+
+Public pieces besides the norms: :func:`factored_terms` (the fp32 terms the torch tail
+assembles, for studies of the assembly), :func:`magnitude_scale_and_flag` (the layer's
+``g`` with a device flag instead of a sync), :func:`uses_tail_kernel`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 from ..numerics import formulas
 from ..numerics.arithmetic import TorchFP32, TorchFP32CorrectSqrt
 from ..numerics.formulas import norm_assembly, scale_constants
+from .config import OpConfig, get_config
 from .validation import check_finite, check_lora_factors, check_scale, check_tensor
 
 CHUNK_ALIGN = 64  # columns; chunk widths are multiples of this (coalesced, tensor-core friendly)
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
-# Where the tail of the factored norm (cross, ba, assembly; for the layer also the clamp and
-# the finiteness flag of g) runs: "auto" = the one-launch Triton kernel of
-# dora_num.ops.kernels.norm_tail on CUDA, torch elsewhere; "triton" also on CPU under
-# TRITON_INTERPRET=1 (tests); "torch" = the torch sequence everywhere.
-NORM_TAIL_MODES = ("auto", "triton", "torch")
-NORM_TAIL = os.environ.get("DORA_NUM_NORM_TAIL", "auto").strip().lower() or "auto"
-if NORM_TAIL not in NORM_TAIL_MODES:
-    raise ValueError(f"environment variable DORA_NUM_NORM_TAIL must be one of {NORM_TAIL_MODES}, got {NORM_TAIL!r}")
 
-
-def _tail_kernel_used(device: torch.device) -> bool:
-    if NORM_TAIL == "torch":
+def uses_tail_kernel(device: torch.device, config: OpConfig | None = None) -> bool:
+    """Whether the factored norm's tail (cross, ba, assembly; for the layer also the clamp and
+    the finiteness flag of g) runs as the one-launch Triton kernel of
+    :mod:`dora_num.ops.kernels.norm_tail` on ``device`` under ``config`` (default
+    :func:`~dora_num.ops.config.get_config`): ``norm_tail="auto"`` on CUDA, ``"triton"`` on
+    CUDA and on CPU under the interpreter; otherwise (``"torch"``, or CPU without the
+    interpreter) the torch sequence runs."""
+    cfg = get_config() if config is None else config
+    if cfg.norm_tail == "torch":
         return False
     if device.type == "cuda":
         return True
-    return NORM_TAIL == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return cfg.norm_tail == "triton" and device.type == "cpu" and cfg.interpret
 
 
 def _autocast_off(device_type: str):
@@ -197,9 +199,11 @@ def _gram_fp32(A: torch.Tensor) -> torch.Tensor:
 
 
 # Temporaries of the torch tail's cross/Gram terms: three [rows, r] fp32 blocks.  24 MiB
-# keeps 8192 x r=384 to two row blocks: the loop is launch-bound (H200, 2026-11-29: 7
-# blocks of 6 MiB cost ~0.9 ms of the cached norm at 8192x8192, its GEMMs ~0.1 ms; the
-# tail kernel that replaced it on CUDA takes the norm to 0.23 ms, the torch tail 0.42 ms).
+# keeps 8192 x r=384 to two row blocks, since the loop is bound by launches (on the H200,
+# seven blocks of 6 MiB cost ~0.9 ms of the cached norm at 8192x8192 against ~0.1 ms of
+# GEMMs; a reading not kept in data/).  With 24 MiB the cached norm takes 0.46 ms there,
+# and 0.23 ms with the tail kernel that replaced this loop on CUDA (bf16, r=384:
+# data/gpu/norm_bench.csv).
 ROW_CHUNK_BYTES = 24 * 2**20
 
 
@@ -231,19 +235,29 @@ def factored_row_norm(
     costs O(d_out) and a device sync unless it fires; ``check=False`` skips it, for
     callers that check the final ``g`` once instead).  A zero row gives
     ``wnorm = 0`` exactly; :func:`magnitude_scale` turns that into a finite ``g``.
+    Where the tail runs: :func:`uses_tail_kernel`.
     """
+    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, get_config())
+
+
+def _check_base_sq(base_sq, d_out: int, device) -> None:
+    check_tensor("base_sq", base_sq, ndim=1, dtypes=(torch.float32,))
+    if base_sq.shape[0] != d_out or base_sq.device != device:
+        raise ValueError(
+            f"base_sq must be float32 [d_out] = [{d_out}] on {device}, "
+            f"got shape {tuple(base_sq.shape)} on {base_sq.device}"
+        )
+
+
+def _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check: bool, cfg: OpConfig) -> torch.Tensor:
+    """:func:`factored_row_norm` under the configuration ``cfg``."""
     d_out, d_in, r = check_lora_factors(W, A, B)
     s_raw = check_scale(scale)
     cols = chunk_columns(d_out, d_in, chunk_bytes)
     if base_sq is not None:
-        check_tensor("base_sq", base_sq, ndim=1, dtypes=(torch.float32,))
-        if base_sq.shape[0] != d_out or base_sq.device != W.device:
-            raise ValueError(
-                f"base_sq must be float32 [d_out] = [{d_out}] on {W.device}, "
-                f"got shape {tuple(base_sq.shape)} on {base_sq.device}"
-            )
+        _check_base_sq(base_sq, d_out, W.device)
     with torch.no_grad(), _autocast_off(W.device.type):
-        wnorm = _factored_core(W, A, B, scale_constants(s_raw), cols, chunk_bytes, base_sq)[0]
+        wnorm = _factored_core(W, A, B, scale_constants(s_raw), cols, chunk_bytes, base_sq, cfg)[0]
     if check and not torch.compiler.is_compiling() and not bool(torch.isfinite(wnorm).all()):
         for name, t in (("W", W), ("A", A), ("B", B)):
             check_finite(name, t)
@@ -260,7 +274,22 @@ def factored_row_norm(
     return wnorm
 
 
-def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, m=None, eps=None):
+def _torch_tail_terms(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cross, ba)`` fp32 ``[d_out]`` of the torch tail: over row blocks of ``B`` (fp32 copies
+    under ``ROW_CHUNK_BYTES``), ``cross = rowsum(B*U)`` and ``ba = rowsum((B G) * B)``."""
+    d_out, r = B.shape
+    cross = torch.empty(d_out, dtype=torch.float32, device=B.device)
+    ba = torch.empty(d_out, dtype=torch.float32, device=B.device)
+    rows = max(1, ROW_CHUNK_BYTES // (3 * 4 * r))
+    for start in range(0, d_out, rows):
+        Bc = B[start : start + rows].float()
+        cross[start : start + rows] = (Bc * U[start : start + rows]).sum(dim=1)
+        ba[start : start + rows] = ((Bc @ G) * Bc).sum(dim=1)
+        del Bc
+    return cross, ba
+
+
+def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConfig, m=None, eps=None):
     """``(wnorm, den, bad)`` of the factored norm, unchecked (callers hold no_grad, autocast off).
 
     With ``m`` and the tail kernel: ``den = max(wnorm, eps)`` and ``bad``, an int32
@@ -275,21 +304,40 @@ def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, m=None, eps
         return norm_assembly(TorchFP32CorrectSqrt, acc_base, zeros, zeros, 0.0, 0.0), None, None
     U = _u_product(W, A, cols)
     G = _gram_fp32(A)
-    if _tail_kernel_used(W.device):
+    if uses_tail_kernel(W.device, cfg):
         from .kernels.norm_tail import norm_tail
 
-        return norm_tail(U, B, G, acc_base, two_s, s_sq, m=m, eps=eps)
-    d_out, r = B.shape
-    cross = torch.empty(d_out, dtype=torch.float32, device=W.device)
-    ba = torch.empty(d_out, dtype=torch.float32, device=W.device)
-    rows = max(1, ROW_CHUNK_BYTES // (3 * 4 * r))
-    for start in range(0, d_out, rows):
-        Bc = B[start : start + rows].float()
-        cross[start : start + rows] = (Bc * U[start : start + rows]).sum(dim=1)
-        ba[start : start + rows] = ((Bc @ G) * Bc).sum(dim=1)
-        del Bc
+        return norm_tail(U, B, G, acc_base, two_s, s_sq, m=m, eps=eps, config=cfg)
+    cross, ba = _torch_tail_terms(U, B, G)
     del U
     return norm_assembly(TorchFP32CorrectSqrt, acc_base, cross, ba, two_s, s_sq), None, None
+
+
+def factored_terms(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, *,
+                   chunk_bytes: int | None = None, base_sq: torch.Tensor | None = None):
+    """``(base_sq, cross, ba, two_s, s_sq)``: what the factored norm's torch tail assembles.
+
+    The fp32 ``[d_out]`` terms ``base_sq = rowsum(W*W)`` (or the given cached one),
+    ``cross = rowsum(B * W A^T)``, ``ba = rowsum((B A A^T) * B)`` and the fp32 constants
+    ``2s``, ``s^2`` of :func:`~dora_num.numerics.formulas.scale_constants`, computed by the
+    same code and in the same order as :func:`factored_row_norm` with the torch tail
+    (``OpConfig.norm_tail="torch"``), whose result is
+    ``norm_assembly(TorchFP32CorrectSqrt, *factored_terms(...))`` bit for bit.  (The Triton
+    tail sums ``cross`` and ``ba`` in another order, within the same bound.)  For studies
+    of the assembly (notebook 02).  No gradient; inputs are not checked for finiteness.
+    """
+    d_out, d_in, r = check_lora_factors(W, A, B)
+    s, two_s, s_sq = scale_constants(check_scale(scale))
+    cols = chunk_columns(d_out, d_in, chunk_bytes)
+    if base_sq is not None:
+        _check_base_sq(base_sq, d_out, W.device)
+    with torch.no_grad(), _autocast_off(W.device.type):
+        acc_base = base_row_norm_sq(W, chunk_bytes=chunk_bytes) if base_sq is None else base_sq
+        if s == 0.0:
+            zeros = torch.zeros_like(acc_base)
+            return acc_base, zeros, zeros.clone(), 0.0, 0.0
+        cross, ba = _torch_tail_terms(_u_product(W, A, cols), B, _gram_fp32(A))
+    return acc_base, cross, ba, two_s, s_sq
 
 
 # --------------------------------------------------------------------------
@@ -319,13 +367,14 @@ def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) 
 
 @torch.library.custom_op("dora_num::weight_norm", mutates_args=())
 def _weight_norm_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
-                    chunk_bytes: int, check: bool) -> torch.Tensor:
+                    chunk_bytes: int, check: bool, config: str) -> torch.Tensor:
+    """``config``: the :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph."""
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
-    return factored_row_norm(W, A, B, scale, chunk_bytes=chunk_bytes, base_sq=base_sq, check=check)
+    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, OpConfig.from_key(config))
 
 
 @_weight_norm_op.register_fake
-def _(W, A, B, scale, chunk_bytes, check):
+def _(W, A, B, scale, chunk_bytes, check, config):
     return W.new_empty((W.shape[0],), dtype=torch.float32)
 
 
@@ -338,29 +387,41 @@ def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale:
     ``dora_num::weight_norm`` (no graph break), which consults the same cache on
     the tensor it is given at run time.
     """
+    return _weight_norm_cached(W, A, B, scale, chunk_bytes, check, get_config())
+
+
+def _weight_norm_cached(W, A, B, scale, chunk_bytes, check: bool, cfg: OpConfig) -> torch.Tensor:
     if torch.compiler.is_compiling():
         Wd = W if not W.requires_grad else W.detach()
         cb = resolve_chunk_bytes(W.shape[0], W.shape[1], chunk_bytes)
-        return _weight_norm_op(Wd, A.detach(), B.detach(), float(scale), int(cb), bool(check))
+        return _weight_norm_op(Wd, A.detach(), B.detach(), float(scale), int(cb), bool(check), cfg.key)
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
-    return factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes=chunk_bytes,
-                             base_sq=base_sq, check=check)
+    return _factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes, base_sq, check, cfg)
 
 
-def magnitude_scale_fast(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, m: torch.Tensor, *,
-                         chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(g, bad)`` for :class:`~dora_num.ops.layer.DoRALinear`'s forward, without a device sync.
+def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, m: torch.Tensor, *,
+                             chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(g, bad)``: :class:`~dora_num.ops.layer.DoRALinear`'s ``g`` and a finiteness flag,
+    without a device sync.
 
     ``g = m / max(||W + sBA||_row, eps)`` (fp32, differentiable in ``m``; the norm
     detached, ``base_sq`` cached on W), bitwise the ``g`` of :func:`magnitude_scale`
     on :func:`weight_norm_cached` given the same ``wnorm``.  ``bad`` is a device tensor,
-    nonzero iff some ``wnorm`` or ``g`` is not finite (the caller reads it once, late;
-    None under ``torch.compile``, where the compose op checks ``g`` itself).  On
-    CUDA the norm's tail, the clamp and the flag are one Triton launch
-    (:mod:`dora_num.ops.kernels.norm_tail`) and ``g`` one division.
+    nonzero iff some ``wnorm`` or ``g`` is not finite, for the caller to read once, late
+    (as the layer does; ``bool(bad.any())`` syncs).  ``bad`` is None under
+    ``torch.compile``, where the norm op checks ``wnorm`` and the compose op ``g`` at run
+    time.  No value checks of the inputs (the flag is the check; on failure call
+    :func:`magnitude_scale` on :func:`factored_row_norm` to have the input at fault
+    named).  On CUDA the norm's tail, the clamp and the flag are one Triton launch
+    (:mod:`dora_num.ops.kernels.norm_tail`) and ``g`` one division; where the tail runs:
+    :func:`uses_tail_kernel`.
     """
+    return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, get_config())
+
+
+def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig):
     if torch.compiler.is_compiling():  # the op checks wnorm at run time (as the flag does in eager)
-        wnorm = weight_norm_cached(W, A, B, scale, chunk_bytes=chunk_bytes, check=True)
+        wnorm = _weight_norm_cached(W, A, B, scale, chunk_bytes, True, cfg)
         return magnitude_scale(m, wnorm, check=False), None
     d_out, d_in, _ = check_lora_factors(W, A, B)
     check_tensor("m", m, ndim=1)
@@ -372,7 +433,7 @@ def magnitude_scale_fast(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scal
     with torch.no_grad(), _autocast_off(W.device.type):
         wnorm, den, bad = _factored_core(W.detach(), A.detach(), B.detach(), scale_constants(check_scale(scale)),
                                          chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
-                                         m=tail_m, eps=eps)
+                                         cfg, m=tail_m, eps=eps)
     if den is None:  # the torch tail
         g = magnitude_scale(m, wnorm, eps=eps, check=False)
         return g, ~(torch.isfinite(wnorm).all() & torch.isfinite(g.detach()).all())

@@ -135,16 +135,12 @@ def ulp_histogram(a: torch.Tensor, b: torch.Tensor, max_ulp: int = 4) -> dict[st
 
 @contextlib.contextmanager
 def host_path(norm_tail: str, fold: bool | None = None):
-    """Within: the norm's tail (``dora_num.ops.norm.NORM_TAIL``: ``"auto"`` / ``"torch"``) and,
-    if given, ``DoRALinear.FOLD_OUTPUT_ADD`` set as asked; the same-run A/B switches of the
-    layer's host path (GPU suite, host probe).  Restored on exit."""
-    from ..ops import layer as L
-    from ..ops import norm as N
+    """Within: the norm's tail (``OpConfig.norm_tail``: ``"auto"`` / ``"torch"``) and, if
+    given, the layer's output-add fold (``OpConfig.fold_output_add``) set as asked, for
+    this thread (:func:`dora_num.ops.config.override`); the same-run A/B switches of the
+    layer's host path (GPU suite, host probe)."""
+    from ..ops.config import override
 
-    prev = N.NORM_TAIL, L.FOLD_OUTPUT_ADD
-    N.NORM_TAIL = norm_tail
-    L.FOLD_OUTPUT_ADD = prev[1] if fold is None else fold
-    try:
+    changes = {"norm_tail": norm_tail} if fold is None else {"norm_tail": norm_tail, "fold_output_add": fold}
+    with override(**changes):
         yield
-    finally:
-        N.NORM_TAIL, L.FOLD_OUTPUT_ADD = prev

@@ -27,6 +27,7 @@ helper, with the GPU's device description from ``device.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -35,6 +36,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ..ops.config import get_config, override
 
 DEFAULT_TOKENS = (512, 2048, 8192, 16384)
 DEFAULT_DOUT = (512, 4096, 8192, 28672)
@@ -76,13 +79,7 @@ def device_description(git_sha: str | None) -> dict:
     return {"device": info, "versions": {**versions(), "triton_runtime": triton.__version__,
                                          "torch_cuda": torch.version.cuda},
             "git_sha": git_sha, "python": platform.python_version(), "argv": sys.argv,
-            "dg_final_in_kernel": _kc().DG_FINAL_IN_KERNEL}
-
-
-def _kc():
-    from ..ops.kernels import compose as kc
-
-    return kc
+            "dg_final_in_kernel": get_config().dg_stage2_in_kernel}
 
 
 # --------------------------------------------------------------------------
@@ -155,7 +152,6 @@ def bench_compose(tokens_list, dout_list, dtypes, copy_gbps, compile_dtypes_shap
 def _compose_config(rows, dtype, tokens, d_out, b, tol, s, gen, copy_gbps, compile_dtypes_shapes):
     import torch
 
-    from ..ops import compose as C
     from ..ops import reference as ref
     from ..ops.compose import ComposeFunction
     from ..ops.kernels import compose as kc
@@ -167,7 +163,7 @@ def _compose_config(rows, dtype, tokens, d_out, b, tol, s, gen, copy_gbps, compi
     key = {"dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "d_out": d_out}
 
     def rec(op, impl, t, ok, err, traffic, **extra):
-        nbytes = compose_bytes(traffic, n, b, d_out, bwd_block_m=kc.BWD_BLOCK_M)
+        nbytes = compose_bytes(traffic, n, b, d_out, bwd_block_m=get_config().compose_tiles.bwd_block_m)
         row = {**key, "op": op, "impl": impl, "check_ok": ok, "err": err, "bytes": nbytes, **extra}
         if t is not None:
             row.update(t.as_dict())
@@ -238,12 +234,9 @@ def _compose_config(rows, dtype, tokens, d_out, b, tol, s, gen, copy_gbps, compi
         o = fwd(bl, ll, gg)
         return lambda: torch.autograd.grad(o, inputs, grad, retain_graph=True)
 
-    def fused_inner(b_, l_, g_):
-        C.RECOMPUTE_INNER = False  # the spec's variant: the forward writes inner
-        try:
+    def fused_inner(b_, l_, g_):  # the spec's variant: the forward writes inner
+        with override(recompute_inner=False):
             return ComposeFunction.apply(b_, l_, g_, s, True)
-        finally:
-            C.RECOMPUTE_INNER = True
 
     impls = {
         "eager_autograd": lambda b_, l_, g_: _autograd_expr(b_, l_, g_, s),
@@ -279,35 +272,30 @@ def tile_sweep(copy_gbps) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     base, lora, g, grad = _compose_inputs(8192, 8192, torch.bfloat16, gen)
     _, inner = kc.compose_fwd(base, lora, g, SCALE, write_inner=True)
-    saved = (kc.FWD_TILE_ELEMS, kc.FWD_MAX_BLOCK_N, kc.FWD_NUM_WARPS, kc.BWD_BLOCK_M, kc.BWD_MAX_BLOCK_N,
-             kc.BWD_NUM_WARPS)
+    default = get_config().compose_tiles
     rows = []
     n = base.numel()
-    try:
-        for tile in (2048, 4096, 8192, 16384):
-            for warps in (4, 8):
-                kc.FWD_TILE_ELEMS, kc.FWD_NUM_WARPS = tile, warps
+    for tile in (2048, 4096, 8192, 16384):
+        for warps in (4, 8):
+            with override(compose_tiles=dataclasses.replace(default, fwd_tile_elems=tile, fwd_num_warps=warps)):
                 t = time_ms(lambda: kc.compose_fwd(base, lora, g, SCALE))
-                nb = compose_bytes("fwd", n, 2, 8192)
-                rows.append({"kernel": "fwd", "tile_elems": tile, "num_warps": warps, **t.as_dict(),
-                             "pct_copy": 100 * nb / (t.ms * 1e-3) / 1e9 / copy_gbps})
-        kc.FWD_TILE_ELEMS, kc.FWD_MAX_BLOCK_N, kc.FWD_NUM_WARPS = saved[:3]
-        for mode in ("inner", "recompute"):
-            for bm in (32, 64, 128):
-                for bn in (64, 128, 256):
-                    for warps in (4, 8):
-                        kc.BWD_BLOCK_M, kc.BWD_MAX_BLOCK_N, kc.BWD_NUM_WARPS = bm, bn, warps
+            nb = compose_bytes("fwd", n, 2, 8192)
+            rows.append({"kernel": "fwd", "tile_elems": tile, "num_warps": warps, **t.as_dict(),
+                         "pct_copy": 100 * nb / (t.ms * 1e-3) / 1e9 / copy_gbps})
+    for mode in ("inner", "recompute"):
+        for bm in (32, 64, 128):
+            for bn in (64, 128, 256):
+                for warps in (4, 8):
+                    tiles = dataclasses.replace(default, bwd_block_m=bm, bwd_max_block_n=bn, bwd_num_warps=warps)
+                    with override(compose_tiles=tiles):
                         if mode == "inner":
                             t = time_ms(lambda: kc.compose_bwd(grad, inner, g, SCALE))
                         else:
                             t = time_ms(lambda: kc.compose_bwd(grad, None, g, SCALE, base=base, lora=lora))
-                        kind = "bwd" if mode == "inner" else "bwd_recompute"
-                        nb = compose_bytes(kind, n, 2, 8192, bwd_block_m=bm)
-                        rows.append({"kernel": kind, "block_m": bm, "block_n": bn, "num_warps": warps,
-                                     **t.as_dict(), "pct_copy": 100 * nb / (t.ms * 1e-3) / 1e9 / copy_gbps})
-    finally:
-        (kc.FWD_TILE_ELEMS, kc.FWD_MAX_BLOCK_N, kc.FWD_NUM_WARPS, kc.BWD_BLOCK_M, kc.BWD_MAX_BLOCK_N,
-         kc.BWD_NUM_WARPS) = saved
+                    kind = "bwd" if mode == "inner" else "bwd_recompute"
+                    nb = compose_bytes(kind, n, 2, 8192, bwd_block_m=bm)
+                    rows.append({"kernel": kind, "block_m": bm, "block_n": bn, "num_warps": warps,
+                                 **t.as_dict(), "pct_copy": 100 * nb / (t.ms * 1e-3) / 1e9 / copy_gbps})
     return rows
 
 

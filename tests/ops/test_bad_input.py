@@ -1,4 +1,4 @@
-"""Bad input (issue 2, item 9): each case raises a clear exception that names the
+"""Bad input: each case raises a clear exception that names the
 argument and the problem (exception type AND message checked), or gives a
 documented finite result.
 

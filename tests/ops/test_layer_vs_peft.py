@@ -1,4 +1,4 @@
-"""PEFT as the oracle: ``DoRALinear`` against PEFT's DoRA layer (issue 2, item 4).
+"""PEFT as the oracle: ``DoRALinear`` against PEFT's DoRA layer.
 
 Both layers get identical ``W, b, A, B, m`` and scale; ``B`` and ``m`` are
 perturbed deterministically (``||sBA|| = 5% ||W||``, ``g - 1 ~ 1e-3``).  We compare

@@ -1,4 +1,4 @@
-"""Factored vs dense row norm against an fp64 reference (issue 2, item 5).
+"""Factored vs dense row norm against an fp64 reference.
 
 Bounds: :func:`dora_num.numerics.bounds.factored_norm_bound` and
 :func:`~dora_num.numerics.bounds.dense_norm_bound` (standard model, any summation
@@ -23,14 +23,13 @@ the allocator events (:func:`dora_num.oracles.measure_cpu_allocations`).
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
 
 import dora_num as dn
-from dora_num.numerics.bounds import dense_norm_bound, factored_norm_bound
+from dora_num.numerics.bounds import dense_norm_bound, factored_norm_bound, gamma
 from dora_num.oracles import (
     fp32_scale,
     measure_cpu_allocations,
@@ -153,25 +152,116 @@ def test_factored_and_dense_within_bounds(case, record):
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_norm_tail_kernel_within_bound(case, monkeypatch):
+def test_norm_tail_kernel_within_bound(case):
     """The one-launch Triton tail (cross, ba, assembly; CUDA's default) under the same
-    bound, here under TRITON_INTERPRET=1 (on the H200: tests/ops/kernels/test_gpu_kernels.py)."""
-    from dora_num.ops import norm as N
+    bound, here under TRITON_INTERPRET=1 (``norm_tail="triton"``; on the H200 the CUDA cases
+    of tests/ops/kernels/test_norm_tail.py hold it to the bound)."""
+    from dora_num.ops.config import get_config, override
+    from dora_num.ops.norm import uses_tail_kernel
 
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not get_config().interpret:
         pytest.skip("the CPU run of the tail kernel needs TRITON_INTERPRET=1 (set by tests/conftest.py without "
-                    "CUDA); on the H200 the kernel is held to the bound by tests/ops/kernels/test_gpu_kernels.py")
+                    "CUDA); on the H200 the kernel is held to the bound by tests/ops/kernels/test_norm_tail.py")
     d_out, d_in, r, regime, dtype = CASES[case]
     W, A, B, s = _inputs(d_out, d_in, r, regime, seed=len(case) * 7919 + d_in, dtype=dtype)
     ex = row_norm_ref64(W, A, B, s).numpy()
     bound = factored_norm_bound(W.float().numpy(), A.float().numpy(), B.float().numpy(), s) \
         + row_norm_ref64_error_bound(W, A, B, s).numpy()
-    monkeypatch.setattr(N, "NORM_TAIL", "triton")
-    assert N._tail_kernel_used(W.device)
-    f = dn.factored_row_norm(W, A, B, s, base_sq=dn.base_row_norm_sq(W))
+    with override(norm_tail="triton"):
+        assert uses_tail_kernel(W.device)
+        f = dn.factored_row_norm(W, A, B, s, base_sq=dn.base_row_norm_sq(W))
     assert f.dtype == torch.float32 and f.shape == (d_out,)
     err = np.abs(f.double().numpy() - ex)
     assert (err <= bound).all(), f"tail kernel: worst err/bound {_ratio_to(err, bound):.3g}"
+
+
+@pytest.mark.parametrize("case", ["random-63x300-r8", "adversarial-64x256-r16", "scale0-5x64-r4"])
+def test_factored_terms_are_what_the_torch_tail_assembles(case):
+    """``factored_terms`` returns the terms the torch tail assembles: their correctly rounded
+    assembly is ``factored_row_norm`` under ``norm_tail="torch"`` bit for bit, with and
+    without the cached ``base_sq``; each term is within its own error of the fp64 value."""
+    from dora_num.numerics.arithmetic import TorchFP32CorrectSqrt
+    from dora_num.numerics.formulas import norm_assembly, scale_constants
+    from dora_num.ops.config import override
+    from dora_num.ops.norm import factored_terms
+
+    regime, shape, rank = case.split("-")
+    d_out, d_in = map(int, shape.split("x"))
+    W, A, B, s = _inputs(d_out, d_in, int(rank[1:]), regime, seed=17)
+    with override(norm_tail="torch"):
+        want = dn.factored_row_norm(W, A, B, s)
+        want_cached = dn.factored_row_norm(W, A, B, s, base_sq=dn.base_row_norm_sq(W))
+    terms = factored_terms(W, A, B, s)
+    assert terms[3:] == scale_constants(s)[1:]
+    assert all(t.dtype == torch.float32 and t.shape == (d_out,) for t in terms[:3])
+    assert torch.equal(norm_assembly(TorchFP32CorrectSqrt, *terms), want)
+    cached = factored_terms(W, A, B, s, base_sq=dn.base_row_norm_sq(W))
+    assert torch.equal(norm_assembly(TorchFP32CorrectSqrt, *cached), want_cached)
+    W64, A64, B64 = W.double(), A.double(), B.double()
+    exact = ((W64 * W64).sum(1), (B64 * (W64 @ A64.T)).sum(1), ((B64 @ (A64 @ A64.T)) * B64).sum(1))
+    mags = ((W64 * W64).sum(1), (B64.abs() * (W64.abs() @ A64.abs().T)).sum(1),
+            ((B64.abs() @ (A64.abs() @ A64.abs().T)) * B64.abs()).sum(1))
+    for t, e, mag, n in zip(terms[:3], exact, mags, (d_in, d_in + B.shape[1], d_in + 2 * B.shape[1])):
+        if s == 0.0 and n != d_in:
+            assert bool((t == 0).all())  # scale 0 skips the cross and Gram terms
+            continue
+        # standard model: n + 1 roundings of fp32 products and sums, plus 2^-149 per operation for underflow
+        assert bool(((t.double() - e).abs() <= gamma(n + 1, 2.0**-24) * mag + 2 * n * 2.0**-149).all())
+
+
+def test_weight_norm_op_and_base_sq_cache():
+    """The weight-norm custom op equals factored_row_norm; the base_sq cache lives on W and
+    is recomputed when W is written in place."""
+    from dora_num.ops.config import get_config
+    from dora_num.ops.norm import DEFAULT_CHUNK_BYTES, cached_base_row_norm_sq, weight_norm_cached
+
+    gen = torch.Generator().manual_seed(5)
+    W = torch.randn(24, 40, generator=gen)
+    A = torch.randn(4, 40, generator=gen)
+    B = torch.randn(24, 4, generator=gen)
+    torch.library.opcheck(torch.ops.dora_num.weight_norm.default,
+                          (W, A, B, 0.7, DEFAULT_CHUNK_BYTES, True, get_config().key),
+                          test_utils=("test_schema", "test_faketensor"))
+    want = dn.factored_row_norm(W, A, B, 0.7)
+    assert torch.equal(weight_norm_cached(W, A, B, 0.7), want)
+    first = cached_base_row_norm_sq(W)
+    assert cached_base_row_norm_sq(W) is first  # a hit: the same tensor
+    with torch.no_grad():
+        W[0].mul_(2.0)  # bumps W's version counter
+    again = cached_base_row_norm_sq(W)
+    assert again is not first
+    assert torch.equal(again, dn.base_row_norm_sq(W))
+
+
+@pytest.mark.gpu
+def test_factored_norm_tensor_core_within_bound_and_small():
+    """At the target shape 8192x8192, r=384, bf16 on the H200: U within its bound, peak extra
+    memory within the memory model (U + G + a few [d_out] vectors: the tail kernel keeps B @ G
+    and B's fp32 copy in registers) and <= 1/15 of the dense fp32 norm's."""
+    from dora_num.ops.norm import _u_product
+
+    d_out, d_in, r = 8192, 8192, 384
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    W = (torch.randn(d_out, d_in, device="cuda", generator=gen) / math.sqrt(d_in)).bfloat16()
+    A = (torch.randn(r, d_in, device="cuda", generator=gen) / math.sqrt(d_in)).bfloat16()
+    B = (1e-2 * torch.randn(d_out, r, device="cuda", generator=gen)).bfloat16()
+    s = 192 / math.sqrt(r)
+    U = _u_product(W, A, d_in)
+    U64 = W.double() @ A.double().T
+    gamma_tc = 2 * d_in * 2.0**-24 / (1 - 2 * d_in * 2.0**-24)  # the accumulator may truncate (_u_product)
+    assert bool(((U.double() - U64).abs() <= gamma_tc * (W.double().abs() @ A.double().abs().T)).all())
+    base_sq = dn.base_row_norm_sq(W)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    w = dn.factored_row_norm(W, A, B, s, base_sq=base_sq)
+    peak = torch.cuda.max_memory_allocated() - before
+    dense_bytes = 3 * d_out * d_in * 4  # dense fp32 norm: B@A, W.float(), their sum (measured 805 MB)
+    model = d_out * r * 4 + r * r * 4 + 4 * d_out * 4
+    assert peak <= model, f"peak extra {peak} B above the model's {model} B"
+    assert peak <= dense_bytes / 15, f"peak extra {peak} B vs dense fp32 {dense_bytes} B"
+    ref64 = torch.linalg.vector_norm(W.double() + s * (B.double() @ A.double()), dim=1)
+    assert float(((w.double() - ref64).abs() / ref64).max()) < 1e-5
 
 
 def test_chunk_width_is_multiple_of_64_and_changes_result_only_within_bound():

@@ -35,9 +35,15 @@ dg reduction and its bound.  Stage 1: program ``(i, j)`` sums the fp32 products
 time by the tile's layout: on the H200 each thread adds its column's 64 rows in one
 chain) into ``partials[i, cols_j]``.  Stage 2: for each column
 block, the ``nb = ceil(M / BLOCK_M)`` partials are added in a fixed order
-(chunks of ``FIN_CHUNK`` row blocks in sequence, an order inside each chunk fixed
+(chunks of ``fin_chunk`` row blocks in sequence, an order inside each chunk fixed
 by the tile shape), by the last program of that column block to finish stage 1 (found with
-an integer arrival counter; ``DG_FINAL_IN_KERNEL``) or by a second launch.  No
+an integer arrival counter; ``OpConfig.dg_stage2_in_kernel``, the default) or by a
+second launch.  The in-kernel mode saves a launch because the fused training step is
+bound by the host at 8192x8192 bf16 (H200: 474 us of wall time per step, all of it
+host time; ``data/gpu/host_overhead.log``); its order is fixed but belongs to the backward's
+``bwd_block_m x bwd_max_block_n`` tile rather than to the stage-2 kernel's
+``fin_chunk x fin_block_n`` tile, so the two modes need not agree bitwise (each is
+deterministic and within the same bound).  No
 float atomics: the result is bitwise reproducible run to run.  With products ``p_k`` each
 rounded once, standard model: ``|dg_hat - dg| <= gamma_{A+1} * sum_k |inner_k D_k|``
 where ``A`` is the most additions any product passes through:
@@ -53,54 +59,22 @@ inputs return empty outputs without a launch.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-# Tile shapes, from the GPU suite's tile sweep at 8192x8192 bf16 on the H200
-# (data/gpu/tile_sweep.csv, 2026-11-29).  Forward: every tile of 2048..16384
-# elements with 4 or 8 warps reached 92.8-93.7% of the copy bandwidth; 4096 / 4
-# warps (93.7%).  Backward: BLOCK_M x BLOCK_N = 64 x 128, 4 warps was best for the
-# recompute-inner kernel (85.7%; 86.7% with a saved inner), against 74-80% for
-# 32-row tiles and 14-87% for 128-row tiles (128 x 256 spills: 14%).  Taller tiles
-# also keep nb, which enters the dg bound, small.
-FWD_TILE_ELEMS = 4096
-FWD_MAX_BLOCK_N = 1024
-FWD_NUM_WARPS = 4
-BWD_BLOCK_M = 64
-BWD_MAX_BLOCK_N = 128
-BWD_NUM_WARPS = 4
-FIN_BLOCK_N = 64
-FIN_CHUNK = 64
-# Stage 2 of dg inside the backward kernel (the last program of each column block
-# sums the partials) instead of a second launch: one launch fewer, since at
-# 8192x8192 bf16 the training step is bound by the host (31-65 us of CPU per
-# launcher call on the H200 host: studies/bench_overhead.py).  Its order is fixed
-# but belongs to the backward's 64x128 tile, not to the stage-2 kernel's 64x64
-# tile, so the two modes need not agree bitwise (each is deterministic and within
-# the same bound).  ``DORA_NUM_DG_TWO_LAUNCH=1`` restores the separate stage-2
-# kernel (ablation).
-DG_FINAL_IN_KERNEL = os.environ.get("DORA_NUM_DG_TWO_LAUNCH", "0") != "1"
-# Under the interpreter each program instance costs ~1 ms: use big tiles there.
-if INTERPRET:
-    FWD_TILE_ELEMS = 1 << 16
-    BWD_BLOCK_M = 64
-    BWD_MAX_BLOCK_N = 1024
-    FIN_BLOCK_N = 1024
+from ..config import OpConfig, get_config
 
 U32 = 2.0**-24
-# Tests set this to fill every buffer the launchers allocate with NaN first, so an
-# element a kernel fails to write shows up (costs one extra pass; off in production).
-POISON = False
 
 
-def _new(shape, dtype, device):
+def new_buffer(shape, dtype, device, poison: bool) -> torch.Tensor:
+    """A kernel's output buffer: ``torch.empty``, or with ``poison`` (``OpConfig.poison``, set
+    by the tests) filled with NaN (-1 for integers) first, so an element a kernel fails to
+    write shows up (one extra pass).  Every launcher of :mod:`dora_num.ops.kernels` allocates
+    through it."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if not POISON:
+    if not poison:
         return t
     return t.fill_(float("nan") if t.is_floating_point() else -1)
 
@@ -204,7 +178,7 @@ def _dg_final_sum(partial_ptr, dg_ptr, cols, col_mask, n_blocks, n_cols, BLOCK_N
 
 @triton.jit
 def _dg_final_kernel(partial_ptr, dg_ptr, n_blocks, n_cols, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """Stage 2 as its own launch (``DG_FINAL_IN_KERNEL = False``)."""
+    """Stage 2 as its own launch (``OpConfig.dg_stage2_in_kernel=False``)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _dg_final_sum(partial_ptr, dg_ptr, cols, cols < n_cols, n_blocks, n_cols, BLOCK_N, CHUNK)
 
@@ -247,16 +221,19 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _fwd_blocks(n_cols: int) -> tuple[int, int]:
-    block_n = min(FWD_MAX_BLOCK_N, triton.next_power_of_2(max(n_cols, 1)))
-    block_m = max(1, FWD_TILE_ELEMS // block_n)
+def _fwd_blocks(n_cols: int, tiles) -> tuple[int, int]:
+    block_n = min(tiles.fwd_max_block_n, triton.next_power_of_2(max(n_cols, 1)))
+    block_m = max(1, tiles.fwd_tile_elems // block_n)
     return block_m, block_n
 
 
 def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float, *,
                 write_inner: bool = False, out: torch.Tensor | None = None, add_base: bool = False,
-                fp_fusion: bool = False, return_kernel: bool = False):
+                fp_fusion: bool = False, return_kernel: bool = False, config: OpConfig | None = None):
     """Fused stable compose.  Returns ``(out, inner)`` (``inner`` None unless asked).
+
+    ``config`` (default :func:`~dora_num.ops.config.get_config`): the tiles
+    (``compose_tiles``) and ``poison`` to launch with.
 
     ``add_base``: ``out = base + delta`` with ``delta`` rounded to the activation dtype
     first, i.e. bitwise ``base + compose(...)`` in torch (the layer's output, one pass
@@ -269,12 +246,13 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
     never the production path.  With ``return_kernel`` the compiled kernel handle
     is appended (to read its PTX).
     """
+    cfg = get_config() if config is None else config
     shape = base.shape
     base2 = _as_2d("base", base)
     lora2 = _as_2d("lora", lora)
     n_rows, n_cols = base2.shape
     if out is None:
-        out2 = _new(base2.shape, base2.dtype, base2.device)
+        out2 = new_buffer(base2.shape, base2.dtype, base2.device, cfg.poison)
     else:
         if not out.is_contiguous():
             raise ValueError("out must be contiguous for the in-place fused compose")
@@ -282,16 +260,16 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
             raise ValueError(f"out must match base ({tuple(shape)}, {base.dtype}, {base.device}), got "
                              f"({tuple(out.shape)}, {out.dtype}, {out.device})")
         out2 = out.view(n_rows, n_cols)
-    inner2 = _new((n_rows, n_cols), torch.float32, base.device) if write_inner else None
+    inner2 = new_buffer((n_rows, n_cols), torch.float32, base.device, cfg.poison) if write_inner else None
     kernel = None
     if base2.numel():
-        block_m, block_n = _fwd_blocks(n_cols)
+        block_m, block_n = _fwd_blocks(n_cols, cfg.compose_tiles)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
         kernel = _compose_fwd_kernel[grid](
             base2, lora2, g.contiguous(), out2, inner2 if write_inner else out2,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n, WRITE_INNER=write_inner, ADD_BASE=add_base,
-            num_warps=FWD_NUM_WARPS, enable_fp_fusion=fp_fusion,
+            num_warps=cfg.compose_tiles.fwd_num_warps, enable_fp_fusion=fp_fusion,
         )
     res = (out2.view(shape), inner2.view(shape) if write_inner else None)
     return res + (kernel,) if return_kernel else res
@@ -299,8 +277,13 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
 
 def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor, s: float, *,
                 need_dlora: bool = True, need_dbase: bool = True, need_dg: bool = True,
-                base: torch.Tensor | None = None, lora: torch.Tensor | None = None, add_grad: bool = False):
+                base: torch.Tensor | None = None, lora: torch.Tensor | None = None, add_grad: bool = False,
+                config: OpConfig | None = None):
     """Fused compose backward: ``(dlora, dbase, dg)``; entries not asked for are None.
+
+    ``config`` (default :func:`~dora_num.ops.config.get_config`; the autograd backward
+    passes its forward's): the tiles (``compose_tiles``), where stage 2 of ``dg`` runs
+    (``dg_stage2_in_kernel``) and ``poison``.
 
     ``add_grad`` (the backward of ``compose_fwd(add_base=True)``): ``dbase = grad + (g-1)*grad``
     with the second term rounded first, bitwise autograd's accumulation of the two.
@@ -311,6 +294,8 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
     ``inner`` recomputed in registers with the forward's two operations (the
     same bits; saves writing and re-reading 4 bytes per element).
     """
+    cfg = get_config() if config is None else config
+    tiles = cfg.compose_tiles
     shape = grad.shape
     grad2 = _as_2d("grad", grad)
     n_rows, n_cols = grad2.shape
@@ -328,18 +313,18 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
         if inner2.dtype != torch.float32 or inner2.shape != grad2.shape:
             raise ValueError(f"inner must be float32 of grad's shape {tuple(shape)}, got "
                              f"{inner.dtype} {tuple(inner.shape)}")
-    dlora = _new(grad2.shape, grad2.dtype, dev) if need_dlora else None
-    dbase = _new(grad2.shape, grad2.dtype, dev) if need_dbase else None
-    dg = _new((n_cols,), torch.float32, dev) if need_dg else None
+    dlora = new_buffer(grad2.shape, grad2.dtype, dev, cfg.poison) if need_dlora else None
+    dbase = new_buffer(grad2.shape, grad2.dtype, dev, cfg.poison) if need_dbase else None
+    dg = new_buffer((n_cols,), torch.float32, dev, cfg.poison) if need_dg else None
     if need_dg and grad2.numel() == 0:
         dg.zero_()  # an empty sum
     if grad2.numel() and (need_dlora or need_dbase or need_dg):
-        block_m = BWD_BLOCK_M
-        block_n = min(BWD_MAX_BLOCK_N, triton.next_power_of_2(n_cols))
+        block_m = tiles.bwd_block_m
+        block_n = min(tiles.bwd_max_block_n, triton.next_power_of_2(n_cols))
         n_blocks = triton.cdiv(n_rows, block_m)
         n_col_blocks = triton.cdiv(n_cols, block_n)
-        partials = _new((n_blocks, n_cols), torch.float32, dev) if need_dg else None
-        final_in_kernel = need_dg and DG_FINAL_IN_KERNEL
+        partials = new_buffer((n_blocks, n_cols), torch.float32, dev, cfg.poison) if need_dg else None
+        final_in_kernel = need_dg and cfg.dg_stage2_in_kernel
         counts = _arrival_counters(dev, n_col_blocks) if final_in_kernel else None
         dummy = grad2
         _compose_bwd_kernel[(n_blocks, n_col_blocks)](
@@ -350,22 +335,24 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n,
             WRITE_DLORA=need_dlora, WRITE_DBASE=need_dbase, NEED_DG=need_dg, RECOMPUTE_INNER=recompute,
-            FINAL_IN_KERNEL=final_in_kernel, CHUNK=FIN_CHUNK, ADD_GRAD=add_grad,
-            num_warps=BWD_NUM_WARPS, enable_fp_fusion=False,
+            FINAL_IN_KERNEL=final_in_kernel, CHUNK=tiles.fin_chunk, ADD_GRAD=add_grad,
+            num_warps=tiles.bwd_num_warps, enable_fp_fusion=False,
         )
         if need_dg and not final_in_kernel:
-            fin_n = min(FIN_BLOCK_N, triton.next_power_of_2(n_cols))
+            fin_n = min(tiles.fin_block_n, triton.next_power_of_2(n_cols))
             _dg_final_kernel[(triton.cdiv(n_cols, fin_n),)](
-                partials, dg, n_blocks, n_cols, BLOCK_N=fin_n, CHUNK=FIN_CHUNK, num_warps=4,
+                partials, dg, n_blocks, n_cols, BLOCK_N=fin_n, CHUNK=tiles.fin_chunk, num_warps=4,
                 enable_fp_fusion=False)
     return (dlora.view(shape) if need_dlora else None,
             dbase.view(shape) if need_dbase else None,
             dg)
 
 
-def dg_error_bound(inner: torch.Tensor, grad: torch.Tensor, n_rows: int | None = None) -> torch.Tensor:
+def dg_error_bound(inner: torch.Tensor, grad: torch.Tensor, n_rows: int | None = None, *,
+                   config: OpConfig | None = None) -> torch.Tensor:
     """A-priori bound on ``|dg_fused - sum_rows(inner * D)|`` per column (fp64 ``[N]``),
-    ``inner`` being the fp32 tensor the kernel multiplies (exact sum of its products).
+    ``inner`` being the fp32 tensor the kernel multiplies (exact sum of its products),
+    for the tiles of ``config`` (default :func:`~dora_num.ops.config.get_config`).
 
     Each product rounds once (``u``, plus ``2^-150`` if it underflows), then passes
     through at most ``A`` additions of this kernel's two-stage tree
@@ -379,6 +366,7 @@ def dg_error_bound(inner: torch.Tensor, grad: torch.Tensor, n_rows: int | None =
     inner2 = inner.reshape(-1, inner.shape[-1]).double()
     d2 = grad.reshape(-1, grad.shape[-1]).double()
     m = inner2.shape[0] if n_rows is None else n_rows
-    adds = dg_max_additions("fused", max(1, m), block_m=BWD_BLOCK_M, chunk=FIN_CHUNK)
+    tiles = (get_config() if config is None else config).compose_tiles
+    adds = dg_max_additions("fused", max(1, m), block_m=tiles.bwd_block_m, chunk=tiles.fin_chunk)
     underflow = max(1, m) * 2.0**-150 * (1 + gamma(adds, U32))
     return gamma(adds + 1, U32) * (inner2 * d2).abs().sum(dim=0) + underflow

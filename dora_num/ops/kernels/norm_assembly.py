@@ -7,7 +7,7 @@ The sequence is :func:`dora_num.numerics.formulas.norm_assembly`::
     t = max(t, 0)                 # NaN propagates, as torch.clamp_min
     wnorm = sqrt(t)
 
-Variants (the FMA/sqrt study, issue 6):
+Variants (the FMA/sqrt study of notebook 02):
 
 - ``fp_fusion``: ``False`` launches with ``enable_fp_fusion=False`` (mul then add,
   two roundings, bitwise equal to eager torch); ``True`` lets Triton contract
@@ -20,7 +20,7 @@ Production: ``fp_fusion=False, sqrt="rn"``: bitwise equal to
 ``norm_assembly(TorchFP32, ...)`` on CUDA (whose ``torch.sqrt`` is correctly
 rounded) and to :class:`~dora_num.numerics.arithmetic.TorchFP32CorrectSqrt`
 everywhere.  The assembly is O(d_out) work; this kernel exists to study (and pin
-down) what a fused implementation does, and its sequence (:func:`_assemble`) is the
+down) what a fused implementation does, and its sequence (:func:`assemble`) is the
 one the production tail kernel of :mod:`.norm_tail` runs on every forward.
 """
 
@@ -30,18 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from . import compose as _kc
-from .compose import INTERPRET
+from ..config import OpConfig, get_config
+from .compose import new_buffer
 
 SQRT_VARIANTS = ("approx", "rn", "ptx")
 _SQRT_CODE = {"approx": 0, "rn": 1, "ptx": 2}
-PRODUCTION = {"fp_fusion": False, "sqrt": "rn"}
 
 
 @triton.jit
-def _assemble(base, cross, ba, two_s, s_sq, SQRT: tl.constexpr):
+def assemble(base, cross, ba, two_s, s_sq, SQRT: tl.constexpr):
     """The assembly sequence of the module docstring on fp32 blocks (one definition,
-    shared by :func:`_norm_assembly_kernel` and the norm tail of :mod:`.norm_tail`)."""
+    shared by :func:`_norm_assembly_kernel` and the norm tail of :mod:`.norm_tail`);
+    ``SQRT``: 0 ``tl.sqrt``, 1 ``tl.sqrt_rn`` (production), 2 inline PTX ``sqrt.rn.f32``."""
     t = two_s * cross + base
     t = s_sq * ba + t
     t = tl.maximum(t, 0.0, propagate_nan=tl.PropagateNan.ALL)
@@ -63,19 +63,22 @@ def _norm_assembly_kernel(base_ptr, cross_ptr, ba_ptr, out_ptr, n, two_s, s_sq,
     base = tl.load(base_ptr + offsets, mask=mask, other=0.0)
     cross = tl.load(cross_ptr + offsets, mask=mask, other=0.0)
     ba = tl.load(ba_ptr + offsets, mask=mask, other=0.0)
-    tl.store(out_ptr + offsets, _assemble(base, cross, ba, two_s, s_sq, SQRT), mask=mask)
+    tl.store(out_ptr + offsets, assemble(base, cross, ba, two_s, s_sq, SQRT), mask=mask)
 
 
 def norm_assembly_triton(base_sq: torch.Tensor, cross: torch.Tensor, ba: torch.Tensor,
                          two_s: float, s_sq: float, *, fp_fusion: bool = False, sqrt: str = "rn",
-                         return_kernel: bool = False):
+                         return_kernel: bool = False, config: OpConfig | None = None):
     """``wnorm`` fp32 from fp32 ``base_sq, cross, ba`` (same shape) by one Triton launch.
 
-    ``two_s``, ``s_sq`` come from :func:`~dora_num.numerics.formulas.scale_constants`.
+    ``two_s``, ``s_sq`` come from :func:`~dora_num.numerics.formulas.scale_constants`;
+    ``config`` (default :func:`~dora_num.ops.config.get_config`) gives ``poison`` and
+    ``interpret`` (one large block under the interpreter).
     """
+    cfg = get_config() if config is None else config
     if sqrt not in SQRT_VARIANTS:
         raise ValueError(f"sqrt must be one of {SQRT_VARIANTS}, got {sqrt!r}")
-    if sqrt == "ptx" and INTERPRET:
+    if sqrt == "ptx" and cfg.interpret:
         raise NotImplementedError("sqrt='ptx' (inline PTX) cannot run under TRITON_INTERPRET=1; "
                                   "use sqrt='rn' (the same instruction, sqrt.rn.f32) or a GPU")
     for name, t in (("base_sq", base_sq), ("cross", cross), ("ba", ba)):
@@ -85,11 +88,11 @@ def norm_assembly_triton(base_sq: torch.Tensor, cross: torch.Tensor, ba: torch.T
             raise ValueError(f"{name} must match base_sq ({tuple(base_sq.shape)} on {base_sq.device}), "
                              f"got {tuple(t.shape)} on {t.device}")
     b, c, a = (t.contiguous().view(-1) for t in (base_sq, cross, ba))
-    out = _kc._new(b.shape, torch.float32, b.device)
+    out = new_buffer(b.shape, torch.float32, b.device, cfg.poison)
     n = b.numel()
     kernel = None
     if n:
-        block = 1 << 16 if INTERPRET else 1024
+        block = 1 << 16 if cfg.interpret else 1024
         kernel = _norm_assembly_kernel[(triton.cdiv(n, block),)](
             b, c, a, out, n, float(two_s), float(s_sq),
             SQRT=_SQRT_CODE[sqrt], BLOCK=block, num_warps=4, enable_fp_fusion=fp_fusion)

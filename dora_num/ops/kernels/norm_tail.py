@@ -9,7 +9,7 @@ Given the fp32 ``U = W A^T`` ``[d_out, r]``, ``G = A A^T`` ``[r, r]`` and
     cross = rowsum(B * U)            # products rounded, then tl.sum's fixed tree
     BG    = B @ G                    # tl.dot, input_precision="ieee" (fp32 FMA chain)
     ba    = rowsum(BG * B)
-    wnorm = assembly(base_sq, cross, ba)   # norm_assembly._assemble, production variant
+    wnorm = assembly(base_sq, cross, ba)   # norm_assembly.assemble, production variant
     den   = max(wnorm, eps)          # optional, with m:
     flag[program] = any(!isfinite(wnorm) or !isfinite(m / den))   # div_rn: torch's division
 
@@ -36,14 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import compose as _kc
-from .compose import INTERPRET
-from .norm_assembly import _assemble
-
-BLOCK_M = 32  # rows per program (d_out = 4096 -> 128 programs on 132 SMs)
-BLOCK_R = 64  # columns of BG (and of cross) per step
-BLOCK_K = 32  # reduction step of B @ G
-NUM_WARPS = 4
+from ..config import OpConfig, get_config
+from .compose import new_buffer
+from .norm_assembly import assemble
 
 
 @triton.jit
@@ -74,7 +69,7 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
             bg = tl.dot(b_k, g_k, bg, input_precision="ieee")
         ba += tl.sum(bg * b_n, axis=1)
     base = tl.load(base_ptr + rows, mask=row_mask, other=0.0)
-    w = _assemble(base, cross, ba, two_s, s_sq, 1)
+    w = assemble(base, cross, ba, two_s, s_sq, 1)
     tl.store(wnorm_ptr + rows, w, mask=row_mask)
     if HAS_M:
         den = tl.maximum(w, eps, propagate_nan=tl.PropagateNan.ALL)
@@ -87,16 +82,19 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
 
 
 def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.Tensor,
-              two_s: float, s_sq: float, *, m: torch.Tensor | None = None, eps: float | None = None):
+              two_s: float, s_sq: float, *, m: torch.Tensor | None = None, eps: float | None = None,
+              config: OpConfig | None = None):
     """``(wnorm, den, flag)``: fp32 ``[d_out]`` row norms, and with ``m``: ``max(wnorm, eps)``
-    and an int32 device flag with one entry per program (``ceil(d_out / BLOCK_M)``), some
+    and an int32 device flag with one entry per program (``ceil(d_out / block_m)``), some
     entry nonzero iff some ``wnorm`` or ``m / den`` is not finite (``den`` and ``flag`` are
     None without ``m``).
 
     ``U`` fp32 ``[d_out, r]``, ``B`` ``[d_out, r]`` (fp32, bf16 or fp16), ``G`` fp32
     ``[r, r]``, ``base_sq`` and ``m`` ``[d_out]`` (``m`` fp32, bf16 or fp16), all on one
     device; ``two_s``, ``s_sq`` from :func:`~dora_num.numerics.formulas.scale_constants`.
-    No value checks (the flag is the check).
+    No value checks (the flag is the check).  ``config`` (default
+    :func:`~dora_num.ops.config.get_config`): the tiles (``norm_tail_tiles``, whose
+    ``block_m`` is the program count's divisor) and ``poison``.
     """
     d_out, r = B.shape
     specs = [("U", U, (d_out, r), (torch.float32,)),
@@ -111,23 +109,23 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if m is not None and eps is None:
         raise ValueError("norm_tail: eps is required with m")
+    cfg = get_config() if config is None else config
+    tiles = cfg.norm_tail_tiles
     dev = B.device
     U, B, G, base_sq = (t.contiguous() for t in (U, B, G, base_sq))
-    wnorm = _kc._new((d_out,), torch.float32, dev)
-    den = _kc._new((d_out,), torch.float32, dev) if m is not None else None
-    n_programs = triton.cdiv(d_out, BLOCK_M)
-    flag = _kc._new((n_programs,), torch.int32, dev) if m is not None else None
+    wnorm = new_buffer((d_out,), torch.float32, dev, cfg.poison)
+    den = new_buffer((d_out,), torch.float32, dev, cfg.poison) if m is not None else None
+    n_programs = triton.cdiv(d_out, tiles.block_m)
+    flag = new_buffer((n_programs,), torch.int32, dev, cfg.poison) if m is not None else None
     if d_out:
-        block_r = max(16, min(BLOCK_R, triton.next_power_of_2(r)))
-        block_k = max(16, min(BLOCK_K, triton.next_power_of_2(r)))
+        block_r = max(16, min(tiles.block_r, triton.next_power_of_2(r)))
+        block_k = max(16, min(tiles.block_k, triton.next_power_of_2(r)))
         _norm_tail_kernel[(n_programs,)](
             U, B, G, base_sq, m.contiguous() if m is not None else base_sq,
             wnorm, den if m is not None else wnorm, flag if m is not None else wnorm,
             d_out, r, float(two_s), float(s_sq), float(eps if eps is not None else 0.0),
-            HAS_M=m is not None, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
-            num_warps=NUM_WARPS, enable_fp_fusion=False,
+            HAS_M=m is not None, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+            num_warps=tiles.num_warps, enable_fp_fusion=False,
         )
     return wnorm, den, flag
 
-
-__all__ = ["norm_tail", "INTERPRET"]

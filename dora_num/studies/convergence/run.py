@@ -45,7 +45,6 @@ of the pipeline and of that route, not a measurement of the kernels.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import sys
@@ -170,34 +169,26 @@ def run_plan(seeds, repeat_seed=None, paths=PATHS, ulp_seeds=()) -> list[RunSpec
 # The fused arm without kernels: the torch.library custom op's PyTorch implementation
 # --------------------------------------------------------------------------
 
-def _custom_op_compose(base, lora, g, scale, *, path="auto", out=None, _trusted=False, _add_base=False):
-    """``compose`` routed through ``dora_num::compose_fwd`` (PyTorch implementation)."""
+def custom_op_compose(base, lora, g, scale, *, path="auto", out=None):
+    """``compose`` routed through ``dora_num::compose_fwd`` (its PyTorch implementation): the
+    ``compose_fn`` of :class:`~dora_num.DoRALinear` for the CPU fused arm (``path`` is ignored)."""
     from ...numerics.formulas import scale_constants
+    from ...ops import compose as _ops_compose  # noqa: F401  (registers the custom ops)
+    from ...ops.config import get_config
     from ...ops.validation import check_scale
 
     s = scale_constants(check_scale(scale))[0]
     need_dg = bool(torch.is_grad_enabled() and g.requires_grad)
-    res = torch.ops.dora_num.compose_fwd(base, lora, g, s, need_dg, False)[0]
-    if _add_base:
-        res = base + res
+    res = torch.ops.dora_num.compose_fwd(base, lora, g, s, need_dg, False, get_config().key)[0]
     return res if out is None else out.copy_(res)
 
 
-@contextlib.contextmanager
-def compose_impl(impl: str):
-    """Within: ``DoRALinear`` composes through ``impl`` (``"kernels"``/``"eager"``: unchanged)."""
-    if impl != "custom_op":
-        yield
-        return
-    from ...ops import compose as _ops_compose  # noqa: F401  (registers the custom ops)
-    from ...ops import layer
-
-    saved = layer.compose
-    layer.compose = _custom_op_compose
-    try:
-        yield
-    finally:
-        layer.compose = saved
+def compose_fn_for(impl: str):
+    """The ``compose_fn`` of every ``DoRALinear`` of a run of ``impl``: :func:`custom_op_compose`
+    for ``"custom_op"``, None (the layer's own compose) for ``"kernels"`` and ``"eager"``."""
+    if impl not in ("kernels", "eager", "custom_op"):
+        raise ValueError(f"impl must be kernels, eager or custom_op, got {impl!r}")
+    return custom_op_compose if impl == "custom_op" else None
 
 
 def resolve_fused_impl(cfg: ConvergenceConfig) -> str:
@@ -233,7 +224,7 @@ class Distributed:
         return self.rank == 0
 
 
-def make_hooks(cfg: ConvergenceConfig, dist_: Distributed, on_step=None) -> TrainHooks:
+def make_hooks(cfg: ConvergenceConfig, dist_: Distributed, on_step=None, compose_fn=None) -> TrainHooks:
     from .dist import all_gather_with_grad, ddp_wrapper, disable_dropout, shard_fn
 
     wrappers = []
@@ -249,7 +240,8 @@ def make_hooks(cfg: ConvergenceConfig, dist_: Distributed, on_step=None) -> Trai
 
     return TrainHooks(wrap_model=wrap if wrappers else None,
                       shard=shard_fn(dist_.rank, dist_.world) if dist_.world > 1 else None,
-                      gather=all_gather_with_grad if dist_.world > 1 else None, on_step=on_step)
+                      gather=all_gather_with_grad if dist_.world > 1 else None, on_step=on_step,
+                      compose_fn=compose_fn)
 
 
 def _sync(device: str) -> None:
@@ -263,8 +255,8 @@ def run_one(cfg: ConvergenceConfig, spec: RunSpec, *, impl: str, base_path=None,
     tc = train_config(cfg, spec, steps=steps, evals=evals, progress=progress)
     _sync(cfg.device)
     t0 = time.perf_counter()
-    with compose_impl(impl if spec.path == "fused" else "eager"):
-        res = train(tc, corpus=corpus, base_path=base_path, hooks=make_hooks(cfg, dist_, on_step))
+    compose_fn = compose_fn_for(impl if spec.path == "fused" else "eager")
+    res = train(tc, corpus=corpus, base_path=base_path, hooks=make_hooks(cfg, dist_, on_step, compose_fn))
     _sync(cfg.device)
     return res, time.perf_counter() - t0
 

@@ -15,9 +15,9 @@ Variants (CPU emulation, exact; :mod:`dora_num.studies.fma.models`):
   its marked product or at the other one.
 
 ``g`` of each variant goes through the production :func:`~dora_num.ops.norm.magnitude_scale`;
-the layer output through the production ``DoRALinear.forward`` (``g`` injected
-by overriding the instance's ``_g_fast``; a contracted compose by replacing the
-``compose`` the layer module calls).  Before any variant runs, the emulated
+the layer output through the production ``DoRALinear.forward`` (``g`` given to it:
+``layer(x, g=g)``; a contracted compose through the layer's ``compose_fn`` seam, on a
+view of the layer that shares its parameters).  Before any variant runs, the emulated
 production path is checked to reproduce the real layer bit for bit.
 """
 
@@ -60,36 +60,28 @@ def g_of(layer, wnorm: np.ndarray) -> torch.Tensor:
     return magnitude_scale(layer.magnitude.detach(), torch.from_numpy(wnorm).float())
 
 
-@contextmanager
 def emulated_compose(choice: tuple[str, ...]):
-    """Make ``DoRALinear.forward`` compose with the exact emulation of placement ``choice``."""
-    from ...ops import layer as L
+    """A ``compose_fn`` for :class:`~dora_num.DoRALinear`: the exact emulation of the compose
+    with contraction placement ``choice``, rounded once to the activation dtype (``delta``;
+    the layer adds ``base`` as it does after its own compose)."""
 
-    orig = L.compose
-
-    def compose(base, lora, g, scale, **kwargs):
+    def compose(base, lora, g, scale, *, path="auto", out=None):
         s = scale_constants(scale)[0]
         fmt = get_format(base.dtype)
         v = M.evaluate("compose_stable", choice, {"base": base.detach().double().numpy(),
                                                   "lora": lora.detach().double().numpy(),
                                                   "g": g.detach().double().numpy(), "s": s})
-        delta = torch.from_numpy(round_to(v, fmt)).to(base.dtype)
-        return base + delta if kwargs.get("_add_base") else delta  # the layer's output add, as compose's
+        return torch.from_numpy(round_to(v, fmt)).to(base.dtype)
 
-    L.compose = compose
-    try:
-        yield
-    finally:
-        L.compose = orig
+    return compose
 
 
-@contextmanager
-def injected_g(layer, g: torch.Tensor):
-    layer._g_fast = lambda: (g, None)
-    try:
-        yield
-    finally:
-        del layer._g_fast
+def with_compose(layer, compose_fn):
+    """``layer`` composing through ``compose_fn``: a shallow copy sharing the layer's modules
+    and parameters (``layer`` itself is unchanged)."""
+    view = copy.copy(layer)
+    view.compose_fn = compose_fn
+    return view
 
 
 def layer_outputs(layer, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -99,15 +91,12 @@ def layer_outputs(layer, x: torch.Tensor) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         y_real = layer(x)
         for name in G_VARIANTS:
-            with injected_g(layer, g_of(layer, wn[name])):
-                outs[name] = layer(x)
-        with emulated_compose(("none",)):
-            y_emul = layer(x)
+            outs[name] = layer(x, g=g_of(layer, wn[name]))
+        y_emul = with_compose(layer, emulated_compose(("none",)))(x)
         if not (torch.equal(y_real, outs["production"]) and torch.equal(y_real, y_emul)):
             raise AssertionError("injected production g / emulated production compose differ from the real layer")
         for name, choice in COMPOSE_VARIANTS.items():
-            with emulated_compose(choice):
-                outs[name] = layer(x)
+            outs[name] = with_compose(layer, emulated_compose(choice))(x)
     return outs
 
 
@@ -139,28 +128,35 @@ def propagation_table(layers: dict, acts: dict, act_scales=(1.0,)) -> pd.DataFra
     return pd.DataFrame(rows)
 
 
+class _WithG(torch.nn.Module):
+    """A DoRA layer run with a given ``g`` (``layer(x, g=g)``), as a drop-in module."""
+
+    def __init__(self, layer, g: torch.Tensor):
+        super().__init__()
+        self.layer = layer
+        self.g = g
+
+    def forward(self, x):
+        return self.layer(x, g=self.g)
+
+
 @contextmanager
 def model_variant(model, layers: dict, variant: str):
     """``model`` with every listed linear replaced by its DoRA layer running ``variant``."""
     modules = dict(model.named_modules())
     saved = []
-    stack = []
     for name, layer in layers.items():
         parent_name, _, attr = name.rpartition(".")
         parent = modules[parent_name]
         saved.append((parent, attr, getattr(parent, attr)))
-        setattr(parent, attr, layer)
         if variant in G_VARIANTS:
-            stack.append(injected_g(layer, g_of(layer, wnorm_variants(layer)[variant])))
-    if variant in COMPOSE_VARIANTS:
-        stack.append(emulated_compose(COMPOSE_VARIANTS[variant]))
+            layer = _WithG(layer, g_of(layer, wnorm_variants(layer)[variant]))
+        elif variant in COMPOSE_VARIANTS:
+            layer = with_compose(layer, emulated_compose(COMPOSE_VARIANTS[variant]))
+        setattr(parent, attr, layer)
     try:
-        for cm in stack:
-            cm.__enter__()
         yield model
     finally:
-        for cm in reversed(stack):
-            cm.__exit__(None, None, None)
         for parent, attr, mod in saved:
             setattr(parent, attr, mod)
 

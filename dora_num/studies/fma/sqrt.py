@@ -32,7 +32,6 @@ and adversarial sets (:func:`adversarial_assembly_inputs`,
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +43,6 @@ from ...numerics.formulas import scale_constants
 from ...numerics.ground_truth import assembly_exact, compose_exact
 from . import models as M
 
-PRODUCTION_SQRT = "rn"
 SQRT_MODELS = ("rn", "faithful_other")
 Q_BINS = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, np.inf)  # bins of q = removed error / ulp(site result)
 
@@ -193,38 +191,18 @@ def minilm_layers(model, names: list[str], *, rank: int, alpha: float, use_rslor
     return out
 
 
-@contextmanager
-def captured_assembly():
-    """Record the arguments of every production norm assembly
-    (:func:`dora_num.ops.norm.factored_row_norm` calls ``norm_assembly`` once per norm):
-    the row terms are then exactly those production assembles."""
-    from ...ops import norm as N
-
-    seen: list[tuple] = []
-    orig = N.norm_assembly, N.NORM_TAIL
-
-    def record(ar, *args):
-        seen.append(tuple(a.detach().double().cpu().numpy() if isinstance(a, torch.Tensor) else a for a in args))
-        return orig[0](ar, *args)
-
-    # the torch tail, where the assembly is a call to record (on CUDA the tail kernel
-    # assembles in registers)
-    N.norm_assembly, N.NORM_TAIL = record, "torch"
-    try:
-        yield seen
-    finally:
-        N.norm_assembly, N.NORM_TAIL = orig
-
-
 def layer_terms(layer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(base_sq, cross, ba, wnorm)`` of a :class:`~dora_num.DoRALinear`: the fp32 terms its
-    factored norm assembles and the production norm itself."""
-    from ...ops.norm import factored_row_norm
+    factored norm assembles (:func:`~dora_num.ops.norm.factored_terms`, the torch tail's) and
+    the production norm itself on that tail (float64 arrays of fp32 values)."""
+    from ...ops.config import override
+    from ...ops.norm import factored_row_norm, factored_terms
 
-    with captured_assembly() as seen:
-        wnorm = factored_row_norm(layer.base.weight, layer.lora_A, layer.lora_B, layer.scale)
-    b, c, a, _, _ = seen[-1]
-    return b, c, a, wnorm.double().numpy()
+    W, A, B = layer.base.weight, layer.lora_A, layer.lora_B
+    with override(norm_tail="torch"):  # the tail whose terms factored_terms returns (CUDA's kernel sums in
+        wnorm = factored_row_norm(W, A, B, layer.scale)  # another order)
+    b, c, a, _, _ = factored_terms(W, A, B, layer.scale)
+    return tuple(t.detach().double().cpu().numpy() for t in (b, c, a)) + (wnorm.double().numpy(),)
 
 
 def minilm_assembly_inputs(layers: dict) -> AssemblyInputs:

@@ -11,8 +11,8 @@ of ``dg`` against the exact value and holds it to the a-priori bound
             the fp32 products, on this machine's CPU: cascade order; the bound
             holds for any order, hence for CUDA's too).
 ``fused``   the two-stage reduction of :mod:`dora_num.ops.kernels.compose`
-            (``BWD_BLOCK_M`` rows per partial, partials added in chunks of
-            ``FIN_CHUNK``, chunk sums accumulated in sequence), emulated exactly in
+            (``bwd_block_m`` rows per partial, partials added in chunks of
+            ``fin_chunk``: ``OpConfig.compose_tiles``; chunk sums accumulated in sequence), emulated exactly in
             numpy float32 (:func:`fused_dg_emulated`).  With ``order="sequential"``
             the emulation is the Triton interpreter's order (``tl.sum`` over axis 0 =
             numpy's row-by-row sum), bitwise equal to the kernel run under
@@ -48,9 +48,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _kernel_blocks() -> tuple[int, int]:
-    from ...ops.kernels import compose as kc  # the kernel's own constants: the tree we model
+    from ...ops.config import get_config  # the kernel's own tiles: the tree we model
 
-    return kc.BWD_BLOCK_M, kc.FIN_CHUNK
+    tiles = get_config().compose_tiles
+    return tiles.bwd_block_m, tiles.fin_chunk
 
 
 # --------------------------------------------------------------------------

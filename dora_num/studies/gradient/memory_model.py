@@ -68,7 +68,6 @@ allocator events during the step, above the level at its start), compared with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -297,40 +296,6 @@ def zero_table(cfg: MemoryConfig, n_gpus=(1, 2, 4, 8)):
 # The measured step
 # --------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def norm_mode(mode: str, chunk_bytes: int):
-    """Make every :class:`~dora_num.DoRALinear` take its row norm ``dense``, ``factored``
-    (no ``base_sq`` cache) or ``cached`` (the layer's own default) inside the block."""
-    import torch
-
-    from ...ops import layer as L
-    from ...ops import norm as N
-
-    if mode not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {mode!r}")
-    orig = L.weight_norm_cached, L.magnitude_scale_fast
-
-    def dense(W, A, B, scale, *, chunk_bytes=chunk_bytes, check=True):
-        return N.dense_row_norm(W.detach(), A.detach(), B.detach(), scale)
-
-    def factored(W, A, B, scale, *, chunk_bytes=chunk_bytes, check=True):
-        with torch.no_grad():
-            return N.factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes=chunk_bytes,
-                                       check=check)
-
-    def scale_of(norm):  # the layer's forward: (g, None); the layer then checks g itself
-        def fast(W, A, B, scale, m, *, chunk_bytes=chunk_bytes):
-            return N.magnitude_scale(m, norm(W, A, B, scale, chunk_bytes=chunk_bytes, check=False), check=False), None
-        return fast
-
-    L.weight_norm_cached, L.magnitude_scale_fast = {
-        "dense": (dense, scale_of(dense)), "factored": (factored, scale_of(factored)), "cached": orig}[mode]
-    try:
-        yield
-    finally:
-        L.weight_norm_cached, L.magnitude_scale_fast = orig
-
-
 class _Stack:
     """``x -> gelu(DoRALinear(x))`` x n_layers (``cfg.arch == "stack"``)."""
 
@@ -348,7 +313,8 @@ class _Stack:
         for _ in range(cfg.n_layers):
             lin = nn.Linear(cfg.hidden, cfg.hidden, bias=False, device=device, dtype=dt)
             lin.weight.requires_grad_(False)
-            lay = DoRALinear.from_linear(lin, cfg.rank, compose_path=cfg.compose, chunk_bytes=cfg.chunk_bytes)
+            lay = DoRALinear.from_linear(lin, cfg.rank, compose_path=cfg.compose, chunk_bytes=cfg.chunk_bytes,
+                                         norm=cfg.norm)
             with torch.no_grad():
                 lay.lora_B.normal_(0, 1e-3)
             layers.append(lay)
@@ -380,7 +346,7 @@ def _bert_build(cfg: MemoryConfig, device, base_path):
 
     dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
     model, _ = load_base_model(base_path, dtype=dt)
-    inject_dora(model, TrainConfig(rank=cfg.rank, compose_path=cfg.compose, progress=False))
+    inject_dora(model, TrainConfig(rank=cfg.rank, compose_path=cfg.compose, progress=False), norm=cfg.norm)
     model.to(device)
     for n, p in model.named_parameters():
         p.requires_grad_(("lora_" in n) or n.endswith("magnitude"))
@@ -418,39 +384,38 @@ def measure_peak(cfg: MemoryConfig, *, device: str = "cpu", base_path=None) -> d
         del a
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
-    with norm_mode(cfg.norm, cfg.chunk_bytes):
-        if cfg.arch == "stack":
-            model, inp = _Stack.build(cfg, dev)
-            loss_fn = _Stack.loss
-        else:
-            model, inp = _bert_build(cfg, dev, base_path)
-            loss_fn = _bert_loss
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    if cfg.arch == "stack":
+        model, inp = _Stack.build(cfg, dev)
+        loss_fn = _Stack.loss
+    else:
+        model, inp = _bert_build(cfg, dev, base_path)
+        loss_fn = _bert_loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model, inp, cfg)
-            loss.backward()
-            opt.step()
-            return float(loss.detach())
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, inp, cfg)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
 
-        step()  # creates the optimizer states
-        if cuda:
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            res = {"peak": int(torch.cuda.max_memory_allocated() - baseline), "kind": "total",
-                   "seconds": time.perf_counter() - t0}
-        else:
-            from ...oracles import measure_cpu_allocations
+    step()  # creates the optimizer states
+    if cuda:
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        res = {"peak": int(torch.cuda.max_memory_allocated() - baseline), "kind": "total",
+               "seconds": time.perf_counter() - t0}
+    else:
+        from ...oracles import measure_cpu_allocations
 
-            opt.zero_grad(set_to_none=True)
-            m = measure_cpu_allocations(step)
-            res = {"peak": int(m["peak_extra"]), "kind": "dynamic"}
+        opt.zero_grad(set_to_none=True)
+        m = measure_cpu_allocations(step)
+        res = {"peak": int(m["peak_extra"]), "kind": "dynamic"}
     del model, opt, params, inp
     if cuda:
         torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ host, not by memory bandwidth (``bench_train_graphs`` times it without the host)
 :func:`layer_host_cost` times ``DoRALinear`` where its GPU work is negligible, with the
 norm's tail kernel and with its torch tail (the A/B of
 :mod:`dora_num.ops.kernels.norm_tail`), each with the output add folded into the
-compose and separate (``DoRALinear.FOLD_OUTPUT_ADD``).
+compose and separate (``OpConfig.fold_output_add``; both through :func:`~dora_num.studies.bench.host_path`).
 """
 
 from __future__ import annotations

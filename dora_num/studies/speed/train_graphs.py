@@ -66,7 +66,7 @@ def measure(shapes=SHAPES, repeats: int = 3) -> list[dict]:
     import torch
 
     from ...ops.compose import ComposeFunction
-    from ...ops.kernels import compose as kc
+    from ...ops.config import get_config
     from ..bench import Timing, bitwise_equal, compose_bytes, copy_bandwidth, max_rel_err, time_ms
     from ..suite import BASELINE_TOL, SCALE, SEED, _autograd_expr, _compose_inputs
 
@@ -83,7 +83,8 @@ def measure(shapes=SHAPES, repeats: int = 3) -> list[dict]:
         inputs = (bl, ll, gg)
         fwds = {"fused": lambda b_, l_, g_: ComposeFunction.apply(b_, l_, g_, s, True),
                 "compile": torch.compile(lambda b_, l_, g_: _autograd_expr(b_, l_, g_, s), dynamic=False)}
-        nbytes = compose_bytes("train", base.numel(), base.element_size(), d_out, bwd_block_m=kc.BWD_BLOCK_M)
+        nbytes = compose_bytes("train", base.numel(), base.element_size(), d_out,
+                               bwd_block_m=get_config().compose_tiles.bwd_block_m)
         floor_ms = nbytes / (copy["gbps"] * 1e9) * 1e3
         steps, graphs, want = {}, {}, None
         for name, fwd in fwds.items():

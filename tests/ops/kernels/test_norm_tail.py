@@ -1,10 +1,10 @@
 """The one-launch tail of the factored norm (:mod:`dora_num.ops.kernels.norm_tail`).
 
-On CPU under TRITON_INTERPRET=1 (tests/conftest.py); the H200 runs the same
-kernel in tests/ops/kernels/test_gpu_kernels.py.  Bitwise claims are made where the
-sums are exact in any order (small integers), so the assembly, the clamp and the
-division are checked against torch with nothing left to summation order; the
-bound of the whole norm is in tests/ops/test_norm.py.
+Each test runs on the CPU under the Triton interpreter and on CUDA (``gpu``; the H200 also
+runs the layer shapes).  Bitwise claims are made where the sums are exact in any order
+(small integers), so the assembly, the clamp and the division are checked against torch
+with nothing left to summation order; the bound of the whole norm is in
+tests/ops/test_norm.py.
 """
 
 import math
@@ -14,52 +14,49 @@ import torch
 
 import dora_num as dn
 from dora_num.numerics.arithmetic import TorchFP32CorrectSqrt
+from dora_num.numerics.bounds import factored_norm_bound
 from dora_num.numerics.formulas import norm_assembly, scale_constants
-from dora_num.ops import norm as N
-from dora_num.ops.kernels.norm_tail import BLOCK_M, norm_tail
+from dora_num.ops.config import get_config, override
+from dora_num.ops.kernels.norm_tail import norm_tail
+from dora_num.ops.norm import magnitude_scale_and_flag, uses_tail_kernel
 
-from ._bitwise import assert_bitwise
+from .helpers import DEVICES, assert_bitwise, exact_tail_inputs, exact_tail_terms
 
 SHAPES = [(1, 1), (3, 7), (33, 16), (63, 40), (100, 65)]  # (d_out, r): masks on both axes
+CUDA_SHAPES = [(4096, 384), (8192, 512)]
+
+
+def _shape_cases():
+    out = []
+    for dev in DEVICES:
+        for d_out, r in SHAPES + (CUDA_SHAPES if dev.values[0] == "cuda" else []):
+            out.append(pytest.param(dev.values[0], d_out, r, id=f"{dev.id}-{d_out}x{r}", marks=dev.marks))
+    return out
 
 
 @pytest.fixture
-def tail_kernel(monkeypatch):
-    if not N._tail_kernel_used(torch.device("cpu")) and not torch.cuda.is_available():
-        monkeypatch.setattr(N, "NORM_TAIL", "triton")
-    yield
+def tail_kernel():
+    """The tail kernel also on the CPU (``norm_tail="triton"``; on CUDA it is the default)."""
+    with override(norm_tail="triton") as cfg:
+        yield cfg
 
 
-def _exact_inputs(d_out, r, dtype=torch.float32, seed=0, device="cpu"):
-    """Small-integer U, B, G: every product and partial sum of cross = rowsum(B*U) and
-    ba = rowsum((B@G)*B) is an fp32 integer below 2^24 (r <= 4096), so exact in any order.
-    G is symmetric but not PSD: some rows get ba < 0 and t < 0, which the clamp zeroes."""
-    gen = torch.Generator().manual_seed(seed)
-    U = torch.randint(-8, 9, (d_out, r), generator=gen).float()
-    B = torch.randint(-1, 2, (d_out, r), generator=gen).to(dtype)
-    H = torch.randint(-2, 3, (r, r), generator=gen).float()
-    G = torch.triu(H) + torch.triu(H, 1).T
-    base = torch.randint(1, 2**18, (d_out,), generator=gen).float() * 8.0
-    return tuple(t.to(device) for t in (U, B, G, base))
+def g_and_flag(layer):
+    return magnitude_scale_and_flag(layer.base.weight, layer.lora_A, layer.lora_B, layer.scale, layer.magnitude,
+                                    chunk_bytes=layer.chunk_bytes)
 
 
-def _exact_terms(U, B, G):
-    B64 = B.double()
-    BG = B64 @ G.double()
-    cross = (B64 * U.double()).sum(1)
-    ba = (BG * B64).sum(1)
-    assert max(float(BG.abs().max()), float(cross.abs().max()), float(ba.abs().max())) < 2**24  # exact in fp32
-    return cross.float(), ba.float()
-
-
-@pytest.mark.parametrize("d_out,r", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
+@pytest.mark.parametrize("device,d_out,r", _shape_cases())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_tail_bitwise_on_exact_sums(d_out, r, dtype):
-    U, B, G, base = _exact_inputs(d_out, r, dtype)
+def test_tail_bitwise_on_exact_sums(device, d_out, r, dtype):
+    """B's entries are -1, 0, 1 (exact in every dtype, and upcast before any arithmetic), so
+    bf16 runs on the interpreter too.  The assembly is the production sequence (no contraction,
+    sqrt.rn): bitwise torch's with a correctly rounded sqrt."""
+    U, B, G, base = exact_tail_inputs(d_out, r, dtype, device=device)
     _, two_s, s_sq = scale_constants(0.37)
-    m = 0.5 + torch.rand(d_out)
+    m = 0.5 + torch.rand(d_out, generator=torch.Generator().manual_seed(1)).to(device)
     w, den, bad = norm_tail(U, B, G, base, two_s, s_sq, m=m, eps=1e-12)
-    cross, ba = _exact_terms(U, B, G)
+    cross, ba = exact_tail_terms(U, B, G)
     want = norm_assembly(TorchFP32CorrectSqrt, base, cross, ba, two_s, s_sq)
     assert_bitwise(w, want)
     assert_bitwise(den, want.clamp_min(1e-12))
@@ -67,13 +64,17 @@ def test_tail_bitwise_on_exact_sums(d_out, r, dtype):
     w2, den2, bad2 = norm_tail(U, B, G, base, two_s, s_sq)  # without m: the norm only
     assert_bitwise(w2, want)
     assert den2 is None and bad2 is None
+    m[-1] = float("nan")
+    assert bool(norm_tail(U, B, G, base, two_s, s_sq, m=m, eps=1e-12)[2].any())
 
 
-def test_tail_flag_names_nonfinite_rows_and_ignores_masked_ones():
-    d_out, r = BLOCK_M + 5, 9  # the second program has 27 masked rows
-    U, B, G, base = _exact_inputs(d_out, r)
+@pytest.mark.parametrize("device", DEVICES)
+def test_tail_flag_names_nonfinite_rows_and_ignores_masked_ones(device):
+    block_m = get_config().norm_tail_tiles.block_m
+    d_out, r = block_m + 5, 9  # the second program has block_m - 5 masked rows
+    U, B, G, base = exact_tail_inputs(d_out, r, device=device)
     _, two_s, s_sq = scale_constants(0.5)
-    m = torch.ones(d_out)
+    m = torch.ones(d_out, device=device)
 
     def flag(**kw):
         args = dict(U=U, B=B, G=G, base_sq=base, m=m, eps=1e-12)
@@ -103,45 +104,51 @@ def test_tail_flag_names_nonfinite_rows_and_ignores_masked_ones():
     assert_bitwise(den, torch.full_like(den, 1e-12))
 
 
-def test_tail_rejects_bad_arguments_and_handles_empty():
-    U, B, G, base = _exact_inputs(4, 3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_tail_rejects_bad_arguments_and_handles_empty(device):
+    U, B, G, base = exact_tail_inputs(4, 3, device=device)
+    ones = torch.ones(5, device=device)
     with pytest.raises(ValueError, match="U must be"):
         norm_tail(U.double(), B, G, base, 1.0, 0.25)
     with pytest.raises(ValueError, match="G must be"):
         norm_tail(U, B, G[:2], base, 1.0, 0.25)
     with pytest.raises(ValueError, match="m must be"):
-        norm_tail(U, B, G, base, 1.0, 0.25, m=torch.ones(5), eps=1e-12)
+        norm_tail(U, B, G, base, 1.0, 0.25, m=ones, eps=1e-12)
     with pytest.raises(ValueError, match="eps"):
-        norm_tail(U, B, G, base, 1.0, 0.25, m=torch.ones(4))
-    w, den, bad = norm_tail(U[:0], B[:0], G, base[:0], 1.0, 0.25, m=torch.ones(0), eps=1e-12)
+        norm_tail(U, B, G, base, 1.0, 0.25, m=ones[:4])
+    w, den, bad = norm_tail(U[:0], B[:0], G, base[:0], 1.0, 0.25, m=ones[:0], eps=1e-12)
     assert w.shape == (0,) and den.shape == (0,) and not bool(bad.any())
 
 
+# ---- through the layer: g = m / den, the flag, the bound against the torch tail ----------
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16], ids=["m-fp32", "m-bf16"])
-def test_layer_fast_g_is_magnitude_scale_of_its_norm(m_dtype, tail_kernel):
+def test_layer_fast_g_is_magnitude_scale_of_its_norm(m_dtype, device, tail_kernel):
     """DoRALinear's forward g (tail kernel: clamp in the kernel, division in torch) is bitwise
     ``magnitude_scale(m, wnorm)`` of the same norm, and differentiable in m like it."""
     torch.manual_seed(0)
-    layer = dn.DoRALinear(torch.nn.Linear(96, 70, bias=False), rank=12, alpha=24.0)
+    layer = dn.DoRALinear(torch.nn.Linear(96, 70, bias=False, device=device), rank=12, alpha=24.0)
     with torch.no_grad():
         layer.lora_B.normal_(0, 0.05)
         layer.base.weight[5] = 0.0  # a zero row
         layer.lora_B[5] = 0.0
     layer.magnitude.data = layer.magnitude.data.to(m_dtype)
-    g, bad = layer._g_fast()
+    assert uses_tail_kernel(layer.magnitude.device)
+    g, bad = g_and_flag(layer)
     assert not bool(bad.any()) and g.dtype == torch.float32
-    wnorm = layer.weight_norm()
-    want = dn.magnitude_scale(layer.magnitude, wnorm)
+    want = dn.magnitude_scale(layer.magnitude, layer.weight_norm())
     assert_bitwise(g, want)
     (gm,) = torch.autograd.grad(g.sum(), layer.magnitude)
     (wm,) = torch.autograd.grad(want.sum(), layer.magnitude)
     assert_bitwise(gm, wm)
 
 
-def test_layer_with_tail_kernel_names_bad_input(tail_kernel):
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_with_tail_kernel_names_bad_input(device, tail_kernel):
     torch.manual_seed(1)
-    layer = dn.DoRALinear(torch.nn.Linear(40, 24), rank=4)
-    x = torch.randn(3, 40)
+    layer = dn.DoRALinear(torch.nn.Linear(40, 24, device=device), rank=4)
+    x = torch.randn(3, 40, device=device)
     y = layer(x)
     assert torch.isfinite(y).all()
     with torch.no_grad():
@@ -165,24 +172,34 @@ def test_layer_with_tail_kernel_names_bad_input(tail_kernel):
         layer(x)
 
 
-def test_tail_and_torch_paths_agree_within_bound(monkeypatch):
-    """The layer's g through the kernel and through the torch tail (DORA_NUM_NORM_TAIL=torch)."""
-    from dora_num.numerics.bounds import factored_norm_bound
+LAYER_CASES = [pytest.param("cpu", 200, 50, 24, torch.float32, 0.05, id="cpu-200x50-r24", marks=DEVICES[0].marks),
+               pytest.param("cuda", 4096, 4096, 384, torch.bfloat16, 1e-2, id="cuda-4096x4096-r384-bf16",
+                            marks=DEVICES[1].marks)]
 
-    torch.manual_seed(2)
-    layer = dn.DoRALinear(torch.nn.Linear(200, 50, bias=False), rank=24, alpha=48.0)
+
+@pytest.mark.parametrize("device,d_in,d_out,r,dtype,b_std", LAYER_CASES)
+def test_tail_and_torch_paths_agree_within_bound(device, d_in, d_out, r, dtype, b_std):
+    """The layer's g through the kernel and through the torch tail (``norm_tail="torch"``):
+    the kernel's g is bitwise ``magnitude_scale(m, weight_norm())``, and the two are within the
+    norm's bound of each other (bf16 on CUDA: U and G on tensor cores)."""
+    torch.manual_seed(2 if device == "cpu" else 4)
+    layer = dn.DoRALinear(torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=dtype), rank=r,
+                          alpha=2.0 * r if device == "cpu" else 192.0, use_rslora=device == "cuda")
     with torch.no_grad():
-        layer.lora_B.normal_(0, 0.05)
-    monkeypatch.setattr(N, "NORM_TAIL", "torch")
-    g_torch, _ = layer._g_fast()
-    monkeypatch.setattr(N, "NORM_TAIL", "triton")
-    if not N._tail_kernel_used(torch.device("cpu")):
-        pytest.skip("the CPU comparison needs TRITON_INTERPRET=1 (on a CUDA machine: "
-                    "test_layer_g_tail_kernel_vs_torch_tail_within_bound in test_gpu_kernels.py)")
-    g_tail, _ = layer._g_fast()
-    W, A, B = (t.detach().numpy() for t in (layer.base.weight, layer.lora_A, layer.lora_B))
-    w = layer.weight_norm().double().numpy()
+        layer.lora_B.normal_(0, b_std)
+    with override(norm_tail="torch"):
+        assert not uses_tail_kernel(layer.magnitude.device)
+        g_torch, _ = g_and_flag(layer)
+    with override(norm_tail="triton"):
+        assert uses_tail_kernel(layer.magnitude.device)
+        g_tail, bad = g_and_flag(layer)
+        assert not bool(bad.any())
+        assert_bitwise(g_tail, dn.magnitude_scale(layer.magnitude, layer.weight_norm()))
+        w = layer.weight_norm().double().cpu().numpy()
+    W, A, B = (t.detach().float().cpu().numpy() for t in (layer.base.weight, layer.lora_A, layer.lora_B))
     # both norms are within factored_norm_bound of the exact one; g inherits (1 + u) of it
-    rel = torch.from_numpy(2 * factored_norm_bound(W, A, B, layer.scale) / w) + 3 * 2.0**-24
-    assert bool(((g_tail.double() - g_torch.double()).abs() <= rel * g_torch.double().abs()).all())
+    bound = factored_norm_bound(W, A, B, layer.scale, tensor_core_products=dtype != torch.float32)
+    rel = torch.from_numpy(2 * bound / w).to(device) + 3 * 2.0**-24
+    diff = (g_tail.double() - g_torch.double()).abs()
+    assert bool((diff <= rel * g_torch.double().abs()).all()), float((diff / (rel * g_torch.double().abs())).max())
     assert not math.isnan(float(g_tail.sum()))

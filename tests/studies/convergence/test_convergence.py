@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from dora_num.adapters.train import train
-from dora_num.ops import layer as layer_mod
 from dora_num.ops.layer import DoRALinear
 from dora_num.repro.paths import REPO_ROOT
 from dora_num.repro.provenance import read_provenance
@@ -71,18 +70,17 @@ def test_custom_op_arm_is_bitwise_the_eager_compose(dtype):
 
     def run(impl):
         torch.manual_seed(1)
-        mod = DoRALinear.from_linear(lin, 4, 8.0, compose_path="eager")
+        mod = DoRALinear.from_linear(lin, 4, 8.0, compose_path="eager", compose_fn=cv.compose_fn_for(impl))
         with torch.no_grad():
             mod.lora_B.normal_(0, 0.1)
             mod.magnitude.mul_(1.001)
         xi = x.clone().requires_grad_(True)
-        with cv.compose_impl(impl):
-            y = mod(xi)
-            y.float().square().sum().backward()
+        y = mod(xi)
+        y.float().square().sum().backward()
         return [y.detach(), xi.grad, mod.lora_A.grad, mod.lora_B.grad, mod.magnitude.grad]
 
     eager, op = run("eager"), run("custom_op")
-    assert layer_mod.compose is not cv._custom_op_compose  # restored
+    assert cv.compose_fn_for("eager") is None and cv.compose_fn_for("custom_op") is cv.custom_op_compose
     for a, b in zip(eager, op):
         assert a.dtype == b.dtype and torch.equal(a, b)
 

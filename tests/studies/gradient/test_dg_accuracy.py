@@ -39,9 +39,11 @@ def test_exact_matches_fractions(T, N):
 
 @pytest.mark.parametrize("T,N", SHAPES, ids=lambda v: str(v))
 def test_fused_emulation_bitwise_equals_kernel(T, N):
+    from dora_num.ops.config import get_config
     from dora_num.ops.kernels import compose as kc
 
-    if not kc.INTERPRET and not torch.cuda.is_available():
+    tiles = get_config().compose_tiles
+    if not get_config().interpret and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on CPU) or CUDA")
     if torch.cuda.is_available():
         pytest.skip("the GPU's in-block tl.sum order differs from the interpreter's; covered by the bound")
@@ -50,7 +52,7 @@ def test_fused_emulation_bitwise_equals_kernel(T, N):
     inner = compose_inner_ref(base, lora, s)
     _, _, dg = kc.compose_bwd(grad, inner, torch.ones(N), s, need_dlora=False, need_dbase=False)
     terms = (inner * grad.float()).numpy()
-    emu = da.fused_dg_emulated(terms, block_m=kc.BWD_BLOCK_M, chunk=kc.FIN_CHUNK, order="sequential")
+    emu = da.fused_dg_emulated(terms, block_m=tiles.bwd_block_m, chunk=tiles.fin_chunk, order="sequential")
     assert np.array_equal(emu.view(np.uint32), dg.numpy().view(np.uint32))
 
 

@@ -129,28 +129,21 @@ def test_repredict_rejects_a_table_without_configs():
         mm.repredict(pd.DataFrame({"measured": [1], "compared": ["peak"]}))
 
 
-def test_norm_mode_restores_the_layer():
-    from dora_num.ops import layer
-
+def test_norm_config_builds_layers_on_that_norm():
+    """``MemoryConfig.norm`` reaches every layer through ``DoRALinear(norm=...)``: the stack's
+    layers take their norm (and their forward's g) from the dense norm when asked."""
     import torch
 
     from dora_num.ops.norm import dense_row_norm, magnitude_scale
 
-    orig = layer.weight_norm_cached, layer.magnitude_scale_fast
-    torch.manual_seed(0)
-    lay = layer.DoRALinear(torch.nn.Linear(16, 8, bias=False), 4)
-    with torch.no_grad():
-        lay.lora_B.normal_()
-    with mm.norm_mode("dense", 2**20):
-        assert layer.weight_norm_cached is not orig[0]
-        g, bad = lay._g_fast()  # the forward's g comes from the dense norm
-        W, A, B = lay.base.weight, lay.lora_A, lay.lora_B
-        assert bad is None
-        assert torch.equal(g, magnitude_scale(lay.magnitude, dense_row_norm(W, A, B, lay.scale)))
-    assert (layer.weight_norm_cached, layer.magnitude_scale_fast) == orig
+    cfg = mm.MemoryConfig(arch="stack", hidden=16, n_layers=2, rank=4, dtype="fp32", batch=1, seq=8, norm="dense")
+    model, x = mm._Stack.build(cfg, torch.device("cpu"))
+    for lay in model:
+        assert lay.norm == "dense"
+        W, A, B = lay.base.weight, lay.lora_A.detach(), lay.lora_B.detach()
+        assert torch.equal(lay.magnitude_scale(), magnitude_scale(lay.magnitude, dense_row_norm(W, A, B, lay.scale)))
     with pytest.raises(ValueError, match="norm"):
-        with mm.norm_mode("sparse", 2**20):
-            pass
+        mm.measure_peak(replace(cfg, norm="sparse"))
 
 
 def test_measure_cli_requires_cuda_or_ingest(tmp_path, capsys):
