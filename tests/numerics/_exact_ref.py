@@ -38,7 +38,10 @@ def decode(name: str, bits: int) -> Fraction:
 
 
 def round_ref(name: str, x: Fraction):
-    """Round-to-nearest-even of a finite rational; returns a Fraction, or 'inf'/'nan' on overflow."""
+    """Round-to-nearest-even of a finite rational; returns a Fraction, or 'inf' on overflow.
+
+    A format without infinity (e4m3fn) saturates to its largest finite value, as
+    torch's conversion does (the project's operator converts with torch)."""
     eb, mb, bias, ieee = LAYOUTS[name]
     sign = -1 if x < 0 else 1
     a = abs(x)
@@ -66,7 +69,7 @@ def round_ref(name: str, x: Fraction):
     if a < mid or (a == mid and k % 2 == 0):
         return sign * v
     if k == top:
-        return "inf" if ieee else "nan"
+        return "inf" if ieee else sign * decode(name, top)
     return sign * nxt
 
 
