@@ -528,8 +528,8 @@ def factored_norm_posterior(base, cross, ba, two_s: float, s_sq: float, *, d_in:
     ``s2 = (s_sq + eta)/(1-u) >= s^2``.  Then ``Q >= Q_lo = Q^ - dQ`` and
     ``|w^ - w| / w <= (1+u) dQ / Q_lo + u``.  Evaluated in fp32 (about 40 operations on
     non-negative values, ordered so that the tiny constants multiply last): ``dQ`` is
-    raised by ``1 + 2^-18`` (> ``(1+u)^40``) and by ``2^-140`` (> the underflow of every
-    product), ``Q_lo`` lowered by ``1 - 2u``, the quotient raised by ``1 + 2^-18``.
+    raised by ``1 + 2^-18`` (> ``(1+u)^40``) and by ``2^-144`` (> the underflow of the
+    ~40 products, ``2^-150`` each), ``Q_lo`` lowered by ``1 - 2u``, the quotient raised by ``1 + 2^-18``.
     """
     import torch
 
@@ -557,7 +557,7 @@ def factored_norm_posterior(base, cross, ba, two_s: float, s_sq: float, *, d_in:
         + ((b_abs + 1) * U((1 + g_a) * r)) * eta
     dQ = e_b + e_c * U(ts) + e_a * s2 + ba.abs() * U(u * sq / (1 - u)) + ba.abs() * eta \
         + (base.abs() + sq * ba.abs()) * U(_pw(u, 2)) + (ts * cross).abs() * U(_pw(u, 3)) + U(2 * (1 + u) ** 2 * eta)
-    dQ = dQ * U(1 + 2.0**-18) + 2.0**-140
+    dQ = dQ * U(1 + 2.0**-18) + 2.0**-144
     Q_lo = (Qh - dQ) * float(np.float32(1 - 2 * u))
     ok = torch.isfinite(dQ) & torch.isfinite(Qh) & (Q_lo > 0)
     inf = torch.full_like(Qh, float("inf"))
