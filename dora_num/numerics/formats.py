@@ -38,6 +38,12 @@ saturated result has no relative error bound: the bounds of
 :mod:`dora_num.numerics.bounds` return ``inf`` wherever a result may exceed 448.
 NaN stays NaN; ``±inf`` stays ``±inf`` (``±448`` for e4m3fn, as torch).
 
+torch's CPU conversion *from float64* to bf16, fp16 and both fp8 formats rounds through
+float32 (a double rounding: ``1 + 2^-8 + 2^-40`` becomes 1 in bf16, not ``1 + 2^-7``;
+measured, torch 2.13); from float32 it is one correct rounding.  The project only
+converts fp32 results (the contract), so this never bites it; ``round_to`` rounds the
+float64 value once.
+
 Why not ``x.astype(ml_dtypes.bfloat16)``: ml_dtypes 0.6.0 converts float64 to
 bf16 and fp8 *through float32* (double rounding): ``1 + 2^-8 + 2^-40`` becomes
 1 instead of ``1 + 2^-7``.  It is exact from float32 inputs, and the tests

@@ -199,6 +199,16 @@ def test_torch_fp8_conversion_matches_including_overflow(name, src):
     assert np.array_equal(np.signbit(got[num]), np.signbit(want[num]))
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"])
+def test_torch_float64_conversion_double_rounds_through_float32(name):
+    """The fact in the module docstring: torch converts float64 -> 16/8-bit through float32."""
+    f = FORMATS[name]
+    x = 1 + f.eps / 2 + 2.0**-40  # just above the tie 1 + eps/2: one rounding gives 1 + eps
+    assert round_to(np.array([x]), f)[0] == 1 + f.eps
+    assert torch.tensor([x], dtype=torch.float64).to(f.torch_dtype).double().item() == 1.0
+    assert torch.tensor([x], dtype=torch.float64).float().to(f.torch_dtype).double().item() == 1.0
+
+
 # ---------------------------------------------------------------- ulp, distance
 
 @pytest.mark.parametrize("name", NAMES)
