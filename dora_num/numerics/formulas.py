@@ -114,7 +114,10 @@ def norm_assembly(ar, base_sq, cross, ba, two_s, s_sq):
 def magnitude_scale(ar, m, wnorm, eps):
     """``g = m / max(wnorm, eps)``: one ``maximum`` (exact) and one division.
 
-    Relative error (for ``wnorm >= eps``): ``|g^ - g| / |g| <= u + (1+u) rel(wnorm)``
-    where ``rel(wnorm)`` is the relative error of the norm fed in.
+    Error: with ``rel`` the relative error of the norm fed in (``|w^ - w| <= rel w``),
+    ``|g^ - g| <= |g| (u + rel) / (1 - rel) + eta`` for every ``wnorm`` (above or below
+    ``eps``: ``max(., eps)`` is 1-Lipschitz) and every ``m`` (``eta``: the quotient may
+    underflow).  Exact to second order; the first-order ``u + (1+u) rel`` is exceeded
+    by ``~rel^2`` (lemma 6 of docs/bounds.md, :func:`dora_num.numerics.bounds.magnitude_scale_bound`).
     """
     return ar.div(m, ar.maximum(wnorm, eps))
