@@ -335,3 +335,42 @@ def test_magnitude_scale_bound_second_order(record):
     assert old_broken > 0  # the former docstring bound fails on this class
     record("magnitude_scale", case="w^ = w(1 - rel), subnormal m, below eps", ratio_err_over_bound=worst,
            n_former_bound_violated=old_broken)
+
+
+# ----------------------------------------------------------------------- norm assembly
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_assembly_bound_over_the_domain(fmt, record):
+    """Lemma 3 per arithmetic: cancellation (Q -> 0 and Q < 0: the clamp), subnormal terms,
+    zero rows, inexact 2s and s^2 (rsLoRA), terms near the format's overflow; exact
+    reference ``sqrt(max(Q, 0))`` of the given terms and fp32 constants, decided in rationals."""
+    from dora_num.numerics.bounds import assembly_bound
+
+    f = FORMATS[fmt]
+    rng = np.random.default_rng([14, list(FORMATS).index(fmt)])
+    n = 1200
+    s = 2 / math.sqrt(7)
+    _, two_s, s_sq = F.scale_constants(s)
+    top = min(f.max, FORMATS["fp32"].max)
+    b = rng.uniform(0.05, 1.0, n) * min(100.0, top / 32)
+    t = 1 + rng.standard_normal(n) * np.exp2(-rng.uniform(2, 24, n))
+    a = b * t * t / s**2
+    c = (-1 + np.exp2(-rng.uniform(1, 40, n))) * np.sqrt(a * b)
+    c[:100] = -np.sqrt(a[:100] * b[:100]) * 1.01  # Q < 0 exactly: the clamp
+    b[100:150], c[100:150], a[100:150] = 0.0, 0.0, 0.0
+    sub = slice(150, 300)  # subnormal terms of the storage format
+    b[sub], c[sub], a[sub] = (rng.uniform(0, 64, 150) * f.min_subnormal for _ in range(3))
+    hi = slice(300, 400)  # near the format's overflow
+    b[hi], a[hi], c[hi] = rng.uniform(0.2, 0.5, 100) * top, rng.uniform(0, 0.2, 100) * top, rng.uniform(-1, 1, 100) * top / 4
+    b, c, a = F32(b), F32(c), F32(a)
+    q = [Fr(b[i]) + Fr(two_s) * Fr(c[i]) + Fr(s_sq) * Fr(a[i]) for i in range(n)]
+    for variant in ("per_op", "fp32", "fp32_fma"):
+        out = emulate("norm_assembly", {"base_sq": b, "cross": c, "ba": a, "s": s}, fmt, variant)
+        E = assembly_bound(b, c, a, s, fmt, variant)
+        assert not np.isnan(E).any()
+        worst = 0.0
+        for i in np.flatnonzero(np.isfinite(E)):
+            assert np.isfinite(out[i]), (variant, i)
+            assert _within(float(out[i]), float(E[i]), max(q[i], Fr(0))), (fmt, variant, i)
+            worst = max(worst, _ratio(float(out[i]), float(E[i]), max(q[i], Fr(0))))
+        record("assembly", case=f"{fmt}/{variant}", ratio_err_over_bound=worst, n_no_bound=int(np.isinf(E).sum()))
