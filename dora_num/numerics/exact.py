@@ -86,8 +86,9 @@ def exact_bits(*arrays, degree: int, n_terms: int) -> int:
 
     The ``sqrt`` and ``div`` that end a formula are then correctly rounded to ``p``
     bits; rounding that once more to float64 or a narrower format equals rounding
-    the exact value once if ``p >= max(span + 4, 112)`` (docs/bounds.md, lemma 8): a 54-bit midpoint ``m`` of float64 and the exact ``sqrt(Q)`` (``Q``
-    a multiple of ``2^(degree L)``) differ, unless equal, by at least
+    the exact value once if ``p >= max(span + 4, 112)`` (docs/bounds.md, lemma 8): a
+    54-bit midpoint ``m`` of float64 and the exact ``sqrt(Q)`` (``Q`` a multiple of
+    ``2^(degree L)``) differ, unless equal, by at least
     ``2^(min(degree L, 2e - 106)) / (2 sqrt(Q))`` with ``e = floor(log2 sqrt Q)``, which is
     more than ``2^-p sqrt(Q)`` at that ``p``; for ``a / b`` of two floats the gap is
     ``>= 2^-108 a/b``.  The value returned includes that margin.
