@@ -17,13 +17,14 @@ copy of them).
     use the error-free TwoSum / TwoProduct; the only roundings are in the
     low-order words, each bounded by ``2^-53`` of its magnitude:
 
-    - add: ``s + e = a.hi + b.hi`` exactly; ``t = fl(fl(e + a.lo) + b.lo)``
-      with error ``<= 2u(1+u)(|e| + |a.lo| + |b.lo|) <= 2^-51 (...)``
-      (``u = 2^-53``); ``(hi, lo) = TwoSum(s, t)`` exactly.
-      ``err = a.err + b.err + 2^-51 (|e| + |a.lo| + |b.lo|)``.
+    - add: ``s + e = a.hi + b.hi`` exactly; ``t1 + r1 = e + a.lo`` and
+      ``t + r2 = t1 + b.lo`` by TwoSum (exact), ``(hi, lo) = TwoSum(s, t)`` exactly;
+      the only part dropped is ``r1 + r2``: ``err = a.err + b.err + |r1| + |r2|``
+      (0 when the sum is exact, so exact values are certain).
     - mul: ``p + e = a.hi * b.hi`` exactly; ``c = a.hi*b.lo + a.lo*b.hi +
       a.lo*b.lo`` and ``t = fl(e + c)``: four roundings, error
-      ``<= gamma_4 (|e| + |a.hi b.lo| + |a.lo b.hi| + |a.lo b.lo|) <= 2^-50 (...)``;
+      ``<= gamma_4 (|e| + |a.hi b.lo| + |a.lo b.hi| + |a.lo b.lo|) <= 2^-50 (...)``,
+      none (``t = e``) when both low parts are 0;
       propagated: ``|a| b.err + |b| a.err + a.err b.err`` with
       ``|a| <= |a.hi| + |a.lo| + a.err``.
     Each ``err`` is itself computed in float64 and multiplied by ``1 + 2^-40``
@@ -200,9 +201,10 @@ class DDArith:
     def add(a, b) -> DD:
         a, b = _dd(a), _dd(b)
         s, e = two_sum(a.hi, b.hi)
-        t = (e + a.lo) + b.lo
+        t1, r1 = two_sum(e, a.lo)
+        t, r2 = two_sum(t1, b.lo)
         hi, lo = two_sum(s, t)
-        err = (a.err + b.err + 2.0**-51 * (np.abs(e) + np.abs(a.lo) + np.abs(b.lo))) * _INFLATE
+        err = (a.err + b.err + np.abs(r1) + np.abs(r2)) * _INFLATE
         return DD(hi, lo, err)
 
     @staticmethod
@@ -218,8 +220,9 @@ class DDArith:
         hi, lo = two_sum(p, t)
         mag_a = np.abs(a.hi) + np.abs(a.lo) + a.err
         mag_b = np.abs(b.hi) + np.abs(b.lo) + b.err
+        rounded = (x1 != 0) | (x2 != 0) | (x3 != 0)  # else t = e exactly
         err = (mag_a * b.err + mag_b * a.err + a.err * b.err
-               + 2.0**-50 * (np.abs(e) + np.abs(x1) + np.abs(x2) + np.abs(x3))) * _INFLATE
+               + np.where(rounded, 2.0**-50 * (np.abs(e) + np.abs(x1) + np.abs(x2) + np.abs(x3)), 0.0)) * _INFLATE
         return DD(hi, lo, err)
 
     @staticmethod
