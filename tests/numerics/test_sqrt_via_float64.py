@@ -74,4 +74,8 @@ def test_torch_cpu_float64_sqrt_is_faithful_not_correctly_rounded_but_suffices()
     for i in sample[:1500]:
         assert Fraction(float(got[i])) == _rn_sqrt_int(float(x64[i]), 24, -126), i
     # torch's own fp32 sqrt on CPU is not correctly rounded (why the class exists)
-    assert (torch.sqrt(torch.from_numpy(x32)).numpy() != want).mean() > 0.01
+    t32 = torch.sqrt(torch.from_numpy(x32)).numpy()
+    assert 0.1 < (t32 != want).mean() < 0.25  # about 17%
+    from dora_num.numerics.formats import ulp_distance
+
+    assert (np.abs(ulp_distance(t32.astype(np.float64), want.astype(np.float64), "fp32")) <= 1).all()
