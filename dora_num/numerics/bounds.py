@@ -309,7 +309,7 @@ def dg_bound(s: float, lora, base, grad, reduction: str, *, block_m: int | None 
     ``lora``, ``base``, ``grad`` ``[T, N]`` are the stored activations and upstream
     gradient (any float format, exactly representable in float64), ``s`` the scale
     (rounded to fp32 as every path does).  ``dg_exact = sum_k (s L_k + b_k) D_k``
-    in real arithmetic; the computed value follows the contract (DESIGN.md 1):
+    in real arithmetic; the computed value follows the numerical contract (fp32 intermediates):
     ``inner = fl32(fl32(s*L) + b)`` (:func:`~dora_num.numerics.formulas.compose_inner`),
     products ``inner * D`` (:func:`~dora_num.numerics.formulas.compose_grad_g_terms`)
     in fp32 (``"eager"``, ``"fused"``) or exactly in float64 (``"fp64"``: 24 x 24 bits),

@@ -5,7 +5,7 @@ Everything here *uses* :mod:`dora_num.numerics` (formulas, emulated arithmetics,
 ground truth, bounds); it defines no formula of its own.
 
 - :func:`compose_inputs` / :func:`assembly_inputs`: the random, realistic and
-  adversarial input sets (DESIGN.md regimes; adversarial = g at and around the
+  adversarial input sets (adversarial = g at and around the
   format's spacing boundaries below and above 1, cancelling terms, values near
   the format's overflow).
 - :func:`sweep`: every formula x format x arithmetic x g-storage x regime:
