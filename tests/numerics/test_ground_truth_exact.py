@@ -155,3 +155,26 @@ def test_magnitude_scale_exact_over_a_wide_range():
     for i in range(300):
         q = Fr(m[i]) / max(Fr(w[i]), Fr(eps))
         assert t.value[i] == round_float("fp64", q) and t.rounded[i] == round_float("fp32", q), i
+
+
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_fp32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(row=st.lists(_fp32, min_size=1, max_size=6))
+@example(row=WIDE_ROWS["fp32_tie_plus_2^-320"])
+@example(row=WIDE_ROWS["tiny_inside_256_not_128"])
+@example(row=[2.0**-149, 2.0**-149, 3.0 * 2.0**-149])
+@example(row=[0.0, -0.0])
+def test_row_sum_of_squares_and_norm_exactly_rounded_for_any_fp32_row(row):
+    """Property: for any fp32 row, the precision chosen from the span makes the mp route exact."""
+    W = np.array([row], dtype=np.float64)
+    A, B = np.zeros((1, W.shape[1])), np.zeros((1, 1))
+    q = sum(Fr(v) ** 2 for v in row)
+    t = mp_factored_terms(W, A, B)["base"]
+    assert t.value[0] == round_float("fp64", q) and t.rounded[0] == round_float("fp32", q)
+    n = mp_dense_row_norm(W, A, B, 0.5)
+    assert n.value[0] == sqrt_round_ref("fp64", q) and n.rounded[0] == sqrt_round_ref("fp32", q)
