@@ -1,78 +1,48 @@
-r"""A-priori forward error bounds, as functions of the inputs.
+r"""A-priori (and, for the factored norm's guard, a-posteriori) forward error bounds.
+
+Every bound holds on the whole input domain of its formula (finite inputs of the
+formats involved: gradual underflow, subnormals, cancellation, fp32-inexact scale
+constants, zero rows) or returns ``inf`` where no finite bound exists (an
+intermediate or a partial sum may overflow, a result may saturate); never NaN.
+Non-finite inputs raise ``ValueError``.  The numbered lemmas with their derivations
+are typeset in ``docs/bounds.md``; each function below names its lemma.
 
 Standard model (Higham, ASNA ch. 2-3), for each operation of a working format
 with unit roundoff ``u`` and smallest subnormal ``s_min``::
 
     fl(a op b) = (a op b)(1 + d) + e,   |d| <= u,  |e| <= eta = s_min/2,  d*e = 0
 
-where ``e`` (underflow) is zero for ``+`` and ``-`` (a subnormal sum is exact)
-and for ``sqrt``.  ``gamma_n = n u / (1 - n u)`` bounds ``|prod (1+d_i) - 1|``
-for ``n`` factors; we use the exact ``(1+u)^n - 1`` (``<= gamma_n``) evaluated
-in float64.  Constants of the formula (``s``, ``2s``, ``s^2``, ``1``) are fp32
-numbers; under per-op emulation of eager PyTorch an operation with such a
-Python scalar is computed in fp32 and then rounded to the storage format (see
-:mod:`dora_num.numerics.emulate`), so its relative error is ``u_s = (1+u)(1+2^-24) - 1``.
+where ``e`` (underflow) can be nonzero only for ``*``, ``/`` and a contracted ``a*b + c``
+whose exact result is below the smallest normal; a sum or difference of two floats
+that lands in the subnormal range is exact, and so is ``sqrt`` there.  So every
+product (square) is an underflow *site* that may add ``eta``: the bounds count the
+sites (``d`` squares in a row sum, ``d`` products per entry of ``W A^T`` and so on) and
+charge ``eta`` for each, never a fixed number.  ``gamma_n = n u / (1 - n u)`` bounds
+``|prod (1+d_i) - 1|`` for ``n`` factors (we use ``(1+u)^n - 1 <= gamma_n`` where the
+count is small).  Constants of a formula are fp32 numbers: ``s = fl32(scale)``, ``2s``
+exact, ``s^2 = fl32(s*s)`` (relative error ``<= u``, ``+ eta`` if ``s^2`` is subnormal);
+the *exact* results use the real ``s^2`` (the norms) or the fp32 constants (the
+assembly of given terms), as each function states.  Under per-op emulation of
+eager PyTorch an operation with a Python scalar is computed in fp32 and then
+rounded to the storage format (:mod:`dora_num.numerics.emulate`), so its relative
+error is ``u_s = (1+u)(1+2^-24) - 1``.
 
-The bounds compare the computed output with the *exact* result for the given
-inputs (``g`` the fp32 value handed in).  Notation: ``g'`` the ``g`` actually
-used (``g`` or ``fl_fmt(g)``), ``dg = |g' - g|`` (exact, from the inputs),
-``L = s*lora``, ``X = (g'-1) base + g' L`` (exact, with ``g'``).
+Compose (lemmas 1-2): with ``pre`` the exact value of the last operation's operands
+(``p + t`` of the stable form), the bound is first taken on ``|pre - X|``; the final
+rounding in the working format adds ``u |pre|`` (and ``eta`` if it is a contracted
+FMA); a final rounding to a narrower storage format adds ``u_o(|X| + E) + eta_o``.
+The same ``pre`` gives the ulp bound (:func:`compose_ulp_bound`): the correctly
+rounded ``RN(X)`` and the computed ``RN(value)`` differ by at most the number of
+rounding boundaries (midpoints) of the output format between ``X`` and the value
+rounded last, ``<= 1 + floor(E_last / q_min)`` with ``q_min`` the smallest spacing
+of the format within ``E_last`` of ``X``.
 
-**Stable compose** ``gm1 = g'-1; t = g'*(s*lora); out = gm1*base + t``::
+All bounds are evaluated in float64 from float64 copies of the inputs and inflated
+slightly (each function says by how much and why) to cover that evaluation.
 
-    sl  = L(1+d1) + e1;  t = g' sl (1+d2) + e2;  p = gm1 base (1+d3) + e3
-    out = (p + t)(1+d4)                                   (no contraction)
-    out = (gm1 base + t)(1+d4) + e4                        (FMA)
-
-``gm1`` is exact for ``g'`` in ``[0.5, 2]`` (Sterbenz), else one more ``(1+d0)``.
-Hence ``|out - X| <= c_p |(g'-1) base| + c_t |g' L| + c_e eta`` with
-``c_t = (1+u_s)(1+u)^2 - 1``, ``c_p = (1+u)^{2+k} - 1`` (``(1+u)^{1+k} - 1``
-with FMA), ``k = 1`` iff ``g'`` is outside ``[0.5, 2]``;
-``c_e = (|g'|(1+u) + 2)(1+u)`` (FMA: ``(|g'|(1+u) + 1)(1+u) + 1``).
-No cancellation: both terms are bounded relative to their own size.
-
-**Naive compose** ``inner = s*lora + base; out = g'*inner - base``::
-
-    inner = (L(1+d1) + e1 + base)(1+d2);  P = g' inner (1+d3) + e3;  out = (P - base)(1+d4)
-    |out - X| <= (1+u)[ c_1 |g' L| + |g'|(1+u)^2 eta + gamma_2 |g'| |L + base| + eta ] + u |X|
-
-with ``c_1 = (1+u_s)(1+u)^2 - 1``.  With FMA (``inner = fl(L + base)``,
-``out = fl(g' inner - base)``): ``|out - X| <= (1+u)(u |g'| |L + base| + |g'| eta)
-+ u |X| + eta``.  The term ``~2u |base|`` against a result of size
-``|g-1||base| + |L|``: the relative error grows like ``u / |g - 1|``
-(catastrophic cancellation at ``g ≈ 1``).
-
-**Final rounding** (fp32 variants) to the storage format (``u_o``, ``eta_o``)
-and the ``g`` input rounding (item d)::
-
-    |fl_o(out) - X_true| <= E_w + u_o (|X| + E_w) + eta_o + dg |L + base|
-
-because ``X`` is affine in ``g`` with slope ``L + base``.  If any intermediate
-magnitude bound reaches the working (or output) format's ``max``, overflow is
-possible and the bound is ``inf`` (reported separately; not a failure of the
-bound, a statement that none exists).
-
-**Norm assembly** ``t = 2s*cross + base; t = s^2*ba + t; w = sqrt(max(t, 0))``
-with exact ``Q = base + 2s cross + s^2 ba`` and ``S = |base| + |2s cross| + |s^2 ba|``::
-
-    dQ <= ((1+u)^2-1)|base| + ((1+u_s)(1+u)^2-1)|2s cross| + ((1+u_s)(1+u)-1)|s^2 ba| + 2(1+u)^2 eta
-    (FMA: dQ <= ((1+u)^2-1)(|base| + |2s cross|) + u |s^2 ba| + (2+u) eta)
-
-plus, under per-op emulation, the input rounding ``|dbase| + |2s dcross| + s^2 |dba|``
-(exact, times ``(1+u)^3``).  So ``dQ/Q <= ~2u kappa`` with the condition number
-``kappa = S / |Q|`` of the sum.  ``max(., 0)`` is 1-Lipschitz and
-``|sqrt(x) - sqrt(y)| <= min(|x-y| / sqrt(y), sqrt|x-y|)``, so with a correctly
-rounded sqrt::
-
-    |w^ - w| <= (1+u) min(dQ / sqrt(Q), sqrt(dQ)) + u w
-
-``Q`` and ``w`` are evaluated in float64 from the inputs with error
-``<= gamma_2(2^-53) S`` (the products are exact in float64), which the bound
-absorbs (``Q`` taken from below, ``w`` from above).
-
-All bounds are evaluated in float64 and multiplied by ``1 + 2^-40`` (each is a
-handful of float64 operations on non-negative terms: relative evaluation error
-``< 20 * 2^-53``).
+The row-norm bounds (lemmas 4, 4', 5) live in :mod:`dora_num.numerics.norm_bounds` and
+are imported here, so every bound is reachable as ``dora_num.numerics.bounds.<name>``;
+the model's constants and helpers are :mod:`dora_num.numerics.standard_model`.
 """
 
 from __future__ import annotations
@@ -80,16 +50,13 @@ from __future__ import annotations
 import numpy as np
 
 from . import formulas as F
-from .formats import FORMATS, get_format, round_to
+from .formats import FORMATS, get_format, quantum, round_to
+from .norm_bounds import dense_norm_bound, factored_norm_bound, factored_norm_posterior, lora_row_magnitudes
+from .standard_model import ETA32, SAFE, U32, U64, finite64, gamma, pw
 
-_SAFE = 1.0 + 2.0**-40
-_U64 = 2.0**-53
-
-
-def _pw(u: float, n: int) -> float:
-    """``(1+u)^n - 1`` (<= gamma_n)."""
-    return (1.0 + u) ** n - 1.0
-
+__all__ = ["assembly_bound", "assembly_condition", "compose_bound", "compose_condition", "compose_ulp_bound",
+           "dense_norm_bound", "dg_bound", "dg_max_additions", "factored_norm_bound", "factored_norm_posterior",
+           "gamma", "lora_row_magnitudes", "magnitude_scale_bound", "one_ulp_condition"]
 
 def _working(fmt, variant):
     fmt = get_format(fmt)
@@ -98,7 +65,7 @@ def _working(fmt, variant):
         u32 = FORMATS["fp32"].u
         us = (1 + w.u) * (1 + u32) - 1 if w.p < 24 else w.u
         eta = w.min_subnormal / 2 + (FORMATS["fp32"].min_subnormal / 2 if w.p < 24 else 0.0)
-        return w, us, eta, None, variant == "fp32_fma"
+        return w, us, eta, None, False
     if variant in ("fp32", "fp32_fma"):
         w = FORMATS["fp32"]
         return w, w.u, w.min_subnormal / 2, fmt, variant == "fp32_fma"
@@ -110,176 +77,195 @@ def _g_used(g, fmt, variant, g_in):
     return round_to(g, fmt) if (variant == "per_op" or g_in == "storage") else g
 
 
-def compose_bound(formula: str, base, lora, g, s: float, fmt, variant: str, g_in: str = "fp32") -> np.ndarray:
-    """Bound on ``|computed - exact|`` of the compose ``formula`` (``"compose_stable"``
-    or ``"compose_naive"``) evaluated by :func:`dora_num.numerics.emulate.emulate` with
-    the same arguments; ``exact`` is the real result for ``g`` as given.  ``inf``
-    where overflow is possible.  Derivation: module docstring."""
+def _compose_parts(formula, base, lora, g, s, fmt, variant, g_in):
+    """The pieces of the compose bounds (lemmas 1-2 of docs/bounds.md).
+
+    Returns a dict: ``E_pre`` (bound on ``|pre - X'|``, ``pre`` the exact operands of the
+    last rounding in the working format, ``X'`` the exact result with the ``g'`` used),
+    ``E_w`` (after that rounding), ``E`` (the full bound vs ``X`` with the given ``g``,
+    after a final rounding to ``fmt`` where the variant has one), ``over`` (overflow
+    possible), ``X`` (an upper bound on ``|X'|``), ``Xtrue`` (float64 ``X`` with ``g``),
+    ``dgL = |g' - g| |L + base|`` and the formats."""
     if formula not in ("compose_stable", "compose_naive"):
         raise ValueError(f"formula must be compose_stable or compose_naive, got {formula!r}")
     fmt = get_format(fmt)
     w, us, eta, out_fmt, fma = _working(fmt, variant)
     u = w.u
-    base, lora, g = (np.asarray(x, dtype=np.float64) for x in (base, lora, g))
+    base, lora, g = (finite64(n, x) for n, x in (("base", base), ("lora", lora), ("g", g)))
     s = F.scale_constants(s)[0]
     gp = _g_used(g, fmt, variant, g_in)
     dg = np.abs(gp - g)
     L = s * lora  # exact in float64 (24-bit s times a <= 24-bit value)
     aL, ab, ag = np.abs(L), np.abs(base), np.abs(gp)
-    A = np.abs((gp - 1.0) * base) * (1 + _U64)  # g'-1 exact in float64; the product rounds at most once
-    T = ag * aL * (1 + _U64)  # one float64 rounding (72-bit product), taken from above
-    X = np.abs((gp - 1.0) * base + gp * L) + 4 * _U64 * (A + T)  # three float64 roundings
+    A = np.abs((gp - 1.0) * base) * (1 + U64)  # g'-1 exact in float64; the product rounds at most once
+    T = ag * aL * (1 + U64)  # one float64 rounding (72-bit product), taken from above
+    X = np.abs((gp - 1.0) * base + gp * L) + 4 * U64 * (A + T)  # three float64 roundings
+    k = ((gp < 0.5) | (gp > 2.0)).astype(np.float64)  # g' - 1 rounds (one more factor)
     if formula == "compose_stable":
-        k = ((gp < 0.5) | (gp > 2.0)).astype(np.float64)
-        c_t = (1 + us) * (1 + u) ** 2 - 1
+        # sl = L(1+d1)+e1; t = g' sl(1+d2)+e2; p = gm1 base(1+d3)+e3; pre = p + t (FMA: gm1 base + t)
+        c_t = (1 + us) * (1 + u) - 1
         if fma:
-            c_p = (1 + u) ** (1 + k) - 1
-            c_e = (ag * (1 + u) + 1) * (1 + u) + 1
+            E_pre = pw(us, k) * A + c_t * T + (ag * (1 + u) + 1) * eta
         else:
-            c_p = (1 + u) ** (2 + k) - 1
-            c_e = (ag * (1 + u) + 2) * (1 + u)
-        E = c_p * A + c_t * T + c_e * eta
-        mags = [aL * (1 + us), T * (1 + u) ** 2, A * (1 + u) ** 2, X + E]
+            E_pre = ((1 + us) ** k * (1 + u) - 1) * A + c_t * T + (ag * (1 + u) + 2) * eta
+        mags = [aL * (1 + us) + eta, T * (1 + u) ** 2 + 2 * eta, A * (1 + u) ** 2 + eta, X + E_pre]
     else:
-        Lb = aL + ab
-        if fma:
-            E = (1 + u) * (u * ag * Lb + ag * eta) + u * X + eta
-        else:
-            c1 = (1 + us) * (1 + u) ** 2 - 1
-            E = (1 + u) * (c1 * T + ag * (1 + u) ** 2 * eta + _pw(u, 2) * ag * Lb + eta) + u * X
-        mags = [aL * (1 + us), Lb * (1 + u) ** 2, ag * Lb * (1 + u) ** 3, X + E]
+        Lb = np.abs(L + base) * (1 + U64)
+        if fma:  # inner = fl(L + b) = (L+b)(1+d1) + e1; pre = g' inner - b
+            E_pre = ag * (u * Lb + eta)
+        else:  # inner = (L(1+d1)+e1+b)(1+d2); P = g' inner(1+d3)+e3; pre = P - b
+            E_pre = ag * (pw(u, 2) * Lb + (1 + u) ** 2 * (us * aL + eta)) + eta
+        mags = [aL * (1 + us) + eta, (aL + ab) * (1 + u) ** 2 + eta, ag * (aL + ab) * (1 + u) ** 3 + 2 * eta,
+                X + E_pre]
+    E_w = E_pre + u * (X + E_pre) + (eta if fma else 0.0)
     over = np.zeros(np.broadcast(base, lora, g).shape, dtype=bool)
     for m in mags:
-        over |= m >= w.max
+        over |= m * (1 + u) >= w.max
+    E = E_w
     if out_fmt is not None:
-        over |= (X + E) * (1 + out_fmt.u) >= out_fmt.max
-        E = E + out_fmt.u * (X + E) + out_fmt.min_subnormal / 2
-    E = (E + dg * np.abs(L + base)) * _SAFE
-    return np.where(over, np.inf, E)
+        over |= (X + E_w) * (1 + out_fmt.u) >= out_fmt.max
+        E = E_w + out_fmt.u * (X + E_w) + out_fmt.min_subnormal / 2
+    dgL = dg * np.abs(L + base) * (1 + U64)
+    Xtrue = (g - 1.0) * base + g * L
+    return {"E_pre": E_pre, "E_w": E_w, "E": E, "over": over, "X": X, "Xtrue": Xtrue, "dgL": dgL,
+            "out_fmt": out_fmt if out_fmt is not None else w, "final_round_in_w": out_fmt is None}
+
+
+def compose_bound(formula: str, base, lora, g, s: float, fmt, variant: str, g_in: str = "fp32") -> np.ndarray:
+    """Lemmas 1-2: bound on ``|computed - exact|`` of the compose ``formula``
+    (``"compose_stable"`` or ``"compose_naive"``) evaluated by
+    :func:`dora_num.numerics.emulate.emulate` with the same arguments; ``exact`` is the
+    real result for ``g`` as given (``g_in="storage"``: the rounding of ``g`` costs
+    ``|g' - g| |s lora + base|``, as ``X`` is affine in ``g``).  ``inf`` where overflow is
+    possible.  Multiplied by ``1 + 2^-40`` (a handful of float64 operations on
+    non-negative terms)."""
+    P = _compose_parts(formula, base, lora, g, s, fmt, variant, g_in)
+    E = (P["E"] + P["dgL"]) * SAFE
+    return np.where(P["over"], np.inf, E)
+
+
+def compose_condition(base, lora, g, s: float) -> np.ndarray:
+    r"""Condition number of the compose sum ``X = (g-1) base + g (s lora)``:
+    ``kappa_c = (|(g-1) base| + |g s lora|) / |X|`` (1 where both terms are 0, ``inf`` where
+    they cancel exactly).  ``kappa_c = 1`` when the terms have one sign; it is large
+    where ``(g-1) base`` and ``g s lora`` nearly cancel."""
+    base, lora, g = (finite64(n, x) for n, x in (("base", base), ("lora", lora), ("g", g)))
+    s = F.scale_constants(s)[0]
+    A, T = np.abs((g - 1.0) * base), np.abs(g * (s * lora))
+    X = np.abs((g - 1.0) * base + g * (s * lora))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(A + T == 0, 1.0, (A + T) / X)
+
+
+def compose_ulp_bound(formula: str, base, lora, g, s: float, fmt, variant: str = "fp32",
+                      g_in: str = "fp32") -> np.ndarray:
+    r"""Lemma 1 (ulp form): the computed compose is within this many ulps of the correctly
+    rounded exact result ``RN_fmt(X)`` (``X`` with the given ``g``), per element.
+
+    ``1 + floor(E_last / q_min)``: ``E_last`` bounds the error of the value that the
+    last rounding to ``fmt`` receives (the fp32 result for the fp32 variants with a
+    narrower ``fmt``; the exact operands ``pre`` of the final operation when that
+    operation itself rounds to ``fmt``), plus ``|g'-g||L+base|``; ``q_min`` is the
+    spacing of ``fmt`` at ``max(|X| - E_last, 0)``.  Since ``RN`` is monotone and
+    changes value only at midpoints, the two roundings differ by at most the number of
+    midpoints within ``E_last`` of ``X``.  For the stable form with fp32 intermediates
+    and ``g`` in ``[0.5, 2]``, ``E_last <= u32 |X| (1 + 2.0000002 kappa_c) + 4.0001 eta32``,
+    so the result is within **1 ulp** wherever ``kappa_c <= one_ulp_condition(fmt)``
+    (``2^(22 - p)``: 16384 for bf16, 2048 for fp16; none for fp32 output) and within
+    ``~1 + (1 + 2 kappa_c) 2^(p - 23)`` ulps beyond.  ``inf`` where overflow is possible.
+    """
+    P = _compose_parts(formula, base, lora, g, s, fmt, variant, g_in)
+    last_in_w = P["final_round_in_w"] or P["out_fmt"].p >= FORMATS["fp32"].p  # fp32 output: the fp32 op rounds last
+    E_last = (P["E_pre"] if last_in_w else P["E_w"]) + P["dgL"]
+    E_last = E_last * SAFE
+    low = np.maximum(np.abs(P["Xtrue"]) - E_last, 0.0)
+    q = quantum(low, P["out_fmt"])
+    ulps = 1.0 + np.floor(E_last / q)
+    return np.where(P["over"], np.inf, ulps)
+
+
+def one_ulp_condition(fmt) -> float:
+    r"""Lemma 1: the largest ``kappa_c`` for which the stable compose with fp32
+    intermediates (``g`` in ``[0.5, 2]``, one final rounding to ``fmt``) is guaranteed within
+    1 ulp of the correctly rounded result: ``2^(22 - p)`` (``p`` the format's precision);
+    0 for fp32 output (no condition suffices: the fp32 result has up to ``~2 kappa_c``
+    ulps).  Derivation: :func:`compose_ulp_bound`; checked there per element."""
+    p = get_format(fmt).p
+    return 2.0 ** (22 - p) if p <= 22 else 0.0
 
 
 def assembly_bound(base_sq, cross, ba, s: float, fmt, variant: str) -> np.ndarray:
-    """Bound on ``|computed - exact|`` of :func:`~dora_num.numerics.formulas.norm_assembly`
-    as evaluated by ``emulate("norm_assembly", ...)``; exact = ``sqrt(max(Q, 0))`` of
-    the given terms.  ``inf`` where overflow is possible.  Derivation: module docstring."""
+    """Lemma 3: bound on ``|computed - exact|`` of :func:`~dora_num.numerics.formulas.norm_assembly`
+    as evaluated by ``emulate("norm_assembly", ...)``; exact = ``sqrt(max(Q, 0))`` of the
+    given terms with the fp32 constants ``2s``, ``s^2 = fl32(s*s)`` (what the assembly
+    receives).  ``inf`` where overflow is possible."""
     fmt = get_format(fmt)
     w, us, eta, _, fma = _working(fmt, variant)
     u = w.u
-    b, c, a = (np.asarray(x, dtype=np.float64) for x in (base_sq, cross, ba))
+    b, c, a = (finite64(n, x) for n, x in (("base_sq", base_sq), ("cross", cross), ("ba", ba)))
     _, two_s, s_sq = F.scale_constants(s)
     Sb, Sc, Sa = np.abs(b), np.abs(two_s * c), np.abs(s_sq * a)  # exact products in float64
     S = Sb + Sc + Sa
     if fma:
-        dQ = _pw(u, 2) * (Sb + Sc) + u * Sa + (2 + u) * eta
+        dQ = pw(u, 2) * (Sb + Sc) + u * Sa + (2 + u) * eta
     else:
-        dQ = _pw(u, 2) * Sb + ((1 + us) * (1 + u) ** 2 - 1) * Sc + ((1 + us) * (1 + u) - 1) * Sa \
+        dQ = pw(u, 2) * Sb + ((1 + us) * (1 + u) ** 2 - 1) * Sc + ((1 + us) * (1 + u) - 1) * Sa \
             + 2 * (1 + u) ** 2 * eta
     if variant == "per_op":
         d_in = np.abs(round_to(b, w) - b) + np.abs(two_s) * np.abs(round_to(c, w) - c) \
             + s_sq * np.abs(round_to(a, w) - a)
         dQ = dQ + d_in * (1 + u) ** 3
     Q64 = b + two_s * c + s_sq * a
-    Q_lo = np.maximum(Q64 - 4 * _U64 * S, 0.0)
-    w_hi = np.sqrt(np.maximum(Q64 + 4 * _U64 * S, 0.0))
+    Q_lo = np.maximum(Q64 - 4 * U64 * S, 0.0)
+    w_hi = np.sqrt(np.maximum(Q64 + 4 * U64 * S, 0.0))
     with np.errstate(divide="ignore", invalid="ignore"):
-        lin = np.where(Q_lo > 0, dQ / np.sqrt(Q_lo), np.inf)
-    E = ((1 + u) * np.minimum(lin, np.sqrt(dQ)) + u * w_hi) * _SAFE
-    over = S * (1 + u) ** 3 >= w.max
+        lin = np.where(Q_lo > 0, dQ / np.sqrt(np.where(Q_lo > 0, Q_lo, 1.0)), np.inf)
+    E = ((1 + u) * np.minimum(lin, np.sqrt(dQ)) + u * w_hi) * SAFE
+    over = (S + dQ) * (1 + u) ** 3 >= w.max
     return np.where(over, np.inf, E)
 
 
 def assembly_condition(base_sq, cross, ba, s: float) -> np.ndarray:
     """``kappa = (|base| + |2s cross| + |s^2 ba|) / |base + 2s cross + s^2 ba|`` (inf at Q = 0)."""
-    b, c, a = (np.asarray(x, dtype=np.float64) for x in (base_sq, cross, ba))
+    b, c, a = (finite64(n, x) for n, x in (("base_sq", base_sq), ("cross", cross), ("ba", ba)))
     _, two_s, s_sq = F.scale_constants(s)
     S = np.abs(b) + np.abs(two_s * c) + np.abs(s_sq * a)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(S == 0, 1.0, S / np.abs(b + two_s * c + s_sq * a))
 
 
-# --------------------------------------------------------------------------
-# Row norms from W, A, B in fp32 (dora_num.ops): factored vs dense.
-# --------------------------------------------------------------------------
+def magnitude_scale_bound(m, wnorm, eps: float, rel_wnorm) -> np.ndarray:
+    r"""Lemma 6: bound on ``|g^ - g|`` for ``g^ = fl32(m / max(w^, eps))`` (fp32, as
+    :func:`~dora_num.numerics.formulas.magnitude_scale` under ``TorchFP32``) and the exact
+    ``g = m / max(w, eps)``, where ``w^ = wnorm`` is the computed norm and ``w`` the exact
+    one, ``|w^ - w| <= rel_wnorm * w`` (``eps`` taken as its fp32 value, as torch's
+    ``clamp_min`` does).
 
-def gamma(n, u: float):
-    """``gamma_n = n u / (1 - n u)`` (Higham, eq. 3.8); ``inf`` where ``n u >= 1``."""
-    nu = np.asarray(n, dtype=np.float64) * u
-    with np.errstate(divide="ignore"):
-        out = np.where(nu < 1.0, nu / np.where(nu < 1.0, 1.0 - nu, 1.0), np.inf)
-    return float(out) if out.ndim == 0 else out
+    ``max(., eps)`` is 1-Lipschitz, so ``max(w^, eps) = max(w, eps)(1 + r)`` with
+    ``|r| <= rel w / max(w, eps) <= rel``; the division adds ``(1 + d)`` and an underflow
+    ``e``: ``g^ = g (1 + d) / (1 + r) + e``, hence
 
+        |g^ - g| <= |g| (u + rel) / (1 - rel) + eta,
 
-def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False) -> np.ndarray:
-    r"""Bound on ``|factored_row_norm(W, A, B, s) - ||W + sBA||_row|``.
-
-    fp32 (``u = 2^-24``), any summation order (so ``gamma_n`` holds for blocked,
-    pairwise or FMA-based matmuls and sums alike), ``d = d_in``:
-
-    - ``base = sum W_i^2``: ``|dbase| <= gamma_{d} base``;
-    - ``U = W A^T``: ``|dU_k| <= gamma_d (|W| |A|^T)_k``; ``cross = sum_k B_k U_k``:
-      ``|dcross| <= gamma_{d+r} sum_k |B_k| (|W||A|^T)_k``;
-    - ``G = A A^T``, ``ba = sum (B G) * B``: ``|dba| <= gamma_{d+2r} (|B||A|)(|B||A|)^T``;
-    - assembly: as :func:`assembly_bound` (fp32, no FMA), with the term errors
-      added to ``dQ``.
-    - ``tensor_core_products``: ``U`` and ``G`` from 16-bit W and A on CUDA
-      (``torch.mm(..., out_dtype=float32)``), whose accumulator may truncate: ``2u``
-      per addition, ``gamma'_d = gamma_{2d}``, so ``d`` becomes ``2d`` in the cross and
-      Gram terms (:func:`dora_num.ops.norm._u_product`).  With ``Q = w^2``: ``dQ / Q <= ~ gamma_d kappa`` where
-      ``kappa = (base + |2s cross| + s^2 ba) / w^2``: the relative error of ``w``
-      grows like ``u d kappa / 2``.
-    """
-    W, A, B = (np.asarray(x, dtype=np.float64) for x in (W, A, B))
-    d, r = W.shape[1], A.shape[0]
-    u = FORMATS["fp32"].u
-    _, two_s, s_sq = F.scale_constants(s)
-    aW, aA, aB = np.abs(W), np.abs(A), np.abs(B)
-    base = (W * W).sum(1)
-    WA = aW @ aA.T
-    BA = aB @ aA
-    cross_mag = (aB * WA).sum(1)
-    ba_mag = (BA * BA).sum(1)
-    cross = (B * (W @ A.T)).sum(1)
-    ba = ((B @ A) ** 2).sum(1)
-    dp = 2 * d if tensor_core_products else d  # additions charged to the products U and G
-    d_terms = gamma(d, u) * base + two_s * gamma(dp + r, u) * cross_mag + s_sq * gamma(dp + 2 * r, u) * ba_mag
-    S = base + two_s * cross_mag + s_sq * ba_mag  # >= the magnitudes of the computed terms' sum
-    dQ = d_terms + _pw(u, 2) * (base + d_terms) + ((1 + u) ** 3 - 1) * two_s * (cross_mag * (1 + gamma(dp + r, u))) \
-        + _pw(u, 2) * s_sq * ba_mag * (1 + gamma(dp + 2 * r, u)) + 3e-45  # + two fp32 underflow errors
-    Q64 = base + two_s * cross + s_sq * ba
-    slack = 1e-12 * S  # float64 evaluation of Q (d + r terms, relative error <= (d + 2r) 2^-53 of S)
-    Q_lo = np.maximum(Q64 - slack, 0.0)
-    w_hi = np.sqrt(Q64 + slack)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lin = np.where(Q_lo > 0, dQ / np.sqrt(Q_lo), np.inf)
-    return ((1 + u) * np.minimum(lin, np.sqrt(dQ)) + u * w_hi) * (1 + 1e-6)
-
-
-def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
-    r"""Bound on ``|dense_row_norm(W, A, B, s) - ||W + sBA||_row|`` (fp32, torch).
-
-    ``x = W + s (BA)`` elementwise: ``(BA)_i`` with ``|err| <= gamma_r (|B||A|)_i``,
-    times ``s`` (one rounding), plus ``W_i`` (one rounding):
-    ``|x^_i - x_i| <= e_i = u |x_i| + (1+u)^2 s gamma_r (|B||A|)_i + (1+u) u s |BA|_i``.
-    Then ``||x^|| - ||x|| <= ||e||`` and the fp32 ``vector_norm`` (a sum of ``d``
-    squares, any order, then a square root that on CPU is within one ulp of the
-    correctly rounded one, i.e. relative ``<= 3u``) adds
-    ``(gamma_{d+1}/2 + 3u)(1 + ...) ||x^||``.  The cancellation happens elementwise,
-    before squaring: ``||e|| / ||x|| ~ u ||W|| / ||x|| = u sqrt(~kappa)``: the dense
-    norm degrades like ``sqrt(kappa)`` where the factored one degrades like ``kappa``.
-    """
-    W, A, B = (np.asarray(x, dtype=np.float64) for x in (W, A, B))
-    d, r = W.shape[1], A.shape[0]
-    u = FORMATS["fp32"].u
-    s = F.scale_constants(s)[0]
-    BA = B @ A
-    BAabs = np.abs(B) @ np.abs(A)
-    x = W + s * BA
-    xmag = np.abs(W) + abs(s) * np.abs(BA)
-    e = u * np.abs(x) + (1 + u) ** 2 * abs(s) * gamma(r, u) * BAabs + (1 + u) * u * abs(s) * np.abs(BA) \
-        + 1e-12 * xmag  # float64 evaluation of x
-    en = np.sqrt((e * e).sum(1))
-    xn = np.sqrt((x * x).sum(1)) * (1 + 1e-12)
-    return (en + (xn + en) * (gamma(d + 1, u) / 2 + 3 * u) * (1 + 4 * u)) * (1 + 1e-6)
+    exact to second order (``(1+u)/(1-rel) - 1``; the former ``u + (1 + u) rel`` misses
+    the ``rel^2`` term and fails for ``rel > ~2^-12``).  ``inf`` for ``rel >= 1`` or where
+    ``g^`` may overflow.  ``|g|`` is evaluated from the inputs as ``|m| / max(w^, eps) /
+    (1 - rel)`` (an upper bound), times ``1 + 2^-40``."""
+    m = finite64("m", m)
+    wn = finite64("wnorm", wnorm)
+    rel = np.broadcast_to(finite64("rel_wnorm", rel_wnorm), np.broadcast(m, wn).shape)
+    if (wn < 0).any() or (rel < 0).any():
+        raise ValueError("wnorm and rel_wnorm must be non-negative")
+    e32 = float(np.float32(eps))
+    if not e32 > 0:
+        raise ValueError(f"eps must be positive in fp32, got {eps!r}")
+    u, eta = U32, ETA32
+    den = np.maximum(wn, e32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        g_up = np.abs(m) / den / np.where(rel < 1, 1.0 - rel, 1.0) * (1 + 2 * U64)
+        E = (g_up * (u + rel) / np.where(rel < 1, 1.0 - rel, 1.0) + eta) * SAFE
+    bad = (rel >= 1) | ~np.isfinite(E) | (g_up * (1 + u) >= FORMATS["fp32"].max)
+    return np.where(bad, np.inf, E)
 
 
 # --------------------------------------------------------------------------
@@ -318,12 +304,12 @@ def dg_max_additions(reduction: str, n_rows: int, *, block_m: int | None = None,
 
 def dg_bound(s: float, lora, base, grad, reduction: str, *, block_m: int | None = None,
              chunk: int | None = None) -> np.ndarray:
-    r"""Bound on ``|dg_computed - dg_exact|`` per column (float64 ``[N]``).
+    r"""Lemma 7: bound on ``|dg_computed - dg_exact|`` per column (float64 ``[N]``).
 
     ``lora``, ``base``, ``grad`` ``[T, N]`` are the stored activations and upstream
     gradient (any float format, exactly representable in float64), ``s`` the scale
     (rounded to fp32 as every path does).  ``dg_exact = sum_k (s L_k + b_k) D_k``
-    in real arithmetic; the computed value follows the contract (DESIGN.md 1):
+    in real arithmetic; the computed value follows the numerical contract (fp32 intermediates):
     ``inner = fl32(fl32(s*L) + b)`` (:func:`~dora_num.numerics.formulas.compose_inner`),
     products ``inner * D`` (:func:`~dora_num.numerics.formulas.compose_grad_g_terms`)
     in fp32 (``"eager"``, ``"fused"``) or exactly in float64 (``"fp64"``: 24 x 24 bits),
@@ -340,7 +326,9 @@ def dg_bound(s: float, lora, base, grad, reduction: str, *, block_m: int | None 
         |dg^ - dg| <= sum_k |D_k| E_k + c sum_k (|inner_k| + E_k)|D_k| + T eta_p (1+u_s)^A
 
     (``u_p = u_s = u``, ``eta_p = eta`` for fp32; ``u_p = eta_p = 0``, ``u_s = 2^-53`` for
-    float64.)  Relative to ``|dg|`` this is ``~ (A + 2) u kappa`` with the condition
+    float64.)  ``inf`` where ``s L``, ``inner``, a product or, for the fp32 reductions, any
+    partial sum may reach the fp32 overflow threshold (partial sums are bounded by
+    ``sum_k |p^_k| (1 + u_s)^A`` in any order), even if the exact ``dg`` is in range.  Relative to ``|dg|`` this is ``~ (A + 2) u kappa`` with the condition
     number ``kappa = sum |inner D| / |sum inner D|`` of the reduction: the data enter
     only through ``kappa`` (about ``sqrt(T)`` for gradients of random sign) and
     through ``|sL|/|inner|``.  ``A`` is ``T - 1`` for any-order sums (eager) but
@@ -359,14 +347,23 @@ def dg_bound(s: float, lora, base, grad, reduction: str, *, block_m: int | None 
     u32 = FORMATS["fp32"].u
     eta32 = FORMATS["fp32"].min_subnormal / 2
     if reduction == "fp64":
-        u_p, eta_p, u_s = 0.0, 0.0, _U64
+        u_p, eta_p, u_s = 0.0, 0.0, U64
     else:
         u_p, eta_p, u_s = u32, eta32, u32
     s = F.scale_constants(s)[0]
     sL = np.abs(s * L)  # exact: 24 x 24 bits
-    inner = np.abs(s * L + b) * (1 + _U64)
+    inner = np.abs(s * L + b) * (1 + U64)
     E = u32 * (1 + u32) * sL + u32 * inner + (1 + u32) * eta32
     aD = np.abs(D)
     c = (1 + u_p) * (1 + u_s) ** A - 1
     bound = (aD * E).sum(0) + c * ((inner + E) * aD).sum(0) + T * eta_p * (1 + u_s) ** A
-    return bound * (1 + 1e-9)
+    # Overflow (fp32): of s*L, of inner, of a product, or of any partial sum of the reduction,
+    # whose magnitude is at most sum_k |p^_k| (1 + u_s)^A whatever the order: then no finite
+    # bound exists (the computed dg may be inf or NaN although the exact dg is in range).
+    mx = FORMATS["fp32"].max
+    p_mag = (inner + E) * aD * (1 + u_p) + eta_p
+    over = ((sL * (1 + u32)).max(0, initial=0) >= mx) | ((inner + E).max(0, initial=0) * (1 + u32) >= mx)
+    over |= p_mag.max(0, initial=0) >= mx
+    if reduction != "fp64":
+        over |= p_mag.sum(0) * (1 + u_s) ** A * (1 + 1e-9) >= mx
+    return np.where(over, np.inf, bound * (1 + 1e-9))

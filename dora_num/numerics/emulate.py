@@ -64,8 +64,11 @@ class RoundEach:
             # eager PyTorch computes (bf16/fp16 tensor) op (Python scalar) in fp32 and
             # rounds that to the tensor's dtype: a double rounding (the scalar has up
             # to 24 bits, so Figueroa's innocuous-double-rounding condition fails).
-            # Measured on CPU, s = 0.37, 1e5 elements: 0.67% (bf16) / 0.64% (fp16) of
-            # s*lora differ from one rounding; this reproduces torch bit for bit.
+            # How often depends on s: measured on CPU, lora ~ N(0, 1) stored in the
+            # format, 1e5 elements, s*lora differs from one rounding for 0.67% (bf16) /
+            # 0.64% (fp16) at s = 0.37, never at s = 0.5 (exact products) and for none
+            # of the 1e5 at the rsLoRA scales 2/sqrt(7), 16/sqrt(5)
+            # (tests/numerics/test_emulate.py); this reproduces torch bit for bit.
             return round_to(round_dd(hi, lo, FORMATS["fp32"]), self.fmt)
         return round_dd(hi, lo, self.fmt)
 

@@ -6,9 +6,10 @@ copy of them).
 
 ``MPArith(prec)``
     every operation in mpmath at ``prec`` bits (object arrays of ``mpf``).
-    Sums and products of float inputs are exact once ``prec`` exceeds the
-    span of the operands' bits; ``sqrt`` and ``div`` are correctly rounded to
-    ``prec`` bits.  Ground truth uses it at two precisions that must agree.
+    Sums and products of float inputs are exact once ``prec`` covers the
+    span of the bits of every intermediate (:func:`exact_bits` computes such a
+    ``prec`` from the inputs' exponents: a proof, not a check); ``sqrt`` and
+    ``div`` are correctly rounded to ``prec`` bits.
 
 ``DDArith``
     values are :class:`DD` triples ``(hi, lo, err)`` of float64 arrays with
@@ -16,13 +17,14 @@ copy of them).
     use the error-free TwoSum / TwoProduct; the only roundings are in the
     low-order words, each bounded by ``2^-53`` of its magnitude:
 
-    - add: ``s + e = a.hi + b.hi`` exactly; ``t = fl(fl(e + a.lo) + b.lo)``
-      with error ``<= 2u(1+u)(|e| + |a.lo| + |b.lo|) <= 2^-51 (...)``
-      (``u = 2^-53``); ``(hi, lo) = TwoSum(s, t)`` exactly.
-      ``err = a.err + b.err + 2^-51 (|e| + |a.lo| + |b.lo|)``.
+    - add: ``s + e = a.hi + b.hi`` exactly; ``t1 + r1 = e + a.lo`` and
+      ``t + r2 = t1 + b.lo`` by TwoSum (exact), ``(hi, lo) = TwoSum(s, t)`` exactly;
+      the only part dropped is ``r1 + r2``: ``err = a.err + b.err + |r1| + |r2|``
+      (0 when the sum is exact, so exact values are certain).
     - mul: ``p + e = a.hi * b.hi`` exactly; ``c = a.hi*b.lo + a.lo*b.hi +
       a.lo*b.lo`` and ``t = fl(e + c)``: four roundings, error
-      ``<= gamma_4 (|e| + |a.hi b.lo| + |a.lo b.hi| + |a.lo b.lo|) <= 2^-50 (...)``;
+      ``<= gamma_4 (|e| + |a.hi b.lo| + |a.lo b.hi| + |a.lo b.lo|) <= 2^-50 (...)``,
+      none (``t = e``) when both low parts are 0;
       propagated: ``|a| b.err + |b| a.err + a.err b.err`` with
       ``|a| <= |a.hi| + |a.lo| + a.err``.
     Each ``err`` is itself computed in float64 and multiplied by ``1 + 2^-40``
@@ -50,6 +52,54 @@ _INFLATE = 1.0 + 2.0**-40
 
 
 # ----------------------------------------------------------------- mpmath
+
+def exponent_range(*arrays) -> tuple[int, int]:
+    """``(E, L)`` over the finite nonzero float64 values of ``arrays`` and the constant 1:
+    ``E = max floor(log2 |x|)`` (the top bit), ``L = min`` position of the lowest set
+    bit (``x = M 2^L`` with ``M`` odd).  So ``2^L <= |x| < 2^(E+1)`` and every ``x`` is
+    a multiple of ``2^L``; with 1 included, ``E >= 0 >= L``."""
+    E, L = 0, 0
+    for a in arrays:
+        a = np.abs(np.asarray(a, dtype=np.float64)).ravel()
+        a = a[np.isfinite(a) & (a > 0)]
+        if a.size == 0:
+            continue
+        m, e = np.frexp(a)  # a = m 2^e, m in [0.5, 1): top bit e - 1
+        M = np.ldexp(m, 53).astype(np.int64)  # exact 53-bit integer significand
+        low = M & -M  # its lowest set bit, a power of two
+        tz = np.frexp(low.astype(np.float64))[1] - 1
+        E = max(E, int(e.max()) - 1)
+        L = min(L, int((e - 53 + tz).min()))
+    return E, L
+
+
+def exact_bits(*arrays, degree: int, n_terms: int) -> int:
+    r"""A precision (bits) in which mpmath evaluates exactly every value that is a sum of at
+    most ``n_terms`` products of at most ``degree`` factors taken from ``arrays`` (and 1).
+
+    With ``(E, L)`` = :func:`exponent_range`, a product of ``j <= degree`` factors is a
+    multiple of ``2^(jL) >= 2^(degree L)`` (``L <= 0``) below ``2^(j(E+1)) <= 2^(degree (E+1))``,
+    so any sum of ``n`` of them is a multiple of ``2^(degree L)`` below
+    ``n 2^(degree(E+1))``: an integer multiple of its lowest bit with at most
+    ``degree (E + 1 - L) + ceil(log2 n)`` bits.  Every intermediate of a polynomial
+    formula evaluated term by term is such a sum, so at this precision no operation
+    rounds (the certificate is this count, not an agreement of two precisions).
+
+    The ``sqrt`` and ``div`` that end a formula are then correctly rounded to ``p``
+    bits; rounding that once more to float64 or a narrower format equals rounding
+    the exact value once if ``p >= max(span + 4, 112)`` (docs/bounds.md, lemma 8): a
+    54-bit midpoint ``m`` of float64 and the exact ``sqrt(Q)`` (``Q`` a multiple of
+    ``2^(degree L)``) differ, unless equal, by at least
+    ``2^(min(degree L, 2e - 106)) / (2 sqrt(Q))`` with ``e = floor(log2 sqrt Q)``, which is
+    more than ``2^-p sqrt(Q)`` at that ``p``; for ``a / b`` of two floats the gap is
+    ``>= 2^-108 a/b``.  The value returned includes that margin.
+    """
+    if degree < 1 or n_terms < 1:
+        raise ValueError(f"degree and n_terms must be positive, got {degree}, {n_terms}")
+    E, L = exponent_range(*arrays)
+    span = degree * (E + 1 - L) + int(n_terms - 1).bit_length() + 1
+    return max(span + 4, 112) + 8
+
 
 _mp_sqrt = np.frompyfunc(mpmath.sqrt, 1, 1)
 _mp_max = np.frompyfunc(lambda a, b: a if a >= b else b, 2, 1)
@@ -151,9 +201,10 @@ class DDArith:
     def add(a, b) -> DD:
         a, b = _dd(a), _dd(b)
         s, e = two_sum(a.hi, b.hi)
-        t = (e + a.lo) + b.lo
+        t1, r1 = two_sum(e, a.lo)
+        t, r2 = two_sum(t1, b.lo)
         hi, lo = two_sum(s, t)
-        err = (a.err + b.err + 2.0**-51 * (np.abs(e) + np.abs(a.lo) + np.abs(b.lo))) * _INFLATE
+        err = (a.err + b.err + np.abs(r1) + np.abs(r2)) * _INFLATE
         return DD(hi, lo, err)
 
     @staticmethod
@@ -169,8 +220,9 @@ class DDArith:
         hi, lo = two_sum(p, t)
         mag_a = np.abs(a.hi) + np.abs(a.lo) + a.err
         mag_b = np.abs(b.hi) + np.abs(b.lo) + b.err
+        rounded = (x1 != 0) | (x2 != 0) | (x3 != 0)  # else t = e exactly
         err = (mag_a * b.err + mag_b * a.err + a.err * b.err
-               + 2.0**-50 * (np.abs(e) + np.abs(x1) + np.abs(x2) + np.abs(x3))) * _INFLATE
+               + np.where(rounded, 2.0**-50 * (np.abs(e) + np.abs(x1) + np.abs(x2) + np.abs(x3)), 0.0)) * _INFLATE
         return DD(hi, lo, err)
 
     @staticmethod

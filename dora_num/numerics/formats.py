@@ -18,11 +18,31 @@ Rounding (:func:`round_to`) is exact round-to-nearest-even of float64 values,
 implemented here as ``rint(x / q) * q`` with ``q = ulp(x)`` a power of two:
 division by a power of two is exact in float64 for every finite float64 input of
 interest and ``numpy.rint`` rounds half to even, so there is exactly one
-rounding.  Overflow follows IEEE 754: a value whose rounding with an unbounded
-exponent exceeds ``max`` becomes ``±inf``; fp8 e4m3fn has no infinity and,
-as ml_dtypes and torch do, returns NaN instead (its largest finite value, 448,
-is kept for ``|x| <= 464``, the midpoint to the first unrepresentable 480).
-NaN stays NaN; ``±inf`` stays ``±inf`` (NaN for e4m3fn).
+rounding.  Overflow follows IEEE 754 for the formats with an infinity: a value
+whose rounding with an unbounded exponent exceeds ``max`` becomes ``±inf``.
+
+fp8 e4m3fn has no infinity, and the libraries disagree on what overflow gives
+(measured, torch 2.13 CPU and ml_dtypes 0.6.0, ``tests/numerics/test_formats.py``):
+
+- torch (``x.to(torch.float8_e4m3fn)``, from fp32, fp64, bf16 and fp16) **saturates**:
+  every finite ``|x| > 448`` (464, 480, 1e4 alike) and ``±inf`` become ``±448``;
+  NaN stays NaN.
+- ml_dtypes (``x.astype(ml_dtypes.float8_e4m3fn)``) rounds ``|x| <= 464`` (the tie
+  between 448 and the unrepresentable 480, which goes to the even 448) to 448 and
+  gives **NaN** for ``|x| > 464`` and for ``±inf``.
+
+The project's operator converts with torch, so :func:`round_to` and
+:func:`round_fraction` follow torch (saturation); ml_dtypes is used only for the
+bit layouts of :func:`ulp_distance`, where every value is representable.  A
+saturated result has no relative error bound: the bounds of
+:mod:`dora_num.numerics.bounds` return ``inf`` wherever a result may exceed 448.
+NaN stays NaN; ``±inf`` stays ``±inf`` (``±448`` for e4m3fn, as torch).
+
+torch's CPU conversion *from float64* to bf16, fp16 and both fp8 formats rounds through
+float32 (a double rounding: ``1 + 2^-8 + 2^-40`` becomes 1 in bf16, not ``1 + 2^-7``;
+measured, torch 2.13); from float32 it is one correct rounding.  The project only
+converts fp32 results (the contract), so this never bites it; ``round_to`` rounds the
+float64 value once.
 
 Why not ``x.astype(ml_dtypes.bfloat16)``: ml_dtypes 0.6.0 converts float64 to
 bf16 and fp8 *through float32* (double rounding): ``1 + 2^-8 + 2^-40`` becomes
@@ -33,6 +53,7 @@ layouts used by :func:`ulp_distance`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -57,13 +78,18 @@ class Format:
     eps: float  # machine epsilon 2^(1-p) = spacing above one
     spacing_below_one: float  # 2^-p
     spacing_above_one: float  # 2^(1-p)
-    max: float  # largest finite value (e4m3fn: 448, its saturation value)
+    max: float  # largest finite value (e4m3fn: 448, also where torch saturates)
     min_normal: float
     min_subnormal: float
 
     @property
     def uint_dtype(self) -> type:
-        return {8: np.uint8, 16: np.uint16, 32: np.uint32}[self.bits]
+        return {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[self.bits]
+
+    @property
+    def saturates(self) -> bool:
+        """Overflow gives ``±max`` (torch's e4m3fn conversion) instead of ``±inf``."""
+        return not self.has_inf
 
     def __repr__(self) -> str:  # short: formats appear in test ids and tables
         return f"Format({self.name})"
@@ -89,6 +115,10 @@ FORMATS: dict[str, Format] = {
                         4, -6, 8, False, max_significand=14),
     "fp8_e5m2": _make("fp8_e5m2", 8, getattr(torch, "float8_e5m2", None), ml_dtypes.float8_e5m2, 3, -14, 15, True),
 }
+
+# float64 as a Format, for rounding exact values to float64 (ground truth's ``value``); not one
+# of the storage formats studied, so not in FORMATS.
+FP64 = _make("fp64", 64, torch.float64, np.float64, 53, -1022, 1023, True)
 
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
             "float8_e4m3fn": "fp8_e4m3fn", "e4m3fn": "fp8_e4m3fn", "e4m3": "fp8_e4m3fn",
@@ -157,7 +187,8 @@ def ulp(x, fmt) -> np.ndarray:
 
     ``ulp(1) = eps``; ``ulp(1 - tiny) = eps/2``; subnormals and 0 give
     ``min_subnormal``; beyond ``max`` the top binade's ``ulp(max)`` (values there
-    round to inf, but the spacing of the format stops growing); non-finite: NaN.
+    round to inf, or saturate to ``max`` in e4m3fn, but the spacing of the format
+    stops growing); non-finite: NaN.
     """
     fmt = get_format(fmt)
     q = quantum(x, fmt)
@@ -168,7 +199,7 @@ def round_to(x, fmt) -> np.ndarray:
     """Round float64 values to nearest-even in ``fmt``; returned as float64.
 
     Exactly one rounding (see module docstring).  Overflow gives ``±inf``
-    (e4m3fn: NaN, as ml_dtypes/torch); NaN stays NaN.
+    (e4m3fn: ``±448``, as torch; ``±inf`` inputs too); NaN stays NaN.
     """
     fmt = get_format(fmt)
     a = _as_f64(x, "x")
@@ -180,8 +211,9 @@ def round_to(x, fmt) -> np.ndarray:
     if fmt.has_inf:
         r = np.where(over, np.copysign(np.inf, a), r)
         r = np.where(finite, r, a)
-    else:
-        r = np.where(over | ~finite, np.nan, r)
+    else:  # saturate, as torch's conversion does
+        r = np.where(over | np.isinf(a), np.copysign(fmt.max, a), r)
+        r = np.where(np.isnan(a), np.nan, r)
     # keep the sign of zero (rint(-0.3) = -0.0 already; an underflow to 0 keeps x's sign)
     return np.where(r == 0, np.copysign(0.0, a), r)
 
@@ -189,7 +221,8 @@ def round_to(x, fmt) -> np.ndarray:
 def round_fraction(x: Fraction, fmt) -> float:
     """Exact round-to-nearest-even of a rational (or int/float/mpf) scalar into ``fmt``.
 
-    Used by the ground truth to round exact values that float64 cannot hold.
+    Used by the ground truth to round exact values that float64 cannot hold
+    (``fmt`` may be :data:`FP64`).  Overflow as :func:`round_to`.
     """
     fmt = get_format(fmt)
     if not isinstance(x, Fraction):
@@ -198,7 +231,9 @@ def round_fraction(x: Fraction, fmt) -> float:
 
             if isinstance(x, mpmath.mpf):
                 if not mpmath.isfinite(x):
-                    return float(x) if fmt.has_inf or mpmath.isnan(x) else float("nan")
+                    if fmt.has_inf or mpmath.isnan(x):
+                        return float(x)
+                    return math.copysign(fmt.max, float(x))
                 sgn, man, exp, _ = x._mpf_  # man_exp drops the sign
                 x = (-1 if sgn else 1) * Fraction(int(man)) * (Fraction(2) ** int(exp)) if man else Fraction(0)
         except ImportError:  # pragma: no cover
@@ -220,7 +255,7 @@ def round_fraction(x: Fraction, fmt) -> float:
         n += 1
     val = Fraction(n) * Fraction(2) ** qe
     if val > Fraction(fmt.max):
-        return sign * float("inf") if fmt.has_inf else float("nan")
+        return sign * (float("inf") if fmt.has_inf else fmt.max)
     return sign * float(val)
 
 
@@ -299,6 +334,9 @@ def round_dd(hi, lo, fmt) -> np.ndarray:
     This gives correctly rounded fma and sums from error-free transformations.
     """
     fmt = get_format(fmt)
+    if fmt.p > 26:
+        raise ValueError(f"round_dd needs a format of <= 26 significand bits (its midpoints on the float64 grid), "
+                         f"got {fmt.name}")
     hi = _as_f64(hi, "hi")
     lo = _as_f64(lo, "lo")
     r = round_to(hi, fmt)
@@ -310,10 +348,7 @@ def round_dd(hi, lo, fmt) -> np.ndarray:
         tie = finite & (t - fl == 0.5) & (lo != 0)
     if tie.any():
         up = np.where(lo > 0, fl + 1, fl)[tie] * q[tie]
-        if fmt.has_inf:
-            up = np.where(np.abs(up) > fmt.max, np.copysign(np.inf, up), up)
-        else:
-            up = np.where(np.abs(up) > fmt.max, np.nan, up)
+        up = np.where(np.abs(up) > fmt.max, np.copysign(np.inf if fmt.has_inf else fmt.max, up), up)
         r = r.copy()
         r[tie] = np.where(up == 0, np.copysign(0.0, hi[tie]), up)
     return r

@@ -1,6 +1,6 @@
 """The DoRA formulas, each written exactly once, over an arithmetic.
 
-Notation (DESIGN.md section 1): frozen ``W [d_out, d_in]``, ``A [r, d_in]``,
+Notation: frozen ``W [d_out, d_in]``, ``A [r, d_in]``,
 ``B [d_out, r]``, scale ``s``, magnitude ``m [d_out]``;
 ``base = x W^T``, ``lora = x A^T B^T``, ``g = m / max(||W + sBA||_row, eps)``.
 
@@ -55,8 +55,14 @@ def compose_stable(ar, base, lora, g, s):
     Sequence (fp32 under :class:`~dora_num.numerics.arithmetic.TorchFP32`):
     ``gm1 = g - 1``; ``sl = s*lora``; ``t = g*sl``; ``out = muladd(gm1, base, t)``
     i.e. ``gm1*base`` then ``+ t`` (two roundings; one if contracted).
-    ``g - 1`` is exact for g in [0.5, 2] (Sterbenz), so no cancellation: each
-    term is formed with relative error <= gamma_2 and the sum adds one u.
+    ``g - 1`` is exact for g in [0.5, 2] (Sterbenz), so ``g`` is not lost: each
+    term is formed with relative error <= gamma_2 and the sum adds one u.  The sum
+    itself can still cancel, where ``(g-1)*base`` and ``g*s*lora`` nearly cancel: the
+    error is bounded relative to ``|(g-1) base| + |g s lora|``, i.e. ``~2u kappa_c |X|``
+    with ``kappa_c`` the sum's condition, so "within 1 ulp of the correctly rounded
+    result" (fp32 intermediates, one final rounding) holds where ``kappa_c <=
+    2^(22-p)`` of the output format and not beyond (lemma 1 of docs/bounds.md,
+    :func:`dora_num.numerics.bounds.compose_ulp_bound`).
     """
     gm1 = ar.sub(g, ar.const(1.0))
     t = ar.mul(g, ar.mul(s, lora))
@@ -114,7 +120,10 @@ def norm_assembly(ar, base_sq, cross, ba, two_s, s_sq):
 def magnitude_scale(ar, m, wnorm, eps):
     """``g = m / max(wnorm, eps)``: one ``maximum`` (exact) and one division.
 
-    Relative error (for ``wnorm >= eps``): ``|g^ - g| / |g| <= u + (1+u) rel(wnorm)``
-    where ``rel(wnorm)`` is the relative error of the norm fed in.
+    Error: with ``rel`` the relative error of the norm fed in (``|w^ - w| <= rel w``),
+    ``|g^ - g| <= |g| (u + rel) / (1 - rel) + eta`` for every ``wnorm`` (above or below
+    ``eps``: ``max(., eps)`` is 1-Lipschitz) and every ``m`` (``eta``: the quotient may
+    underflow).  Exact to second order; the first-order ``u + (1+u) rel`` is exceeded
+    by ``~rel^2`` (lemma 6 of docs/bounds.md, :func:`dora_num.numerics.bounds.magnitude_scale_bound`).
     """
     return ar.div(m, ar.maximum(wnorm, eps))

@@ -38,7 +38,10 @@ def decode(name: str, bits: int) -> Fraction:
 
 
 def round_ref(name: str, x: Fraction):
-    """Round-to-nearest-even of a finite rational; returns a Fraction, or 'inf'/'nan' on overflow."""
+    """Round-to-nearest-even of a finite rational; returns a Fraction, or 'inf' on overflow.
+
+    A format without infinity (e4m3fn) saturates to its largest finite value, as
+    torch's conversion does (the project's operator converts with torch)."""
     eb, mb, bias, ieee = LAYOUTS[name]
     sign = -1 if x < 0 else 1
     a = abs(x)
@@ -66,7 +69,7 @@ def round_ref(name: str, x: Fraction):
     if a < mid or (a == mid and k % 2 == 0):
         return sign * v
     if k == top:
-        return "inf" if ieee else "nan"
+        return "inf" if ieee else sign * decode(name, top)
     return sign * nxt
 
 
@@ -82,3 +85,49 @@ def ordinal_ref(name: str, x: Fraction) -> int:
             hi = mid
     assert decode(name, lo) == a
     return -lo if x < 0 else lo
+
+
+# float64, for the ground truth's `value` field (not a storage format of the package)
+LAYOUTS["fp64"] = (11, 52, 1023, True)
+
+
+def _as_float(name: str, r, sign_of) -> float:
+    import math
+
+    if r == "inf":
+        return math.copysign(math.inf, sign_of)
+    return math.copysign(float(r), sign_of) if r == 0 else float(r)
+
+
+def round_float(name: str, x: Fraction) -> float:
+    """:func:`round_ref` as a Python float (``inf`` on overflow)."""
+    return _as_float(name, round_ref(name, x), 1 if x >= 0 else -1)
+
+
+def sqrt_round_ref(name: str, q: Fraction) -> float:
+    """Correctly rounded ``sqrt(q)`` of a rational ``q >= 0``, by search over bit patterns:
+    the largest pattern ``v`` with ``v^2 <= q``, then ``q`` against the squared midpoint."""
+    if q < 0:
+        raise ValueError("q must be >= 0")
+    top = max_pattern(name)
+    if decode(name, top) ** 2 <= q:
+        k = top
+    else:
+        lo, hi = 0, top
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if decode(name, mid) ** 2 <= q:
+                lo = mid
+            else:
+                hi = mid
+        k = lo
+    v = decode(name, k)
+    if v * v == q:
+        return float(v)
+    nxt = decode(name, k + 1) if k < top else v + (decode(name, top) - decode(name, top - 1))
+    m2 = ((v + nxt) / 2) ** 2
+    if q < m2 or (q == m2 and k % 2 == 0):
+        return float(v)
+    if k == top:
+        return float("inf") if LAYOUTS[name][3] else float(v)
+    return float(nxt)

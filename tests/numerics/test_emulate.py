@@ -127,3 +127,31 @@ def test_emulate_rejects_bad_arguments():
         emulate("compose_fancy", ok, "bf16", "fp32")
     with pytest.raises(ValueError, match="g must hold fp32-representable values"):
         emulate("compose_stable", {**ok, "g": np.full(3, 1 + 1e-12)}, "bf16", "fp32")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_scalar_op_double_rounding_rate_depends_on_s(dtype):
+    """Eager ``s * lora`` on a 16-bit tensor rounds through fp32: how often that differs from
+    one rounding depends on ``s`` (emulate.py's comment): 0 for a power of two, about 0.67%
+    (bf16) / 0.64% (fp16) at s = 0.37 for N(0, 1) lora, below 1e-4 at rsLoRA scales.
+    Ground truth: the exact product (TwoProduct) rounded once; torch is checked to follow
+    the double rounding bit for bit."""
+    from dora_num.numerics.formats import round_dd, two_prod
+
+    name = dtype_name(dtype)
+    lora = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(dtype)
+    l64 = _np(lora)
+    rates = {}
+    for s in (0.5, 0.37, 2 / np.sqrt(7), 16 / np.sqrt(5)):
+        sf = F.scale_constants(s)[0]
+        once = round_dd(*two_prod(np.full_like(l64, sf), l64), name)
+        torch_val = _np(lora * sf)
+        np.testing.assert_array_equal(torch_val, round_to(round_to(sf * l64, "fp32"), name))
+        rates[s] = float((torch_val != once).mean())
+    assert rates[0.5] == 0.0
+    want = {"bf16": 0.0067, "fp16": 0.0064}[name]
+    sigma = (want * (1 - want) / N) ** 0.5
+    assert abs(rates[0.37] - want) < 5 * sigma, rates
+    # at the rsLoRA scales 2/sqrt(7) and 16/sqrt(5) none of the 1e5 products double-rounds
+    # (the rate is about 2^-16 there, a bit pattern of fl32(0.37) makes it ~100x that)
+    assert rates[2 / np.sqrt(7)] < 1e-4 and rates[16 / np.sqrt(5)] < 1e-4, rates

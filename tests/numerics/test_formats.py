@@ -89,8 +89,8 @@ def test_round_exhaustive_values_midpoints_and_neighbours(name):
     want_mid = np.where(even_low, v, nxt)
     tiny = np.spacing(mid)
     want_below, want_above = v, nxt
-    # the step past the top is overflow
-    over = np.inf if f.has_inf else np.nan
+    # the step past the top is overflow (e4m3fn: saturation to 448, as torch)
+    over = np.inf if f.has_inf else f.max
     for arr in (want_mid, want_above):
         arr[-1] = over if arr[-1] > f.max else arr[-1]
     for sign in (1.0, -1.0):
@@ -131,8 +131,8 @@ def test_round_specials(name):
     r = round_to(np.array([np.inf, -np.inf, np.nan, -0.0]), f)
     if f.has_inf:
         assert r[0] == np.inf and r[1] == -np.inf
-    else:
-        assert np.isnan(r[0]) and np.isnan(r[1])
+    else:  # torch saturates infinities too
+        assert r[0] == f.max and r[1] == -f.max
     assert np.isnan(r[2]) and r[3] == 0 and np.signbit(r[3])
     assert round_to(np.array([-1e-300]), f)[0] == 0 and np.signbit(round_to(np.array([-1e-300]), f)[0])
 
@@ -154,9 +154,16 @@ def test_ml_dtypes_is_exact_from_float32_but_double_rounds_from_float64(name):
     f = FORMATS[name]
     rng = np.random.default_rng(3)
     x32 = (rng.standard_normal(200_000) * np.exp2(rng.uniform(f.emin - f.p, min(f.emax, 126), 200_000))).astype(np.float32)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         via_ml = x32.astype(f.np_dtype).astype(np.float64)
-    np.testing.assert_array_equal(via_ml, round_to(x32.astype(np.float64), f))
+    ours = round_to(x32.astype(np.float64), f)
+    if f.has_inf:
+        np.testing.assert_array_equal(via_ml, ours)
+    else:  # e4m3fn: ml_dtypes gives NaN beyond 464 where torch (and round_to) saturate to 448
+        inside = np.abs(x32) <= 464
+        assert (~inside).sum() > 100
+        np.testing.assert_array_equal(via_ml[inside], ours[inside])
+        assert np.isnan(via_ml[~inside]).all() and (np.abs(ours[~inside]) == f.max).all()
     if f.np_dtype is not np.float16:  # numpy's float64 -> float16 is direct (single rounding)
         x = 1 + f.eps / 2 + 2.0**-40  # just above the tie 1 + eps/2; via float32 it becomes the tie
         assert float(np.float64(x).astype(f.np_dtype)) == 1.0
@@ -171,6 +178,35 @@ def test_torch_conversion_matches(name):
     x32 = x.astype(np.float32)
     t = torch.from_numpy(x32).to(f.torch_dtype).double().numpy()
     np.testing.assert_array_equal(t, round_to(x32.astype(np.float64), f))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3fn", "fp8_e5m2"])
+@pytest.mark.parametrize("src", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_torch_fp8_conversion_matches_including_overflow(name, src):
+    """torch 2.13's conversion to fp8: round to nearest even; e4m3fn saturates every |x| > 448
+    (464, 480, ..., inf) to 448, e5m2 overflows to inf (module docstring); round_to follows it."""
+    f = FORMATS[name]
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(200_000) * np.exp2(rng.uniform(f.emin - f.p - 1, f.emax + 3, 200_000))
+    edge = np.array([440, 448, 449, 463.9, 464, 464.1, 479, 480, 500, 1e4, 57344, 61439, 61440, 65504, 1e30,
+                     np.inf, -np.inf, np.nan, -464, -465, 0.0, -0.0, f.min_subnormal / 2, f.min_subnormal * 0.51])
+    x = np.concatenate([x, edge, -x[:1000]])
+    xs = torch.from_numpy(x).to(src)
+    want = xs.to(f.torch_dtype).double().numpy()
+    got = round_to(xs.double().numpy(), f)
+    np.testing.assert_array_equal(got, want)
+    num = ~np.isnan(want)  # the sign of a NaN carries no meaning
+    assert np.array_equal(np.signbit(got[num]), np.signbit(want[num]))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"])
+def test_torch_float64_conversion_double_rounds_through_float32(name):
+    """The fact in the module docstring: torch converts float64 -> 16/8-bit through float32."""
+    f = FORMATS[name]
+    x = 1 + f.eps / 2 + 2.0**-40  # just above the tie 1 + eps/2: one rounding gives 1 + eps
+    assert round_to(np.array([x]), f)[0] == 1 + f.eps
+    assert torch.tensor([x], dtype=torch.float64).to(f.torch_dtype).double().item() == 1.0
+    assert torch.tensor([x], dtype=torch.float64).float().to(f.torch_dtype).double().item() == 1.0
 
 
 # ---------------------------------------------------------------- ulp, distance

@@ -5,7 +5,7 @@ Everything here *uses* :mod:`dora_num.numerics` (formulas, emulated arithmetics,
 ground truth, bounds); it defines no formula of its own.
 
 - :func:`compose_inputs` / :func:`assembly_inputs`: the random, realistic and
-  adversarial input sets (DESIGN.md regimes; adversarial = g at and around the
+  adversarial input sets (adversarial = g at and around the
   format's spacing boundaries below and above 1, cancelling terms, values near
   the format's overflow).
 - :func:`sweep`: every formula x format x arithmetic x g-storage x regime:
@@ -30,7 +30,7 @@ from ...numerics.bounds import (assembly_bound, assembly_condition, compose_boun
                                factored_norm_bound)
 from ...numerics.emulate import VARIANTS, emulate
 from ...numerics.formats import FORMATS, get_format, round_to, ulp_distance
-from ...numerics.ground_truth import DEFAULT_PRECS, assembly_exact, compose_exact, mp_dense_row_norm, mp_factored_terms
+from ...numerics.ground_truth import assembly_exact, compose_exact, mp_dense_row_norm, mp_factored_terms
 
 REGIMES = ("random", "realistic", "adversarial")
 SCALE = 0.37  # s: an rsLoRA-like scale that is not a power of two (so s*lora rounds)
@@ -159,8 +159,7 @@ def _summary(m: dict) -> dict:
     }
 
 
-def sweep(n: int, *, seed: int = 0, formats=tuple(FORMATS), regimes=REGIMES, precs=DEFAULT_PRECS,
-          sample: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+def sweep(n: int, *, seed: int = 0, formats=tuple(FORMATS), regimes=REGIMES, sample: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Measured error vs bound for every formula, format, arithmetic and regime.
 
     Returns ``(summary, samples)``: one summary row per (formula, format, variant,
@@ -172,7 +171,7 @@ def sweep(n: int, *, seed: int = 0, formats=tuple(FORMATS), regimes=REGIMES, pre
         fmt = get_format(fname)
         for regime in regimes:
             ci = compose_inputs(fmt, regime, n, seed)
-            truth = compose_exact(ci["base"], ci["lora"], ci["g"], ci["s"], fmt, precs=precs)
+            truth = compose_exact(ci["base"], ci["lora"], ci["g"], ci["s"], fmt)
             for formula in ("compose_naive", "compose_stable"):
                 for variant, g_in in COMBOS:
                     out = emulate(formula, ci, fmt, variant, g_in)
@@ -190,7 +189,7 @@ def sweep(n: int, *, seed: int = 0, formats=tuple(FORMATS), regimes=REGIMES, pre
             kappa = assembly_condition(ai["base_sq"], ai["cross"], ai["ba"], ai["s"])
             for variant in VARIANTS:
                 out_fmt = fmt if variant == "per_op" else FORMATS["fp32"]
-                truth = assembly_exact(ai["base_sq"], ai["cross"], ai["ba"], ai["s"], out_fmt, precs=precs)
+                truth = assembly_exact(ai["base_sq"], ai["cross"], ai["ba"], ai["s"], out_fmt)
                 out = emulate("norm_assembly", ai, fmt, variant)
                 bound = assembly_bound(ai["base_sq"], ai["cross"], ai["ba"], ai["s"], fmt, variant)
                 m = _errors(out, truth, bound, out_fmt)
@@ -210,47 +209,115 @@ def sweep(n: int, *, seed: int = 0, formats=tuple(FORMATS), regimes=REGIMES, pre
 # Conditioning: factored vs dense row norms.
 # --------------------------------------------------------------------------
 
-def conditioning_inputs(rows: int, d_in: int, r: int, *, seed: int = 0, tau_min: float = 1e-6):
-    """``W = -s BA + tau ||sBA|| N`` row by row, ``tau`` log-spaced in ``[tau_min, 1]``:
+def conditioning_inputs(rows: int, d_in: int, r: int, *, seed: int = 0, tau_min: float = 1e-6,
+                        tau_max: float = 1.0, scale: float = SCALE):
+    """``W = -s BA + tau ||sBA|| N`` row by row, ``tau`` log-spaced in ``[tau_min, tau_max]``:
     ``W + sBA = tau ||sBA|| N`` (up to fp32 rounding of W), so the assembly's
-    condition number grows like ``4 / tau^2``.  All fp32."""
+    condition number grows like ``4 / tau^2`` (until ``tau`` reaches the fp32 rounding
+    of ``W``, ``~u``, below which the rounding of W sets the exact norm).  All fp32;
+    ``s = fl32(scale)`` (any positive scale, e.g. rsLoRA's ``alpha / sqrt(r)``)."""
+    if not (0 < tau_min <= tau_max):
+        raise ValueError(f"need 0 < tau_min <= tau_max, got {tau_min}, {tau_max}")
     rng = np.random.default_rng([seed, 3])
-    s = F.scale_constants(SCALE)[0]
+    s = F.scale_constants(scale)[0]
     A = round_to(rng.standard_normal((r, d_in)) / np.sqrt(d_in), "fp32")
     B = round_to(rng.standard_normal((rows, r)), "fp32")
     V = s * (B @ A)
     N = rng.standard_normal((rows, d_in)) / np.sqrt(d_in)
-    tau = np.exp(np.linspace(0.0, np.log(tau_min), rows))
+    tau = np.exp(np.linspace(np.log(tau_max), np.log(tau_min), rows))
     W = round_to(-V + tau[:, None] * np.linalg.norm(V, axis=1, keepdims=True) * N, "fp32")
     return W, A, B, s
 
 
-def conditioning(rows: int = 64, d_in: int = 256, r: int = 8, *, seed: int = 0, precs=DEFAULT_PRECS,
-                 tau_min: float = 1e-6) -> pd.DataFrame:
+def conditioning(rows: int = 64, d_in: int = 256, r: int = 8, *, seed: int = 0, tau_min: float = 1e-6,
+                 tau_max: float = 1.0, scale: float = SCALE) -> pd.DataFrame:
     """Relative error of the factored and dense fp32 row norms (``dora_num.ops``) against
-    the exact norm, with the condition number and both a-priori bounds, one row per row."""
+    the exact norm, with the condition number and both a-priori bounds, one row per row.
+
+    Columns: ``kappa`` (exact terms), ``log10_kappa``, ``exact``, ``factored``, ``dense``,
+    ``bound_factored``, ``bound_dense`` (absolute), ``err_*``, ``rel_*``, ``ulps_*``;
+    ``kappa_post`` and ``rel_bound_post``: the a-posteriori condition and relative bound
+    computed from the fp32 terms alone (:func:`~dora_num.numerics.bounds.factored_norm_posterior`,
+    what a cancellation guard evaluates), ``err_factored <= rel_bound_post * factored``."""
     import torch
 
-    from ...ops.norm import dense_row_norm, factored_row_norm
+    from ...numerics.bounds import factored_norm_posterior, lora_row_magnitudes
+    from ...ops.norm import base_row_norm_sq, dense_row_norm, factored_row_norm
 
-    W, A, B, s = conditioning_inputs(rows, d_in, r, seed=seed, tau_min=tau_min)
-    exact = mp_dense_row_norm(W, A, B, s, precs=precs)
-    terms = mp_factored_terms(W, A, B, precs=precs)
+    W, A, B, s = conditioning_inputs(rows, d_in, r, seed=seed, tau_min=tau_min, tau_max=tau_max, scale=scale)
+    exact = mp_dense_row_norm(W, A, B, s)
+    terms = mp_factored_terms(W, A, B)
     _, two_s, s_sq = F.scale_constants(s)
-    S = np.abs(terms["base"].value) + np.abs(two_s * terms["cross"].value) + s_sq * np.abs(terms["ba"].value)
-    kappa = S / exact.value**2
+    S = np.abs(terms["base"].value) + np.abs(two_s * terms["cross"].value) + s * s * np.abs(terms["ba"].value)
+    with np.errstate(divide="ignore"):
+        kappa = S / exact.value**2
     t = lambda x: torch.from_numpy(x.astype(np.float32))  # noqa: E731
-    fac = factored_row_norm(t(W), t(A), t(B), s).double().numpy()
-    den = dense_row_norm(t(W), t(A), t(B), s).double().numpy()
-    out = pd.DataFrame({"row": np.arange(rows), "kappa": kappa, "exact": exact.value,
+    Wt, At, Bt = t(W), t(A), t(B)
+    fac = factored_row_norm(Wt, At, Bt, s).double().numpy()
+    den = dense_row_norm(Wt, At, Bt, s).double().numpy()
+    # the fp32 terms as the torch tail of the factored norm holds them (dora_num.ops.norm)
+    base32 = base_row_norm_sq(Wt)
+    U, G = Wt @ At.T, At @ At.T
+    cross32, ba32 = (Bt * U).sum(1), ((Bt @ G) * Bt).sum(1)
+    lora_abs, b_abs = lora_row_magnitudes(Bt, G, d_in=d_in)
+    kappa_post, rel_post = factored_norm_posterior(base32, cross32, ba32, two_s, s_sq, d_in=d_in, r=r,
+                                                   lora_abs=lora_abs, b_abs=b_abs)
+    out = pd.DataFrame({"row": np.arange(rows), "kappa": kappa, "log10_kappa": np.log10(kappa), "exact": exact.value,
                         "factored": fac, "dense": den,
                         "bound_factored": factored_norm_bound(W, A, B, s),
-                        "bound_dense": dense_norm_bound(W, A, B, s)})
+                        "bound_dense": dense_norm_bound(W, A, B, s),
+                        "kappa_post": kappa_post.double().numpy(), "rel_bound_post": rel_post.double().numpy()})
     for k in ("factored", "dense"):
         out[f"err_{k}"] = np.abs(out[k] - out["exact"])
-        out[f"rel_{k}"] = out[f"err_{k}"] / out["exact"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[f"rel_{k}"] = np.where(out["exact"] > 0, out[f"err_{k}"] / out["exact"],
+                                       np.where(out[f"err_{k}"] == 0, 0.0, np.inf))
         out[f"ulps_{k}"] = np.abs(ulp_distance(out[k].to_numpy(), exact.rounded, "fp32"))
     return out
+
+
+LOG10_KAPPA_BINS = (0, 2, 4, 6, 8, 10, 12, 14, 16, 20)
+
+
+def conditioning_table(cond: pd.DataFrame) -> pd.DataFrame:
+    """Median relative errors and bounds per bin of ``log10(kappa)`` (the index is named so)."""
+    bins = pd.cut(cond["log10_kappa"], bins=list(LOG10_KAPPA_BINS), include_lowest=True)
+    rel_b = cond.assign(rel_bound_factored=cond["bound_factored"] / cond["exact"],
+                        rel_bound_dense=cond["bound_dense"] / cond["exact"])
+    t = (rel_b.groupby(bins, observed=True)[["rel_factored", "rel_dense", "rel_bound_factored", "rel_bound_dense",
+                                             "rel_bound_post"]].median()
+         .assign(factored_over_dense=lambda d: d["rel_factored"] / d["rel_dense"],
+                 rows=rel_b.groupby(bins, observed=True).size()))
+    t.index.name = "log10(kappa)"
+    return t
+
+
+def conditioning_markdown(cond: pd.DataFrame, scale: float, tau_min: float) -> str:
+    """What holds, where, and what does not, in the conditioning study (generated from ``cond``)."""
+    lk = cond["log10_kappa"]
+    fin_f, fin_d = np.isfinite(cond["bound_factored"]), np.isfinite(cond["bound_dense"])
+    ok_f = bool((cond["err_factored"] <= cond["bound_factored"]).all())
+    ok_d = bool((cond["err_dense"] <= cond["bound_dense"]).all())
+    post = np.isfinite(cond["rel_bound_post"])
+    ok_p = bool((cond.loc[post, "err_factored"] <= cond.loc[post, "rel_bound_post"] * cond.loc[post, "exact"]).all())
+    rel_bf = cond["bound_factored"] / cond["exact"]
+    vac_f = lk[rel_bf >= 1].min() if (rel_bf >= 1).any() else np.nan
+    lead_f = lk[cond["rel_factored"] >= 0.5].min() if (cond["rel_factored"] >= 0.5).any() else np.nan
+    lead_d = lk[cond["rel_dense"] >= 0.5].min() if (cond["rel_dense"] >= 0.5).any() else np.nan
+    post_max = lk[post].max() if post.any() else np.nan
+    return "\n\n".join([
+        f"**Setting.** s = fl32({scale:.6g}) (s^2 inexact in fp32 unless s is a power of two), "
+        f"tau from 1 down to {tau_min:g}: log10(kappa) from {lk.min():.1f} to {lk.max():.1f}, {len(cond)} rows.",
+        f"**What holds.** Every measured error is within its a-priori bound: factored {'yes' if ok_f else '**NO**'}, "
+        f"dense {'yes' if ok_d else '**NO**'}; no bound is NaN ({int((~fin_f).sum())} factored and "
+        f"{int((~fin_d).sum())} dense bounds are inf: overflow possible). The guard's a-posteriori bound from the "
+        f"fp32 terms alone holds on every row where it is finite ({'yes' if ok_p else '**NO**'}), which is up to "
+        f"log10(kappa) = {post_max:.1f}; beyond, it is inf (the row must be recomputed).",
+        f"**Where it stops meaning much.** The factored bound reaches a relative size 1 (no correct digit "
+        f"guaranteed) from log10(kappa) = {vac_f:.1f}; the factored norm's measured error reaches 50% from "
+        f"log10(kappa) = {lead_f:.1f}, the dense norm's from {lead_d:.1f} (nan: never, in this range). The dense "
+        "norm degrades like sqrt(kappa), the factored one like kappa.",
+    ])
 
 
 # --------------------------------------------------------------------------
