@@ -27,7 +27,6 @@ far below every format spacing studied).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,7 +38,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from ..ops.layer import DoRALinear
-from .collapse import g_exact
+from .collapse import g_fp64
 from .corpus import load_corpus
 from .model import embed, embed_texts, encoder_linear_names, load_base_model, mrr_at_k, tokenize
 
@@ -190,8 +189,8 @@ def adapter_tensors(model: nn.Module, backend: str, names: list[str]) -> dict[st
 
 
 def g_minus_one_exact(W, A, B, m, scale: float) -> np.ndarray:
-    """``g - 1`` (float32 storage) of :func:`dora_num.adapters.collapse.g_exact` (float64 norm)."""
-    return (g_exact(W, A, B, m, scale) - 1.0).astype(np.float32)
+    """``g - 1`` (float32 storage) of :func:`dora_num.adapters.collapse.g_fp64` (float64 norm)."""
+    return (g_fp64(W, A, B, m, scale) - 1.0).astype(np.float32)
 
 
 @torch.no_grad()
@@ -331,9 +330,3 @@ def config_dict(cfg: TrainConfig) -> dict:
     d["eval_steps"] = list(cfg.eval_steps)
     return d
 
-
-def clone_config(cfg: TrainConfig, **changes) -> TrainConfig:
-    new = copy.copy(cfg)
-    for k, v in changes.items():
-        setattr(new, k, v)
-    return new

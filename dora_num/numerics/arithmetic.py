@@ -37,7 +37,7 @@ class TorchFP32:
     This is what eager PyTorch does for fp32 elementwise ops on CPU and CUDA:
     every op is its own kernel, so nothing is contracted.  ``sqrt`` is
     ``torch.sqrt``: correctly rounded on CUDA, *not* on CPU for every input
-    (PLATFORM.md: about 17% of random fp32 inputs 1 ulp off), which is why the
+    (docs/platform.md: about 17% of random fp32 inputs 1 ulp off), which is why the
     norm assembly in :func:`dora_num.numerics.formulas.norm_assembly` takes its
     square root from the arithmetic and the CPU reference overrides it below.
     """

@@ -209,7 +209,6 @@ def gamma(n, u: float):
     return float(out) if out.ndim == 0 else out
 
 
-_gam = gamma
 
 
 def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False) -> np.ndarray:
@@ -244,10 +243,10 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
     cross = (B * (W @ A.T)).sum(1)
     ba = ((B @ A) ** 2).sum(1)
     dp = 2 * d if tensor_core_products else d  # additions charged to the products U and G
-    d_terms = _gam(d, u) * base + two_s * _gam(dp + r, u) * cross_mag + s_sq * _gam(dp + 2 * r, u) * ba_mag
+    d_terms = gamma(d, u) * base + two_s * gamma(dp + r, u) * cross_mag + s_sq * gamma(dp + 2 * r, u) * ba_mag
     S = base + two_s * cross_mag + s_sq * ba_mag  # >= the magnitudes of the computed terms' sum
-    dQ = d_terms + _pw(u, 2) * (base + d_terms) + ((1 + u) ** 3 - 1) * two_s * (cross_mag * (1 + _gam(dp + r, u))) \
-        + _pw(u, 2) * s_sq * ba_mag * (1 + _gam(dp + 2 * r, u)) + 3e-45  # + two fp32 underflow errors
+    dQ = d_terms + _pw(u, 2) * (base + d_terms) + ((1 + u) ** 3 - 1) * two_s * (cross_mag * (1 + gamma(dp + r, u))) \
+        + _pw(u, 2) * s_sq * ba_mag * (1 + gamma(dp + 2 * r, u)) + 3e-45  # + two fp32 underflow errors
     Q64 = base + two_s * cross + s_sq * ba
     slack = 1e-12 * S  # float64 evaluation of Q (d + r terms, relative error <= (d + 2r) 2^-53 of S)
     Q_lo = np.maximum(Q64 - slack, 0.0)
@@ -278,11 +277,11 @@ def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
     BAabs = np.abs(B) @ np.abs(A)
     x = W + s * BA
     xmag = np.abs(W) + abs(s) * np.abs(BA)
-    e = u * np.abs(x) + (1 + u) ** 2 * abs(s) * _gam(r, u) * BAabs + (1 + u) * u * abs(s) * np.abs(BA) \
+    e = u * np.abs(x) + (1 + u) ** 2 * abs(s) * gamma(r, u) * BAabs + (1 + u) * u * abs(s) * np.abs(BA) \
         + 1e-12 * xmag  # float64 evaluation of x
     en = np.sqrt((e * e).sum(1))
     xn = np.sqrt((x * x).sum(1)) * (1 + 1e-12)
-    return (en + (xn + en) * (_gam(d + 1, u) / 2 + 3 * u) * (1 + 4 * u)) * (1 + 1e-6)
+    return (en + (xn + en) * (gamma(d + 1, u) / 2 + 3 * u) * (1 + 4 * u)) * (1 + 1e-6)
 
 
 # --------------------------------------------------------------------------
@@ -326,7 +325,7 @@ def dg_bound(s: float, lora, base, grad, reduction: str, *, block_m: int | None 
     ``lora``, ``base``, ``grad`` ``[T, N]`` are the stored activations and upstream
     gradient (any float format, exactly representable in float64), ``s`` the scale
     (rounded to fp32 as every path does).  ``dg_exact = sum_k (s L_k + b_k) D_k``
-    in real arithmetic; the computed value follows the contract (DESIGN.md 1):
+    in real arithmetic; the computed value follows the contract (docs/contract.md, notation):
     ``inner = fl32(fl32(s*L) + b)`` (:func:`~dora_num.numerics.formulas.compose_inner`),
     products ``inner * D`` (:func:`~dora_num.numerics.formulas.compose_grad_g_terms`)
     in fp32 (``"eager"``, ``"fused"``) or exactly in float64 (``"fp64"``: 24 x 24 bits),
