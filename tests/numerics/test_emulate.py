@@ -14,15 +14,11 @@ from hypothesis import strategies as st
 from dora_num.numerics import formulas as F
 from dora_num.numerics.arithmetic import TorchFP32, TorchFP32CorrectSqrt
 from dora_num.numerics.emulate import FP32_FMA, RoundEach, emulate
-from dora_num.numerics.formats import round_fraction
+from dora_num.numerics.formats import round_fraction, to_float64
 from dora_num.ops.reference import compose_naive, compose_stable_ref
 
 N = 100_000
 SCALES = [0.5, 0.37]  # a power of two (s*lora exact) and a general fp32 scale (s*lora rounds)
-
-
-def _np(t):
-    return t.double().numpy()
 
 
 @pytest.mark.parametrize("regime", ["random", "realistic"])
@@ -34,8 +30,9 @@ def test_per_op_matches_eager_torch_in_storage_dtype(formula, dtype, s, regime, 
     base, lora, g = regimes.compose(regime, N, dtype_name(dtype), torch=True)
     g16 = g.to(dtype)
     want = getattr(F, formula)(TorchFP32, base, lora, g16, s)  # TorchFP32's ops are dtype-generic
-    got = emulate(formula, {"base": _np(base), "lora": _np(lora), "g": _np(g), "s": s}, dtype_name(dtype), "per_op")
-    np.testing.assert_array_equal(got, _np(want))
+    got = emulate(formula, {"base": to_float64(base), "lora": to_float64(lora), "g": to_float64(g), "s": s},
+                  dtype_name(dtype), "per_op")
+    np.testing.assert_array_equal(got, to_float64(want))
 
 
 def dtype_name(dtype):
@@ -53,11 +50,11 @@ def test_fp32_variant_matches_the_eager_reference(dtype, s, g_in, regime, regime
         g_used = g.to(dtype).float()
     else:
         g_used = g
-    inputs = {"base": _np(base), "lora": _np(lora), "g": _np(g), "s": s}
+    inputs = {"base": to_float64(base), "lora": to_float64(lora), "g": to_float64(g), "s": s}
     np.testing.assert_array_equal(emulate("compose_stable", inputs, dtype_name(dtype), "fp32", g_in),
-                                  _np(compose_stable_ref(base, lora, g_used, s)))
+                                  to_float64(compose_stable_ref(base, lora, g_used, s)))
     np.testing.assert_array_equal(emulate("compose_naive", inputs, dtype_name(dtype), "fp32", g_in),
-                                  _np(compose_naive(base, lora, g_used, s)))
+                                  to_float64(compose_naive(base, lora, g_used, s)))
 
 
 def _assembly_terms(regimes, regime, n=N, seed=2):
@@ -72,7 +69,7 @@ def test_assembly_fp32_matches_torch_with_correct_sqrt(s, regime, regimes):
     _, two_s, s_sq = F.scale_constants(s)
     want = F.norm_assembly(TorchFP32CorrectSqrt, *(torch.from_numpy(x).float() for x in (b, c, a)), two_s, s_sq)
     got = emulate("norm_assembly", {"base_sq": b, "cross": c, "ba": a, "s": s}, "fp32", "fp32")
-    np.testing.assert_array_equal(got, _np(want))
+    np.testing.assert_array_equal(got, to_float64(want))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -82,7 +79,7 @@ def test_assembly_per_op_matches_eager_torch(dtype, regimes):
     _, two_s, s_sq = F.scale_constants(s)
     want = F.norm_assembly(TorchFP32, *(torch.from_numpy(x).to(dtype) for x in (b, c, a)), two_s, s_sq)
     got = emulate("norm_assembly", {"base_sq": b, "cross": c, "ba": a, "s": s}, dtype_name(dtype), "per_op")
-    np.testing.assert_array_equal(got, _np(want))
+    np.testing.assert_array_equal(got, to_float64(want))
 
 
 _F32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-(2.0**60), max_value=2.0**60)
