@@ -58,8 +58,9 @@ def bench_layers(shapes, profile_to: Path | None = None) -> list[dict]:
             ours.magnitude.copy_(ours.weight_norm() * (1 + 1e-3 * torch.randn(d_out, device="cuda", generator=gen)))
         x = torch.randn(tokens, d_in, device="cuda", generator=gen).to(dt)
         D = torch.randn(tokens, d_out, device="cuda", generator=gen).to(dt)
-        y_ref = dora_linear_ref64(x.double(), lin.weight.double(), None, ours.lora_A.double(),
-                                  ours.lora_B.double(), ours.magnitude.double(), ours.scale)
+        with torch.no_grad():  # the fp64 reference of the layer output
+            y_ref = dora_linear_ref64(x.double(), lin.weight.double(), None, ours.lora_A.double(),
+                                      ours.lora_B.double(), ours.magnitude.double(), ours.scale)
         # the same layer on its previous host path (the norm's torch tail, the output add as a
         # separate op), timed in the same rounds: the A/B of this path's two changes
         layers = {"dora_num": ours, "dora_num_prev_host_path": _PreviousHostPath(copy.deepcopy(ours))}
