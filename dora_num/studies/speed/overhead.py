@@ -41,9 +41,9 @@ from ..bench import host_path
 LOG = "host_overhead.log"
 
 
-def measure(emit=print) -> None:
-    """The probe; every result line goes to ``emit``."""
-    for shape in ((64, 512), (8192, 8192)):
+def measure(emit=print, *, smoke: bool = False) -> None:
+    """The probe; every result line goes to ``emit`` (``smoke``: the small shape only, few rounds)."""
+    for shape in ((64, 512),) if smoke else ((64, 512), (8192, 8192)):
         base = torch.randn(shape, device="cuda").bfloat16()
         lora = torch.randn(shape, device="cuda").bfloat16()
         g = 1 + 1e-3 * torch.randn(shape[1], device="cuda")
@@ -76,7 +76,7 @@ def measure(emit=print) -> None:
         wall = (time.perf_counter() - t) / 100 * 1e6
         emit(f"{shape} train step: CPU {cpu:.1f} us, wall {wall:.1f} us")
         emit(cprofile_top(step, calls=50, lines=12))
-    layer_host_cost(emit=emit)
+    layer_host_cost(emit=emit, **(dict(rounds=1, reps=20) if smoke else {}))
 
 
 def cprofile_top(fn, *, calls: int, lines: int, sort: str = "tottime") -> str:
@@ -138,6 +138,7 @@ def build_parser(prog: str = "dora-num record overhead", name: str = "overhead")
     ap.add_argument("--out", type=Path, help=f"also write {LOG} and device.json into this folder")
     ap.add_argument("--ingest", type=Path, metavar="DIR", help=f"record DIR's {LOG} into data/gpu/")
     ap.add_argument("--git-sha", default=None, help="the commit the GPU ran (the GPU copy has no .git)")
+    ap.add_argument("--smoke", action="store_true", help="the small shape only, few rounds (a check of the probe)")
     return ap
 
 
@@ -156,9 +157,9 @@ def record(a) -> int:
         print(line, flush=True)
         lines.append(line)
 
-    measure(emit)
+    measure(emit, smoke=a.smoke)
     if a.out is not None:
-        recorded.write_machine(a.out, recorded.describe_machine(a.git_sha))
+        recorded.write_machine(a.out, recorded.describe_machine(a.git_sha, smoke=a.smoke))
         (a.out / LOG).write_text("\n".join(lines) + "\n")
     return 0
 

@@ -131,6 +131,7 @@ def build_parser(prog: str = "dora-num record train-graphs", name: str = "train-
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="folder for train_graphs.csv and device.json")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="one 1024x1024 shape, one round (a check of the recorder)")
     ap.add_argument("--ingest", type=Path, metavar="DIR", help="record DIR's train_graphs.csv into data/gpu/")
     ap.add_argument("--git-sha", default=None, help="the commit the GPU ran (the GPU copy has no .git)")
     return ap
@@ -149,8 +150,9 @@ def record(a) -> int:
         print("dora-num record train-graphs needs a CUDA GPU", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(measure(repeats=a.repeats)).to_csv(a.out / "train_graphs.csv", index=False)
-    recorded.write_machine(a.out, recorded.describe_machine(a.git_sha, repeats=a.repeats))
+    shapes, repeats = (((1024, 1024),), 1) if a.smoke else (SHAPES, a.repeats)
+    pd.DataFrame(measure(shapes, repeats=repeats)).to_csv(a.out / "train_graphs.csv", index=False)
+    recorded.write_machine(a.out, recorded.describe_machine(a.git_sha, repeats=repeats, smoke=a.smoke))
     return 0
 
 
