@@ -1,5 +1,5 @@
 # Two entry points (README): `make reproduce` and `make test`. Both build .venv
-# from scratch when it is missing. torch and triton are pinned (PLATFORM.md):
+# from scratch when it is missing. torch and triton are pinned (docs/platform.md):
 # an unpinned torch would pull a multi-GB CUDA build.
 PYTHON ?= python3
 VENV   := .venv

@@ -1,6 +1,6 @@
 """dora-num: the floating-point behaviour of DoRA, with exact ground truth.
 
-Public API (DESIGN.md section 4)::
+Public API (docs/design.md)::
 
     dense_row_norm, factored_row_norm, magnitude_scale,
     compose_naive, compose_stable, compose, DoRALinear

@@ -1,7 +1,8 @@
-"""Test oracles: an fp64 DoRA layer, PEFT's DoRA layer on given factors, norm bounds.
+"""Oracles: fp64 references of the DoRA operator and PEFT's DoRA layer on given factors.
 
-Used by ``tests/ops`` (and usable from notebooks) to hold the fp32 operator
-to an independent evaluation of the same mathematics:
+The one home of the references that studies and tests hold the fp32 operator to
+(an independent evaluation of the same mathematics; none of it is "exact": the
+certified ground truth is :mod:`dora_num.numerics.ground_truth`):
 
 - :func:`dora_linear_ref64` / :class:`DoRALinearRef64`: the DoRA layer evaluated in
   float64, differentiable (autograd in fp64), with the row norm detached as in
@@ -14,6 +15,8 @@ to an independent evaluation of the same mathematics:
 - :func:`row_norm_ref64` and :func:`row_norm_ref64_error_bound`: the dense row norm
   in float64 and a bound on its own error, to add to the fp32 bounds of
   :mod:`dora_num.numerics.bounds` (which compare with the exact norm).
+- :func:`dg_ref64`: the magnitude gradient's row sum in float64.
+- :func:`measure_cpu_allocations`: the CPU allocator's traffic of a call.
 """
 
 from __future__ import annotations
@@ -66,6 +69,23 @@ def row_norm_ref64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
     s = fp32_scale(scale) if round_scale else float(scale)
     with torch.no_grad():
         return torch.linalg.vector_norm(W.double() + s * (B.double() @ A.double()), dim=1)
+
+
+def dg_ref64(inner: torch.Tensor, grad: torch.Tensor, *, max_elems: int | None = None) -> torch.Tensor:
+    """``dg = sum over rows of inner * D`` in float64 ``[N]`` (no gradient).
+
+    The products of fp32 (or 16-bit) factors are exact in float64; the sum of the
+    ``T`` rows rounds (relative error below ``(T-1) 2^-53`` of ``sum |inner D|``).
+    ``max_elems`` bounds the float64 temporaries: rows are summed in chunks of
+    ``max(1, max_elems // N)`` (for ``T`` at most one chunk the result is the same)."""
+    with torch.no_grad():
+        if max_elems is None:
+            return (inner.double() * grad.double()).sum(0)
+        d = torch.zeros(grad.shape[-1], dtype=torch.float64, device=grad.device)
+        step = max(1, max_elems // grad.shape[-1])
+        for i in range(0, grad.shape[0], step):
+            d += (inner[i:i + step].double() * grad[i:i + step].double()).sum(0)
+        return d
 
 
 def dora_linear_ref64(x, W, bias, A, B, m, scale: float, *, round_scale: bool = True) -> torch.Tensor:
@@ -121,15 +141,19 @@ class _Holder(nn.Module):
         return self.lin(x)
 
 
-def peft_dora_linear(linear: nn.Linear, rank: int, alpha: float, *, use_rslora: bool = False) -> nn.Module:
-    """PEFT's DoRA ``Linear`` (``LoraConfig(use_dora=True)``) around a deep copy of ``linear``."""
-    import peft
+def peft_dora_linear(linear: nn.Linear, rank: int, alpha: float, *, use_rslora: bool = False,
+                     autocast_adapter_dtype: bool = True) -> nn.Module:
+    """PEFT's DoRA ``Linear`` (``LoraConfig(use_dora=True)``) around a deep copy of ``linear``.
+
+    ``autocast_adapter_dtype=True`` is PEFT's default (16-bit adapters upcast to fp32);
+    ``False`` keeps the adapters in the base layer's dtype."""
+    import peft  # heavy and needed only by the PEFT comparisons: imported on use
 
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, use_rslora=use_rslora, use_dora=True,
         lora_dropout=0.0, target_modules=["lin"], init_lora_weights=True,
     )
-    model = peft.get_peft_model(_Holder(copy.deepcopy(linear)), config)
+    model = peft.get_peft_model(_Holder(copy.deepcopy(linear)), config, autocast_adapter_dtype=autocast_adapter_dtype)
     return model.base_model.model.lin
 
 
@@ -165,8 +189,8 @@ def perturbed_adapter(W: torch.Tensor, A: torch.Tensor, scale: float, *, seed: i
 
     ``B`` is Gaussian, scaled so that ``||s BA||_F = update_ratio * ||W||_F``
     (realistic: ``||sBA|| << ||W||``); ``m = ||W + sBA||_row * (1 + g_spread * z)``
-    with ``z ~ N(0, 1)``, so ``g - 1`` is of order ``g_spread`` (DESIGN.md: about
-    1e-3 in training).  Computed in fp64, returned in ``W``'s dtype.
+    with ``z ~ N(0, 1)``, so ``g - 1`` is of order ``g_spread`` (the realistic regime,
+    docs/contract.md: about 1e-3 in training).  Computed in fp64, returned in ``W``'s dtype.
     """
     gen = torch.Generator().manual_seed(seed)
     d_out, r = W.shape[0], A.shape[0]

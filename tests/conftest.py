@@ -1,7 +1,7 @@
 """Test configuration.
 
 Without a GPU, Triton kernels run under the interpreter: TRITON_INTERPRET must
-be set before any module holding ``@triton.jit`` is imported (PLATFORM.md), so
+be set before any module holding ``@triton.jit`` is imported (docs/platform.md), so
 it is set here, at collection start.  ``gpu``-marked tests skip visibly.
 """
 
@@ -38,3 +38,41 @@ def _restore_global_state():
     mpmath.mp.dps = dps
     torch.set_default_dtype(dtype)
     torch.random.set_rng_state(state)
+
+
+class Regimes:
+    """Test inputs by named regime, drawn by :mod:`dora_num.studies.inputs` (the one source
+    of the project's seeded random / realistic / adversarial inputs; docs/contract.md).
+
+    ``compose(regime, n, fmt, seed)``: ``base``, ``lora`` (values of ``fmt``), ``g`` (fp32),
+    ``s``; ``torch=True`` gives ``(base, lora, g)`` as tensors (``fmt``'s dtype, fp32 ``g``).
+    ``assembly(regime, n, fmt, seed)``: fp32 ``base_sq``, ``cross``, ``ba``, ``s``.
+    ``dg(T, N, dtype, seed, base_scale=...)``: ``(lora, base, grad)`` torch ``[T, N]``."""
+
+    def compose(self, regime: str, n: int, fmt="fp32", seed: int = 0, *, torch: bool = False):
+        from dora_num.numerics.formats import get_format
+        from dora_num.studies import inputs
+
+        d = inputs.compose(fmt, regime, n, seed)
+        if not torch:
+            return d
+        import torch as t
+
+        dt = get_format(fmt).torch_dtype
+        return (t.from_numpy(d["base"]).to(dt), t.from_numpy(d["lora"]).to(dt), t.from_numpy(d["g"]).float())
+
+    def assembly(self, regime: str, n: int, fmt="fp32", seed: int = 0) -> dict:
+        from dora_num.studies import inputs
+
+        return inputs.assembly(fmt, regime, n, seed)
+
+    def dg(self, T: int, N: int, dtype: str, seed: int, **kw):
+        from dora_num.studies import inputs
+
+        return inputs.dg_operands(T, N, dtype, seed=seed, **kw)
+
+
+@pytest.fixture(scope="session")
+def regimes() -> Regimes:
+    """The input fixture of every test that needs generated inputs (:class:`Regimes`)."""
+    return Regimes()

@@ -2,7 +2,7 @@
 
 For every module of an adapter, ``g = m / ||W + s B A||_row`` is formed from the
 stored (fp32) magnitude and the row norm evaluated in float64
-(:func:`g_exact`; relative error below ``(r + d_in + 2) 2^-53``, i.e. ~1e-13:
+(:func:`g_fp64`; relative error below ``(r + d_in + 2) 2^-53``, i.e. ~1e-13:
 eight orders of magnitude below the narrowest format spacing studied, so every
 zone test below is decided correctly unless g lies within ~1e-13 of a zone end).
 
@@ -29,6 +29,7 @@ import torch
 
 from ..numerics.collapse import absorption_fraction, collapse_stats
 from ..numerics.formats import get_format, round_to
+from ..oracles import row_norm_ref64
 
 FORMATS = ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2")
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
@@ -36,16 +37,15 @@ POOLED = "(all modules)"
 
 
 @torch.no_grad()
-def g_exact(W, A, B, m, scale: float) -> np.ndarray:
-    """``g = m / ||W + s B A||_row`` in float64 (``m`` as stored, ``s`` rounded to fp32).
+def g_fp64(W, A, B, m, scale: float) -> np.ndarray:
+    """``g = m / ||W + s B A||_row`` in float64 (``m`` as stored, ``s = fl32(scale)``), the
+    norm :func:`dora_num.oracles.row_norm_ref64`.
 
-    Error: the float64 dense evaluation has relative error below
+    Not exact: the float64 dense evaluation has relative error below
     ``(r + d_in + 2) * 2^-53`` (summation bounds for ``BA``, the row sum of
     squares and the sqrt), about 2e-13 for MiniLM.
     """
-    s = float(np.float32(scale))
-    dense = W.double() + s * (B.double() @ A.double())
-    norm = torch.linalg.vector_norm(dense, dim=1)
+    norm = row_norm_ref64(W, A, B, scale)
     if bool((norm == 0).any()):
         raise ValueError("a row of W + sBA is exactly zero: g = m / 0 is undefined there")
     return (m.detach().double() / norm).cpu().numpy()
@@ -53,7 +53,7 @@ def g_exact(W, A, B, m, scale: float) -> np.ndarray:
 
 def g_from_states(states) -> dict[str, np.ndarray]:
     """``{module name: g (float64)}`` for :class:`~dora_num.adapters.peft_io.DoRAModuleState` s."""
-    return {st.name: g_exact(st.W, st.A, st.B, st.m, st.scale) for st in states}
+    return {st.name: g_fp64(st.W, st.A, st.B, st.m, st.scale) for st in states}
 
 
 def _row(module: str, fmt, g: np.ndarray, x: np.ndarray | None) -> dict:

@@ -12,7 +12,7 @@ Format (PEFT >= 0.9; what ``PeftModel.save_pretrained`` writes):
 
 Scale: ``s = alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
 
-Files are untrusted (DESIGN.md 2.6): safetensors is preferred; a ``.bin`` is read
+Files are untrusted (docs/contract.md, promise 6): safetensors is preferred; a ``.bin`` is read
 only with ``torch.load(weights_only=True)``, so a pickle that tries to run code is
 refused.  Every malformed input raises :class:`AdapterError` (a ``ValueError``)
 naming the file or key and the problem.

@@ -38,7 +38,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from ..ops.layer import DoRALinear
-from .collapse import g_exact
+from .collapse import g_fp64
 from .corpus import load_corpus
 from .model import embed, embed_texts, encoder_linear_names, load_base_model, mrr_at_k, tokenize
 
@@ -193,8 +193,8 @@ def adapter_tensors(model: nn.Module, backend: str, names: list[str]) -> dict[st
 
 
 def g_minus_one_exact(W, A, B, m, scale: float) -> np.ndarray:
-    """``g - 1`` (float32 storage) of :func:`dora_num.adapters.collapse.g_exact` (float64 norm)."""
-    return (g_exact(W, A, B, m, scale) - 1.0).astype(np.float32)
+    """``g - 1`` (float32 storage) of :func:`dora_num.adapters.collapse.g_fp64` (float64 norm)."""
+    return (g_fp64(W, A, B, m, scale) - 1.0).astype(np.float32)
 
 
 @torch.no_grad()
@@ -334,3 +334,4 @@ def config_dict(cfg: TrainConfig) -> dict:
     d["capture_steps"] = list(cfg.capture_steps)
     d["eval_steps"] = list(cfg.eval_steps)
     return d
+

@@ -21,18 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats import get_format, round_dd, round_to, two_prod
+from .formats import get_format, round_dd, round_to, to_float64, two_prod
 
 
 def _as_array(x, name: str) -> np.ndarray:
-    try:
-        import torch
-
-        if isinstance(x, torch.Tensor):
-            x = x.detach().cpu().double().numpy()
-    except ImportError:  # pragma: no cover
-        pass
-    a = np.asarray(x, dtype=np.float64).ravel()
+    a = to_float64(x).ravel()
     if a.size == 0:
         raise ValueError(f"{name} is empty")
     if not np.isfinite(a).all():

@@ -149,9 +149,17 @@ def get_format(name_or_dtype) -> Format:
     raise ValueError(f"numpy dtype {dt} is not one of the formats {sorted(FORMATS)}")
 
 
+def to_float64(x) -> np.ndarray:
+    """``x`` (a torch tensor of any device and float dtype, a numpy array, a number) as a
+    float64 numpy array; exact for every format here (each embeds in float64)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
 def _as_f64(x, name: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().double().numpy()
+        x = to_float64(x)
     a = np.asarray(x)
     if a.dtype.kind not in "fiu" and a.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn),
                                                       np.dtype(ml_dtypes.float8_e5m2)):

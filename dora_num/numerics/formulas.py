@@ -1,6 +1,6 @@
 """The DoRA formulas, each written exactly once, over an arithmetic.
 
-Notation: frozen ``W [d_out, d_in]``, ``A [r, d_in]``,
+Notation (docs/contract.md): frozen ``W [d_out, d_in]``, ``A [r, d_in]``,
 ``B [d_out, r]``, scale ``s``, magnitude ``m [d_out]``;
 ``base = x W^T``, ``lora = x A^T B^T``, ``g = m / max(||W + sBA||_row, eps)``.
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import formulas as F
 from .exact import DDArith, MPArith, certified_round, exact_bits, to_mp
-from .formats import FP64, get_format, round_fraction, round_to
+from .formats import FP64, get_format, round_fraction, round_to, to_float64
 
 
 class GroundTruthError(RuntimeError):
@@ -57,14 +57,7 @@ class Truth:
 
 
 def _f64(x, name):
-    try:
-        import torch
-
-        if isinstance(x, torch.Tensor):
-            x = x.detach().cpu().double().numpy()
-    except ImportError:  # pragma: no cover
-        pass
-    a = np.asarray(x, dtype=np.float64)
+    a = to_float64(x)
     if not np.isfinite(a).all():
         raise ValueError(f"{name} contains non-finite values; ground truth needs finite inputs")
     return a

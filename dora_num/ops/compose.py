@@ -294,7 +294,7 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
 
     ``path``: ``"eager"`` (torch reference), ``"fused"`` (Triton kernels) or
     ``"auto"`` (module docstring).  Every path computes the same function bit for
-    bit in the forward (numerical contract, DESIGN.md section 2).  ``g`` must be
+    bit in the forward (numerical contract, docs/contract.md).  ``g`` must be
     fp32 and finite; non-finite activations propagate as in any torch layer (use
     :func:`compose_stable` to have them rejected).  Empty inputs return empty.
     ``out`` (inference only: no input may need a gradient) receives the result

@@ -1,22 +1,111 @@
 """``setup()``: the second cell of every notebook.
 
-Sets the plot theme and seeds, decides where artifacts go (the repository, or a
-temporary folder in SMOKE mode so committed files are never touched), and
-returns a small context with the notebook's output folders and save helpers.
-Works the same from JupyterLab (cwd ``notebooks/``) and papermill (any cwd).
+``ctx = dn.setup("NN_topic", globals())`` reads the notebook's own ``parameters``
+cell, so each parameter is declared once, there, with its type, its value and a
+comment.  A parameter whose comment ends in ``smoke: VALUE`` (a Python literal) takes
+``VALUE`` in SMOKE mode, unless the run passed it explicitly (papermill's injected
+value differs from the cell's)::
+
+    N_PER_REGIME: int = 34000  # elements per regime; smoke: 1000
+
+``setup`` writes the SMOKE values into the notebook's namespace, sets the plot theme
+and the seeds (``SEED`` if the cell declares one, else 0), decides where artifacts go
+(the repository, or a temporary folder in SMOKE mode so committed files are never
+touched), and returns a :class:`NotebookContext`: the notebook's output folders, its
+save helpers (every artifact's sidecar records the parameters), and
+:meth:`NotebookContext.recorded`, the one-line request for recorded data.
+Works the same from JupyterLab (cwd ``notebooks/``) and papermill (cwd the
+notebook's folder).
 """
 
 from __future__ import annotations
 
+import ast
+import io
+import json
 import os
 import random
+import re
 import tempfile
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import paths
 from .plotting import save_figure, set_theme
 from .provenance import save_dataframe, save_json
+
+_SMOKE_SPEC = re.compile(r"\bsmoke:\s*(?P<value>.+?)\s*$")
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One line of a ``parameters`` cell: ``NAME: type = default  # comment; smoke: VALUE``."""
+
+    name: str
+    default: object
+    smoke: object = None
+    has_smoke: bool = False
+
+
+def _comments(source: str) -> dict[int, str]:
+    """Line number -> the comment on that line."""
+    out = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            out[tok.start[0]] = tok.string.lstrip("#").strip()
+    return out
+
+
+def parse_parameters(source: str) -> list[Parameter]:
+    """The parameters declared in a ``parameters`` cell's ``source``, in order.
+
+    Each top-level statement must be an (annotated) assignment of a literal to one name;
+    anything else is an error naming the line (the cell is data, not code)."""
+    tree = ast.parse(source)
+    comments = _comments(source)
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            name, value = node.target.id, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+        else:
+            raise ValueError(f"parameters cell, line {node.lineno}: expected NAME: type = literal")
+        try:
+            default = ast.literal_eval(value)
+        except ValueError:
+            raise ValueError(f"parameters cell, line {node.lineno}: the value of {name} is not a literal") from None
+        m = _SMOKE_SPEC.search(comments.get(node.end_lineno, ""))
+        if m is None:
+            out.append(Parameter(name, default))
+            continue
+        try:
+            smoke = ast.literal_eval(m.group("value"))
+        except (ValueError, SyntaxError):
+            raise ValueError(f"parameters cell, line {node.lineno}: 'smoke: {m.group('value')}' is not a "
+                             "Python literal") from None
+        if type(smoke) is not type(default):
+            raise ValueError(f"parameters cell, line {node.lineno}: the smoke value of {name} is a "
+                             f"{type(smoke).__name__}, its default a {type(default).__name__}")
+        out.append(Parameter(name, default, smoke, True))
+    return out
+
+
+def notebook_parameters(name: str) -> list[Parameter]:
+    """The parameters of notebook ``name`` (``<name>.ipynb`` in the working directory, as
+    under JupyterLab and papermill, else in the repository's ``notebooks/``)."""
+    for folder in (Path.cwd(), paths.NOTEBOOKS_DIR):
+        nb = folder / f"{name}.ipynb"
+        if nb.is_file():
+            break
+    else:
+        raise FileNotFoundError(f"notebook {name}.ipynb not found in {Path.cwd()} or {paths.NOTEBOOKS_DIR}")
+    for cell in json.loads(nb.read_text())["cells"]:
+        if cell["cell_type"] == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
+            src = cell["source"]
+            return parse_parameters("".join(src) if isinstance(src, list) else src)
+    raise ValueError(f"{nb} has no code cell tagged 'parameters'")
 
 
 @dataclass
@@ -25,6 +114,7 @@ class NotebookContext:
     smoke: bool
     seed: int
     params: dict = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # recorded data this run went without, and why
 
     @property
     def data_dir(self) -> Path:
@@ -49,9 +139,63 @@ class NotebookContext:
     def save_json(self, obj, filename: str, **prov):
         return save_json(obj, self.data_dir / filename, **self._prov(prov))
 
+    def recorded(self, *data, how_to_record: str | None = None, in_smoke: bool = True,
+                 required: bool = True) -> list[Path] | None:
+        """The committed recorded data this notebook reads, asked for in one line.
 
-def setup(name: str, *, smoke: bool = False, seed: int = 0, params: dict | None = None) -> NotebookContext:
-    """Prepare a notebook run; ``name`` is the notebook's stem, e.g. ``"00_overview"``."""
+        ``data``: paths under ``data/`` (``"gpu/fma_sqrt.csv"``) or data sets with
+        ``files`` and ``how_to_record`` (:class:`dora_num.studies.recorded.RecordedData`).
+        Returns the files' paths; raises :class:`~dora_num.repro.paths.RecordedDataMissing`
+        (every missing file and how to record it) if one is missing.  Returns ``None``
+        instead, printing why and noting it in :attr:`skipped`, in SMOKE mode when
+        ``in_smoke=False``, and for missing data when ``required=False``."""
+        files, hows = [], []
+        for d in data:
+            if hasattr(d, "files"):
+                files += list(d.files)
+                hows.append(d.how_to_record)
+            else:
+                files.append(d)
+        how = how_to_record or "; ".join(hows)
+        if not how:
+            raise ValueError("recorded(): say how the data is recorded (how_to_record=...)")
+        if self.smoke and not in_smoke:
+            return self._skip(f"SMOKE mode does not read {', '.join(map(str, files))}")
+        if not required:
+            gone = paths.missing(files)
+            if gone:
+                return self._skip(f"recorded data missing: {', '.join(map(str, gone))} (record it with: {how})")
+        return paths.require(files, how)
+
+    def _skip(self, why: str) -> None:
+        print(f"{self.name}: running without recorded data: {why}")
+        self.skipped.append(why)
+        return None
+
+
+def setup(name: str, namespace: dict | None = None, *, smoke: bool | None = None, seed: int | None = None,
+          params: dict | None = None) -> NotebookContext:
+    """Prepare a notebook run; ``name`` is the notebook's stem, e.g. ``"00_overview"``.
+
+    With ``namespace`` (the notebook's ``globals()``) the parameters come from the
+    notebook's ``parameters`` cell (module docstring); ``smoke``, ``seed`` and ``params``
+    then override what the cell gives.  Without it, they are the whole story."""
+    values = {}
+    if namespace is not None:
+        declared = notebook_parameters(name)
+        undefined = [p.name for p in declared if p.name not in namespace]
+        if undefined:
+            raise NameError(f"parameters {undefined} of {name} are not defined: run the parameters cell first")
+        is_smoke = bool(namespace.get("SMOKE", False)) if smoke is None else smoke
+        for p in declared:
+            if is_smoke and p.has_smoke and namespace[p.name] == p.default:  # not passed explicitly
+                namespace[p.name] = p.smoke
+            values[p.name] = namespace[p.name]
+        smoke = is_smoke
+        seed = int(values.get("SEED", 0)) if seed is None else seed
+    values.update(params or {})
+    smoke = bool(smoke)
+    seed = 0 if seed is None else seed
     set_theme()
     random.seed(seed)
     try:
@@ -65,4 +209,4 @@ def setup(name: str, *, smoke: bool = False, seed: int = 0, params: dict | None 
     torch.manual_seed(seed)
     if smoke and not os.environ.get(paths.OUTPUT_ROOT_ENV):
         os.environ[paths.OUTPUT_ROOT_ENV] = tempfile.mkdtemp(prefix="dora-num-smoke-")
-    return NotebookContext(name=name, smoke=smoke, seed=seed, params=dict(params or {}))
+    return NotebookContext(name=name, smoke=smoke, seed=seed, params=values)

@@ -40,3 +40,37 @@ def figures_dir(*parts: str) -> Path:
 def committed_data(*parts: str) -> Path:
     """A path under the repository's committed ``data/`` (read side)."""
     return COMMITTED_DATA_DIR.joinpath(*parts)
+
+
+# --------------------------------------------------------------------------
+# Recorded data: committed files a notebook reads but does not make
+# --------------------------------------------------------------------------
+
+class RecordedDataMissing(FileNotFoundError):
+    """Recorded data a computation needs is not in the repository; the message names
+    every missing file and the command that records it."""
+
+
+def _resolve(p: str | os.PathLike) -> Path:
+    """A ``str`` is a path under the committed ``data/`` (``"gpu/fma_sqrt.csv"``); a
+    ``Path`` is taken as it is."""
+    return committed_data(*Path(p).parts) if isinstance(p, str) else Path(p)
+
+
+def missing(files) -> list[Path]:
+    """The files of ``files`` (see :func:`_resolve`) that do not exist."""
+    return [q for q in map(_resolve, files) if not q.exists()]
+
+
+def require(files, how_to_record: str) -> list[Path]:
+    """The resolved paths of ``files``, or :class:`RecordedDataMissing` naming each missing
+    file and ``how_to_record`` (the one way the package says "recorded data missing";
+    :mod:`dora_num.studies.recorded` re-exports it for the studies)."""
+    files = list(files)
+    if not files:
+        raise ValueError("require() needs at least one file")
+    gone = missing(files)
+    if gone:
+        raise RecordedDataMissing(f"recorded data missing: {', '.join(str(p) for p in gone)}; "
+                                  f"record it with: {how_to_record}")
+    return [_resolve(p) for p in files]

@@ -35,13 +35,15 @@ class RunResult:
 def missing_recorded_inputs(nb: Path) -> list[str]:
     """Recorded inputs (repo-relative paths) a notebook's full mode needs and that are absent.
 
-    A notebook declares them in its metadata, ``{"dora_num": {"requires": [...]}}``:
-    data that only a GPU run can produce.  SMOKE mode never needs them.
+    A notebook declares them in its metadata, ``{"dora_num": {"requires": [...]}}``
+    (repository-relative paths; every notebook declares the list, empty if it reads
+    no recorded data): data that a GPU run or a long CPU recording produced.  SMOKE
+    mode never needs them.
     """
     import nbformat
 
     meta = nbformat.read(nb, as_version=4).metadata.get("dora_num", {})
-    return [r for r in meta.get("requires", []) if not (paths.REPO_ROOT / r).exists()]
+    return [r for r in meta.get("requires", []) if paths.missing([paths.REPO_ROOT / r])]
 
 
 def list_notebooks(only: list[str] | None = None, notebooks_dir: Path | None = None) -> list[Path]:

@@ -1,4 +1,4 @@
-"""Benchmark helpers for the GPU suite: timing, copy bandwidth, traffic models, peak memory.
+"""Benchmark helpers for the GPU suite: timing, copy bandwidth, traffic models, peak memory, logging.
 
 Timing is ``triton.testing.do_bench`` (CUDA events, L2 flushed between
 repetitions), reported as the median with p20/p80.  Bandwidth figures are
@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import pandas as pd
 import torch
+from triton.testing import do_bench
 
 QUANTILES = (0.5, 0.2, 0.8)
 
@@ -30,8 +34,6 @@ class Timing:
 
 def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> Timing:
     """Median (p20, p80) milliseconds of ``fn()`` by ``triton.testing.do_bench``."""
-    from triton.testing import do_bench
-
     med, p20, p80 = do_bench(fn, warmup=warmup, rep=rep, quantiles=list(QUANTILES))
     return Timing(float(med), float(p20), float(p80))
 
@@ -144,3 +146,14 @@ def host_path(norm_tail: str, fold: bool | None = None):
     changes = {"norm_tail": norm_tail} if fold is None else {"norm_tail": norm_tail, "fold_output_add": fold}
     with override(**changes):
         yield
+
+
+def log(msg: str) -> None:
+    """A progress line of the GPU suite (flushed: the device tool shows the output's tail)."""
+    print(f"[gpu-suite {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """The rows of a suite section as a CSV in the recorder's output folder."""
+    pd.DataFrame(rows).to_csv(path, index=False, lineterminator="\n")
+    log(f"wrote {path.name} ({len(rows)} rows)")

@@ -8,11 +8,13 @@ tokenizer files.  GPU runs that use it say so in their provenance
 (``base_weights: bf16-rounded``); under bf16 autocast the linear layers see
 bf16 weights anyway.
 
-Usage: ``python -m dora_num.studies.carry .carry/minilm`` (the folder is git-ignored).
+Usage: ``dora-num record carry [DIR]`` (default ``.carry/minilm``, a git-ignored
+folder; ``python -m dora_num.studies.carry`` takes the same arguments).
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -41,6 +43,23 @@ def write_minilm_bf16(dst: str | Path) -> Path:
     return dst
 
 
-if __name__ == "__main__":
-    out = write_minilm_bf16(sys.argv[1] if len(sys.argv) > 1 else ".carry/minilm")
+def build_parser(prog: str = "dora-num record carry", name: str = "carry") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dst", nargs="?", default=".carry/minilm", help="output folder (default .carry/minilm)")
+    return p
+
+
+def record(args) -> int:
+    out = write_minilm_bf16(args.dst)
     print(f"wrote {out} ({sum(p.stat().st_size for p in out.rglob('*') if p.is_file()) / 2**20:.1f} MiB)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import run
+
+    return run("carry", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

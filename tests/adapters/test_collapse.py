@@ -1,4 +1,4 @@
-"""collapse_table wiring, g_exact accuracy, the CLI."""
+"""collapse_table wiring, the accuracy of g_fp64 (a float64 evaluation), the CLI."""
 
 import numpy as np
 import pandas as pd
@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from dora_num.__main__ import main
-from dora_num.adapters.collapse import POOLED, collapse_table, g_exact, g_from_states
+from dora_num.adapters.collapse import POOLED, collapse_table, g_fp64, g_from_states
 from dora_num.adapters.peft_io import load_peft_dora
+from dora_num.numerics.formulas import scale_constants
 
-from .conftest import D_IN, RANK
+from ._tiny import D_IN, RANK
 
 # bf16: eps = 2^-7; paper zone |g-1| < 2^-8; exact zone [1 - 2^-9, 1 + 2^-8] (ties go to 1)
 G_CASES = {
@@ -59,8 +60,8 @@ def test_table_rejects_bad_input(bad, msg):
         collapse_table(bad)
 
 
-def test_g_exact_against_mpmath():
-    """g_exact's float64 norm is within its stated bound of the mpmath (two-precision) norm."""
+def test_g_fp64_against_mpmath():
+    """g_fp64's float64 norm is within its stated bound of the mpmath (two-precision) norm."""
     from dora_num.numerics.ground_truth import mp_dense_row_norm
 
     gen = torch.Generator().manual_seed(0)
@@ -68,8 +69,8 @@ def test_g_exact_against_mpmath():
     A, B = torch.randn(RANK, D_IN, generator=gen), torch.randn(5, RANK, generator=gen) * 0.1
     s = 0.37
     m = torch.linalg.vector_norm(W, dim=1) * (1 + 1e-3)
-    got = g_exact(W, A, B, m, s)
-    norm = mp_dense_row_norm(W, A, B, float(np.float32(s))).value
+    got = g_fp64(W, A, B, m, s)
+    norm = mp_dense_row_norm(W, A, B, scale_constants(s)[0]).value
     want = m.double().numpy() / norm
     bound = (RANK + D_IN + 2) * 2.0**-53 * 2  # norm bound + the division
     assert np.all(np.abs(got - want) <= bound * np.abs(want))

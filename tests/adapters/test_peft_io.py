@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from dora_num.adapters import peft_io
 from dora_num.adapters.peft_io import AdapterError, load_peft_dora
 
-from .conftest import D_HID, D_IN, D_OUT, RANK, make_base, make_dora
+from ._tiny import D_HID, D_IN, D_OUT, RANK, make_base, make_dora
 
 NAMES = ["encoder.q", "encoder.up"]
 

@@ -14,83 +14,72 @@ from hypothesis import strategies as st
 from dora_num.numerics import formulas as F
 from dora_num.numerics.arithmetic import TorchFP32, TorchFP32CorrectSqrt
 from dora_num.numerics.emulate import FP32_FMA, RoundEach, emulate
-from dora_num.numerics.formats import FORMATS, round_fraction, round_to
+from dora_num.numerics.formats import round_fraction, round_to, to_float64
 from dora_num.ops.reference import compose_naive, compose_stable_ref
 
 N = 100_000
 SCALES = [0.5, 0.37]  # a power of two (s*lora exact) and a general fp32 scale (s*lora rounds)
 
 
-def _inputs(dtype, n=N, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(n, generator=g).to(dtype)
-    lora = (torch.randn(n, generator=g) * 0.1).to(dtype)
-    gg = 1 + torch.randn(n, generator=g) * 1e-3
-    return base, lora, gg
-
-
-def _np(t):
-    return t.double().numpy()
-
-
+@pytest.mark.parametrize("regime", ["random", "realistic"])
 @pytest.mark.parametrize("s", SCALES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("formula", ["compose_stable", "compose_naive"])
-def test_per_op_matches_eager_torch_in_storage_dtype(formula, dtype, s):
+def test_per_op_matches_eager_torch_in_storage_dtype(formula, dtype, s, regime, regimes):
     """(a): eager torch on bf16/fp16 tensors (every op rounded to the dtype), g in the dtype."""
-    base, lora, g = _inputs(dtype)
+    base, lora, g = regimes.compose(regime, N, dtype_name(dtype), torch=True)
     g16 = g.to(dtype)
     want = getattr(F, formula)(TorchFP32, base, lora, g16, s)  # TorchFP32's ops are dtype-generic
-    got = emulate(formula, {"base": _np(base), "lora": _np(lora), "g": _np(g), "s": s}, dtype_name(dtype), "per_op")
-    np.testing.assert_array_equal(got, _np(want))
+    got = emulate(formula, {"base": to_float64(base), "lora": to_float64(lora), "g": to_float64(g), "s": s},
+                  dtype_name(dtype), "per_op")
+    np.testing.assert_array_equal(got, to_float64(want))
 
 
 def dtype_name(dtype):
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
+@pytest.mark.parametrize("regime", ["random", "realistic"])
 @pytest.mark.parametrize("g_in", ["fp32", "storage"])
 @pytest.mark.parametrize("s", SCALES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-def test_fp32_variant_matches_the_eager_reference(dtype, s, g_in):
+def test_fp32_variant_matches_the_eager_reference(dtype, s, g_in, regime, regimes):
     """(b) and (d): the contract's reference (ops.reference) is emulate(..., 'fp32')."""
-    base, lora, g = _inputs(dtype, seed=1)
+    base, lora, g = regimes.compose(regime, N, dtype_name(dtype), seed=1, torch=True)
     if g_in == "storage":
         g_used = g.to(dtype).float()
     else:
         g_used = g
-    inputs = {"base": _np(base), "lora": _np(lora), "g": _np(g), "s": s}
+    inputs = {"base": to_float64(base), "lora": to_float64(lora), "g": to_float64(g), "s": s}
     np.testing.assert_array_equal(emulate("compose_stable", inputs, dtype_name(dtype), "fp32", g_in),
-                                  _np(compose_stable_ref(base, lora, g_used, s)))
+                                  to_float64(compose_stable_ref(base, lora, g_used, s)))
     np.testing.assert_array_equal(emulate("compose_naive", inputs, dtype_name(dtype), "fp32", g_in),
-                                  _np(compose_naive(base, lora, g_used, s)))
+                                  to_float64(compose_naive(base, lora, g_used, s)))
 
 
-def _assembly_inputs(n=N, seed=2):
-    rng = np.random.default_rng(seed)
-    b = rng.uniform(0.1, 10, n)
-    a = b * rng.uniform(0, 4, n)
-    c = rng.uniform(-1, 1, n) * np.sqrt(a * b)
-    return [round_to(x, "fp32") for x in (b, c, a)]
+def _assembly_terms(regimes, regime, n=N, seed=2):
+    d = regimes.assembly(regime, n, "fp32", seed)
+    return d["base_sq"], d["cross"], d["ba"]
 
 
+@pytest.mark.parametrize("regime", ["random", "realistic", "adversarial"])
 @pytest.mark.parametrize("s", SCALES)
-def test_assembly_fp32_matches_torch_with_correct_sqrt(s):
-    b, c, a = _assembly_inputs()
+def test_assembly_fp32_matches_torch_with_correct_sqrt(s, regime, regimes):
+    b, c, a = _assembly_terms(regimes, regime)
     _, two_s, s_sq = F.scale_constants(s)
     want = F.norm_assembly(TorchFP32CorrectSqrt, *(torch.from_numpy(x).float() for x in (b, c, a)), two_s, s_sq)
     got = emulate("norm_assembly", {"base_sq": b, "cross": c, "ba": a, "s": s}, "fp32", "fp32")
-    np.testing.assert_array_equal(got, _np(want))
+    np.testing.assert_array_equal(got, to_float64(want))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_assembly_per_op_matches_eager_torch(dtype):
-    b, c, a = _assembly_inputs(seed=3)
+def test_assembly_per_op_matches_eager_torch(dtype, regimes):
+    b, c, a = _assembly_terms(regimes, "random", seed=3)
     s = 0.37
     _, two_s, s_sq = F.scale_constants(s)
     want = F.norm_assembly(TorchFP32, *(torch.from_numpy(x).to(dtype) for x in (b, c, a)), two_s, s_sq)
     got = emulate("norm_assembly", {"base_sq": b, "cross": c, "ba": a, "s": s}, dtype_name(dtype), "per_op")
-    np.testing.assert_array_equal(got, _np(want))
+    np.testing.assert_array_equal(got, to_float64(want))
 
 
 _F32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-(2.0**60), max_value=2.0**60)
@@ -109,9 +98,9 @@ def test_fma_is_the_correctly_rounded_multiply_add(a, b, c):
     assert unfused == round_fraction(Fraction(round_fraction(Fraction(a) * Fraction(b), "fp32")) + Fraction(c), "fp32")
 
 
-def test_fma_differs_from_two_roundings_somewhere():
+def test_fma_differs_from_two_roundings_somewhere(regimes):
     """The contracted arithmetic is observably different (else the FMA variant would test nothing)."""
-    b, c, a = _assembly_inputs(n=20_000, seed=4)
+    b, c, a = _assembly_terms(regimes, "random", n=20_000, seed=4)
     inputs = {"base_sq": b, "cross": c, "ba": a, "s": 0.37}
     diff = emulate("norm_assembly", inputs, "fp32", "fp32") != emulate("norm_assembly", inputs, "fp32", "fp32_fma")
     assert 0.01 < diff.mean() < 0.9
@@ -140,12 +129,12 @@ def test_scalar_op_double_rounding_rate_depends_on_s(dtype):
 
     name = dtype_name(dtype)
     lora = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(dtype)
-    l64 = _np(lora)
+    l64 = to_float64(lora)
     rates = {}
     for s in (0.5, 0.37, 2 / np.sqrt(7), 16 / np.sqrt(5)):
         sf = F.scale_constants(s)[0]
         once = round_dd(*two_prod(np.full_like(l64, sf), l64), name)
-        torch_val = _np(lora * sf)
+        torch_val = to_float64(lora * sf)
         np.testing.assert_array_equal(torch_val, round_to(round_to(sf * l64, "fp32"), name))
         rates[s] = float((torch_val != once).mean())
     assert rates[0.5] == 0.0

@@ -17,7 +17,7 @@ value, ``e_peft = max|peft - ref|``, ``e_ours = max|ours - ref|`` and
    compute *different* functions (wrong formula, scale, bias, norm).
 2. ``e_ours <= 2 e_peft + env + u32 c``.  dora_num is no less accurate than the
    same-dtype third-party baseline up to a factor 2 (flash-attention's
-   criterion, STYLE.md), except for one documented difference: its row norm is
+   criterion in its layer-norm tests), except for one documented difference: its row norm is
    the factored one, whose error grows like ``gamma_{d_in+2r} kappa`` where
    PEFT's dense norm has ``gamma_r sqrt(kappa)`` (:mod:`dora_num.numerics.bounds`;
    e.g. r = 128 > d_in = 1 makes dora_num's dm 20x less accurate than PEFT's).

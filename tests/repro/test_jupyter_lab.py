@@ -1,4 +1,4 @@
-"""JupyterLab for real (issue 2, item 8).
+"""JupyterLab for real: the notebooks open, run and save in a live JupyterLab server.
 
 Starts ``jupyter lab`` from this environment on a free 127.0.0.1 port with a
 random token and ``notebooks/`` as its root, then through the REST API checks

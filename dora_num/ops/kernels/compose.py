@@ -1,6 +1,6 @@
 """Fused Triton kernels of the DoRA compose: forward, training forward, backward.
 
-Math and operation order (the contract, DESIGN.md section 2; the sequences of
+Math and operation order (the contract, docs/contract.md; the sequences of
 :mod:`dora_num.numerics.formulas` under :class:`~dora_num.numerics.arithmetic.TorchFP32`,
 as evaluated by :mod:`dora_num.ops.reference`).  Per element, ``g = g[col]``,
 inputs upcast to fp32 (exact), every operation one fp32 rounding::
@@ -23,7 +23,7 @@ Backward, upstream gradient ``D``::
     dg    = sum_rows(inner * D)   # two-stage, deterministic (below)
 
 Contraction.  Triton contracts ``a*b + c`` into ``fma.rn.f32`` by default
-(PLATFORM.md: 23.5% of compose outputs then differ from eager).  We launch
+(docs/platform.md: 23.5% of compose outputs then differ from eager on unit-size operands).  We launch
 every kernel with ``enable_fp_fusion=False`` rather than inserting store/reload
 barriers: it is one compile flag, it removes *every* contraction in the kernel
 (a barrier protects only the place it is put), it costs nothing at run time

@@ -4,10 +4,9 @@ conditioning of the factored norm.
 Everything here *uses* :mod:`dora_num.numerics` (formulas, emulated arithmetics,
 ground truth, bounds); it defines no formula of its own.
 
-- :func:`compose_inputs` / :func:`assembly_inputs`: the random, realistic and
-  adversarial input sets (adversarial = g at and around the
-  format's spacing boundaries below and above 1, cancelling terms, values near
-  the format's overflow).
+- inputs: the random, realistic and adversarial regimes of
+  :mod:`dora_num.studies.inputs` (:func:`~dora_num.studies.inputs.compose`,
+  :func:`~dora_num.studies.inputs.assembly`, :func:`~dora_num.studies.inputs.conditioning_rows`).
 - :func:`sweep`: every formula x format x arithmetic x g-storage x regime:
   measured error against the certified ground truth, the bound, tightness, ULPs.
 - :func:`conditioning`: factored vs dense row norms (torch fp32, ``dora_num.ops``)
@@ -24,105 +23,19 @@ import time
 
 import numpy as np
 import pandas as pd
+import torch
 
 from ...numerics import formulas as F
 from ...numerics.bounds import (assembly_bound, assembly_condition, compose_bound, dense_norm_bound,
-                               factored_norm_bound)
+                               factored_norm_bound, factored_norm_posterior, lora_row_magnitudes)
 from ...numerics.emulate import VARIANTS, emulate
-from ...numerics.formats import FORMATS, get_format, round_to, ulp_distance
+from ...numerics.formats import FORMATS, get_format, ulp_distance
 from ...numerics.ground_truth import assembly_exact, compose_exact, mp_dense_row_norm, mp_factored_terms
+from ...ops.norm import base_row_norm_sq, dense_row_norm, factored_row_norm
+from .. import inputs
+from ..inputs import REGIMES
 
-REGIMES = ("random", "realistic", "adversarial")
-SCALE = 0.37  # s: an rsLoRA-like scale that is not a power of two (so s*lora rounds)
 COMBOS = [("per_op", "storage"), ("fp32", "fp32"), ("fp32", "storage"), ("fp32_fma", "fp32"), ("fp32_fma", "storage")]
-
-
-def _gm1_realistic(rng, n):
-    return rng.choice([-1.0, 1.0], n) * np.exp(rng.uniform(np.log(1e-5), np.log(1e-2), n))
-
-
-def boundary_g(fmt) -> np.ndarray:
-    """fp32 values of g at and around the format's rounding boundaries near 1:
-    ``1 + k eps/4`` (k = -4..4: the spacing below, the ties ``1 - eps/4``,
-    ``1 + eps/2``, the spacing above) and 1, 2, 3 fp32 steps either side of each."""
-    fmt = get_format(fmt)
-    centres = 1.0 + np.arange(-4, 5) * fmt.eps / 4
-    steps = []
-    for c in centres:
-        up, down = c, c
-        steps.append(c)
-        for _ in range(3):
-            up = np.nextafter(np.float32(up), np.float32(2))
-            down = np.nextafter(np.float32(down), np.float32(0))
-            steps += [float(up), float(down)]
-    return np.unique(round_to(np.array(steps), "fp32"))
-
-
-def compose_inputs(fmt, regime: str, n: int, seed: int = 0) -> dict:
-    """``base``, ``lora`` (values of ``fmt``), ``g`` (fp32), ``s`` for one regime."""
-    fmt = get_format(fmt)
-    rng = np.random.default_rng([seed, list(FORMATS).index(fmt.name), REGIMES.index(regime)])
-    r = lambda x: round_to(x, fmt)  # noqa: E731
-    if regime == "random":
-        base = r(rng.standard_normal(n) * np.exp2(rng.uniform(-4, 4, n)))
-        lora = r(rng.standard_normal(n) * np.exp2(rng.uniform(-4, 4, n)))
-        g = rng.uniform(0.5, 2.0, n)
-    elif regime == "realistic":  # |g-1| in 1e-5..1e-2, ||s lora|| << ||base||
-        base = r(rng.standard_normal(n))
-        lora = r(rng.standard_normal(n) * 0.02)
-        g = 1.0 + _gm1_realistic(rng, n)
-    elif regime == "adversarial":
-        k = n // 3
-        gb = boundary_g(fmt)
-        g1 = gb[rng.integers(0, gb.size, k)]
-        b1, l1 = r(rng.standard_normal(k)), r(rng.standard_normal(k) * 0.02)
-        # cancelling: (g-1) base ~ -g s lora, so the result is far below either term
-        g2 = round_to(1.0 + _gm1_realistic(rng, k), "fp32")
-        b2 = r(rng.standard_normal(k))
-        l2 = r(-(g2 - 1.0) * b2 / (g2 * SCALE) * (1 + rng.standard_normal(k) * 1e-3))
-        # near overflow of the format: |base| in [0.5, 1] max, |s lora| up to max / 4
-        m = n - 2 * k
-        g3 = round_to(1.0 + _gm1_realistic(rng, m), "fp32")
-        b3 = r(rng.choice([-1.0, 1.0], m) * rng.uniform(0.5, 1.0, m) * fmt.max)
-        l3 = r(rng.uniform(-1, 1, m) * fmt.max / 4 / SCALE)
-        base, lora, g = np.concatenate([b1, b2, b3]), np.concatenate([l1, l2, l3]), np.concatenate([g1, g2, g3])
-    else:
-        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
-    return {"base": base, "lora": lora, "g": round_to(g, "fp32"), "s": SCALE}
-
-
-def assembly_inputs(fmt, regime: str, n: int, seed: int = 0) -> dict:
-    """fp32 terms ``base_sq``, ``cross``, ``ba`` (Cauchy-Schwarz consistent) and ``s``."""
-    fmt = get_format(fmt)
-    rng = np.random.default_rng([seed, 7, list(FORMATS).index(fmt.name), REGIMES.index(regime)])
-    s = SCALE
-    top = min(fmt.max, FORMATS["fp32"].max)
-
-    def terms(base, ratio, rho):  # ratio = s^2 ba / base; cross = rho sqrt(base ba)
-        ba = base * ratio / s**2
-        return base, rho * np.sqrt(base * ba), ba
-
-    if regime == "random":
-        b, c, a = terms(rng.uniform(0.05, 1.0, n) * min(100.0, top / 32), rng.uniform(0, 2, n), rng.uniform(-1, 1, n))
-    elif regime == "realistic":
-        b, c, a = terms(rng.uniform(0.05, 1.0, n) * min(100.0, top / 32),
-                        np.exp(rng.uniform(np.log(1e-6), np.log(1e-2), n)), rng.uniform(-1, 1, n))
-    elif regime == "adversarial":
-        k = n // 3
-        # the update cancels the row: ratio ~ 1 and rho ~ -1, so Q = base (1 + 2 rho t + t^2) ~ 0
-        t = 1.0 + rng.standard_normal(k) * np.exp2(-rng.uniform(2, 20, k))
-        b1, c1, a1 = terms(rng.uniform(0.05, 1.0, k) * min(100.0, top / 32), t * t,
-                           -1.0 + np.exp2(-rng.uniform(1, 40, k)))
-        zero = rng.random(k) < 0.02  # exact zero rows
-        b1, c1, a1 = (np.where(zero, 0.0, x) for x in (b1, c1, a1))
-        # near overflow of the storage format (and, for fp32, of the fp32 working format)
-        m = n - k
-        b2, c2, a2 = terms(rng.uniform(0.2, 0.5, m) * top, rng.uniform(0, 0.2, m), rng.uniform(-1, 1, m))
-        b, c, a = np.concatenate([b1, b2]), np.concatenate([c1, c2]), np.concatenate([a1, a2])
-    else:
-        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
-    f32 = lambda x: round_to(x, "fp32")  # noqa: E731
-    return {"base_sq": f32(b), "cross": f32(c), "ba": f32(a), "s": s}
 
 
 def _errors(out, truth, bound, out_fmt) -> dict:
@@ -170,7 +83,7 @@ def sweep(n: int, *, seed: int = 0, formats=tuple(FORMATS), regimes=REGIMES, sam
     for fname in formats:
         fmt = get_format(fname)
         for regime in regimes:
-            ci = compose_inputs(fmt, regime, n, seed)
+            ci = inputs.compose(fmt, regime, n, seed)
             truth = compose_exact(ci["base"], ci["lora"], ci["g"], ci["s"], fmt)
             for formula in ("compose_naive", "compose_stable"):
                 for variant, g_in in COMBOS:
@@ -185,7 +98,7 @@ def sweep(n: int, *, seed: int = 0, formats=tuple(FORMATS), regimes=REGIMES, sam
                                                   "g_in": g_in, "regime": regime, "abs_gm1": np.abs(ci["g"][idx] - 1),
                                                   "err": m["err"][idx], "bound": m["bound"][idx],
                                                   "rel": m["rel"][idx], "ulps": m["ulps"][idx]}))
-            ai = assembly_inputs(fmt, regime, n, seed)
+            ai = inputs.assembly(fmt, regime, n, seed)
             kappa = assembly_condition(ai["base_sq"], ai["cross"], ai["ba"], ai["s"])
             for variant in VARIANTS:
                 out_fmt = fmt if variant == "per_op" else FORMATS["fp32"]
@@ -209,28 +122,8 @@ def sweep(n: int, *, seed: int = 0, formats=tuple(FORMATS), regimes=REGIMES, sam
 # Conditioning: factored vs dense row norms.
 # --------------------------------------------------------------------------
 
-def conditioning_inputs(rows: int, d_in: int, r: int, *, seed: int = 0, tau_min: float = 1e-6,
-                        tau_max: float = 1.0, scale: float = SCALE):
-    """``W = -s BA + tau ||sBA|| N`` row by row, ``tau`` log-spaced in ``[tau_min, tau_max]``:
-    ``W + sBA = tau ||sBA|| N`` (up to fp32 rounding of W), so the assembly's
-    condition number grows like ``4 / tau^2`` (until ``tau`` reaches the fp32 rounding
-    of ``W``, ``~u``, below which the rounding of W sets the exact norm).  All fp32;
-    ``s = fl32(scale)`` (any positive scale, e.g. rsLoRA's ``alpha / sqrt(r)``)."""
-    if not (0 < tau_min <= tau_max):
-        raise ValueError(f"need 0 < tau_min <= tau_max, got {tau_min}, {tau_max}")
-    rng = np.random.default_rng([seed, 3])
-    s = F.scale_constants(scale)[0]
-    A = round_to(rng.standard_normal((r, d_in)) / np.sqrt(d_in), "fp32")
-    B = round_to(rng.standard_normal((rows, r)), "fp32")
-    V = s * (B @ A)
-    N = rng.standard_normal((rows, d_in)) / np.sqrt(d_in)
-    tau = np.exp(np.linspace(np.log(tau_max), np.log(tau_min), rows))
-    W = round_to(-V + tau[:, None] * np.linalg.norm(V, axis=1, keepdims=True) * N, "fp32")
-    return W, A, B, s
-
-
 def conditioning(rows: int = 64, d_in: int = 256, r: int = 8, *, seed: int = 0, tau_min: float = 1e-6,
-                 tau_max: float = 1.0, scale: float = SCALE) -> pd.DataFrame:
+                 tau_max: float = 1.0, scale: float = inputs.BOUNDS_SCALE) -> pd.DataFrame:
     """Relative error of the factored and dense fp32 row norms (``dora_num.ops``) against
     the exact norm, with the condition number and both a-priori bounds, one row per row.
 
@@ -239,12 +132,7 @@ def conditioning(rows: int = 64, d_in: int = 256, r: int = 8, *, seed: int = 0, 
     ``kappa_post`` and ``rel_bound_post``: the a-posteriori condition and relative bound
     computed from the fp32 terms alone (:func:`~dora_num.numerics.bounds.factored_norm_posterior`,
     what a cancellation guard evaluates), ``err_factored <= rel_bound_post * factored``."""
-    import torch
-
-    from ...numerics.bounds import factored_norm_posterior, lora_row_magnitudes
-    from ...ops.norm import base_row_norm_sq, dense_row_norm, factored_row_norm
-
-    W, A, B, s = conditioning_inputs(rows, d_in, r, seed=seed, tau_min=tau_min, tau_max=tau_max, scale=scale)
+    W, A, B, s = inputs.conditioning_rows(rows, d_in, r, seed=seed, tau_min=tau_min, tau_max=tau_max, scale=scale)
     exact = mp_dense_row_norm(W, A, B, s)
     terms = mp_factored_terms(W, A, B)
     _, two_s, s_sq = F.scale_constants(s)
@@ -326,7 +214,7 @@ def conditioning_markdown(cond: pd.DataFrame, scale: float, tau_min: float) -> s
 
 def bench(n: int = 2_000_000, repeats: int = 5, fmt: str = "bf16", seed: int = 0) -> dict:
     """Wall time of :func:`compose_exact` (correctly rounded, certified) on ``n`` realistic elements."""
-    ci = compose_inputs(fmt, "realistic", n, seed)
+    ci = inputs.compose(fmt, "realistic", n, seed)
     times, fallback = [], 0
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -25,14 +25,24 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import torch
+from scipy.stats import spearmanr
 
 from ...adapters.collapse import FORMATS, POOLED, collapse_table
+from ...adapters.corpus import load_corpus
+from ...adapters.model import load_base_model, tokenize
+from ...adapters.peft_io import load_peft_dora
 from ...numerics.emulate import emulate
+from ...numerics.formulas import scale_constants
 from ...numerics.formats import get_format, round_to, ulp_distance
 from ...numerics.ground_truth import compose_exact
+from ...ops.norm import factored_row_norm, magnitude_scale
 from ...repro.paths import committed_data
+from ...repro.provenance import read_provenance
+from .. import recorded
+from .train_adapters import ADAPTER_DIR, EXPORT, LRS, RANKS, load_g_npz, run_name
 
-# The paper's reported numbers (PAPER.md; Qwen2-VL-7B, r=128, 326 modules, 1.77M g values).
+# The paper's reported numbers (docs/paper.md; Qwen2-VL-7B, r=128, 326 modules, 1.77M g values).
 PAPER_COLLAPSE = pd.DataFrame([
     {"source": "paper: Qwen2-VL-7B r=128", "format": "bf16", "frac_symmetric_zone": 1.00, "g_std": 0.0015},
     {"source": "paper: Qwen2-VL-7B r=128", "format": "fp16", "frac_symmetric_zone": 0.20, "g_std": 0.0015},
@@ -46,13 +56,27 @@ VARIANT_LABEL = {("per_op", "fp32"): "per-op in format (g in format)", ("fp32", 
 
 
 # ----------------------------------------------------------------------------
+# The recorded data notebook 01 reads
+# ----------------------------------------------------------------------------
+
+_RUNS = [run_name(r, lr) for r in RANKS for lr in LRS]
+ADAPTERS = recorded.RecordedData(
+    files=(tuple(f"adapters/runs/{run}{suffix}" for run in _RUNS for suffix in (".npz", "_history.csv", "_evals.csv"))
+           + ("adapters/agreement.csv", f"adapters/{ADAPTER_DIR}/adapter_config.json",
+              f"adapters/{ADAPTER_DIR}/adapter_model.safetensors")),
+    how_to_record=("dora-num record adapters (CPU, tens of minutes on 2 cores; writes data/adapters/ itself: "
+                   f"{len(_RUNS)} runs, the agreement runs and the r={EXPORT[0]} adapter)"))
+PAPER_SHAPE = recorded.RecordedData(
+    files=("01_cancellation_at_g1/paper_benchmark_g1_paper_shape.csv",),
+    how_to_record="run notebook 01 with RECOMPUTE_PAPER_SHAPE=True (about 3 minutes on 2 cores)")
+
+
+# ----------------------------------------------------------------------------
 # 1. Collapse on the recorded training runs.
 # ----------------------------------------------------------------------------
 
 def load_runs(root=None) -> dict[str, dict]:
     """``{run: {"rank", "lr", "g": {step: {module: g (float64)}}}}`` from ``data/adapters/runs/*.npz``."""
-    from .train_adapters import load_g_npz
-
     root = committed_data("adapters", "runs") if root is None else root
     out = {}
     for p in sorted(root.glob("r*_lr*.npz")):
@@ -60,7 +84,7 @@ def load_runs(root=None) -> dict[str, dict]:
         g = {s: {n: 1.0 + v.astype(np.float64) for n, v in mods.items()} for s, mods in load_g_npz(p).items()}
         out[p.stem] = {"rank": int(rank[1:]), "lr": float(lr), "g": g}
     if not out:
-        raise FileNotFoundError(f"no training runs under {root} (python -m dora_num.studies.cancellation.train_adapters)")
+        recorded.require([root / f"{run}.npz" for run in _RUNS], ADAPTERS.how_to_record)
     return out
 
 
@@ -92,13 +116,6 @@ def real_compose_inputs(adapter_dir=None, modules=None, *, n_texts: int = 16, ma
     token of the ``n_texts`` validation summaries (padding dropped).  ``with_g``: the
     tuples are ``(base, lora, s, g)`` with the adapter's own fp32 ``g = m / ||W + sBA||_row``
     (factored norm, as ``DoRALinear`` forms it), one per output row."""
-    import torch
-
-    from ...adapters.collapse import base_activations
-    from ...adapters.corpus import load_corpus
-    from ...adapters.model import load_base_model
-    from ...adapters.peft_io import load_peft_dora
-
     adapter_dir = committed_data("adapters", "minilm_dora_r16") if adapter_dir is None else adapter_dir
     model, tok = load_base_model()
     states = {s.name: s for s in load_peft_dora(adapter_dir, model)}
@@ -107,8 +124,6 @@ def real_compose_inputs(adapter_dir=None, modules=None, *, n_texts: int = 16, ma
     inputs: dict[str, list] = {}
     hooks = [model.get_submodule(n).register_forward_hook(
         lambda m, i, o, n=n: inputs.setdefault(n, []).append(i[0].reshape(-1, i[0].shape[-1]))) for n in names]
-    from ...adapters.model import tokenize
-
     with torch.no_grad():
         batch = tokenize(tok, texts)
         model(**batch)
@@ -127,8 +142,6 @@ def real_compose_inputs(adapter_dir=None, modules=None, *, n_texts: int = 16, ma
             lora = (x @ st.A.T.float()) @ st.B.T.float()
             out[n] = (base.numpy().astype(np.float64), lora.numpy().astype(np.float64), float(st.scale))
             if with_g:
-                from ...ops.norm import factored_row_norm, magnitude_scale
-
                 g = magnitude_scale(st.m.float(), factored_row_norm(st.W, st.A, st.B, st.scale))
                 out[n] += (g.double().numpy(),)
     return out
@@ -206,33 +219,33 @@ def compose_error_sweep(inputs: dict, g_values: np.ndarray, formats=("bf16", "fp
     return df
 
 
+def error_by_gm1(sweep: pd.DataFrame) -> pd.DataFrame:
+    """The sweep (g = 1 left out) averaged per format x formula x variant x side of 1 x
+    ``|g-1|``: ``ulp_mean`` and ``term_lost_median``."""
+    sw = sweep[sweep["g"] != 1.0].assign(abs_gm1=lambda d: d["gm1"].abs(),
+                                          side=lambda d: np.where(d["gm1"] > 0, "g > 1", "g < 1"))
+    return sw.groupby(["format", "formula", "variant", "side", "abs_gm1"], as_index=False)[
+        ["ulp_mean", "term_lost_median"]].mean()
+
+
 # ----------------------------------------------------------------------------
 # 3. The paper's benchmark.
 # ----------------------------------------------------------------------------
 
-def recorded_paper_benchmark(shape) -> "pd.DataFrame":
+def recorded_paper_benchmark(shape) -> pd.DataFrame:
     """The g = 1 paper-shape benchmark as recorded in ``data/01_cancellation_at_g1/`` by
     notebook 01 with ``RECOMPUTE_PAPER_SHAPE = True`` (about 3 minutes on 2 cores, so
     ``make reproduce`` reads it instead).  Refuses a record made at another shape."""
-    import pandas as pd
-
-    from ...repro.paths import committed_data
-    from ...repro.provenance import read_provenance
-
-    path = committed_data("01_cancellation_at_g1", "paper_benchmark_g1_paper_shape.csv")
-    if not path.is_file():
-        raise FileNotFoundError(f"no recorded paper-shape benchmark at {path}; run notebook 01 with "
-                                "RECOMPUTE_PAPER_SHAPE=True")
-    recorded = read_provenance(path)["parameters"].get("PAPER_SHAPE_AT_G1")
-    if list(recorded or []) != list(shape):
-        raise ValueError(f"{path} was recorded at shape {recorded}, not {list(shape)}; "
-                         "run notebook 01 with RECOMPUTE_PAPER_SHAPE=True")
+    (path,) = PAPER_SHAPE.require()
+    at = read_provenance(path)["parameters"].get("PAPER_SHAPE_AT_G1")
+    if list(at or []) != list(shape):
+        raise ValueError(f"{path} was recorded at shape {at}, not {list(shape)}; {PAPER_SHAPE.how_to_record}")
     return pd.read_csv(path)
 
 
 def paper_benchmark(shape=(2048, 8192), g_values=PAPER_G_VALUES, *, s: float = 0.5, seed: int = 1234,
                     fmt="bf16") -> pd.DataFrame:
-    """The paper's stability benchmark (PAPER.md) and the two floors that explain it.
+    """The paper's stability benchmark (docs/paper.md) and the two floors that explain it.
 
     lora, base ~ N(0,1) in fp64 (seed 1234); per g: inputs and g stored in bf16,
     every op in bf16 (eager bf16 PyTorch = ``per_op`` emulation); reference: the
@@ -250,7 +263,7 @@ def paper_benchmark(shape=(2048, 8192), g_values=PAPER_G_VALUES, *, s: float = 0
     lora64 = rng.standard_normal(shape)
     base64 = rng.standard_normal(shape)
     b, l = round_to(base64, fmt), round_to(lora64, fmt)
-    sf = float(np.float32(s))
+    sf = scale_constants(s)[0]
     rows = []
     for g in g_values:
         g32 = float(np.float32(g))
@@ -277,8 +290,6 @@ def paper_benchmark(shape=(2048, 8192), g_values=PAPER_G_VALUES, *, s: float = 0
 
 def headline(sweep: pd.DataFrame) -> dict:
     """The claims the notebook asserts (see its last cell)."""
-    from scipy.stats import spearmanr
-
     fp32 = VARIANT_LABEL[("fp32", "fp32")]
     st = sweep[(sweep["formula"] == "compose_stable") & (sweep["variant"] == fp32)]
     out = {"stable_fp32_frac_within_1ulp": float(st["n_le1"].sum() / st["n"].sum())}

@@ -1,8 +1,10 @@
 """Train the real DoRA adapters behind notebook 01 (CPU, a few minutes per run).
 
-    python -m dora_num.studies.cancellation.train_adapters                 # the full grid + agreement runs
-    python -m dora_num.studies.cancellation.train_adapters --ranks 16 --lrs 1e-3
-    python -m dora_num.studies.cancellation.train_adapters --agreement-only
+    dora-num record adapters                 # the full grid + agreement runs
+    dora-num record adapters --ranks 16 --lrs 1e-3
+    dora-num record adapters --agreement-only
+
+(``python -m dora_num.studies.cancellation.train_adapters`` takes the same options.)
 
 Grid: ranks 8, 16, 64, 128 x learning rates 1e-3, 1e-4; MiniLM + DoRA on all 36
 encoder linears; batch 16, max_len 32, STEPS steps, seed 0.  Per run it writes
@@ -25,16 +27,20 @@ import time
 
 import numpy as np
 import pandas as pd
+import torch
 
+from ...adapters.model import minilm_path
+from ...adapters.peft_io import export_peft_dora
 from ...adapters.train import TrainConfig, config_dict, train
 from ...repro.paths import data_dir
+from ...repro.provenance import save_dataframe, write_artifact
 
 RANKS = (8, 16, 64, 128)
 LRS = (1e-3, 1e-4)
-# Sized for the shared 2-core CPU machine, one torch thread per run, two runs at a time
-# (measured there 2026-11-29 with the machine's load average at 5-10: median 4.2-21 s per
-# step at batch 16 / max_len 32, about the same for every rank since the frozen MiniLM
-# dominates; the grid took ~55 min of wall time).  On a free machine or a GPU raise --steps.
+# Sized for the shared 2-core CPU machine, one torch thread per run, two runs at a time: the
+# recorded runs took a median 4.2-21 s per step at batch 16 / max_len 32 on a loaded machine
+# (data/adapters/runs/*_history.csv, column seconds), about the same for every rank since the
+# frozen MiniLM dominates.  On a free machine or a GPU raise --steps.
 STEPS = 50
 CAPTURE = (10, 25, 50)
 BATCH = 16
@@ -67,10 +73,6 @@ def load_g_npz(path) -> dict[int, dict[str, np.ndarray]]:
 
 
 def run_one(rank: int, lr: float, *, steps: int = STEPS, capture=CAPTURE, out=None, progress=True) -> dict:
-    from ...adapters.model import minilm_path
-    from ...adapters.peft_io import export_peft_dora
-    from ...repro.provenance import save_dataframe, write_artifact
-
     out = out or data_dir("adapters")
     cfg = TrainConfig(rank=rank, lr=lr, steps=steps, batch_size=BATCH, max_len=MAX_LEN, seed=0,
                       capture_steps=tuple(capture), progress=progress,
@@ -93,8 +95,6 @@ def run_one(rank: int, lr: float, *, steps: int = STEPS, capture=CAPTURE, out=No
 
 
 def run_agreement(steps: int = AGREEMENT_STEPS, out=None, progress=True) -> pd.DataFrame:
-    from ...repro.provenance import save_dataframe
-
     out = out or data_dir("adapters")
     base = TrainConfig(rank=16, lr=1e-3, steps=steps, batch_size=BATCH, max_len=MAX_LEN, seed=0, progress=progress)
     variants = {"dora_num": {}, "peft": {"backend": "peft"}, "dora_num_perturbed": {"perturb_seed": 1}}
@@ -139,11 +139,8 @@ def agreement_verdict(df: pd.DataFrame) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    import torch
-
-    p = argparse.ArgumentParser(prog="python -m dora_num.studies.cancellation.train_adapters", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str = "dora-num record adapters", name: str = "adapters") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     p.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     p.add_argument("--steps", type=int, default=STEPS)
@@ -151,7 +148,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-agreement", action="store_true")
     p.add_argument("--agreement-steps", type=int, default=AGREEMENT_STEPS)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    a = p.parse_args(argv)
+    return p
+
+
+def record(a) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     if not a.agreement_only:
@@ -162,6 +162,12 @@ def main(argv=None) -> int:
         df = run_agreement(a.agreement_steps)
         print(agreement_verdict(df), flush=True)
     return 0
+
+
+def main(argv=None) -> int:
+    from ..cli import run
+
+    return run("adapters", argv)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -82,8 +83,6 @@ def shard_fn(rank: int, world: int):
 
 
 def ddp_wrapper(device: torch.device):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     def wrap(model: nn.Module) -> nn.Module:
         ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
         return DDP(model, device_ids=ids, broadcast_buffers=False)

@@ -14,7 +14,7 @@ Differences (all per step, on the same step index)
   nondeterminism of the stack; exactly 0 when every kernel is deterministic).
 
 For each: mean ``|delta|``, max ``|delta|`` and the step of the max.  The paper's
-comparison (PAPER.md) reported the fused-vs-eager mean |delta| 7.1e-4 without a
+comparison (docs/paper.md) reported the fused-vs-eager mean |delta| 7.1e-4 without a
 floor; its own logs put the seed-to-seed mean |delta| at 7.6e-4..8.5e-4.
 
 The equivalence test (fixed here, in code, before any fused run is analysed)
@@ -65,7 +65,7 @@ MIN_BLOCKS = 8  # fewer independent block means than this: no verdict
 SOKAL_C = 5.0  # automatic window: the smallest W with W >= c * tau_int(W)
 RUN_KEYS = ("path", "seed", "repeat")
 
-# The paper's convergence numbers (PAPER.md, Zelenin & Zhuravlyova 2026; Qwen3.5-9B,
+# The paper's convergence numbers (docs/paper.md, Zelenin & Zhuravlyova 2026; Qwen3.5-9B,
 # 2000 steps, 3 seeds) -- reported beside ours, never used in a computation.
 PAPER = {
     "fused_vs_eager_mean_abs_delta": 7.1e-4,
@@ -407,7 +407,7 @@ def verdict_table(verdict: dict) -> pd.DataFrame:
 
 def paper_comparison(losses: pd.DataFrame, evals: pd.DataFrame | None, verdict: dict,
                      seconds_per_step: dict[str, float] | None = None) -> pd.DataFrame:
-    """Our numbers beside the paper's (PAPER.md), one row per quantity (1-ulp runs, if
+    """Our numbers beside the paper's (docs/paper.md), one row per quantity (1-ulp runs, if
     ``losses`` has them, give one more row of ours)."""
     ulp = perturbation_deltas(losses, "loss")
     losses = _split_perturbed(losses)[0]

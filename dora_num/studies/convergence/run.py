@@ -1,11 +1,12 @@
 """Notebook 04's data: 2000-step, three-seed convergence of fused vs eager DoRA training.
 
-    PYTHONPATH=. python3 -m dora_num.studies.convergence.run --out DIR [--steps 2000] [--seeds 0 1 2]
-                         [--ulp-seeds ...] [--runs NAME ...] [--profile-only] [--base MODEL_DIR] [--smoke]
-    python -m dora_num.studies.convergence.run --ingest DIR ... --out data/gpu/convergence --git-sha SHA
+    dora-num record convergence --out DIR [--steps 2000] [--seeds 0 1 2] [--ulp-seeds ...]
+                                [--runs NAME ...] [--profile-only] [--base MODEL_DIR] [--smoke]
+    dora-num record convergence --ingest DIR ... --out data/gpu/convergence --git-sha SHA
     torchrun --nproc_per_node N -m dora_num.studies.convergence.run --out DIR ...   # DDP, N ranks
 
-The plan (:func:`run_plan`), after a short profiling phase (time per step of both
+(``python -m dora_num.studies.convergence.run`` takes the same options.)  The plan
+(:func:`~dora_num.studies.convergence.config.run_plan`), after a short profiling phase (time per step of both
 paths, first ``PROFILE_WARMUP`` steps dropped: Triton compiles there):
 
     eager s0, fused s0, eager s0 (repeat), [eager s0 with m + 1 ulp], eager s1, fused s1, ...
@@ -21,7 +22,8 @@ at init, the smallest difference two runs on the same batches can have.
 One process can run the whole plan; on the H200 each step costs ~0.1 s of host
 Python, so the recorded runs were made one process per run (``--runs``, several
 processes sharing the GPU; ``.ci/gpu/convergence.sh``) after a ``--profile-only``
-process alone, and merged with ``--ingest`` (:func:`merge_parts`).
+process alone, and merged with ``--ingest``
+(:func:`~dora_num.studies.convergence.recorded.merge_parts`).
 
 Recorded per step: loss, gradient norm (global L2 over A, B, m), learning rate,
 seconds; every ``eval_every`` steps (and at 0): validation loss and MRR@10, and
@@ -55,114 +57,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
-from ...adapters.train import TrainConfig, TrainHooks, config_dict, train
+from ...adapters.train import TrainHooks, train
 from ...repro.provenance import save_dataframe, save_json
-
-PATHS = ("eager", "fused")
-PROFILE_WARMUP = 3  # steps dropped from the profile (Triton JIT + autotune, cuBLAS heuristics)
-# Loss and gradient norm are float32 values (``.item()`` of fp32 tensors): 9 significant
-# digits write them exactly; learning rate and seconds need no more.
-HISTORY_FLOAT_FORMAT = "%.9g"
-RUN_ORDER_NOTE = "eager s0, fused s0, eager s0 repeat, then eager/fused per further seed"
-
-
-@dataclass
-class ConvergenceConfig:
-    steps: int = 2000
-    seeds: tuple[int, ...] = (0, 1, 2)
-    repeat_seed: int | None = 0  # one eager seed run twice (None: no repeat)
-    paths: tuple[str, ...] = PATHS  # compose paths run per seed
-    # GPU sizing: MiniLM is launch-bound on an H200 (step time ~ number of kernels,
-    # not tokens), so batch 64 x 64 tokens costs about what batch 8 does; 64 pairs
-    # give 63 in-batch negatives.  2000 steps x 64 = 32 epochs of the 3976 pairs.
-    batch_size: int = 64
-    max_len: int = 64
-    # Summaries and signatures in one forward of 2 x batch texts: half the kernel
-    # launches of two forwards, and MiniLM training is launch-bound on an H200.
-    joint_encode: bool = True
-    rank: int = 16
-    alpha: float | None = None
-    lr: float = 1e-4
-    warmup_steps: int = 200  # the paper's warmup fraction 0.1 of 2000 steps; then constant
-    eval_every: int = 200
-    eval_limit: int | None = None  # validation pairs (None: all 456)
-    profile_steps: int = 12
-    device: str = "cuda"
-    bf16_autocast: bool = True
-    dropout: bool = True  # MiniLM's own dropout (0.1); off for the DDP-vs-single check
-    fused_impl: str = "auto"  # "kernels" | "custom_op" | "auto" (kernels where they run)
-    deadline_s: float | None = None  # skip runs that would end after this many seconds
-    # CPU threads (None: torch's default).  The SMOKE run uses 1: on the shared 2-core CI
-    # machine a 2-thread OpenMP region waits for a descheduled thread; measured there
-    # under load, a 384->1536 DoRALinear forward of 32 tokens took 238 ms with 2 threads
-    # and 5.5 ms with 1.
-    threads: int | None = None
-    progress: bool = True
-    profile_only: bool = False  # only the profiling phase (time per step, both paths)
-    runs: tuple[str, ...] | None = None  # only these runs of the plan (e.g. one per GPU process)
-    # Eager seeds also run with every m moved by 1 fp32 ulp at init (random signs): how far
-    # two runs drift apart from the smallest possible difference, with the same batches.
-    ulp_seeds: tuple[int, ...] = ()
-
-    def validate(self) -> None:
-        if not self.seeds:
-            raise ValueError("seeds must not be empty")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must be distinct, got {self.seeds}")
-        if not set(self.ulp_seeds) <= set(self.seeds):
-            raise ValueError(f"ulp_seeds {self.ulp_seeds} must be among seeds {self.seeds}")
-        if self.repeat_seed is not None and self.repeat_seed not in self.seeds:
-            raise ValueError(f"repeat_seed={self.repeat_seed} must be one of seeds {self.seeds}")
-        for name in ("steps", "eval_every", "batch_size", "max_len", "rank"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.profile_steps < 0:
-            raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
-        bad = [p for p in self.paths if p not in PATHS]
-        if bad or not self.paths:
-            raise ValueError(f"paths must be a non-empty subset of {PATHS}, got {self.paths}")
-        if self.fused_impl not in ("auto", "kernels", "custom_op"):
-            raise ValueError(f"fused_impl must be 'auto', 'kernels' or 'custom_op', got {self.fused_impl!r}")
-
-    @property
-    def eval_steps(self) -> tuple[int, ...]:
-        return tuple(sorted({0, *range(self.eval_every, self.steps + 1, self.eval_every), self.steps}))
-
-
-SMOKE = dict(steps=3, seeds=(0, 1), batch_size=4, max_len=16, eval_every=3, eval_limit=16, profile_steps=0,
-             warmup_steps=2, lr=1e-3, device="cpu", bf16_autocast=False, fused_impl="custom_op", threads=1)
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    path: str
-    seed: int
-    repeat: int = 0
-    perturbed: bool = False  # every m moved by 1 fp32 ulp at init (the chaos baseline)
-
-    @property
-    def name(self) -> str:
-        return (f"{self.path}_s{self.seed}" + (f"_rep{self.repeat}" if self.repeat else "")
-                + ("_ulp" if self.perturbed else ""))
-
-
-# perturb_seed of a perturbed run: ULP_SEED_OFFSET + seed (the random signs of the ulp moves)
-ULP_SEED_OFFSET = 1_000_003
-
-
-def run_plan(seeds, repeat_seed=None, paths=PATHS, ulp_seeds=()) -> list[RunSpec]:
-    """Eager and fused of the first seed, the repeat, then both paths per further seed;
-    after each seed in ``ulp_seeds``, its eager run with every ``m`` moved by 1 ulp."""
-    plan = []
-    for i, s in enumerate(seeds):
-        plan.extend(RunSpec(p, s) for p in paths)
-        if s == repeat_seed and "eager" in paths:
-            plan.append(RunSpec("eager", s, 1))
-        if s in ulp_seeds and "eager" in paths:
-            plan.append(RunSpec("eager", s, 0, True))
-    return plan
+from ...ops.compose import fused_available
+from .config import (HISTORY_FLOAT_FORMAT, PATHS, PROFILE_WARMUP, RUN_ORDER_NOTE, SMOKE, ConvergenceConfig, RunSpec,
+                     run_plan, train_config)
+from .dist import all_gather_with_grad, ddp_wrapper, disable_dropout, init_distributed, shard_fn
+from .recorded import ingest
+from .tidy import g_statistics, order, tidy_evals, tidy_history
 
 
 # --------------------------------------------------------------------------
@@ -192,26 +96,9 @@ def compose_fn_for(impl: str):
 
 
 def resolve_fused_impl(cfg: ConvergenceConfig) -> str:
-    from ...ops.compose import fused_available
-
     if cfg.fused_impl != "auto":
         return cfg.fused_impl
     return "kernels" if fused_available(torch.device(cfg.device)) else "custom_op"
-
-
-# --------------------------------------------------------------------------
-# One run
-# --------------------------------------------------------------------------
-
-def train_config(cfg: ConvergenceConfig, spec: RunSpec, *, steps=None, evals=True, progress=None) -> TrainConfig:
-    steps = cfg.steps if steps is None else steps
-    return TrainConfig(rank=cfg.rank, alpha=cfg.alpha, lr=cfg.lr, steps=steps, batch_size=cfg.batch_size,
-                       max_len=cfg.max_len, seed=spec.seed, warmup_steps=cfg.warmup_steps, backend="dora_num",
-                       compose_path="fused" if spec.path == "fused" else "eager",
-                       bf16_autocast=cfg.bf16_autocast, device=cfg.device,
-                       capture_steps=cfg.eval_steps if evals else (), eval_steps=cfg.eval_steps if evals else (),
-                       eval_limit=cfg.eval_limit, joint_encode=cfg.joint_encode, progress=cfg.progress if progress is None else progress,
-                       perturb_seed=ULP_SEED_OFFSET + spec.seed if spec.perturbed else None)
 
 
 @dataclass
@@ -225,8 +112,6 @@ class Distributed:
 
 
 def make_hooks(cfg: ConvergenceConfig, dist_: Distributed, on_step=None, compose_fn=None) -> TrainHooks:
-    from .dist import all_gather_with_grad, ddp_wrapper, disable_dropout, shard_fn
-
     wrappers = []
     if not cfg.dropout:
         wrappers.append(disable_dropout)
@@ -261,41 +146,6 @@ def run_one(cfg: ConvergenceConfig, spec: RunSpec, *, impl: str, base_path=None,
     return res, time.perf_counter() - t0
 
 
-def g_statistics(g_minus_1: dict[int, dict[str, np.ndarray]]) -> pd.DataFrame:
-    """Per step and module (and ``all`` modules): mean, std, min, max, max |g-1|."""
-    rows = []
-    for step, mods in sorted(g_minus_1.items()):
-        items = list(mods.items()) + [("all", np.concatenate(list(mods.values())))]
-        for name, a in items:
-            a = np.asarray(a, dtype=np.float64)
-            for stat, v in (("mean", a.mean()), ("std", a.std()), ("min", a.min()), ("max", a.max()),
-                            ("max_abs", np.abs(a).max())):
-                rows.append({"step": step, "module": name, "statistic": stat, "value": float(v)})
-    return pd.DataFrame(rows)
-
-
-def tidy_history(res, spec: RunSpec, impl: str) -> pd.DataFrame:
-    h = pd.DataFrame(res.history)
-    long = h.melt(id_vars=["step"], value_vars=["loss", "grad_norm", "lr", "seconds"], var_name="metric")
-    return long.assign(run=spec.name, path=spec.path, impl=impl, seed=spec.seed, repeat=spec.repeat,
-                       perturbed=spec.perturbed)
-
-
-def tidy_evals(res, spec: RunSpec, impl: str) -> pd.DataFrame:
-    e = pd.DataFrame(res.evals)
-    long = e.melt(id_vars=["step"], value_vars=["val_loss", "mrr10"], var_name="metric")
-    return long.assign(run=spec.name, path=spec.path, impl=impl, seed=spec.seed, repeat=spec.repeat,
-                       perturbed=spec.perturbed)
-
-
-_ID = ["run", "path", "impl", "seed", "repeat", "perturbed", "step"]
-
-
-def _order(df: pd.DataFrame, extra: list[str]) -> pd.DataFrame:
-    cols = _ID + extra
-    return df[cols + [c for c in df.columns if c not in cols]]
-
-
 # --------------------------------------------------------------------------
 # Profiling and the time projection
 # --------------------------------------------------------------------------
@@ -314,7 +164,6 @@ def profile(cfg: ConvergenceConfig, impl: str, base_path, corpus, dist_: Distrib
     spec_seed = cfg.seeds[0]
     for path in PATHS:
         tc_cfg = dataclasses.replace(cfg, steps=cfg.profile_steps, eval_every=cfg.profile_steps)
-        t0 = time.perf_counter()
         res, wall = run_one(tc_cfg, RunSpec(path, spec_seed), impl=impl, base_path=base_path, corpus=corpus,
                             dist_=dist_, steps=cfg.profile_steps, evals=True, progress=False)
         step_s = [h["seconds"] for h in res.history]
@@ -404,18 +253,16 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
     hist, evs, gst = [], [], []
     bar = None
     if cfg.progress and dist_.main:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(plan) * cfg.steps, desc="convergence", unit="step")
 
     def write():
         if out is None or not dist_.main:
             return
         prov = dict(params=params, producer="dora_num.studies.convergence.run")
-        save_dataframe(_order(pd.concat(hist, ignore_index=True), ["metric", "value"]), out / "history.csv.gz",
+        save_dataframe(order(pd.concat(hist, ignore_index=True), ["metric", "value"]), out / "history.csv.gz",
                        float_format=HISTORY_FLOAT_FORMAT, **prov)
-        save_dataframe(_order(pd.concat(evs, ignore_index=True), ["metric", "value"]), out / "evals.csv", **prov)
-        save_dataframe(_order(pd.concat(gst, ignore_index=True), ["module", "statistic", "value"]),
+        save_dataframe(order(pd.concat(evs, ignore_index=True), ["metric", "value"]), out / "evals.csv", **prov)
+        save_dataframe(order(pd.concat(gst, ignore_index=True), ["module", "statistic", "value"]),
                        out / "g_stats.csv.gz", **prov)
         save_dataframe(prof_df, out / "profile.csv", **prov)
         save_json(summary, out / "summary.json", **prov)
@@ -453,25 +300,12 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
     return StudyResult(cat(hist), cat(evs), cat(gst), prof_df, summary)
 
 
-def wide_loss(history: pd.DataFrame, metric: str = "loss") -> pd.DataFrame:
-    """The tidy history's ``metric`` as a frame with columns path, seed, repeat,
-    perturbed, step, ``metric``."""
-    h = _with_perturbed(history[history.metric == metric])
-    return h.rename(columns={"value": metric})[["path", "seed", "repeat", "perturbed", "step", metric]]
-
-
-def _with_perturbed(df: pd.DataFrame) -> pd.DataFrame:
-    """Tables recorded before the 1-ulp runs existed have no ``perturbed`` column: all False."""
-    return df if "perturbed" in df.columns else df.assign(perturbed=False)
-
-
 # --------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------
 
-def build_arg_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="python -m dora_num.studies.convergence.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str = "dora-num record convergence", name: str = "convergence") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ConvergenceConfig()
     p.add_argument("--out", required=True, help="output folder (e.g. data/gpu/convergence)")
     p.add_argument("--steps", type=int, default=None, help=f"steps per run (default {d.steps}; smoke {SMOKE['steps']})")
@@ -500,7 +334,7 @@ def build_arg_parser(p: argparse.ArgumentParser | None = None) -> argparse.Argum
                    help="only time both paths (--profile-steps steps) and write profile.csv, summary.json")
     p.add_argument("--ingest", nargs="+", metavar="DIR", default=None,
                    help="instead of training: merge the folders of GPU processes (a --profile-only one and "
-                        "the runs, split by seed) into --out, with provenance; see ingest()")
+                        "the runs, split by seed) into --out, with provenance (recorded.ingest)")
     p.add_argument("--git-sha", default=None, help="with --ingest: the commit the GPU processes ran")
     return p
 
@@ -535,15 +369,12 @@ def config_from_args(args) -> ConvergenceConfig:
     return ConvergenceConfig(**kw)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+def record(args) -> int:
     if args.ingest:
         for path in ingest([Path(d) for d in args.ingest], Path(args.out), git_sha=args.git_sha):
             print(path)
         return 0
     cfg = config_from_args(args)
-    from .dist import init_distributed
-
     rank, world, local = init_distributed(torch.device(cfg.device).type)
     if world > 1 and cfg.device.startswith("cuda"):
         torch.cuda.set_device(local)
@@ -555,185 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(json.dumps({k: res.summary[k] for k in ("runs", "skipped") if k in res.summary}, indent=1, default=float))
     if world > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        torch.distributed.destroy_process_group()
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import run
 
-# --------------------------------------------------------------------------
-# Reading recorded runs (notebook 04)
-# --------------------------------------------------------------------------
-
-RECORDED_DIR = ("gpu", "convergence")
-RECORD_COMMAND = ("on the H200: a --profile-only process, then bash .ci/gpu/convergence.sh RUN... (one "
-                  "process per run; README, 'Recording GPU data'), then: "
-                  "python -m dora_num.studies.convergence.run --ingest DIR... "
-                  "--out data/gpu/convergence --git-sha SHA")
-
-
-@dataclass
-class Recorded:
-    history: pd.DataFrame  # tidy: run, path, impl, seed, repeat, step, metric, value
-    evals: pd.DataFrame
-    g_stats: pd.DataFrame
-    profile: pd.DataFrame
-    summary: dict
-    folder: Path
-
-
-def load_recorded(folder: str | Path | None = None) -> Recorded:
-    """The recorded runs under ``folder`` (default ``data/gpu/convergence``); a clear
-    error naming the command that records them when they are missing."""
-    from ...repro.paths import committed_data
-
-    folder = Path(folder) if folder is not None else committed_data(*RECORDED_DIR)
-    need = ("history.csv.gz", "evals.csv", "g_stats.csv.gz", "profile.csv", "summary.json")
-    missing = [n for n in need if not (folder / n).is_file()]
-    if missing:
-        raise FileNotFoundError(f"no recorded runs in {folder} (missing {', '.join(missing)}); "
-                                f"record them with: {RECORD_COMMAND}")
-    return Recorded(_read_history(folder / "history.csv.gz"), _with_perturbed(pd.read_csv(folder / "evals.csv")),
-                    _with_perturbed(pd.read_csv(folder / "g_stats.csv.gz")), pd.read_csv(folder / "profile.csv"),
-                    json.loads((folder / "summary.json").read_text()), folder)
-
-
-def _read_history(path: Path) -> pd.DataFrame:
-    """The tidy history, loss and gradient norm back to their exact float32 values
-    (written with ``HISTORY_FLOAT_FORMAT``: the decimal string identifies the float32)."""
-    h = _with_perturbed(pd.read_csv(path))
-    exact = h.metric.isin(["loss", "grad_norm"])
-    h.loc[exact, "value"] = h.loc[exact, "value"].to_numpy(np.float32).astype(np.float64)
-    return h
-
-
-def from_study(res: StudyResult, folder: Path) -> Recorded:
-    return Recorded(res.history, res.evals, res.g_stats, res.profile, res.summary, Path(folder))
-
-
-def seconds_per_step(rec: Recorded, source: str = "runs") -> dict[str, float]:
-    """Median time per step of each path.
-
-    ``"runs"``: over every recorded step of the runs (first step of each run
-    dropped; the 1-ulp runs left out, they ran in another wave).  On the H200 the
-    runs were 3-4 processes sharing the GPU, which costs little here because the
-    harness is bound by each process's own host (Python).
-    ``"profile"``: the profiling phase (one process alone; first ``PROFILE_WARMUP``
-    steps dropped), short, and eager runs first in it, so eager carries more
-    warm-up (cuBLAS heuristics for new sequence lengths)."""
-    if source == "profile":
-        prof = rec.profile
-        if not len(prof) or set(prof.path) != set(PATHS):
-            raise ValueError(f"no profile of both paths in {rec.folder}")
-        kept = prof[prof.step > PROFILE_WARMUP]
-        return {p: float(g.seconds.median()) for p, g in kept.groupby("path")}
-    if source != "runs":
-        raise ValueError(f"source must be 'runs' or 'profile', got {source!r}")
-    h = _with_perturbed(rec.history)
-    h = h[(h.metric == "seconds") & (h.step > 1) & ~h.perturbed.astype(bool)]  # 1-ulp runs: another wave
-    return {p: float(g.value.median()) for p, g in h.groupby("path")}
-
-
-# --------------------------------------------------------------------------
-# Recording GPU runs made by several processes
-# --------------------------------------------------------------------------
-
-def merge_parts(parts: list[Path]) -> Recorded:
-    """One :class:`Recorded` from the folders of several processes of one study: at
-    most one ``--profile-only`` folder and any number of run folders (e.g. one per
-    seed).  Refuses parts whose configurations differ beyond seeds, repeat and
-    paths, duplicated runs, and a fused arm that differs between parts."""
-    parts = [Path(p) for p in parts]
-    if not parts:
-        raise ValueError("no folders to merge")
-    summaries, profiles, runs = [], [], []
-    for d in parts:
-        f = d / "summary.json"
-        if not f.is_file():
-            raise FileNotFoundError(f"{d} has no summary.json (not a convergence output folder)")
-        sm = json.loads(f.read_text())
-        summaries.append(sm)
-        if sm.get("profile_only"):
-            profiles.append(d)
-        else:
-            runs.append(d)
-    if len(profiles) > 1:
-        raise ValueError(f"more than one --profile-only folder: {profiles}")
-    varying = {"seeds", "repeat_seed", "paths", "plan", "profile_steps", "profile_only", "deadline_s", "progress",
-               "runs", "ulp_seeds"}
-    cfg0 = {k: v for k, v in summaries[0]["config"].items() if k not in varying}
-    for d, sm in zip(parts, summaries):
-        cfg = {k: v for k, v in sm["config"].items() if k not in varying}
-        diff = sorted(k for k in set(cfg) | set(cfg0) if cfg.get(k) != cfg0.get(k))
-        if diff:
-            raise ValueError(f"{d} was run with a different configuration: {diff}")
-    impls = {sm["fused_impl"] for sm in summaries}
-    if len(impls) != 1:
-        raise ValueError(f"parts disagree on the fused arm: {sorted(impls)}")
-    tables = {"history": [], "evals": [], "g_stats": []}
-    merged_runs, skipped, plan, processes = {}, [], [], []
-    for d, sm in zip(parts, summaries):
-        processes.append({"folder": d.name, "profile_only": bool(sm.get("profile_only")),
-                          "runs": list(sm.get("runs", {})), "elapsed_s": sm.get("elapsed_s")})
-        if sm.get("profile_only"):
-            continue
-        dup = set(sm["runs"]) & set(merged_runs)
-        if dup:
-            raise ValueError(f"runs recorded twice: {sorted(dup)}")
-        merged_runs.update(sm["runs"])
-        skipped += sm.get("skipped", [])
-        plan += sm["plan"]
-        tables["history"].append(_read_history(d / "history.csv.gz"))
-        tables["evals"].append(_with_perturbed(pd.read_csv(d / "evals.csv")))
-        tables["g_stats"].append(_with_perturbed(pd.read_csv(d / "g_stats.csv.gz")))
-    if not runs:
-        raise ValueError("no run folders among the parts (only a profile)")
-    seeds = sorted({p["seed"] for p in plan})
-    reps = sorted({p["seed"] for p in plan if p["repeat"]})
-    ulps = tuple(sorted({p["seed"] for p in plan if p.get("perturbed")}))
-    order = {s.name: i for i, s in enumerate(run_plan(seeds, reps[0] if reps else None, PATHS, ulps))}
-    plan.sort(key=lambda p: order.get(p["name"], len(order)))
-    profile = pd.read_csv(profiles[0] / "profile.csv") if profiles else pd.DataFrame(
-        columns=["path", "impl", "step", "seconds"])
-    first = summaries[parts.index(runs[0])]
-    summary = {**first,
-               "config": {**first["config"], "seeds": seeds, "ulp_seeds": list(ulps),
-                          "repeat_seed": reps[0] if reps else None, "plan": [p["name"] for p in plan]},
-               "plan": plan, "runs": merged_runs, "skipped": skipped, "processes": processes,
-               "run_order": "one process per run (see processes); plan listed in run_plan's order"}
-    summary["config"].pop("runs", None)  # each part's own selection, meaningless once merged
-    if profiles:
-        sp = summaries[parts.index(profiles[0])]
-        summary["profile"] = sp.get("profile")
-        summary["profile_config"] = sp["config"]
-    else:
-        summary.pop("profile", None)
-    cat = (lambda fs: pd.concat(fs, ignore_index=True))
-    return Recorded(cat(tables["history"]), cat(tables["evals"]), cat(tables["g_stats"]), profile, summary,
-                    runs[0])
-
-
-def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None) -> list[Path]:
-    """Merge the GPU processes' folders (:func:`merge_parts`) into ``dest`` (e.g.
-    ``data/gpu/convergence``) with provenance: the GPU machine's device description
-    and library versions from the parts' own sidecars, ``git_sha`` the commit that ran
-    (the device machine's copy has no ``.git``)."""
-    from ...repro.provenance import read_provenance
-
-    rec = merge_parts(parts)
-    side = read_provenance(rec.folder / "summary.json")
-    prov = dict(device=side.get("device"), producer="dora_num.studies.convergence.run (GPU processes, merged by --ingest)",
-                params=rec.summary["config"],
-                extra={"measured_at_git_sha": git_sha, "gpu_versions": side.get("versions"),
-                       "parts": [Path(p).name for p in parts]})
-    dest = Path(dest)
-    return [save_dataframe(_order(rec.history, ["metric", "value"]), dest / "history.csv.gz",
-                           float_format=HISTORY_FLOAT_FORMAT, **prov),
-            save_dataframe(_order(rec.evals, ["metric", "value"]), dest / "evals.csv", **prov),
-            save_dataframe(_order(rec.g_stats, ["module", "statistic", "value"]), dest / "g_stats.csv.gz", **prov),
-            save_dataframe(rec.profile, dest / "profile.csv", **prov),
-            save_json(rec.summary, dest / "summary.json", **prov)]
+    return run("convergence", argv)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ The GPU suite (:func:`dora_num.studies.suite.bench_fma`) records, under
   (indices and bit patterns); the first 2^16 inputs as a spot check;
 - ``device.json``: GPU, driver, torch/triton versions, git sha.
 
-The inputs are seeded numpy streams (:func:`~dora_num.studies.suite.fma_inputs`,
-:func:`~dora_num.studies.suite.compose_fma_inputs`), so the CPU regenerates all
+The inputs are seeded numpy streams (:func:`~dora_num.studies.inputs.suite_assembly`,
+:func:`~dora_num.studies.inputs.suite_compose`), so the CPU regenerates all
 of them bit for bit and *predicts* each deterministic variant exactly: contraction
 off = the production sequence; contraction on = an FMA at the formula's marked
 site (``"fma"``) or at its alternative (``"alt"``: the compiler contracted the
@@ -25,48 +25,34 @@ output one of the two neighbours of the exact root.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pandas as pd
 
 from ...numerics.formats import round_to, ulp_distance
 from ...numerics.formulas import scale_constants
 from ...repro.paths import committed_data
+from .. import inputs, recorded
 from . import models as M
 from .sqrt import gpu_suite_assembly_inputs, sqrt_platform_row
 
 GPU_FILES = ("fma_sqrt.csv", "fma_sqrt_sample.npz")
+RECORDED = recorded.RecordedData(files=tuple(f"gpu/{f}" for f in GPU_FILES), how_to_record=recorded.record_command("fma"))
 DTYPE_FMT = {"float32": "fp32", "bfloat16": "bf16"}
 ULP_COLS = ("0", "1", "2", "3", "4", ">4")
-
-
-class GPUDataMissing(FileNotFoundError):
-    """The recorded GPU results are not in the repository."""
-
-
-def gpu_dir() -> Path:
-    return committed_data("gpu")
-
-
-def missing_files(folder: Path | None = None) -> list[Path]:
-    folder = Path(folder) if folder is not None else gpu_dir()
-    return [folder / f for f in GPU_FILES if not (folder / f).is_file()]
 
 
 def load(folder: Path | None = None) -> dict:
     """``{"csv": DataFrame, "sample": dict of arrays, "device": dict, "provenance": dict}``.
 
-    Raises :class:`GPUDataMissing` naming every missing file (run
-    ``python -m dora_num gpu-suite --only fma --out DIR`` on the H200, then
-    ``python -m dora_num gpu-suite --ingest DIR``)."""
-    folder = Path(folder) if folder is not None else gpu_dir()
-    missing = missing_files(folder)
-    if missing:
-        raise GPUDataMissing("recorded GPU results missing: " + ", ".join(str(p) for p in missing)
-                             + " (record them on the H200: python -m dora_num gpu-suite --only fma --out DIR; "
-                             "then python -m dora_num gpu-suite --ingest DIR)")
+    Raises :class:`~dora_num.studies.recorded.RecordedDataMissing` naming every missing
+    file and how to record it (:data:`RECORDED`)."""
+    folder = Path(folder) if folder is not None else committed_data("gpu")
+    recorded.require([folder / f for f in GPU_FILES], RECORDED.how_to_record)
     csv = pd.read_csv(folder / "fma_sqrt.csv")
     with np.load(folder / "fma_sqrt_sample.npz") as z:
         sample = {k: z[k] for k in z.files}
@@ -111,10 +97,8 @@ def predict_norm(n: int) -> pd.DataFrame:
 
 
 def _compose_values(rows: int, cols: int, fmt: str, choice: tuple[str, ...]):
-    from ..suite import FMA_SCALE, compose_fma_inputs
-
-    base, lora, g = compose_fma_inputs(rows, cols)
-    s = scale_constants(FMA_SCALE)[0]
+    base, lora, g = inputs.suite_compose(rows, cols)
+    s = scale_constants(inputs.SUITE_FMA_SCALE)[0]
     args = {"base": round_to(base.astype(np.float64), fmt), "lora": round_to(lora.astype(np.float64), fmt),
             "g": g.astype(np.float64)[None, :], "s": s}
     return round_to(M.evaluate("compose_stable", choice, args), fmt)
@@ -165,22 +149,16 @@ def compare_rates(csv: pd.DataFrame, pred: pd.DataFrame) -> pd.DataFrame:
 def _bits_of(values: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "fp32":
         return values.astype(np.float32).view(np.uint32)
-    import ml_dtypes
-
     return values.astype(ml_dtypes.bfloat16).view(np.uint16)  # exact: the values are bf16 numbers
 
 
 def _from_bits(bits: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "fp32":
         return bits.astype(np.uint32).view(np.float32).astype(np.float64)
-    import ml_dtypes
-
     return bits.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def _sha(values: np.ndarray, fmt: str) -> str:
-    import hashlib
-
     return hashlib.sha256(np.ascontiguousarray(_bits_of(values, fmt)).tobytes()).hexdigest()
 
 
@@ -208,9 +186,7 @@ def reconstruct(sample: dict) -> dict:
         out[f"compose_{dn}"] = {"ref": vals[("none",)], "fmt": fmt, "outputs": {},
                                 "ref_sha_ok": key in sample and _sha(vals[("none",)], fmt) == sample[key].item().decode(),
                                 "models": {M.placement_label(ch): v for ch, v in vals.items()}}
-    from ..suite import compose_fma_inputs
-
-    b0, l0, _ = compose_fma_inputs(rows, cols)
+    b0, l0, _ = inputs.suite_compose(rows, cols)
     spot_c = sample["compose_base_spot"].size
     ok_c = bool(np.array_equal(b0.ravel()[:spot_c], sample["compose_base_spot"])
                 and np.array_equal(l0.ravel()[:spot_c], sample["compose_lora_spot"]))
@@ -286,7 +262,8 @@ def platform_rows(sample: dict, rec: dict | None = None) -> pd.DataFrame:
 def threshold_model(sample: dict, key: str = "norm_fusionOff_approx", rec: dict | None = None) -> dict:
     """How well 'differs iff the exact root is within tau ulps of the rounding boundary'
     describes the recorded ``tl.sqrt``: tau fitted on even elements, tested on odd ones.
-    (Measured on the H200: it does not; ``tl.sqrt`` errs by up to ~0.94 ulp.)"""
+    (On the recorded H200 sample, ``data/gpu/fma_sqrt_sample.npz``, it does not:
+    ``tl.sqrt`` errs by up to ~0.94 ulp.)"""
     rec = (reconstruct(sample) if rec is None else rec)["norm"]
     x = rec["x"]["none"]
     d = M.midpoint_distance(x)

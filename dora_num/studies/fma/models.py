@@ -1,5 +1,6 @@
-"""Models for the FMA/sqrt study (issue 6): where contraction can occur, how each
-placement rounds, and what an approximate square root may return.
+"""Models for the FMA/sqrt study of notebook 02 (what do FMA contraction and an
+approximate sqrt do to the norm, to g and to the outputs?): where contraction can
+occur, how each placement rounds, and what an approximate square root may return.
 
 Contraction sites (derived, not listed by hand)
 -----------------------------------------------
@@ -48,7 +49,7 @@ import numpy as np
 
 from ...numerics import formulas as F
 from ...numerics.emulate import RoundEach
-from ...numerics.formats import round_to, two_prod, two_sum
+from ...numerics.formats import round_to, two_prod
 
 # --------------------------------------------------------------------------
 # Contraction sites

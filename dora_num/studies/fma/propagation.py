@@ -30,8 +30,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ...adapters.model import embed, tokenize
 from ...numerics.formats import get_format, round_to, ulp_distance
 from ...numerics.formulas import scale_constants
+from ...ops.norm import magnitude_scale
 from . import models as M
 from .sqrt import layer_terms
 
@@ -55,8 +57,6 @@ def wnorm_variants(layer) -> dict[str, np.ndarray]:
 
 
 def g_of(layer, wnorm: np.ndarray) -> torch.Tensor:
-    from ...ops.norm import magnitude_scale
-
     return magnitude_scale(layer.magnitude.detach(), torch.from_numpy(wnorm).float())
 
 
@@ -164,8 +164,6 @@ def model_variant(model, layers: dict, variant: str):
 def model_table(model, tok, layers: dict, texts: list[str]) -> pd.DataFrame:
     """Final sentence embeddings of the model with every layer DoRA-wrapped, per variant,
     against the production variant: cosine similarity and ulps."""
-    from ...adapters.model import embed, tokenize
-
     model = copy.deepcopy(model).to(next(iter(layers.values())).base.weight.dtype)
     batch = tokenize(tok, texts)
     outs = {}

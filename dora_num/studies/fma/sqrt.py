@@ -26,21 +26,31 @@ product is large against the result: the cross term cancelling the row norm,
 
 Inputs: real MiniLM row terms and activations with perturbed adapters
 (:func:`minilm_layers`), the GPU suite's seeded inputs (regenerated bit for bit),
-and adversarial sets (:func:`adversarial_assembly_inputs`,
-:func:`adversarial_compose_inputs`).
+and adversarial sets (:func:`dora_num.studies.inputs.fma_assembly`,
+:func:`dora_num.studies.inputs.fma_compose`).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as Fn
 
+from ...adapters.corpus import load_corpus
+from ...adapters.model import tokenize
+from ...numerics.arithmetic import TorchFP32CorrectSqrt
 from ...numerics.formats import quantum, round_to, ulp_distance
 from ...numerics.formulas import scale_constants
 from ...numerics.ground_truth import assembly_exact, compose_exact
+from ...ops.layer import DoRALinear
+from ...ops.config import override
+from ...ops.norm import factored_row_norm, factored_terms
+from ...oracles import perturbed_adapter
+from .. import inputs
 from . import models as M
 
 SQRT_MODELS = ("rn", "faithful_other")
@@ -73,108 +83,44 @@ class ComposeInputs:
     category: np.ndarray
 
 
-def _f32(x) -> np.ndarray:
-    return round_to(np.asarray(x, dtype=np.float64), "fp32")
-
-
 # --------------------------------------------------------------------------
-# Inputs
+# Inputs (drawn by :mod:`dora_num.studies.inputs`; the adversarial sets are
+# ``AssemblyInputs(**inputs.fma_assembly(n, s, seed))`` and
+# ``ComposeInputs(**inputs.fma_compose(n, s, seed))``)
 # --------------------------------------------------------------------------
 
 def gpu_suite_sizes() -> dict:
-    """The sizes the GPU suite draws its FMA inputs at (:func:`~dora_num.studies.suite.bench_fma`'s
-    defaults; the seeded streams depend on them, so a prefix must be cut from a draw of the full size)."""
-    import inspect
-
-    from ..suite import bench_fma
-
-    return {"norm": inspect.signature(bench_fma).parameters["n"].default, "compose_rows": 2048, "compose_cols": 2048}
+    """The sizes the GPU suite draws its FMA inputs at (the seeded streams depend on
+    them, so a prefix must be cut from a draw of the full size)."""
+    rows, cols = inputs.SUITE_FMA_COMPOSE_SHAPE
+    return {"norm": inputs.SUITE_FMA_N, "compose_rows": rows, "compose_cols": cols}
 
 
 def gpu_suite_assembly_inputs(n: int, n_total: int | None = None) -> AssemblyInputs:
     """The first ``n`` of the GPU suite's ``n_total`` norm-assembly inputs
-    (:func:`~dora_num.studies.suite.fma_inputs`; default: the suite's full size)."""
-    from ..suite import FMA_SCALE, fma_inputs
-
+    (:func:`~dora_num.studies.inputs.suite_assembly`; default: the suite's full size)."""
     n_total = gpu_suite_sizes()["norm"] if n_total is None else n_total
     if n > n_total:
         raise ValueError(f"n={n} exceeds n_total={n_total}")
-    b, c, a = (v[:n].astype(np.float64) for v in fma_inputs(n_total))
-    return AssemblyInputs(b, c, a, FMA_SCALE, np.full(n, "gpu_suite", dtype=object))
+    b, c, a = (v[:n].astype(np.float64) for v in inputs.suite_assembly(n_total))
+    return AssemblyInputs(b, c, a, inputs.SUITE_FMA_SCALE, np.full(n, "gpu_suite", dtype=object))
 
 
 def gpu_suite_compose_inputs(rows: int, cols: int, rows_total: int | None = None) -> ComposeInputs:
-    """The first ``rows`` rows of the GPU suite's ``rows_total x cols`` compose inputs."""
-    from ..suite import FMA_SCALE as SCALE, compose_fma_inputs
-
+    """The first ``rows`` rows of the GPU suite's ``rows_total x cols`` compose inputs
+    (:func:`~dora_num.studies.inputs.suite_compose`)."""
     rows_total = gpu_suite_sizes()["compose_rows"] if rows_total is None else rows_total
-    base, lora, g = compose_fma_inputs(rows_total, cols)
+    base, lora, g = inputs.suite_compose(rows_total, cols)
     base, lora = base[:rows], lora[:rows]
     gg = np.broadcast_to(g.astype(np.float64), base.shape)
     return ComposeInputs(base.astype(np.float64).ravel(), lora.astype(np.float64).ravel(), gg.ravel().copy(),
-                         scale_constants(SCALE)[0], np.full(base.size, "gpu_suite", dtype=object))
-
-
-def adversarial_assembly_inputs(n: int, s: float, seed: int) -> AssemblyInputs:
-    """Rows built to make the assembly's sites matter.
-
-    - ``cancel``: the cross term cancels all but ``10^-k`` (k in 1..6) of ``base_sq``;
-    - ``large_update``: ``||sBA_j||`` comparable to ``||W_j||`` (every term of one size);
-    - ``near_zero``: ``W_j ≈ -s(BA)_j`` (relative gap ~1e-4..1e-7): the sum cancels to
-      a few ulps of ``base_sq`` or below zero (the clamp);
-    - ``realistic``: ``||sBA|| << ||W||`` (cross ~1e-2, ba ~1e-4 of base_sq).
-    """
-    rng = np.random.Generator(np.random.PCG64(seed))
-    s, two_s, s_sq = scale_constants(s)
-    cat = rng.choice(np.array(["cancel", "large_update", "near_zero", "realistic"], dtype=object), n,
-                     p=[0.4, 0.3, 0.02, 0.28])
-    base = np.exp(rng.normal(0.0, 1.0, n)) * 100.0
-    cross = base * rng.normal(0.0, 1e-2, n) / two_s
-    ba = base * np.abs(rng.normal(0.0, 1.0, n)) * 1e-4 / s_sq
-    k = cat == "cancel"
-    cross[k] = -(base[k] / two_s) * (1.0 - 10.0 ** rng.uniform(-6, -1, int(k.sum())))
-    k = cat == "large_update"
-    cross[k] = base[k] * rng.normal(0.0, 0.5, int(k.sum())) / s
-    ba[k] = base[k] * rng.uniform(0.25, 4.0, int(k.sum())) / s_sq
-    k = cat == "near_zero"  # |w - v|^2 with v = w (1 + d)/s... in terms: base, -base(1+d)/s, base(1+d)^2/s^2
-    d = 10.0 ** rng.uniform(-7, -4, int(k.sum())) * rng.choice([-1.0, 1.0], int(k.sum()))
-    cross[k] = -base[k] * (1 + d) / s
-    ba[k] = base[k] * (1 + d) ** 2 / s_sq
-    return AssemblyInputs(_f32(base), _f32(cross), _f32(ba), s, cat)
-
-
-def adversarial_compose_inputs(n: int, s: float, seed: int) -> ComposeInputs:
-    """Compose inputs where the contraction sites matter.
-
-    - ``g_one_ulp``: ``g`` within a few fp32 ulps of 1 (``g-1`` tiny, exact);
-    - ``big_base``: ``|base| >> |s lora|`` with ``|g-1| ~ 1e-3`` (the ``(g-1) base`` term dominates);
-    - ``cancel``: ``s g lora ≈ -(g-1) base`` (the two terms of the stable form cancel);
-    - ``realistic``: ``base, lora ~ N(0,1)``, ``g - 1 ~ 1e-3``.
-    """
-    rng = np.random.Generator(np.random.PCG64(seed))
-    s = scale_constants(s)[0]
-    cat = rng.choice(np.array(["g_one_ulp", "big_base", "cancel", "realistic"], dtype=object), n)
-    base = rng.normal(0, 1, n)
-    lora = rng.normal(0, 1, n)
-    g = 1.0 + 1e-3 * rng.normal(0, 1, n)
-    k = cat == "g_one_ulp"
-    g[k] = 1.0 + rng.integers(-8, 9, int(k.sum())) * 2.0**-24
-    k = cat == "big_base"
-    base[k] *= 1e3
-    k = cat == "cancel"
-    lora[k] = -(g[k] - 1) * base[k] / (g[k] * s) * (1 + 1e-3 * rng.normal(0, 1, int(k.sum())))
-    return ComposeInputs(_f32(base), _f32(lora), _f32(g), s, cat)
+                         scale_constants(inputs.SUITE_FMA_SCALE)[0], np.full(base.size, "gpu_suite", dtype=object))
 
 
 def minilm_layers(model, names: list[str], *, rank: int, alpha: float, use_rslora: bool, update_ratio: float,
                   g_spread: float, seed: int, dtype=torch.float32) -> dict:
     """``{name: DoRALinear}`` around the model's layers, ``A`` PEFT-initialised and ``(B, m)``
     from :func:`dora_num.oracles.perturbed_adapter` (as notebook 00), in ``dtype``."""
-    import copy
-
-    from ...ops.layer import DoRALinear
-    from ...oracles import perturbed_adapter
-
     modules = dict(model.named_modules())
     out = {}
     for i, name in enumerate(names):
@@ -195,9 +141,6 @@ def layer_terms(layer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(base_sq, cross, ba, wnorm)`` of a :class:`~dora_num.DoRALinear`: the fp32 terms its
     factored norm assembles (:func:`~dora_num.ops.norm.factored_terms`, the torch tail's) and
     the production norm itself on that tail (float64 arrays of fp32 values)."""
-    from ...ops.config import override
-    from ...ops.norm import factored_row_norm, factored_terms
-
     W, A, B = layer.base.weight, layer.lora_A, layer.lora_B
     with override(norm_tail="torch"):  # the tail whose terms factored_terms returns (CUDA's kernel sums in
         wnorm = factored_row_norm(W, A, B, layer.scale)  # another order)
@@ -217,9 +160,6 @@ def minilm_assembly_inputs(layers: dict) -> AssemblyInputs:
 def minilm_activations(model, tok, names: list[str], *, n_texts: int, max_tokens: int) -> dict:
     """Real inputs of each layer: hidden states of ``n_texts`` corpus summaries (padding
     dropped), at most ``max_tokens`` tokens per layer, fp32 ``[tokens, d_in]``."""
-    from ...adapters.corpus import load_corpus
-    from ...adapters.model import tokenize
-
     texts = [r["summary"] for r in load_corpus()[:n_texts]]
     batch = tokenize(tok, texts)
     keep = batch["attention_mask"].reshape(-1).bool()
@@ -241,8 +181,6 @@ def minilm_activations(model, tok, names: list[str], *, n_texts: int, max_tokens
 
 def minilm_compose_inputs(layers: dict, acts: dict) -> ComposeInputs:
     """``base = x W^T``, ``lora = x A^T B^T`` and ``g`` exactly as ``DoRALinear.forward`` forms them."""
-    import torch.nn.functional as Fn
-
     cols = {k: [] for k in ("base", "lora", "g", "cat")}
     for name, lay in layers.items():
         x = acts[name].to(lay.base.weight.dtype)
@@ -403,7 +341,7 @@ def sqrt_inputs(n: int, seed: int) -> dict[str, np.ndarray]:
     t = M.evaluate("norm_assembly", ("none", "none"), gpu_suite_assembly_inputs(n, max(n, gpu_suite_sizes()["norm"])).terms(),
                    sqrt=lambda x: x)
     return {"random_bits": bits.view(np.float32).astype(np.float64),
-            "uniform_1_4": _f32(rng.uniform(1.0, 4.0, n)),
+            "uniform_1_4": round_to(rng.uniform(1.0, 4.0, n), "fp32"),
             "norm_assembly_inputs": t}
 
 
@@ -416,8 +354,6 @@ def sqrt_platform_row(impl: str, inputs: str, x: np.ndarray, r: np.ndarray) -> d
 
 
 def sqrt_platform_cpu(n: int, seed: int) -> pd.DataFrame:
-    from ...numerics.arithmetic import TorchFP32CorrectSqrt
-
     rows = []
     for name, x in sqrt_inputs(n, seed).items():
         x32 = x.astype(np.float32)

@@ -35,21 +35,28 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import torch
 
+from ...adapters.corpus import load_corpus
+from ...adapters.model import embed, tokenize
+from ...adapters.train import TrainConfig, batch_order, build_model, contrastive_loss
 from ...numerics import formulas as F
 from ...numerics.arithmetic import TorchFP32
 from ...numerics.bounds import dg_bound
-from ...numerics.formats import get_format, two_prod, ulp
+from ...numerics.formats import get_format, to_float64, two_prod, ulp
+from ...ops.config import get_config
 from ...ops.reference import compose_backward_ref, compose_inner_ref
+from ...oracles import dg_ref64
+from .. import inputs
 
 REDUCTIONS = ("eager", "fused", "fp64")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = inputs.DG_DTYPES
 
 
 def _kernel_blocks() -> tuple[int, int]:
-    from ...ops.config import get_config  # the kernel's own tiles: the tree we model
-
+    """The fused kernel's own block sizes (``OpConfig.compose_tiles``): the reduction tree
+    this module models."""
     tiles = get_config().compose_tiles
     return tiles.bwd_block_m, tiles.fin_chunk
 
@@ -65,7 +72,7 @@ def dg_exact(s: float, lora, base, grad) -> np.ndarray:
     could be inexact (a low part in float64's subnormal range).
     """
     s = F.scale_constants(s)[0]
-    L, b, D = (np.asarray(_np(x), dtype=np.float64) for x in (lora, base, grad))
+    L, b, D = (to_float64(x) for x in (lora, base, grad))
     sL = s * L
     hi, lo = two_prod(sL, D)
     bD = b * D
@@ -74,12 +81,6 @@ def dg_exact(s: float, lora, base, grad) -> np.ndarray:
         raise ValueError("dg_exact: a product is outside the range where TwoProduct is exact")
     pieces = np.concatenate([hi, lo, bD], axis=0)
     return np.array([math.fsum(pieces[:, j]) for j in range(pieces.shape[1])], dtype=np.float64)
-
-
-def _np(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().to(torch.float64).cpu().numpy()
-    return x
 
 
 # --------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def computed_dg(s: float, lora: torch.Tensor, base: torch.Tensor, grad: torch.Te
             terms = F.compose_grad_g_terms(TorchFP32, inner, D)
             out[r] = fused_dg_emulated(terms, order=fused_order).astype(np.float64)
         elif r == "fp64":
-            out[r] = (inner.double() * D.double()).sum(0).numpy()
+            out[r] = dg_ref64(inner, D).numpy()
         elif r == "lowp":
             out[r] = (grad * (base + lora * s)).sum(0).double().numpy()
         else:
@@ -171,7 +172,7 @@ def absorption_fraction(s: float, lora, base, fmt) -> float:
     """Fraction of elements with ``|s*lora| < ulp(base)/2`` in ``fmt`` (the lora term
     would vanish if ``s*lora + base`` were rounded to ``fmt``); ``s*lora == 0`` excluded."""
     s = F.scale_constants(s)[0]
-    L, b = np.asarray(_np(lora), dtype=np.float64), np.asarray(_np(base), dtype=np.float64)
+    L, b = to_float64(lora), to_float64(base)
     sL = np.abs(s * L)
     nz = sL > 0
     if not nz.any():
@@ -182,7 +183,7 @@ def absorption_fraction(s: float, lora, base, fmt) -> float:
 def condition_number(s: float, lora, base, grad) -> np.ndarray:
     """``kappa = sum |(sL + b) D| / |sum (sL + b) D|`` per column (float64)."""
     s = F.scale_constants(s)[0]
-    L, b, D = (np.asarray(_np(x), dtype=np.float64) for x in (lora, base, grad))
+    L, b, D = (to_float64(x) for x in (lora, base, grad))
     num = np.abs((s * L + b) * D).sum(0)
     ex = np.abs(dg_exact(s, L, b, D))
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -221,7 +222,7 @@ def dg_metrics(s: float, lora, base, grad, fmt: str, *, m0: np.ndarray | None = 
     for r, v in comp.items():
         err = np.abs(v - ex)
         bounded = r in REDUCTIONS
-        bnd = dg_bound(s, _np(lora), _np(base), _np(grad), r, block_m=bm, chunk=ch) if bounded \
+        bnd = dg_bound(s, to_float64(lora), to_float64(base), to_float64(grad), r, block_m=bm, chunk=ch) if bounded \
             else np.full(N, np.inf)
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(nz, err / np.abs(ex), np.nan)
@@ -251,33 +252,14 @@ def dg_metrics(s: float, lora, base, grad, fmt: str, *, m0: np.ndarray | None = 
 # Synthetic sweep
 # --------------------------------------------------------------------------
 
-def synthetic_inputs(T: int, N: int, dtype: str, *, seed: int, base_scale: float = 1.0, lora_std: float = 1.0,
-                     grad_std: float = 2.0**-10, s: float = 0.5):
-    """``(lora, base, grad)`` torch ``[T, N]`` in ``dtype``: ``base ~ N(0, base_scale^2)``,
-    ``s*lora ~ N(0, lora_std^2)`` (the paper's absorption study: base scale up to 128,
-    unit lora term), ``D ~ N(0, grad_std^2)`` with random signs (power-of-two std:
-    a loss scale; fp16-safe), drawn in float64 and rounded once to ``dtype``."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    gen = torch.Generator().manual_seed(seed)
-    kw = dict(generator=gen, dtype=torch.float64)
-    base = torch.randn(T, N, **kw) * base_scale
-    lora = torch.randn(T, N, **kw) * (lora_std / F.scale_constants(s)[0])
-    grad = torch.randn(T, N, **kw) * grad_std
-    dt = DTYPES[dtype]
-    return lora.to(dt), base.to(dt), grad.to(dt)
-
-
 def synthetic_sweep(Ts=(256, 1024, 4096, 16384, 65536), dtypes=("bf16", "fp16", "fp32"), *, N: int = 32,
                     base_scales=(1.0, 128.0), s: float = 0.5, seed: int = 0, lr: float = 1e-3):
     """Tidy DataFrame: one row per T x dtype x base scale x reduction (:func:`dg_metrics`)."""
-    import pandas as pd
-
     rows = []
     for bs in base_scales:
         for dt in dtypes:
             for i, T in enumerate(Ts):
-                lora, base, grad = synthetic_inputs(T, N, dt, seed=seed + 1000 * i, base_scale=bs, s=s)
+                lora, base, grad = inputs.dg_operands(T, N, dt, seed=seed + 1000 * i, base_scale=bs, s=s)
                 for row in dg_metrics(s, lora, base, grad, dt, lr=lr):
                     rows.append({"source": "synthetic", "base_scale": bs, **row})
     return pd.DataFrame(rows)
@@ -285,8 +267,6 @@ def synthetic_sweep(Ts=(256, 1024, 4096, 16384, 65536), dtypes=("bf16", "fp16", 
 
 def growth_exponents(df, metric: str = "rel_err_norm", by=("dtype", "reduction", "base_scale")):
     """Least-squares slope of ``log(metric)`` against ``log(T)`` per group (the growth exponent)."""
-    import pandas as pd
-
     out = []
     for key, grp in df.groupby(list(by)):
         g = grp[(grp[metric] > 0) & np.isfinite(grp[metric])]
@@ -315,10 +295,6 @@ def capture_minilm(*, steps_before: int = 3, batch_size: int = 16, max_len: int 
     input ``x`` and the module's state at that step; ``D`` is the gradient of the loss
     with respect to the module output (= with respect to ``delta``).
     """
-    from ...adapters.corpus import load_corpus
-    from ...adapters.model import embed, tokenize
-    from ...adapters.train import TrainConfig, batch_order, build_model, contrastive_loss
-
     cfg = TrainConfig(rank=rank, lr=lr, steps=steps_before + 1, batch_size=batch_size, max_len=max_len, seed=seed,
                       progress=False)
     model, tok, names = build_model(cfg, base_path)
@@ -372,8 +348,6 @@ def minilm_table(captured: dict, dtypes=("bf16", "fp16", "fp32"), *, lr: float =
     """:func:`dg_metrics` per captured module and dtype (activations rounded to the dtype;
     ``D`` first multiplied by the power of two that puts ``max |D|`` in ``[2^-10, 2^-9)``:
     an exact loss scale, as fp16 training applies, the same for every dtype)."""
-    import pandas as pd
-
     rows = []
     for name, c in captured.items():
         D = c["D"].double()

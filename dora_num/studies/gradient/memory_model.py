@@ -27,17 +27,14 @@ output gradient (with checkpointing: the boundaries + one recomputed layer) + th
 gradients (they accumulate while activations are freed: an upper estimate;
 adapter gradients are small against activations).
 
-Why the loss phase (found on the H200, data/gpu/memory/memory_peaks.csv, sha
-692511c): the wide bf16 stack peaked at the same 4.2035 GB with the eager and the
-fused compose, although the fused backward needs 4 bytes per element against the
-eager's 16.  The fused tier saves ``base`` and ``lora`` (2 x 2 bytes in bf16,
-exactly the eager tier's fp32 ``inner``), so the activations are equal; and the
-peak is not in any compose backward but in the loss's: ``mean(hf**2)`` backward
-holds 4 fp32 ``[T, h]`` tensors (:func:`_loss_bwd_transient`) on top of all
-activations, before any layer's backward runs.  A two-phase model predicted the
-fused peak 17.8% low (the eager one was right by coincidence: its compose
-transient is about as large as the loss head's).  The input tensor (``T h e``)
-was also missing from the total.
+Why the loss phase: on the H200 (``data/gpu/memory/memory_peaks.csv``) the wide bf16
+stack peaks at the same 4.2035 GB with the eager and the fused compose, although the
+fused backward needs 4 bytes per element against the eager's 16.  The fused tier saves
+``base`` and ``lora`` (2 x 2 bytes in bf16, exactly the eager tier's fp32 ``inner``), so
+the activations are equal; and the peak is not in any compose backward but in the
+loss's: ``mean(hf**2)`` backward holds 4 fp32 ``[T, h]`` tensors
+(:func:`_loss_bwd_transient`) on top of all activations, before any layer's backward
+runs.  The step's input tensor (``T h e``) is static memory.
 
 Activations per layer (``T`` tokens, ``e`` activation bytes, eager compose; the
 fused compose saves ``base`` and ``lora``, ``2 e`` per output element, instead
@@ -56,23 +53,19 @@ of the fp32 ``inner``, 4 bytes) come from reading what each op saves:
 ZeRO stages over ``N`` GPUs shard states (1), + gradients (2), + parameters (3);
 with one GPU here, stages > 0 are the model's arithmetic only (not measured).
 
-:func:`measure_peak` runs the same step and measures: on CUDA,
-``torch.cuda.max_memory_allocated`` minus the level before the model was built
-(after a warm-up matmul, so cuBLAS's workspace is excluded); on CPU, the dynamic
-part only (:func:`dora_num.oracles.measure_cpu_allocations`: the profiler's
-allocator events during the step, above the level at its start), compared with
-``peak - static`` of the model.  ``python -m dora_num.studies.gradient.memory_model
---measure --out DIR`` runs the H200 validation in one process.
+The measured side (the same step run and its peak taken, on CPU and on the H200):
+:mod:`dora_num.studies.gradient.memory_measure`; :func:`repredict` recomputes a
+measured table's predictions with the current model.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, fields, replace
+
+import pandas as pd
+
+from ...ops.norm import chunk_columns  # the operator's own chunking rule
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 NORMS = ("dense", "factored", "cached")
@@ -153,8 +146,6 @@ def _norm_transient(cfg: MemoryConfig, d_in: int, d_out: int) -> int:
     dense = d_out * d_in * 4
     if cfg.norm == "dense":  # W.float() (a copy unless fp32) + BA + s*BA, then + the sum
         return (2 if w == 4 else 3) * dense + d_out * 4
-    from ...ops.norm import chunk_columns  # the operator's own rule (lazy: torch)
-
     cols = chunk_columns(d_out, d_in, cfg.chunk_bytes)
     wchunk = d_out * cols * 4
     u_gram = d_out * r * 4 + r * r * 4 + min(6 * 2**20, 3 * d_out * r * 4)
@@ -283,157 +274,10 @@ def predict_peak(cfg: MemoryConfig) -> dict:
 
 def zero_table(cfg: MemoryConfig, n_gpus=(1, 2, 4, 8)):
     """Predicted per-GPU components for ZeRO stages 0-3 (the model's arithmetic only)."""
-    import pandas as pd
-
     rows = []
     for n in n_gpus:
         for st in (0, 1, 2, 3):
             rows.append({"zero_stage": st, "n_gpus": n, **predict_peak(replace(cfg, zero_stage=st, n_gpus=n))})
-    return pd.DataFrame(rows)
-
-
-# --------------------------------------------------------------------------
-# The measured step
-# --------------------------------------------------------------------------
-
-class _Stack:
-    """``x -> gelu(DoRALinear(x))`` x n_layers (``cfg.arch == "stack"``)."""
-
-    @staticmethod
-    def build(cfg: MemoryConfig, device):
-        import torch
-        from torch import nn
-
-        from ...ops.layer import DoRALinear
-
-        dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
-        gen_state = torch.random.get_rng_state()
-        torch.manual_seed(0)
-        layers = []
-        for _ in range(cfg.n_layers):
-            lin = nn.Linear(cfg.hidden, cfg.hidden, bias=False, device=device, dtype=dt)
-            lin.weight.requires_grad_(False)
-            lay = DoRALinear.from_linear(lin, cfg.rank, compose_path=cfg.compose, chunk_bytes=cfg.chunk_bytes,
-                                         norm=cfg.norm)
-            with torch.no_grad():
-                lay.lora_B.normal_(0, 1e-3)
-            layers.append(lay)
-        torch.random.set_rng_state(gen_state)
-        model = nn.ModuleList(layers)
-        x = torch.randn(cfg.batch * cfg.seq, cfg.hidden, device=device, dtype=dt)
-        return model, x
-
-    @staticmethod
-    def loss(model, x, cfg):
-        import torch
-        import torch.nn.functional as Fn
-        from torch.utils.checkpoint import checkpoint
-
-        def block(lay, h):
-            return Fn.gelu(lay(h))
-
-        h = x
-        for lay in model:
-            h = checkpoint(block, lay, h, use_reentrant=False) if cfg.checkpointing else block(lay, h)
-        return (h.float() ** 2).mean()
-
-
-def _bert_build(cfg: MemoryConfig, device, base_path):
-    import torch
-
-    from ...adapters.model import load_base_model
-    from ...adapters.train import TrainConfig, inject_dora
-
-    dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
-    model, _ = load_base_model(base_path, dtype=dt)
-    inject_dora(model, TrainConfig(rank=cfg.rank, compose_path=cfg.compose, progress=False), norm=cfg.norm)
-    model.to(device)
-    for n, p in model.named_parameters():
-        p.requires_grad_(("lora_" in n) or n.endswith("magnitude"))
-    if cfg.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train() if cfg.dropout else model.eval()
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(device)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def _bert_loss(model, batch, cfg):
-    from ...adapters.model import mean_pool
-
-    out = model(**batch).last_hidden_state
-    return (mean_pool(out.float(), batch["attention_mask"]) ** 2).mean()
-
-
-def measure_peak(cfg: MemoryConfig, *, device: str = "cpu", base_path=None) -> dict:
-    """Measured peak of the second training step (bytes): ``{"peak": ..., "kind": ...}``.
-
-    CUDA: absolute peak above the pre-model baseline (``kind="total"``), compared
-    with ``predict_peak()["peak"]``.  CPU: dynamic part only (``kind="dynamic"``).
-    """
-    import torch
-
-    cfg.validate()
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        a = torch.randn(256, 256, device=dev)
-        (a @ a).sum().item()  # cuBLAS workspace, outside the model's budget
-        del a
-        torch.cuda.synchronize()
-        baseline = torch.cuda.memory_allocated()
-    if cfg.arch == "stack":
-        model, inp = _Stack.build(cfg, dev)
-        loss_fn = _Stack.loss
-    else:
-        model, inp = _bert_build(cfg, dev, base_path)
-        loss_fn = _bert_loss
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, inp, cfg)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    step()  # creates the optimizer states
-    if cuda:
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        res = {"peak": int(torch.cuda.max_memory_allocated() - baseline), "kind": "total",
-               "seconds": time.perf_counter() - t0}
-    else:
-        from ...oracles import measure_cpu_allocations
-
-        opt.zero_grad(set_to_none=True)
-        m = measure_cpu_allocations(step)
-        res = {"peak": int(m["peak_extra"]), "kind": "dynamic"}
-    del model, opt, params, inp
-    if cuda:
-        torch.cuda.empty_cache()
-    return res
-
-
-def compare(cfgs, *, device: str = "cpu", base_path=None):
-    """Predicted vs measured, one row per config (tidy; ``rel_err`` of the prediction)."""
-    import pandas as pd
-
-    rows = []
-    for cfg in cfgs:
-        pred = predict_peak(cfg)
-        meas = measure_peak(cfg, device=device, base_path=base_path)
-        key = "peak" if meas["kind"] == "total" else "dynamic"
-        rows.append({**asdict(cfg), **{f"pred_{k}": v for k, v in pred.items()}, "measured": meas["peak"],
-                     "compared": key, "predicted": pred[key],
-                     "rel_err": (pred[key] - meas["peak"]) / meas["peak"], "device": device})
     return pd.DataFrame(rows)
 
 
@@ -442,9 +286,6 @@ def repredict(measured):
     with the CURRENT model, from its config columns; the measurements are kept.  The
     predictions recorded at measurement time move to ``predicted_at_measure`` /
     ``rel_err_at_measure``.  Rows with an ``error`` are dropped."""
-    import pandas as pd
-    from dataclasses import fields
-
     df = measured.copy()
     if "error" in df:
         df = df[df["error"].isna() | (df["error"].astype(str) == "")]
@@ -465,93 +306,12 @@ def repredict(measured):
     return df
 
 
-# --------------------------------------------------------------------------
-# GPU validation (one process, <= 3 minutes on the H200)
-# --------------------------------------------------------------------------
-
-def gpu_configs(smoke: bool = False) -> list[MemoryConfig]:
-    """The H200 validation set: a wide stack (hidden 8192, 4 layers, r=384, 8192 tokens) x
-    norms x checkpointing x compose, the same stack at 256 tokens (where the norm
-    transient sets the peak), and the MiniLM harness (fp32 and bf16)."""
-    T = (2, 512) if smoke else (4, 2048)
-    wide = MemoryConfig(arch="stack", hidden=2048 if smoke else 8192, n_layers=2 if smoke else 4, rank=64 if smoke
-                        else 384, dtype="bf16", batch=T[0], seq=T[1], fp32_out_mm=True)
-    cfgs = [replace(wide, norm=n, checkpointing=c) for n in NORMS for c in (False, True)]
-    cfgs += [replace(wide, compose="fused"), replace(wide, dtype="fp32", fp32_out_mm=False)]
-    cfgs += [replace(wide, batch=1, seq=256, norm=n) for n in NORMS]  # few tokens: the norm transient decides
-    mini = replace(MINILM, batch=8 if smoke else 64, seq=64 if smoke else 128)
-    cfgs += [mini, replace(mini, checkpointing=True), replace(mini, dtype="bf16", fp32_out_mm=True),
-             replace(mini, norm="dense")]
-    return cfgs
-
-
-def run_measure(out: Path, *, base_path=None, smoke: bool = False) -> Path:
-    import pandas as pd
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("--measure needs a CUDA device (it records torch.cuda.max_memory_allocated)")
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for cfg in gpu_configs(smoke):
-        t0 = time.perf_counter()
-        try:
-            df = compare([cfg], device="cuda", base_path=base_path)
-            row = df.iloc[0].to_dict()
-            row["error"] = ""
-        except Exception as e:  # noqa: BLE001 - record and continue: one call of GPU time
-            row = {**asdict(cfg), "error": repr(e)[:300]}
-        row["wall_s"] = time.perf_counter() - t0
-        rows.append(row)
-        print(f"[memory] {cfg.arch} h={cfg.hidden} {cfg.dtype} norm={cfg.norm} ckpt={cfg.checkpointing} "
-              f"compose={cfg.compose}: measured={row.get('measured')} predicted={row.get('predicted')} "
-              f"rel_err={row.get('rel_err')} {row['error']}", flush=True)
-    pd.DataFrame(rows).to_csv(out / "memory_peaks.csv", index=False, lineterminator="\n")
-    from ...repro.provenance import device_info, versions
-
-    p = torch.cuda.get_device_properties(0)
-    meta = {"device": {**device_info(), "total_memory": p.total_memory}, "versions": versions(),
-            "torch_cuda": torch.version.cuda, "argv": sys.argv, "smoke": smoke, "tolerance": TOLERANCE}
-    (out / "device.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    return out / "memory_peaks.csv"
-
-
-def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
-    """Copy a ``--measure`` folder into ``data/gpu/memory/`` with provenance (GPU device
-    description from its ``device.json``; ``git_sha``: the commit the GPU ran, since the
-    device machine gets a working tree without ``.git``)."""
-    import pandas as pd
-
-    from ...repro.paths import data_dir
-    from ...repro.provenance import save_dataframe
-
-    dest = dest or data_dir("gpu", "memory")
-    meta = json.loads((src / "device.json").read_text())
-    df = pd.read_csv(src / "memory_peaks.csv")
-    return [save_dataframe(df, dest / "memory_peaks.csv", device=meta["device"],
-                           producer="python -m dora_num.studies.gradient.memory_model --measure",
-                           params={"tolerance": meta.get("tolerance"), "smoke": meta.get("smoke")},
-                           extra={"versions_gpu": meta.get("versions"), "torch_cuda": meta.get("torch_cuda"),
-                                  "measured_at_git_sha": git_sha, "argv_gpu": meta.get("argv")})]
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.gradient.memory_model")
-    ap.add_argument("--measure", action="store_true", help="measure peaks on the CUDA device")
-    ap.add_argument("--out", type=Path, help="output folder (memory_peaks.csv, device.json)")
-    ap.add_argument("--base", type=Path, default=None, help="MiniLM model folder (default: the packaged one)")
-    ap.add_argument("--smoke", action="store_true", help="small sizes")
-    ap.add_argument("--ingest", type=Path, metavar="DIR", help="record a --measure folder into data/gpu/memory/")
-    ap.add_argument("--git-sha", default=None, help="with --ingest: the commit the GPU run measured")
-    a = ap.parse_args(argv)
-    if a.ingest:
-        for p in ingest(a.ingest, git_sha=a.git_sha):
-            print(p)
-        return 0
-    if not a.measure or a.out is None:
-        ap.error("use --measure --out DIR (or --ingest DIR)")
-    print(run_measure(a.out, base_path=a.base, smoke=a.smoke))
-    return 0
+    """``python -m dora_num.studies.gradient.memory_model``: the recorder of the measured
+    side (``dora-num record memory``, :mod:`~dora_num.studies.gradient.memory_measure`)."""
+    from ..cli import run
+
+    return run("memory", argv)
 
 
 if __name__ == "__main__":

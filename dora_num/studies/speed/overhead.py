@@ -1,15 +1,16 @@
 """Host-side (CPU) cost of the fused compose tier: why the training step is launch-bound.
 
-``python -m dora_num.studies.speed.overhead`` on a CUDA machine prints the CPU time
-per call of the fused forward and backward launchers and of one autograd training
-step through :class:`~dora_num.ops.compose.ComposeFunction`, and a cProfile of
-the step.  Recorded on the H200 host (2026-11-29, torch 2.11, triton 3.6, git
-a4ce237; ``data/gpu/host_overhead.log``): fused forward 31 us of CPU per call,
-fused backward 65 us (one launch: dg's stage 2 runs inside it), a training step
-301 us of CPU (324 us wall) against ~0.28 ms of GPU work at 8192x8192 bf16.  An
-earlier probe (git aab0061, three launches, a busier host) read 66 / 143 / 525 us.
-So up to ~16384x8192 the fused training step timed one at a time is bound by the
-host, not by memory bandwidth (``bench_train_graphs`` times it without the host).
+``dora-num record overhead [--out DIR]`` on a CUDA machine prints (and with ``--out``
+writes to ``DIR/host_overhead.log``, beside ``device.json``) the CPU time per call of
+the fused forward and backward launchers and of one autograd training step through
+:class:`~dora_num.ops.compose.ComposeFunction`, and a cProfile of the step;
+``--ingest DIR`` records the log into ``data/gpu/``.  The recorded probe
+(``data/gpu/host_overhead.log``, H200 host): at 8192x8192 bf16 the fused forward costs
+59.6 us of CPU per call, the fused backward 117.4 us (one launch: dg's stage 2 runs
+inside it), a training step 474 us of CPU against 0.29 ms of GPU work (the
+CUDA-graph replay of ``data/gpu/train_graphs.csv``).  So up to ~16384x8192 the fused
+training step timed one at a time is bound by the host, not by memory bandwidth
+(:mod:`~dora_num.studies.speed.train_graphs` times it without the host).
 
 :func:`layer_host_cost` times ``DoRALinear`` where its GPU work is negligible, with the
 norm's tail kernel and with its torch tail (the A/B of
@@ -19,21 +20,30 @@ compose and separate (``OpConfig.fold_output_add``; both through :func:`~dora_nu
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
+import statistics
+import sys
 import time
+from pathlib import Path
+
+import torch
+
+from ...ops.compose import ComposeFunction
+from ...ops.kernels import compose as kc
+from ...ops.layer import DoRALinear
+from ...repro.paths import data_dir
+from .. import recorded
+from ..bench import host_path
+
+LOG = "host_overhead.log"
 
 
-def main() -> None:
-    import torch
-
-    from ...ops.compose import ComposeFunction
-    from ...ops.kernels import compose as kc
-
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_overhead needs a CUDA GPU")
-    for shape in ((64, 512), (8192, 8192)):
+def measure(emit=print, *, smoke: bool = False) -> None:
+    """The probe; every result line goes to ``emit`` (``smoke``: the small shape only, few rounds)."""
+    for shape in ((64, 512),) if smoke else ((64, 512), (8192, 8192)):
         base = torch.randn(shape, device="cuda").bfloat16()
         lora = torch.randn(shape, device="cuda").bfloat16()
         g = 1 + 1e-3 * torch.randn(shape[1], device="cuda")
@@ -48,7 +58,7 @@ def main() -> None:
                 fn()
             cpu = (time.perf_counter() - t) / 200 * 1e6
             torch.cuda.synchronize()
-            print(f"{shape} {name}: CPU {cpu:.1f} us/call", flush=True)
+            emit(f"{shape} {name}: CPU {cpu:.1f} us/call")
         bl, ll, gg = (t.clone().requires_grad_(True) for t in (base, lora, g))
 
         def step():
@@ -64,16 +74,14 @@ def main() -> None:
         cpu = (time.perf_counter() - t) / 100 * 1e6
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / 100 * 1e6
-        print(f"{shape} train step: CPU {cpu:.1f} us, wall {wall:.1f} us", flush=True)
-        print(cprofile_top(step, calls=50, lines=12))
-    layer_host_cost()
+        emit(f"{shape} train step: CPU {cpu:.1f} us, wall {wall:.1f} us")
+        emit(cprofile_top(step, calls=50, lines=12))
+    layer_host_cost(emit=emit, **(dict(rounds=1, reps=20) if smoke else {}))
 
 
 def cprofile_top(fn, *, calls: int, lines: int, sort: str = "tottime") -> str:
     """cProfile of ``calls`` calls of ``fn`` (CUDA work drained after), the top ``lines``
     functions by ``sort``."""
-    import torch
-
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -85,18 +93,11 @@ def cprofile_top(fn, *, calls: int, lines: int, sort: str = "tottime") -> str:
     return s.getvalue()
 
 
-def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
+def layer_host_cost(rounds: int = 7, reps: int = 200, emit=print) -> None:
     """Host time per call of ``DoRALinear`` (forward; forward+backward) at a shape whose GPU
     work is microseconds (512->512, r=16, 64 tokens, bf16), so wall time is host time:
     the norm's tail kernel or its torch tail, each with the output add folded or separate,
     interleaved over ``rounds`` rounds (median and min of the rounds)."""
-    import statistics
-
-    import torch
-
-    from ...ops.layer import DoRALinear
-    from ..bench import host_path
-
     torch.manual_seed(0)
     layer = DoRALinear(torch.nn.Linear(512, 512, bias=False, device="cuda", dtype=torch.bfloat16), 16, 32.0,
                        compose_path="fused")  # the tier of the large shapes
@@ -128,9 +129,46 @@ def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
                     times[(tail, fold, name)].append((time.perf_counter() - t) / reps * 1e6)
     for (tail, fold, name), ts in times.items():
         label = ("tail kernel" if tail == "auto" else "torch tail") + (", add folded" if fold else ", add separate")
-        print(f"DoRALinear 512->512 r=16 T=64 bf16 fused tier {name} ({label}): host "
-              f"{statistics.median(ts):.1f} us median of {rounds} rounds (min {min(ts):.1f})", flush=True)
+        emit(f"DoRALinear 512->512 r=16 T=64 bf16 fused tier {name} ({label}): host "
+             f"{statistics.median(ts):.1f} us median of {rounds} rounds (min {min(ts):.1f})")
+
+
+def build_parser(prog: str = "dora-num record overhead", name: str = "overhead") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help=f"also write {LOG} and device.json into this folder")
+    ap.add_argument("--ingest", type=Path, metavar="DIR", help=f"record DIR's {LOG} into data/gpu/")
+    ap.add_argument("--git-sha", default=None, help="the commit the GPU ran (the GPU copy has no .git)")
+    ap.add_argument("--smoke", action="store_true", help="the small shape only, few rounds (a check of the probe)")
+    return ap
+
+
+def record(a) -> int:
+    if a.ingest:
+        for p in recorded.ingest_folder(a.ingest, data_dir("gpu"), producer="dora-num record overhead",
+                                        names=(LOG,), git_sha=a.git_sha):
+            print(p)
+        return 0
+    if not torch.cuda.is_available():
+        print("dora-num record overhead needs a CUDA GPU", file=sys.stderr)
+        return 2
+    lines = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    measure(emit, smoke=a.smoke)
+    if a.out is not None:
+        recorded.write_machine(a.out, recorded.describe_machine(a.git_sha, smoke=a.smoke))
+        (a.out / LOG).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import run
+
+    return run("overhead", argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

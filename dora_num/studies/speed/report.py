@@ -20,7 +20,12 @@ temporaries each method allocates; verified against the allocator's peak):
   ``G`` + the row blocks of the cross/Gram terms, ``(2 + [b < 4]) * rows * r * 4`` with
   ``rows = min(d_out, ROW_CHUNK_BYTES // (12 r))``.
 
-Targets (issue 4) are judged against the bandwidth floor: the time the traffic
+The targets notebook 05 checks (:func:`target_status`: the fused compose forward at >= 90%
+and its backward at >= 80% of the copy bandwidth, the forward 1.6x faster than
+``torch.compile``, the backward 6x faster than eager autograd, training 1.5x faster than
+``torch.compile``, the cached factored norm at 1/15 of the dense fp32 norm's memory and no
+slower, ``DoRALinear`` 2x faster than PEFT's layer and lighter)
+are judged against the bandwidth floor: the time the traffic
 model's bytes take at the measured copy bandwidth.  A target that would need a
 configuration to run faster than that floor is *out of reach*; one that is
 reachable but not reached is *missed*.
@@ -34,8 +39,10 @@ from pathlib import Path
 import pandas as pd
 
 from ...ops.norm import ROW_CHUNK_BYTES, chunk_columns
+from ...repro.paths import committed_data
+from .. import recorded
 
-PAPER_TABLE1 = pd.DataFrame(  # PAPER.md: H200, fp32, allocator peak, MB
+PAPER_TABLE1 = pd.DataFrame(  # docs/paper.md: H200, fp32, allocator peak, MB
     [(4096, 4096, 384, 192, 71), (8192, 8192, 384, 768, 245), (8192, 8192, 512, 768, 241),
      (8192, 28672, 384, 2688, 245)],
     columns=["d_out", "d_in", "rank", "paper_dense_MB", "paper_factored_MB"])
@@ -43,15 +50,17 @@ PAPER_TABLE1 = pd.DataFrame(  # PAPER.md: H200, fp32, allocator peak, MB
 TARGET_SHAPES = ((8192, 8192), (16384, 8192))
 
 
+RECORDED = recorded.RecordedData(
+    files=tuple(f"gpu/{f}" for f in ("device.json", "compose_bench.csv", "norm_bench.csv", "layer_bench.csv",
+                                     "train_graphs.csv")),
+    how_to_record=(recorded.record_command("suite") + "; and the same for train-graphs"))
+
+
 def load_recorded(folder: str | Path | None = None) -> dict:
     """The recorded suite: DataFrames ``compose``, ``norm``, ``layer``, ``fma``, ``tiles``,
     ``train_graphs`` (:mod:`~dora_num.studies.speed.train_graphs`; empty if not recorded) and ``device``."""
-    from ...repro.paths import committed_data
-
     root = Path(folder) if folder is not None else committed_data("gpu")
-    if not (root / "device.json").is_file():
-        raise FileNotFoundError(f"no recorded GPU suite in {root} (expected device.json; run "
-                                f"`python -m dora_num gpu-suite --out DIR` on a GPU, then --ingest DIR)")
+    recorded.require([root / "device.json"], RECORDED.how_to_record)
     out = {"device": json.loads((root / "device.json").read_text())}
     for key, name in (("compose", "compose_bench.csv"), ("norm", "norm_bench.csv"), ("layer", "layer_bench.csv"),
                       ("fma", "fma_sqrt.csv"), ("tiles", "tile_sweep.csv"), ("train_graphs", "train_graphs.csv")):
@@ -237,92 +246,3 @@ def train_timing_table(tg: pd.DataFrame) -> pd.DataFrame:
     t = g["ms"].agg(["median", "min", "max"]).join(g["floor_ms"].first())
     t["pct_floor"] = 100 * t["floor_ms"] / t["median"]
     return t.reset_index()
-
-
-# --------------------------------------------------------------------------
-# figures (seaborn; one function per figure of notebook 05)
-# --------------------------------------------------------------------------
-
-def plot_bandwidth(bw: pd.DataFrame, dtype: str = "bfloat16"):
-    """% of the copy bandwidth vs elements (tokens x d_out), per op and implementation."""
-    import seaborn as sns
-
-    t = bw[(bw["dtype"] == dtype) & bw["op"].isin(["fwd", "bwd", "train"])].copy()
-    t["elements"] = t["tokens"] * t["d_out"]
-    g = sns.relplot(data=t, x="elements", y="pct_copy", hue="impl", style="impl", col="op", kind="line",
-                    marker="o", height=3.2, aspect=1.1, estimator="median", errorbar=None)
-    g.set(xscale="log", ylim=(0, 110), ylabel="% of copy bandwidth")
-    for ax in g.axes.flat:
-        ax.axhline(100, color="grey", lw=0.8, ls="--")
-    g.figure.suptitle(f"compose kernels, {dtype}: useful bytes / time vs device copy", y=1.04)
-    return g.figure
-
-
-def plot_speedups(sp: pd.DataFrame, dtype: str = "bfloat16"):
-    """Fused speedup over eager and over torch.compile, per op, vs elements."""
-    import seaborn as sns
-
-    t = sp[(sp["dtype"] == dtype) & sp["op"].isin(["fwd", "bwd_autograd", "train"])].copy()
-    t["elements"] = t["tokens"] * t["d_out"]
-    long = t.melt(id_vars=["op", "elements"], value_vars=["speedup_vs_eager", "speedup_vs_compile"],
-                  var_name="baseline", value_name="speedup").dropna()
-    g = sns.relplot(data=long, x="elements", y="speedup", hue="baseline", col="op", kind="line", marker="o",
-                    height=3.2, aspect=1.1, estimator="median", errorbar=None)
-    g.set(xscale="log", yscale="log")
-    for ax in g.axes.flat:
-        ax.axhline(1, color="grey", lw=0.8, ls="--")
-    return g.figure
-
-
-def plot_norm_memory(nt: pd.DataFrame):
-    """Peak extra memory per row-norm method (measured; the theory agrees within 0.1 MB)."""
-    import seaborn as sns
-
-    t = nt.copy()
-    t["shape"] = t["d_out"].astype(str) + "x" + t["d_in"].astype(str) + " r" + t["rank"].astype(str)
-    g = sns.catplot(data=t, x="shape", y="measured_MB", hue="method", col="w_dtype", kind="bar", height=3.6,
-                    aspect=1.4)
-    for ax in g.axes.flat:
-        ax.set_yscale("log")
-        ax.tick_params(axis="x", rotation=20)
-    g.set_axis_labels("", "peak extra memory (MB, log)")
-    return g.figure
-
-
-def plot_layer(lt: pd.DataFrame):
-    """Forward / forward+backward time and peak memory: dora_num vs PEFT."""
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    t = lt.copy()
-    t["shape"] = t["d_in"].astype(str) + " r" + t["rank"].astype(str) + " T" + t["tokens"].astype(str)
-    t["peak_MB"] = t["peak_extra_bytes"] / 1e6
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    sns.barplot(data=t[t["mode"] == "fwd_bwd"], x="shape", y="ms", hue="impl", ax=axes[0])
-    axes[0].set_title("forward + backward time (ms)")
-    sns.barplot(data=t[t["mode"] == "fwd_bwd"], x="shape", y="peak_MB", hue="impl", ax=axes[1])
-    axes[1].set_title("forward + backward peak extra memory (MB)")
-    for ax in axes:
-        ax.set_xlabel("")
-    fig.tight_layout()
-    return fig
-
-
-def plot_train_timing(tt: pd.DataFrame):
-    """Training step time by timing mode: one step through autograd (host in the loop)
-    vs CUDA-graph replay (device only), fused vs compile, as % of the bandwidth floor."""
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    t = tt[tt["mode"].isin(["do_bench_step", "cuda_graph"])].copy()
-    t["shape"] = t["tokens"].astype(str) + "x" + t["d_out"].astype(str)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
-    for ax, mode, title in zip(axes, ("do_bench_step", "cuda_graph"),
-                               ("one step at a time through autograd", "CUDA graph replay (device only)")):
-        sns.barplot(data=t[t["mode"] == mode], x="shape", y="pct_floor", hue="impl", ax=ax)
-        ax.axhline(100, color="k", lw=0.8, ls="--")
-        ax.set_title(title)
-        ax.set_xlabel("tokens x d_out (bf16)")
-    axes[0].set_ylabel("% of the bandwidth floor (16 B/element)")
-    fig.tight_layout()
-    return fig

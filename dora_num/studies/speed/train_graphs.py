@@ -1,16 +1,16 @@
 """The training compose on the device alone: fused vs ``torch.compile`` under CUDA graphs.
 
-``python -m dora_num.studies.speed.train_graphs --out DIR`` (CUDA) writes
-``train_graphs.csv``.  Issue 4's training target (fused forward+backward >= 1.5x
-faster than ``torch.compile`` of the same forward+backward) is timed by the GPU
-suite one step at a time through autograd (``do_bench``).  At 8192x8192 bf16 that
-step is bound by the host: ~0.3 ms of Python, autograd and launch per step against
-~0.28 ms of GPU work, so the recorded ratio measures host overheads: 1.31x in the
-run at git aab0061, 0.93x at a4ce237 (stage 2 of dg moved into the backward
-kernel in between; the backward kernels' own times moved by -1% and +3%).  Here each step (the
-forward, ``torch.autograd.grad`` for base, lora and g) is captured once in a CUDA
-graph and replayed, which removes the host from the timing: what remains is each
-implementation's kernels, to set beside the bandwidth floor.
+``dora-num record train-graphs --out DIR`` (CUDA) writes ``train_graphs.csv`` and
+``device.json``; ``--ingest DIR`` records them into ``data/gpu/``.  The training
+target of notebook 05 (fused forward+backward >= 1.5x faster than ``torch.compile``
+of the same forward+backward) is timed by the GPU suite one step at a time through
+autograd (``do_bench``).  At 8192x8192 bf16 that step is bound by the host: 474 us
+of CPU per fused step (``data/gpu/host_overhead.log``) against 0.29 ms of GPU work
+(the CUDA-graph replay in ``data/gpu/train_graphs.csv``), so that ratio measures host
+overheads.  Here each
+step (the forward, ``torch.autograd.grad`` for base, lora and g) is captured once in
+a CUDA graph and replayed, which removes the host from the timing: what remains is
+each implementation's kernels, to set beside the bandwidth floor.
 
 Per shape and implementation, interleaved over ``repeats`` rounds: the host-bound
 ``do_bench`` time of the step (as the suite measures it) and the replay time of its
@@ -24,6 +24,19 @@ import argparse
 import sys
 from pathlib import Path
 
+import pandas as pd
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from ...ops.compose import ComposeFunction
+from ...ops.config import get_config
+from ...repro.paths import data_dir
+from .. import recorded
+from ..bench import Timing, bitwise_equal, compose_bytes, copy_bandwidth, max_rel_err, time_ms
+from ..inputs import suite_compose_torch
+from .compose_bench import BASELINE_TOL, SCALE, SEED, autograd_expr
+
 SHAPES = ((8192, 8192), (16384, 8192), (4096, 8192))
 
 
@@ -31,8 +44,6 @@ def _graph_of(step, stream):
     """Capture ``step()`` in a CUDA graph on ``stream`` (the stream every tensor of the
     step was made on: autograd makes a backward wait on the stream of each leaf, and
     a capture may not depend on another stream); returns the graph and its outputs."""
-    import torch
-
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -45,9 +56,6 @@ def _graph_of(step, stream):
 def _device_ms(step, n: int = 20) -> float:
     """Sum of the CUDA kernel (and memset) durations of one step, by torch.profiler:
     the step's device time without the host's gaps between launches."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -55,21 +63,12 @@ def _device_ms(step, n: int = 20) -> float:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    from torch.autograd import DeviceType
-
     # device-side events only (kernels, memsets): CPU op events would count their kernels again
     total_us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
     return total_us / n / 1e3
 
 
 def measure(shapes=SHAPES, repeats: int = 3) -> list[dict]:
-    import torch
-
-    from ...ops.compose import ComposeFunction
-    from ...ops.config import get_config
-    from ..bench import Timing, bitwise_equal, compose_bytes, copy_bandwidth, max_rel_err, time_ms
-    from ..suite import BASELINE_TOL, SCALE, SEED, _autograd_expr, _compose_inputs
-
     torch.backends.cuda.matmul.allow_tf32 = False
     copy = copy_bandwidth()
     gen = torch.Generator(device="cuda").manual_seed(SEED)
@@ -78,13 +77,12 @@ def measure(shapes=SHAPES, repeats: int = 3) -> list[dict]:
     stream = torch.cuda.Stream()
     torch.cuda.set_stream(stream)
     for tokens, d_out in shapes:
-        base, lora, g, grad = _compose_inputs(tokens, d_out, torch.bfloat16, gen)
+        base, lora, g, grad = suite_compose_torch(tokens, d_out, torch.bfloat16, gen)
         bl, ll, gg = (t.detach().requires_grad_(True) for t in (base, lora, g))
         inputs = (bl, ll, gg)
         fwds = {"fused": lambda b_, l_, g_: ComposeFunction.apply(b_, l_, g_, s, True),
-                "compile": torch.compile(lambda b_, l_, g_: _autograd_expr(b_, l_, g_, s), dynamic=False)}
-        nbytes = compose_bytes("train", base.numel(), base.element_size(), d_out,
-                               bwd_block_m=get_config().compose_tiles.bwd_block_m)
+                "compile": torch.compile(lambda b_, l_, g_: autograd_expr(b_, l_, g_, s), dynamic=False)}
+        nbytes = compose_bytes("train", base.numel(), base.element_size(), d_out, bwd_block_m=get_config().compose_tiles.bwd_block_m)
         floor_ms = nbytes / (copy["gbps"] * 1e9) * 1e3
         steps, graphs, want = {}, {}, None
         for name, fwd in fwds.items():
@@ -129,21 +127,39 @@ def measure(shapes=SHAPES, repeats: int = 3) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.train_graphs", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="folder for train_graphs.csv")
+def build_parser(prog: str = "dora-num record train-graphs", name: str = "train-graphs") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="folder for train_graphs.csv and device.json")
     ap.add_argument("--repeats", type=int, default=3)
-    a = ap.parse_args(argv)
-    import pandas as pd
-    import torch
+    ap.add_argument("--smoke", action="store_true", help="one 1024x1024 shape, one round (a check of the recorder)")
+    ap.add_argument("--ingest", type=Path, metavar="DIR", help="record DIR's train_graphs.csv into data/gpu/")
+    ap.add_argument("--git-sha", default=None, help="the commit the GPU ran (the GPU copy has no .git)")
+    return ap
 
+
+def record(a) -> int:
+    if a.ingest:
+        for p in recorded.ingest_folder(a.ingest, data_dir("gpu"), producer="dora-num record train-graphs",
+                                        names=("train_graphs.csv",), git_sha=a.git_sha):
+            print(p)
+        return 0
+    if a.out is None:
+        print("dora-num record train-graphs: --out DIR is required (or --ingest DIR)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
-        print("bench_train_graphs needs a CUDA GPU", file=sys.stderr)
+        print("dora-num record train-graphs needs a CUDA GPU", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(measure(repeats=a.repeats)).to_csv(a.out / "train_graphs.csv", index=False)
+    shapes, repeats = (((1024, 1024),), 1) if a.smoke else (SHAPES, a.repeats)
+    pd.DataFrame(measure(shapes, repeats=repeats)).to_csv(a.out / "train_graphs.csv", index=False)
+    recorded.write_machine(a.out, recorded.describe_machine(a.git_sha, repeats=repeats, smoke=a.smoke))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import run
+
+    return run("train-graphs", argv)
 
 
 if __name__ == "__main__":

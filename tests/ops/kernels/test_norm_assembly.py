@@ -63,10 +63,10 @@ def test_norm_assembly_errors(device):
 
 @pytest.mark.gpu
 def test_norm_assembly_ptx_of_every_variant():
-    from dora_num.studies.suite import fma_inputs
+    from dora_num.studies.inputs import suite_assembly
 
     _, two_s, s_sq = scale_constants(0.5)
-    b, c, a = (torch.from_numpy(v).cuda() for v in fma_inputs(1 << 20))
+    b, c, a = (torch.from_numpy(v).cuda() for v in suite_assembly(1 << 20))
     want = norm_assembly(TorchFP32CorrectSqrt, b, c, a, two_s, s_sq)  # torch.sqrt on CUDA is correctly rounded
     got, k = norm_assembly_triton(b, c, a, two_s, s_sq, return_kernel=True)
     assert_bitwise(got, want)

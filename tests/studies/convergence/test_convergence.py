@@ -16,7 +16,10 @@ from dora_num.adapters.train import train
 from dora_num.ops.layer import DoRALinear
 from dora_num.repro.paths import REPO_ROOT
 from dora_num.repro.provenance import read_provenance
+from dora_num.studies.convergence import config as cc
+from dora_num.studies.convergence import recorded as cvr
 from dora_num.studies.convergence import run as cv
+from dora_num.studies.convergence import tidy as ct
 from dora_num.studies.convergence import equivalence as eq
 
 @pytest.fixture(autouse=True)
@@ -28,13 +31,13 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-TINY = dict(cv.SMOKE, steps=2, eval_every=2, eval_limit=8, batch_size=4, max_len=8, progress=False)  # threads=1
+TINY = dict(cc.SMOKE, steps=2, eval_every=2, eval_limit=8, batch_size=4, max_len=8, progress=False)  # threads=1
 
 
 def test_run_plan_order():
-    names = [s.name for s in cv.run_plan((0, 1, 2), 0)]
+    names = [s.name for s in cc.run_plan((0, 1, 2), 0)]
     assert names == ["eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1", "eager_s2", "fused_s2"]
-    assert [s.name for s in cv.run_plan((3,), None, ("eager",))] == ["eager_s3"]
+    assert [s.name for s in cc.run_plan((3,), None, ("eager",))] == ["eager_s3"]
 
 
 @pytest.mark.parametrize(
@@ -52,18 +55,18 @@ def test_run_plan_order():
 )
 def test_config_validation(change, match):
     with pytest.raises(ValueError, match=match):
-        dataclasses.replace(cv.ConvergenceConfig(), **change).validate()
+        dataclasses.replace(cc.ConvergenceConfig(), **change).validate()
 
 
 def test_eval_steps_every_200_and_the_end():
-    assert cv.ConvergenceConfig().eval_steps == tuple(range(0, 2001, 200))
-    assert dataclasses.replace(cv.ConvergenceConfig(), steps=450).eval_steps == (0, 200, 400, 450)
+    assert cc.ConvergenceConfig().eval_steps == tuple(range(0, 2001, 200))
+    assert dataclasses.replace(cc.ConvergenceConfig(), steps=450).eval_steps == (0, 200, 400, 450)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_custom_op_arm_is_bitwise_the_eager_compose(dtype):
     """The CPU fused arm (custom op, PyTorch implementation) computes the contract's
-    forward and backward: bit for bit what the eager tier computes (DESIGN.md 2.2)."""
+    forward and backward: bit for bit what the eager tier computes (docs/contract.md, promise 2)."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(63, 33).to(dtype)
     x = torch.randn(5, 63, dtype=dtype)
@@ -87,7 +90,7 @@ def test_custom_op_arm_is_bitwise_the_eager_compose(dtype):
 
 def test_g_statistics_known_values():
     g = {0: {"a": np.array([0.0, 1e-3], np.float32), "b": np.array([-2e-3], np.float32)}}
-    df = cv.g_statistics(g).set_index(["module", "statistic"]).value
+    df = ct.g_statistics(g).set_index(["module", "statistic"]).value
     assert df["all", "max_abs"] == pytest.approx(2e-3)
     assert df["a", "mean"] == pytest.approx(5e-4)
     assert df["b", "min"] == pytest.approx(-2e-3)
@@ -96,7 +99,7 @@ def test_g_statistics_known_values():
 def test_smoke_study_end_to_end(tmp_path):
     """Tiny live study on CPU: outputs, provenance, and the contract's consequence that
     the CPU fused arm and the repeat train bit for bit like eager."""
-    cfg = cv.ConvergenceConfig(**dict(TINY, profile_steps=cv.PROFILE_WARMUP + 1))
+    cfg = cc.ConvergenceConfig(**dict(TINY, profile_steps=cc.PROFILE_WARMUP + 1))
     logged = []
     res = cv.run_study(cfg, tmp_path, log=logged.append)
     assert logged[0].startswith("profile") and "projected total" in logged[0]
@@ -112,14 +115,14 @@ def test_smoke_study_end_to_end(tmp_path):
     assert set(hist[hist.path == "fused"].impl) == {"custom_op"}
     evals = pd.read_csv(tmp_path / "evals.csv")
     assert sorted(evals.step.unique()) == [0, 2]
-    losses = cv.wide_loss(hist)
+    losses = ct.wide_loss(hist)
     dt = eq.delta_table(losses)
     assert (dt[dt.kind.isin(["fused_vs_eager", "repeat"])].max_abs == 0).all()
     assert (dt[dt.kind == "seed_to_seed"].mean_abs > 0).all()
     assert res.summary["fused_impl"] == "custom_op" and not res.summary["skipped"]
-    rec = cv.load_recorded(tmp_path)
+    rec = cvr.load_recorded(tmp_path)
     assert len(rec.history) == len(res.history) and rec.summary["plan"] == res.summary["plan"]
-    assert set(cv.seconds_per_step(rec)) == {"eager", "fused"}
+    assert set(ct.seconds_per_step(rec)) == {"eager", "fused"}
     # the history is written with 9 significant digits: loss and gradient norm come back bit-exact
     for metric in ("loss", "grad_norm"):
         written = rec.history[rec.history.metric == metric].value.to_numpy()
@@ -130,17 +133,17 @@ def test_smoke_study_end_to_end(tmp_path):
 def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
     """The GPU recipe: a profile alone, then one process per seed; --ingest merges them
     into the folder notebook 04 reads, in the plan's order, with the parts' device."""
-    base = dict(TINY, profile_steps=cv.PROFILE_WARMUP + 1)
-    prof = cv.run_study(cv.ConvergenceConfig(**dict(base, profile_only=True)), tmp_path / "profile",
+    base = dict(TINY, profile_steps=cc.PROFILE_WARMUP + 1)
+    prof = cv.run_study(cc.ConvergenceConfig(**dict(base, profile_only=True)), tmp_path / "profile",
                         log=lambda *_: None)
     assert prof.summary["profile_only"] and not (tmp_path / "profile" / "history.csv.gz").exists()
     for seed, rep in ((1, None), (0, 0)):
-        cv.run_study(cv.ConvergenceConfig(**dict(base, seeds=(seed,), repeat_seed=rep, profile_steps=0)),
+        cv.run_study(cc.ConvergenceConfig(**dict(base, seeds=(seed,), repeat_seed=rep, profile_steps=0)),
                      tmp_path / f"s{seed}", log=lambda *_: None)
     parts = [tmp_path / "s1", tmp_path / "profile", tmp_path / "s0"]
     out = tmp_path / "merged"
     assert cv.main(["--ingest", *map(str, parts), "--out", str(out), "--git-sha", "abc123"]) == 0
-    rec = cv.load_recorded(out)
+    rec = cvr.load_recorded(out)
     assert [p["name"] for p in rec.summary["plan"]] == ["eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1",
                                                         "fused_s1"]
     assert sorted(rec.history.run.unique()) == sorted(rec.summary["runs"])
@@ -149,32 +152,33 @@ def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
     side = read_provenance(out / "summary.json")
     assert side["extra"]["measured_at_git_sha"] == "abc123"
     assert side["device"] == read_provenance(tmp_path / "s0" / "summary.json")["device"]
-    kept = rec.profile[rec.profile.step > cv.PROFILE_WARMUP]
-    assert cv.seconds_per_step(rec, "profile")["eager"] == kept[kept.path == "eager"].seconds.median()
+    kept = rec.profile[rec.profile.step > cc.PROFILE_WARMUP]
+    assert ct.seconds_per_step(rec, "profile")["eager"] == kept[kept.path == "eager"].seconds.median()
     secs = rec.history[(rec.history.metric == "seconds") & (rec.history.step > 1) & (rec.history.path == "fused")]
-    assert cv.seconds_per_step(rec)["fused"] == secs.value.median()
+    assert ct.seconds_per_step(rec)["fused"] == secs.value.median()
     with pytest.raises(ValueError, match="runs recorded twice"):
-        cv.merge_parts([tmp_path / "s0", tmp_path / "s0"])
+        cvr.merge_parts([tmp_path / "s0", tmp_path / "s0"])
     other = tmp_path / "other"
-    cv.run_study(cv.ConvergenceConfig(**dict(base, seeds=(2,), repeat_seed=None, profile_steps=0, lr=5e-4)),
+    cv.run_study(cc.ConvergenceConfig(**dict(base, seeds=(2,), repeat_seed=None, profile_steps=0, lr=5e-4)),
                  other, log=lambda *_: None)
     with pytest.raises(ValueError, match="different configuration: \\['lr'\\]"):
-        cv.merge_parts([tmp_path / "s0", other])
+        cvr.merge_parts([tmp_path / "s0", other])
     with pytest.raises(FileNotFoundError, match="no summary.json"):
-        cv.merge_parts([tmp_path])
+        cvr.merge_parts([tmp_path])
 
 
 def test_deadline_skips_whole_runs():
     """A run that would end after the deadline is skipped, never cut short."""
-    cfg = cv.ConvergenceConfig(**dict(TINY, steps=1, eval_every=1, repeat_seed=None, deadline_s=1e-6))
+    cfg = cc.ConvergenceConfig(**dict(TINY, steps=1, eval_every=1, repeat_seed=None, deadline_s=1e-6))
     res = cv.run_study(cfg, None, log=lambda *_: None)
     assert list(res.summary["runs"]) == ["eager_s0"]
     assert [s["run"] for s in res.summary["skipped"]] == ["fused_s0", "eager_s1", "fused_s1"]
 
 
 def test_load_recorded_names_the_missing_runs(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no recorded runs in .*dora_num.studies.convergence.run --ingest"):
-        cv.load_recorded(tmp_path)
+    with pytest.raises(FileNotFoundError, match="recorded data missing: .*history.csv.gz.*summary.json; record it "
+                                                 "with: .*dora-num record convergence --ingest"):
+        cvr.load_recorded(tmp_path)
 
 
 def _tidy_loss(path):
@@ -202,12 +206,12 @@ def test_ddp_two_gloo_ranks_match_single_process(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     ddp = _tidy_loss(tmp_path / "ddp" / "history.csv.gz")
 
-    cfg = cv.ConvergenceConfig(**dict(cv.SMOKE, steps=steps, seeds=(0,), repeat_seed=None, paths=("eager",),
+    cfg = cc.ConvergenceConfig(**dict(cc.SMOKE, steps=steps, seeds=(0,), repeat_seed=None, paths=("eager",),
                                       dropout=False, progress=False))
-    spec = cv.RunSpec("eager", 0)
+    spec = cc.RunSpec("eager", 0)
     hooks = cv.make_hooks(cfg, cv.Distributed())
-    single = train(cv.train_config(cfg, spec, evals=False), hooks=hooks)
-    perturbed = train(dataclasses.replace(cv.train_config(cfg, spec, evals=False), perturb_seed=1), hooks=hooks)
+    single = train(cc.train_config(cfg, spec, evals=False), hooks=hooks)
+    perturbed = train(dataclasses.replace(cc.train_config(cfg, spec, evals=False), perturb_seed=1), hooks=hooks)
     s = pd.DataFrame(single.history).set_index("step")
     p = pd.DataFrame(perturbed.history).set_index("step")
     assert len(ddp) == steps
@@ -222,14 +226,14 @@ def test_ulp_runs_are_planned_tagged_and_compared(tmp_path):
     """--ulp-seeds adds eager runs whose magnitudes moved by 1 ulp at init; they carry
     perturbed=True, stay out of the margin and the fused-vs-eager tables, and are
     compared with their unperturbed eager run by perturbation_deltas."""
-    assert [s.name for s in cv.run_plan((0, 1), 0, cv.PATHS, (1,))] == [
+    assert [s.name for s in cc.run_plan((0, 1), 0, cc.PATHS, (1,))] == [
         "eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1", "eager_s1_ulp"]
     with pytest.raises(ValueError, match="ulp_seeds"):
-        cv.ConvergenceConfig(**dict(TINY, ulp_seeds=(7,))).validate()
-    cfg = cv.ConvergenceConfig(**dict(TINY, repeat_seed=None, ulp_seeds=(0,)))
+        cc.ConvergenceConfig(**dict(TINY, ulp_seeds=(7,))).validate()
+    cfg = cc.ConvergenceConfig(**dict(TINY, repeat_seed=None, ulp_seeds=(0,)))
     res = cv.run_study(cfg, tmp_path, log=lambda *_: None)
-    rec = cv.load_recorded(tmp_path)
-    loss = cv.wide_loss(rec.history)
+    rec = cvr.load_recorded(tmp_path)
+    loss = ct.wide_loss(rec.history)
     assert set(rec.history[rec.history.perturbed].run) == {"eager_s0_ulp"}
     ulp = eq.perturbation_deltas(loss)
     assert list(ulp.run_b) == ["eager/0/0/ulp"] and ulp.mean_abs.iloc[0] > 0

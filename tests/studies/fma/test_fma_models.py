@@ -217,7 +217,7 @@ def test_sqrt_models_reject_non_fp32_input(fn):
 
 
 def test_torch_cpu_sqrt_is_not_correctly_rounded_here_but_numpy_is():
-    """The platform fact the table reports (PLATFORM.md), decided exactly."""
+    """The platform fact the table reports (docs/platform.md), decided exactly."""
     x = round_to(np.random.default_rng(5).uniform(1, 4, 100_000), "fp32")
     x32 = x.astype(np.float32)
     assert M.sqrt_is_correctly_rounded(x, np.sqrt(x32).astype(np.float64)).all()

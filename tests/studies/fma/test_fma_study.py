@@ -11,9 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
-from dora_num.numerics.formats import round_to
 from dora_num.ops.layer import DoRALinear
 from dora_num.ops.norm import factored_row_norm
+from dora_num.studies import inputs
+from dora_num.studies.recorded import RecordedDataMissing
 from dora_num.studies.fma import gpu as G
 from dora_num.studies.fma import models as M
 from dora_num.studies.fma import propagation as P
@@ -25,8 +26,8 @@ S_GENERAL = 48.0 / math.sqrt(24.0)
 # ------------------------------------------------------------------ study
 
 def test_assembly_study_claims():
-    sets = {"adv": S.adversarial_assembly_inputs(6000, S_GENERAL, 0),
-            "gpu": S.adversarial_assembly_inputs(3000, 0.5, 1)}  # a power-of-two scale
+    sets = {"adv": S.AssemblyInputs(**inputs.fma_assembly(6000, S_GENERAL, 0)),
+            "gpu": S.AssemblyInputs(**inputs.fma_assembly(3000, 0.5, 1))}  # a power-of-two scale
     res = S.assembly_study(sets)
     summ = res["summary"][res["summary"]["category"].isna()]
     prod = summ[summ["production"].astype(bool)]
@@ -49,7 +50,7 @@ def test_assembly_study_claims():
 
 
 def test_compose_study_claims():
-    res = S.compose_study({"adv": S.adversarial_compose_inputs(4000, S_GENERAL, 1)})
+    res = S.compose_study({"adv": S.ComposeInputs(**inputs.fma_compose(4000, S_GENERAL, 1))})
     summ = res["summary"].set_index(["formula", "fmt", "placement"])
     assert summ.loc[("compose_stable", "fp32", "none"), "agree_vs_production"] == 1
     # inner contracted = the exact value rounded once
@@ -81,12 +82,11 @@ def test_sqrt_platform_cpu_table():
 # ------------------------------------------------------------------ GPU data (synthetic recordings)
 
 def _fake_gpu(folder, n=8192, alt_fp32=False, approx_flip=0.2, comp_rows=64):
-    """A recording in gpu_suite.bench_fma's format, produced by the emulation itself:
+    """A recording in fma.gpu_bench.bench_fma's format, produced by the emulation itself:
     the compose contracted at the marked product (fp32) / the other one (bf16), and
     tl.sqrt returning the other neighbour on a seeded fraction of inexact roots."""
-    from dora_num.studies.suite import FMA_SCALE, SEED, compose_fma_inputs, fma_inputs
-
-    b, c, a = fma_inputs(n)
+    SEED, FMA_SCALE = inputs.SUITE_SEED, inputs.SUITE_FMA_SCALE
+    b, c, a = inputs.suite_assembly(n)
     inp = S.gpu_suite_assembly_inputs(n, n)
     t = {k: M.evaluate("norm_assembly", (k, k), inp.terms(), sqrt=lambda x: x) for k in ("none", "fma")}
     ref = M.sqrt_rn(t["none"])
@@ -109,7 +109,7 @@ def _fake_gpu(folder, n=8192, alt_fp32=False, approx_flip=0.2, comp_rows=64):
             diff(name, out, ref, "fp32")
             csv.append({"op": "norm_assembly", "variant": name, "n": n, "agreement": float((out == ref).mean()),
                         "production": (not fusion and sq == "rn"), "ptx_fma.rn.f32": 2 if fusion else 0})
-    base, lora, g = compose_fma_inputs(comp_rows, 2048)
+    base, lora, g = inputs.suite_compose(comp_rows, 2048)
     save.update(meta_compose_seed=np.int64(SEED + 3), meta_compose_shape=np.array([comp_rows, 2048]),
                 compose_g=g, compose_base_spot=base.ravel()[:1024], compose_lora_spot=lora.ravel()[:1024])
     for dn, fmt in G.DTYPE_FMT.items():
@@ -174,10 +174,10 @@ def test_gpu_comparison_rejects_a_corrupted_recording(fake_gpu, tmp_path):
     assert "norm_fusionOff_approx: some outputs are not faithful" in bad
 
 
-def test_missing_gpu_data_names_the_file(tmp_path):
-    with pytest.raises(G.GPUDataMissing, match="fma_sqrt.csv"):
+def test_missing_gpu_data_names_every_file_and_how_to_record_it(tmp_path):
+    with pytest.raises(RecordedDataMissing, match="fma_sqrt.csv.*fma_sqrt_sample.npz.*dora-num record fma"):
         G.load(tmp_path)
-    assert [p.name for p in G.missing_files(tmp_path)] == list(G.GPU_FILES)
+    assert [f.rsplit("/", 1)[1] for f in G.RECORDED.files] == list(G.GPU_FILES)
 
 
 # ------------------------------------------------------------------ propagation

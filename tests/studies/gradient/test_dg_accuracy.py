@@ -17,18 +17,15 @@ import torch
 from dora_num.numerics import bounds as B
 from dora_num.numerics.formulas import scale_constants
 from dora_num.ops.reference import compose_backward_ref, compose_inner_ref
+from dora_num.studies import inputs
 from dora_num.studies.gradient import dg_accuracy as da
 
 SHAPES = [(1, 3), (3, 5), (63, 4), (1000, 7), (4097, 3)]
 
 
-def _inputs(T, N, dtype, seed, *, base_scale=1.0):
-    return da.synthetic_inputs(T, N, dtype, seed=seed, base_scale=base_scale)
-
-
 @pytest.mark.parametrize("T,N", [(1, 2), (5, 3), (64, 2)], ids=lambda v: str(v))
-def test_exact_matches_fractions(T, N):
-    lora, base, grad = _inputs(T, N, "fp32", seed=T)
+def test_exact_matches_fractions(T, N, regimes):
+    lora, base, grad = regimes.dg(T, N, "fp32", seed=T)
     s = scale_constants(0.5)[0]
     got = da.dg_exact(s, lora, base, grad)
     L, b, D = (x.double().numpy() for x in (lora, base, grad))
@@ -38,7 +35,7 @@ def test_exact_matches_fractions(T, N):
 
 
 @pytest.mark.parametrize("T,N", SHAPES, ids=lambda v: str(v))
-def test_fused_emulation_bitwise_equals_kernel(T, N):
+def test_fused_emulation_bitwise_equals_kernel(T, N, regimes):
     from dora_num.ops.config import get_config
     from dora_num.ops.kernels import compose as kc
 
@@ -47,7 +44,7 @@ def test_fused_emulation_bitwise_equals_kernel(T, N):
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on CPU) or CUDA")
     if torch.cuda.is_available():
         pytest.skip("the GPU's in-block tl.sum order differs from the interpreter's; covered by the bound")
-    lora, base, grad = _inputs(T, N, "fp32", seed=11 + T)
+    lora, base, grad = regimes.dg(T, N, "fp32", seed=11 + T)
     s = scale_constants(0.5)[0]
     inner = compose_inner_ref(base, lora, s)
     _, _, dg = kc.compose_bwd(grad, inner, torch.ones(N), s, need_dlora=False, need_dbase=False)
@@ -56,21 +53,13 @@ def test_fused_emulation_bitwise_equals_kernel(T, N):
     assert np.array_equal(emu.view(np.uint32), dg.numpy().view(np.uint32))
 
 
-def test_eager_reduction_is_the_reference_path():
-    lora, base, grad = _inputs(1000, 6, "bf16", seed=3)
+def test_eager_reduction_is_the_reference_path(regimes):
+    lora, base, grad = regimes.dg(1000, 6, "bf16", seed=3)
     s = scale_constants(0.5)[0]
     got = da.computed_dg(s, lora, base, grad, reductions=("eager",))["eager"]
     inner = compose_inner_ref(base, lora, s)
     ref = compose_backward_ref(grad, inner, torch.ones(6), s)[2]
     assert np.array_equal(got, ref.double().numpy())
-
-
-def _cancelling(T, N, dtype, seed):
-    """Rows in +/- pairs with the same inner: dg is a tiny residue (kappa huge)."""
-    lora, base, grad = _inputs(T, N, dtype, seed=seed)
-    h = T // 2
-    lora[h:2 * h], base[h:2 * h], grad[h:2 * h] = lora[:h], base[:h], -grad[:h]
-    return lora, base, grad
 
 
 CASES = [
@@ -84,11 +73,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("T,N,dtype,kind", CASES)
-def test_every_reduction_within_bound(T, N, dtype, kind):
-    if kind == "cancel":
-        lora, base, grad = _cancelling(T, N, dtype, seed=5)
+def test_every_reduction_within_bound(T, N, dtype, kind, regimes):
+    if kind == "cancel":  # rows in +/- pairs with the same inner: dg is a tiny residue (kappa huge)
+        lora, base, grad = regimes.dg(T, N, dtype, seed=5, cancelling=True)
     else:
-        lora, base, grad = _inputs(T, N, dtype, seed=7 + T, base_scale=128.0 if kind == "base128" else 1.0)
+        lora, base, grad = regimes.dg(T, N, dtype, seed=7 + T, base_scale=128.0 if kind == "base128" else 1.0)
     s = 0.5
     ex = da.dg_exact(s, lora, base, grad)
     for order in ("sequential", "tree"):
@@ -100,9 +89,9 @@ def test_every_reduction_within_bound(T, N, dtype, kind):
             assert np.all(err <= bnd), (r, order, float(np.max(err / bnd)))
 
 
-def test_bound_is_not_vacuous_for_well_conditioned_data():
+def test_bound_is_not_vacuous_for_well_conditioned_data(regimes):
     # all products positive: kappa = 1, so the relative bound is ~ (A + 2) u
-    lora, base, grad = _inputs(4096, 3, "fp32", seed=1)
+    lora, base, grad = regimes.dg(4096, 3, "fp32", seed=1)
     grad = grad.abs() * torch.sign(base.float() + 0.5 * lora.float())
     ex = da.dg_exact(0.5, lora, base, grad)
     for r in da.REDUCTIONS:
@@ -170,4 +159,4 @@ def test_metrics_row_and_sweep_smoke():
 
 def test_synthetic_inputs_reject_unknown_dtype():
     with pytest.raises(ValueError, match="dtype"):
-        da.synthetic_inputs(4, 2, "fp8", seed=0)
+        inputs.dg_operands(4, 2, "fp8", seed=0)

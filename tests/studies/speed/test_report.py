@@ -90,15 +90,19 @@ def test_ingest_writes_provenance_with_the_gpu_device(tmp_path):
     written = gpu_suite.ingest(src, dest)
     assert sorted(p.name for p in written) == ["device.json", "norm_bench.csv"]
     side = json.loads((dest / "norm_bench.csv.provenance.json").read_text())
-    assert side["device"] == device and side["extra"]["gpu_git_sha"] == "abc"
+    assert side["device"] == device and side["extra"]["measured_at_git_sha"] == "abc"
+    assert side["extra"]["measured_from"] == ["suite"] and side["parameters"]["sections"] == ["norm"]
     assert (dest / "norm_bench.csv").read_text() == "a,b\n1,2\n"
 
 
-def test_cli_registers_gpu_suite(capsys):
+def test_cli_registers_gpu_suite_and_its_sections(capsys):
     from dora_num.__main__ import build_parser
 
     args = build_parser().parse_args(["gpu-suite", "--out", "x", "--only", "norm", "--smoke"])
-    assert args.command == "gpu-suite" and args.only == ["norm"] and args.smoke
+    assert args.command == "gpu-suite" and args.args == ["--out", "x", "--only", "norm", "--smoke"]
+    suite_args = gpu_suite.build_parser("dora-num gpu-suite").parse_args(args.args)
+    assert suite_args.only == ["norm"] and suite_args.smoke and suite_args.sections == gpu_suite.SECTIONS
+    assert gpu_suite.build_parser("dora-num record norm", "norm").parse_args([]).sections == ("norm",)
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             gpu_suite.run_suite(__import__("pathlib").Path("unused"), sections=("norm",))

@@ -1,0 +1,58 @@
+"""The figures of notebook 03: one function per figure, named like the file the
+notebook saves it as, each taking the notebook's tidy tables and returning a
+matplotlib figure (every notebook's figures live in its study folder's ``plots.py``)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+
+def error_vs_bound(samples: pd.DataFrame):
+    """Per-element measured relative error against the relative a-priori bound, per formula."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (formula, d) in zip(axes, samples.groupby("formula")):
+        d = d[np.isfinite(d["bound"]) & (d["bound"] > 0) & (d["err"] > 0) & np.isfinite(d["rel"])]
+        d = d.assign(rel_bound=d["bound"] * d["rel"] / d["err"])  # bound / |exact|
+        sns.scatterplot(data=d, x="rel_bound", y="rel", hue="variant", s=8, alpha=0.5, ax=ax, linewidth=0,
+                        rasterized=True, legend=ax is axes[-1])
+        lo, hi = d["rel_bound"].min(), d["rel_bound"].max()
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="error = bound")
+        ax.set(xscale="log", yscale="log", title=formula, xlabel="bound / |exact|", ylabel="measured relative error")
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("Measured relative error vs relative a-priori bound (every point lies on or below the dashed line)")
+    return fig
+
+
+def max_ulps(summary: pd.DataFrame):
+    """Largest error in ULPs of the output format, per formula, format and arithmetic."""
+    ulp = (summary.assign(arith=summary["variant"] + " / g " + summary["g_in"])
+           .groupby(["formula", "format", "arith"], as_index=False)["max_ulps"].max())
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), sharey=True)
+    for ax, (formula, d) in zip(axes, ulp.groupby("formula")):
+        d.pivot(index="format", columns="arith", values="max_ulps").plot.bar(ax=ax, logy=True, rot=0,
+                                                                            legend=ax is axes[-1])
+        ax.set(title=formula, ylabel="max error (ULPs of the output format)")
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def factored_vs_dense(cond: pd.DataFrame):
+    """Relative error of the factored and dense norms against the assembly's condition number, with bounds."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, c in (("factored", "C0"), ("dense", "C1")):
+        ax.scatter(cond["kappa"], cond[f"rel_{k}"].clip(lower=1e-10), s=14, color=c, label=f"{k}: measured")
+        ax.plot(cond["kappa"], cond[f"bound_{k}"] / cond["exact"], color=c, lw=1, ls="--", label=f"{k}: bound")
+    u = 2.0**-24
+    ax.plot(cond["kappa"], u * cond["kappa"], "k:", lw=1, label="u * kappa")
+    ax.plot(cond["kappa"], u * np.sqrt(cond["kappa"]), "k-.", lw=1, label="u * sqrt(kappa)")
+    if "rel_bound_post" in cond:  # the a-posteriori bound a cancellation guard evaluates (finite rows)
+        post = np.isfinite(cond["rel_bound_post"])
+        ax.plot(cond.loc[post, "kappa"], cond.loc[post, "rel_bound_post"], color="C2", lw=1, ls="-.",
+                label="factored: guard's bound")
+    ax.set(xscale="log", yscale="log", xlabel="condition number kappa of the assembly (log scale)",
+           ylabel="relative error of the row norm (fp32)", title="Factored vs dense row norm (exact reference: mpmath)")
+    ax.legend(fontsize=8)
+    return fig

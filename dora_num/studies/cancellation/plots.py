@@ -1,0 +1,116 @@
+"""The figures of notebook 01: one function per figure, named like the file the
+notebook saves it as, each taking the notebook's tidy tables and returning a
+matplotlib figure (every notebook's figures live in its study folder's ``plots.py``)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from ...numerics.formats import get_format
+from .analysis import pooled
+
+
+def agreement_peft_vs_doralinear(agreement: pd.DataFrame):
+    """``|delta loss|`` of PEFT vs ours per step, beside the 1-ulp baseline."""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.plot(agreement["step"], (agreement["peft"] - agreement["dora_num"]).abs(), marker="o", label="|L_peft - L_ours|")
+    ax.plot(agreement["step"], (agreement["dora_num_perturbed"] - agreement["dora_num"]).abs(), marker="s",
+            label="|L_ours(m + 1 ulp) - L_ours|  (baseline)")
+    ax.set(xlabel="step", ylabel="|delta loss|", title="loss agreement, PEFT vs DoRALinear (CPU)")
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def training_loss(hist: pd.DataFrame):
+    """The contrastive loss of every training run (rolling mean of 5 steps)."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    h = hist.assign(loss_smooth=hist.groupby("run")["loss"].transform(lambda s: s.rolling(5, min_periods=1).mean()))
+    sns.lineplot(data=h, x="step", y="loss_smooth", hue="rank", style="lr_peak", palette="viridis", ax=ax)
+    ax.set(ylabel="contrastive loss (rolling mean of 5)", title="DoRA fine-tuning of MiniLM (CPU)")
+    return fig
+
+
+def collapse_over_training(over: pd.DataFrame, paper: pd.DataFrame):
+    """Fraction of g collapsing to 1 per step, both zone definitions, beside the paper's fraction."""
+    po = pooled(over).melt(id_vars=["run", "rank", "lr", "step", "format"],
+                           value_vars=["frac_symmetric_zone", "frac_rounds_to_one"], var_name="definition",
+                           value_name="fraction")
+    po["definition"] = po["definition"].map({"frac_symmetric_zone": "paper: |g-1| < eps/2",
+                                             "frac_rounds_to_one": "exact: fl(g) = 1"})
+    g = sns.relplot(data=po, x="step", y="fraction", hue="rank", style="definition", col="format", row="lr",
+                    kind="line", marker="o", palette="viridis", height=2.6, aspect=1.1, facet_kws={"sharey": True})
+    for (lr, fmt), ax in g.axes_dict.items():
+        if fmt in ("bf16", "fp16"):
+            ax.axhline(float(paper.loc[paper["format"] == fmt, "frac_symmetric_zone"].iloc[0]), color="k", lw=0.8,
+                       ls=":")
+    g.figure.suptitle("fraction of g collapsing to 1 (dotted: the paper's Qwen2-VL-7B r=128 zone fraction)", y=1.02)
+    return g.figure
+
+
+def g_histogram_r16(runs: dict, run: str):
+    """Histogram of ``g - 1`` of ``run`` at its last step, with both zones' ends."""
+    gvals = np.concatenate(list(runs[run]["g"][max(runs[run]["g"])].values()))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.hist(gvals - 1, bins=200, color="0.4")
+    for fmt, color in (("bf16", "C0"), ("fp16", "C1")):
+        f = get_format(fmt)
+        ax.axvspan(-f.eps / 2, f.eps / 2, color=color, alpha=0.12, label=f"{fmt} paper zone |g-1| < eps/2")
+        for x in (-f.spacing_below_one / 2, f.spacing_above_one / 2):
+            ax.axvline(x, color=color, lw=1.2)
+    ax.set(xlabel="g - 1", ylabel="count", title=f"g of {run} at its last step (solid lines: exact zone ends)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def compose_ulp_error_vs_gm1(agg: pd.DataFrame):
+    """Mean ULP error of the compose against ``|g-1|`` (:func:`~dora_num.studies.cancellation.analysis.error_by_gm1`)."""
+    g = sns.relplot(data=agg, x="abs_gm1", y="ulp_mean", hue="variant", style="formula", col="format", row="side",
+                    kind="line", height=2.8, aspect=1.3)
+    for (side, fmt), ax in g.axes_dict.items():
+        f = get_format(fmt)
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_ylim(bottom=0)
+        ax.axvline(f.spacing_below_one / 2 if side == "g < 1" else f.spacing_above_one / 2, color="k", lw=0.8, ls="--")
+        ax.axvline(f.eps / 2, color="0.5", lw=0.8, ls=":")
+    g.set_axis_labels("|g - 1|", "mean |error| (ulps of the output)")
+    g.figure.suptitle("compose error vs |g-1| (dashed: exact zone end; dotted: the paper's eps/2)", y=1.02)
+    return g.figure
+
+
+def compose_term_lost_vs_gm1(agg: pd.DataFrame):
+    """How much of the ``(g-1)*base`` term the compose loses, against ``|g-1|``."""
+    g = sns.relplot(data=agg, x="abs_gm1", y="term_lost_median", hue="variant", style="formula", col="format",
+                    row="side", kind="line", height=2.8, aspect=1.3)
+    for ax in g.axes.flat:
+        ax.set(xscale="log", yscale="log")
+        ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    g.set_axis_labels("|g - 1|", "median |error| / |(g-1) base|")
+    g.figure.suptitle("how much of the (g-1)*base term is lost (1 = all of it)", y=1.02)
+    return g.figure
+
+
+def paper_benchmark(bench: pd.DataFrame, shape):
+    """The paper's max-abs metric and the ULP metric that sees the ``(g-1)*base`` term, per g."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    x = np.arange(len(bench))
+    for col, lab in (("naive_max_abs", "naive"), ("stable_max_abs", "stable"), ("output_floor", "output rounding floor"),
+                     ("cr_stored_floor", "correctly rounded on stored inputs")):
+        axes[0].plot(x, bench[col], marker="o", label=lab)
+    axes[0].set(xticks=x, xticklabels=[f"{g:g}" for g in bench["g"]], yscale="log", xlabel="g", ylabel="max |error|",
+                title=f"paper metric, bf16 {shape[0]}x{shape[1]}")
+    axes[0].tick_params(axis="x", rotation=45)
+    axes[0].legend(fontsize=7)
+    for col, lab in (("naive_ulp_mean", "naive (bf16 ops)"), ("stable_ulp_mean", "stable (bf16 ops)"),
+                     ("naive_fp32_ulp_mean", "naive (fp32, g fp32)"), ("stable_fp32_ulp_mean", "stable (fp32, g fp32)")):
+        axes[1].plot(x, bench[col], marker="o", label=lab)
+    axes[1].set_yscale("symlog", linthresh=1e-3)
+    axes[1].set(xticks=x, xticklabels=[f"{g:g}" for g in bench["g"]], ylim=(0, None), xlabel="g",
+                ylabel="mean |error| (bf16 ulps)", title="vs correctly rounded (sees (g-1)*base)")
+    axes[1].tick_params(axis="x", rotation=45)
+    axes[1].legend(fontsize=7)
+    return fig

@@ -1,0 +1,93 @@
+"""The figures of notebook 02: one function per figure, named like the file the
+notebook saves it as, each taking the notebook's tidy tables and returning a
+matplotlib figure (every notebook's figures live in its study folder's ``plots.py``)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+
+def assembly_ulp_hist(hist: pd.DataFrame, sets: list[str]):
+    """ULP differences of each assembly placement x sqrt model from production, per input set."""
+    h = hist.query("vs == 'production'").copy()
+    h["variant"] = h["placement"] + " / " + h["sqrt"]
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.4), sharey=False)
+    for ax, name in zip(axes, sets):
+        tab = h[h["set"] == name].pivot_table(index="ulp", columns="variant", values="count", aggfunc="sum").fillna(0)
+        for col in tab.columns:
+            ax.plot(tab.index, tab[col].replace(0, np.nan), marker="o", ms=3, lw=1, label=col)
+        ax.set_yscale("log"); ax.set_title(name); ax.set_xlabel("ULP difference from production wnorm")  # noqa: E702
+    axes[0].set_ylabel("rows"); axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)  # noqa: E702
+    fig.suptitle("Norm assembly: each placement of contractions x sqrt model vs production")
+    return fig
+
+
+def assembly_contraction_explained(ex: pd.DataFrame):
+    """The fraction of site results a contraction changes against ``q`` (the explain table)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.scatterplot(data=ex[(ex["mean_q"] > 0) & (ex["site_result_changed"] > 0)], x="mean_q", y="site_result_changed",
+                    hue="set", style="site", size="n", ax=ax)
+    ax.plot([1e-5, 1], [1e-5, 1], color="grey", lw=0.8, ls=":", label="rate = q")
+    ax.set_xscale("log"); ax.set_yscale("log")  # noqa: E702
+    ax.set_xlabel("q = removed rounding / ulp(site result) (bin mean)")
+    ax.set_ylabel("fraction of site results changed")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    ax.set_title("Norm assembly: a contraction changes a result with probability ~ q")
+    return fig
+
+
+def compose_ulp_hist(hist: pd.DataFrame, sets: list[str], fmts=("fp32", "bf16")):
+    """ULP differences of each compose placement from production, per input set and output format."""
+    h = hist.query("vs == 'production' and formula != 'compose_naive'").copy()
+    h["variant"] = h["formula"].str.replace("compose_", "") + " " + h["placement"]
+    fmts = list(fmts)
+    fig, axes = plt.subplots(len(fmts), len(sets), figsize=(4.2 * len(sets), 6), squeeze=False)
+    for i, fmt in enumerate(fmts):
+        for j, name in enumerate(sets):
+            ax = axes[i][j]
+            tab = h[(h["set"] == name) & (h["fmt"] == fmt)].pivot_table(index="ulp", columns="variant", values="count",
+                                                                        aggfunc="sum").fillna(0)
+            for col in tab.columns:
+                ax.plot(tab.index, tab[col].replace(0, np.nan), marker="o", ms=3, lw=1, label=col)
+            ax.set_yscale("log"); ax.set_title(f"{name}, {fmt} output", fontsize=9)  # noqa: E702
+            ax.set_xlabel("ULP difference from production" if i == len(fmts) - 1 else "")
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    fig.suptitle("Compose: contraction placements vs production")
+    return fig
+
+
+def sqrt_platform(platform: pd.DataFrame):
+    """Fraction of fp32 square roots correctly rounded, per implementation and input set."""
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    sns.barplot(data=platform, y="implementation", x="correctly_rounded", hue="inputs", errorbar=None, ax=ax)
+    ax.set_xlabel("fraction correctly rounded (exact check)"); ax.set_ylabel("")  # noqa: E702
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    return fig
+
+
+def propagation_layers(propagation: pd.DataFrame):
+    """Fraction of ``DoRALinear`` outputs each variant changes (mean over layers and scales, min-max bars)."""
+    fig, ax = plt.subplots(figsize=(9, 4))
+    sns.barplot(data=propagation[propagation["variant"] != "production"], x="variant", y="changed", hue="dtype", ax=ax,
+                errorbar=("pi", 100))
+    ax.set_ylabel("fraction of layer outputs changed\n(mean over layers and scales; bars: min-max)")
+    ax.set_xlabel("")
+    ax.tick_params(axis="x", rotation=20)
+    ax.set_title("DoRALinear outputs vs production, MiniLM layers")
+    return fig
+
+
+def gpu_agreement(rates: pd.DataFrame):
+    """Each recorded variant's bitwise agreement on the H200 beside the emulation's prediction."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    r = rates.copy(); r["label"] = r["variant"] + " [" + r["model"] + "]"  # noqa: E702
+    exact = r["exact_prediction"].astype(bool)
+    ax.hlines(r.loc[~exact, "label"], r.loc[~exact, "agreement_lo"], r.loc[~exact, "agreement_hi"], color="grey",
+              lw=3, alpha=0.6, label="emulation: interval (faithful sqrt)")
+    ax.plot(r.loc[exact, "agreement_lo"], r.loc[exact, "label"], "o", color="grey", label="emulation: exact prediction")
+    ax.plot(r["gpu_agreement"], r["label"], "x", color="C3", ms=8, label="H200 (4M inputs)")
+    ax.set_xlabel("bitwise agreement with the torch reference"); ax.legend(loc="lower left", fontsize=8)  # noqa: E702
+    return fig

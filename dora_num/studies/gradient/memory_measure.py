@@ -1,0 +1,248 @@
+"""Notebook 06's measured memory: the training step of :mod:`~dora_num.studies.gradient.memory_model`
+run for real, its peak taken, beside the model's prediction.
+
+:func:`measure_peak` runs the step and measures: on CUDA,
+``torch.cuda.max_memory_allocated`` minus the level before the model was built
+(after a warm-up matmul, so cuBLAS's workspace is excluded); on CPU, the dynamic
+part only (:func:`dora_num.oracles.measure_cpu_allocations`: the profiler's
+allocator events during the step, above the level at its start), compared with
+``peak - static`` of the model (:func:`compare`).
+
+``dora-num record memory --out DIR [--base MODEL_DIR]`` runs the H200 validation
+(:func:`gpu_configs`) in one process (``python -m dora_num.studies.gradient.memory_measure``
+and ``python -m dora_num.studies.gradient.memory_model`` take the same options);
+``dora-num record memory --ingest DIR --git-sha SHA`` records it into
+``data/gpu/memory/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.nn.functional as Fn
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ...adapters.model import load_base_model, mean_pool
+from ...adapters.train import TrainConfig, inject_dora
+from ...ops.layer import DoRALinear
+from ...oracles import measure_cpu_allocations
+from ...repro.paths import data_dir
+from .. import recorded
+from .memory_model import MINILM, NORMS, TOLERANCE, MemoryConfig, predict_peak
+
+RECORDED = recorded.RecordedData(files=("gpu/memory/memory_peaks.csv",),
+                                 how_to_record=recorded.record_command("memory", extra="--base .carry/minilm"))
+
+# --------------------------------------------------------------------------
+# The measured step
+# --------------------------------------------------------------------------
+
+class _Stack:
+    """``x -> gelu(DoRALinear(x))`` x n_layers (``cfg.arch == "stack"``)."""
+
+    @staticmethod
+    def build(cfg: MemoryConfig, device):
+        dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(cfg.n_layers):
+            lin = nn.Linear(cfg.hidden, cfg.hidden, bias=False, device=device, dtype=dt)
+            lin.weight.requires_grad_(False)
+            lay = DoRALinear.from_linear(lin, cfg.rank, compose_path=cfg.compose, chunk_bytes=cfg.chunk_bytes,
+                                         norm=cfg.norm)
+            with torch.no_grad():
+                lay.lora_B.normal_(0, 1e-3)
+            layers.append(lay)
+        torch.random.set_rng_state(gen_state)
+        model = nn.ModuleList(layers)
+        x = torch.randn(cfg.batch * cfg.seq, cfg.hidden, device=device, dtype=dt)
+        return model, x
+
+    @staticmethod
+    def loss(model, x, cfg):
+        def block(lay, h):
+            return Fn.gelu(lay(h))
+
+        h = x
+        for lay in model:
+            h = checkpoint(block, lay, h, use_reentrant=False) if cfg.checkpointing else block(lay, h)
+        return (h.float() ** 2).mean()
+
+
+def _bert_build(cfg: MemoryConfig, device, base_path):
+    dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
+    model, _ = load_base_model(base_path, dtype=dt)
+    inject_dora(model, TrainConfig(rank=cfg.rank, compose_path=cfg.compose, progress=False), norm=cfg.norm)
+    model.to(device)
+    for n, p in model.named_parameters():
+        p.requires_grad_(("lora_" in n) or n.endswith("magnitude"))
+    if cfg.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train() if cfg.dropout else model.eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(device)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _bert_loss(model, batch, cfg):
+    out = model(**batch).last_hidden_state
+    return (mean_pool(out.float(), batch["attention_mask"]) ** 2).mean()
+
+
+def measure_peak(cfg: MemoryConfig, *, device: str = "cpu", base_path=None) -> dict:
+    """Measured peak of the second training step (bytes): ``{"peak": ..., "kind": ...}``.
+
+    CUDA: absolute peak above the pre-model baseline (``kind="total"``), compared
+    with ``predict_peak()["peak"]``.  CPU: dynamic part only (``kind="dynamic"``).
+    """
+    cfg.validate()
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        a = torch.randn(256, 256, device=dev)
+        (a @ a).sum().item()  # cuBLAS workspace, outside the model's budget
+        del a
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+    if cfg.arch == "stack":
+        model, inp = _Stack.build(cfg, dev)
+        loss_fn = _Stack.loss
+    else:
+        model, inp = _bert_build(cfg, dev, base_path)
+        loss_fn = _bert_loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, inp, cfg)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    step()  # creates the optimizer states
+    if cuda:
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        res = {"peak": int(torch.cuda.max_memory_allocated() - baseline), "kind": "total",
+               "seconds": time.perf_counter() - t0}
+    else:
+        opt.zero_grad(set_to_none=True)
+        m = measure_cpu_allocations(step)
+        res = {"peak": int(m["peak_extra"]), "kind": "dynamic"}
+    del model, opt, params, inp
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+def compare(cfgs, *, device: str = "cpu", base_path=None):
+    """Predicted vs measured, one row per config (tidy; ``rel_err`` of the prediction)."""
+    rows = []
+    for cfg in cfgs:
+        pred = predict_peak(cfg)
+        meas = measure_peak(cfg, device=device, base_path=base_path)
+        key = "peak" if meas["kind"] == "total" else "dynamic"
+        rows.append({**asdict(cfg), **{f"pred_{k}": v for k, v in pred.items()}, "measured": meas["peak"],
+                     "compared": key, "predicted": pred[key],
+                     "rel_err": (pred[key] - meas["peak"]) / meas["peak"], "device": device})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------
+# GPU validation (one process, <= 3 minutes on the H200)
+# --------------------------------------------------------------------------
+
+def gpu_configs(smoke: bool = False) -> list[MemoryConfig]:
+    """The H200 validation set: a wide stack (hidden 8192, 4 layers, r=384, 8192 tokens) x
+    norms x checkpointing x compose, the same stack at 256 tokens (where the norm
+    transient sets the peak), and the MiniLM harness (fp32 and bf16)."""
+    T = (2, 512) if smoke else (4, 2048)
+    wide = MemoryConfig(arch="stack", hidden=2048 if smoke else 8192, n_layers=2 if smoke else 4, rank=64 if smoke
+                        else 384, dtype="bf16", batch=T[0], seq=T[1], fp32_out_mm=True)
+    cfgs = [replace(wide, norm=n, checkpointing=c) for n in NORMS for c in (False, True)]
+    cfgs += [replace(wide, compose="fused"), replace(wide, dtype="fp32", fp32_out_mm=False)]
+    cfgs += [replace(wide, batch=1, seq=256, norm=n) for n in NORMS]  # few tokens: the norm transient decides
+    mini = replace(MINILM, batch=8 if smoke else 64, seq=64 if smoke else 128)
+    cfgs += [mini, replace(mini, checkpointing=True), replace(mini, dtype="bf16", fp32_out_mm=True),
+             replace(mini, norm="dense")]
+    return cfgs
+
+
+def run_measure(out: Path, *, base_path=None, smoke: bool = False, git_sha: str | None = None) -> Path:
+    if not torch.cuda.is_available():
+        raise RuntimeError("dora-num record memory needs a CUDA device (it records torch.cuda.max_memory_allocated)")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for cfg in gpu_configs(smoke):
+        t0 = time.perf_counter()
+        try:
+            df = compare([cfg], device="cuda", base_path=base_path)
+            row = df.iloc[0].to_dict()
+            row["error"] = ""
+        except Exception as e:  # noqa: BLE001 - record and continue: one call of GPU time
+            row = {**asdict(cfg), "error": repr(e)[:300]}
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(f"[memory] {cfg.arch} h={cfg.hidden} {cfg.dtype} norm={cfg.norm} ckpt={cfg.checkpointing} "
+              f"compose={cfg.compose}: measured={row.get('measured')} predicted={row.get('predicted')} "
+              f"rel_err={row.get('rel_err')} {row['error']}", flush=True)
+    pd.DataFrame(rows).to_csv(out / "memory_peaks.csv", index=False, lineterminator="\n")
+    recorded.write_machine(out, recorded.describe_machine(git_sha, smoke=smoke, tolerance=TOLERANCE))
+    return out / "memory_peaks.csv"
+
+
+def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
+    """Copy a recorder's folder's ``memory_peaks.csv`` into ``data/gpu/memory/`` with
+    provenance (the GPU's description from the folder's ``device.json``)."""
+    meta = recorded.read_machine(src)
+    return recorded.ingest_folder(src, dest or data_dir("gpu", "memory"), producer="dora-num record memory",
+                                  names=("memory_peaks.csv",), git_sha=git_sha,
+                                  params={"tolerance": meta.get("tolerance"), "smoke": meta.get("smoke")})
+
+
+def build_parser(prog: str = "dora-num record memory", name: str = "memory") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="output folder (memory_peaks.csv, device.json)")
+    ap.add_argument("--measure", action="store_true", help="(accepted for older scripts; --out alone measures)")
+    ap.add_argument("--base", type=Path, default=None, help="MiniLM model folder (default: the packaged one)")
+    ap.add_argument("--smoke", action="store_true", help="small sizes")
+    ap.add_argument("--ingest", type=Path, metavar="DIR", help="record a recorder's folder into data/gpu/memory/")
+    ap.add_argument("--git-sha", default=None, help="the commit the GPU run measured (the GPU copy has no .git)")
+    return ap
+
+
+def record(a) -> int:
+    if a.ingest:
+        for p in ingest(a.ingest, git_sha=a.git_sha):
+            print(p)
+        return 0
+    if a.out is None:
+        print("dora-num record memory: --out DIR is required (or --ingest DIR)", file=sys.stderr)
+        return 2
+    print(run_measure(a.out, base_path=a.base, smoke=a.smoke, git_sha=a.git_sha))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import run
+
+    return run("memory", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

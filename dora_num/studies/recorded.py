@@ -1,0 +1,163 @@
+"""Recorded data: what a notebook reads but does not make, how it is recorded, how it
+enters ``data/``.
+
+Recorded data are measurements too slow or impossible to redo in ``make reproduce``:
+the H200 runs under ``data/gpu/`` and the CPU training runs under ``data/adapters/``.
+The contract (docs/design.md, "Recorded data"):
+
+1. **One recorder per data set**, run as ``dora-num record NAME --out DIR`` (on the
+   GPU machine for GPU data; :mod:`dora_num.studies.cli` lists them).  A recorder
+   writes its files and a ``device.json`` (:func:`describe_machine`: device, library
+   versions, git sha, argv) under ``DIR``, never into ``data/`` directly.
+2. **One ingest**: ``dora-num record NAME --ingest DIR`` copies (or merges) the
+   files into ``data/`` through :func:`ingest`, which writes every sidecar with one
+   vocabulary of provenance keys: the *measuring* machine's ``device`` (not this
+   one's), ``producer`` (the recorder), ``parameters``, ``seed``, and under
+   ``extra``: ``measured_at_git_sha`` (the commit that ran: the GPU machine's copy of
+   the tree has no ``.git``), ``measured_versions``, ``measured_argv`` and
+   ``measured_from`` (the folders ingested).
+3. **One way to say it is missing**: :func:`require` (also behind
+   ``NotebookContext.recorded`` and the runner's ``requires`` check), raising
+   :class:`RecordedDataMissing` with every missing file and the command that records
+   it.  A :class:`RecordedData` names a data set's files and that command once.
+
+:func:`require` and :class:`RecordedDataMissing` are defined in
+:mod:`dora_num.repro.paths` (the notebook context and the papermill runner use them,
+and ``repro`` imports nothing of the studies); this module re-exports them.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from ..repro.paths import RecordedDataMissing, committed_data, missing, require
+from ..repro.provenance import device_info, read_provenance, save_dataframe, save_json, versions, write_artifact
+
+__all__ = ["RecordedData", "RecordedDataMissing", "describe_machine", "ingest", "missing", "read_machine",
+           "record_command", "require"]
+
+
+def record_command(name: str, *, where: str = "the H200", out: str = "DIR", extra: str = "") -> str:
+    """The standard instructions for recording data set ``name``."""
+    run = f"dora-num record {name} --out {out}" + (f" {extra}" if extra else "")
+    return f"on {where}: {run}; then here: dora-num record {name} --ingest {out} --git-sha SHA"
+
+
+@dataclass(frozen=True)
+class RecordedData:
+    """A recorded data set: its files (paths under ``data/``) and how to record them."""
+
+    files: tuple[str, ...]
+    how_to_record: str
+
+    def paths(self) -> list[Path]:
+        return [committed_data(*Path(f).parts) for f in self.files]
+
+    def missing(self) -> list[Path]:
+        return missing(self.files)
+
+    def require(self) -> list[Path]:
+        return require(self.files, self.how_to_record)
+
+
+# --------------------------------------------------------------------------
+# The measuring machine
+# --------------------------------------------------------------------------
+
+def describe_machine(git_sha: str | None = None, **fields) -> dict:
+    """What a recorder writes as ``device.json``: the device (GPU name, capability,
+    driver, memory), library versions, the git sha of the code and the argv, plus
+    ``fields`` (e.g. the copy bandwidth, the sections run)."""
+    info = device_info()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info.update(sm_count=p.multi_processor_count, total_memory=p.total_memory)
+            fields.setdefault("torch_cuda", torch.version.cuda)
+    except Exception as e:  # noqa: BLE001 - a description must never break a recording
+        info["error"] = repr(e)
+    return {"device": info, "versions": versions(), "git_sha": git_sha, "python": platform.python_version(),
+            "argv": sys.argv, **fields}
+
+
+def write_machine(out: Path, desc: dict) -> Path:
+    """``desc`` as ``out/device.json`` (a recorder's own output folder, not ``data/``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
+    return out / "device.json"
+
+
+def read_machine(src: Path) -> dict:
+    """The ``device.json`` a recorder wrote in ``src``; a clear error if there is none."""
+    f = Path(src) / "device.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{src} has no device.json: not the output folder of a recorder")
+    return json.loads(f.read_text())
+
+
+def machine_from_sidecar(path: Path) -> dict:
+    """The measuring machine as the provenance sidecar of ``path`` describes it (for
+    recorders that write their tables through :mod:`dora_num.repro.provenance` on the
+    measuring machine)."""
+    side = read_provenance(path)
+    return {"device": side.get("device"), "versions": side.get("versions"), "argv": side.get("argv"),
+            "git_sha": (side.get("git") or {}).get("sha")}
+
+
+# --------------------------------------------------------------------------
+# Ingest
+# --------------------------------------------------------------------------
+
+def ingest(artifacts: dict, dest: Path, *, machine: dict, producer: str, git_sha: str | None = None,
+           params: dict | None = None, seed: int | None = None, extra: dict | None = None,
+           sources=(), float_formats: dict[str, str] | None = None) -> list[Path]:
+    """Write recorded ``artifacts`` into ``dest`` (under ``data/``), each with a sidecar.
+
+    ``artifacts``: ``{file name: content}``, content a ``Path`` or ``bytes`` (copied
+    byte for byte), a pandas ``DataFrame`` (:func:`~dora_num.repro.provenance.save_dataframe`,
+    ``float_formats[name]`` if given) or a JSON-able ``dict``.  ``machine``: the
+    measuring machine (:func:`read_machine` / :func:`machine_from_sidecar`).
+    ``git_sha``: the commit that ran, when ``machine`` does not know it.  Sidecar
+    keys: see the module docstring."""
+    dest = Path(dest)
+    prov = dict(device=machine.get("device"), producer=producer, params=params or {}, seed=seed,
+                extra={"measured_at_git_sha": git_sha or machine.get("git_sha"),
+                       "measured_versions": machine.get("versions"), "measured_argv": machine.get("argv"),
+                       "measured_from": [Path(s).name for s in sources], **(extra or {})})
+    written = []
+    for name, content in artifacts.items():
+        path = dest / name
+        if isinstance(content, pd.DataFrame):
+            written.append(save_dataframe(content, path, float_format=(float_formats or {}).get(name), **prov))
+        elif isinstance(content, dict):
+            written.append(save_json(content, path, **prov))
+        elif isinstance(content, (bytes, bytearray)):
+            written.append(write_artifact(path, bytes(content), **prov))
+        else:
+            written.append(write_artifact(path, Path(content).read_bytes(), **prov))
+    return written
+
+
+def ingest_folder(src: Path, dest: Path, *, producer: str, names=None, git_sha: str | None = None,
+                  params: dict | None = None, seed: int | None = None, extra: dict | None = None) -> list[Path]:
+    """:func:`ingest` of the files of a recorder's folder ``src`` (all of them, its
+    ``device.json`` included, or those in ``names``), the machine from its
+    ``device.json``; refuses a folder without one of the ``names`` asked for."""
+    src = Path(src)
+    machine = read_machine(src)
+    files = sorted(p for p in src.iterdir() if p.is_file() and (names is None or p.name in names))
+    if names is not None:
+        absent = sorted(set(names) - {p.name for p in files})
+        if absent:
+            raise FileNotFoundError(f"{src} lacks {absent}")
+    return ingest({p.name: p for p in files}, dest, machine=machine, producer=producer, git_sha=git_sha,
+                  params=params, seed=seed, extra=extra, sources=[src])

@@ -1,0 +1,83 @@
+"""The figures of notebook 05 (memory and speed): one function per figure, each taking
+the tidy tables of :mod:`~dora_num.studies.speed.report` and returning a matplotlib
+figure, named like the file the notebook saves it as (the package's plotting
+convention: every notebook's figures live in its study folder's ``plots.py``)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+
+def compose_pct_copy(bw: pd.DataFrame, dtype: str = "bfloat16"):
+    """% of the copy bandwidth vs elements (tokens x d_out), per op and implementation."""
+    t = bw[(bw["dtype"] == dtype) & bw["op"].isin(["fwd", "bwd", "train"])].copy()
+    t["elements"] = t["tokens"] * t["d_out"]
+    g = sns.relplot(data=t, x="elements", y="pct_copy", hue="impl", style="impl", col="op", kind="line",
+                    marker="o", height=3.2, aspect=1.1, estimator="median", errorbar=None)
+    g.set(xscale="log", ylim=(0, 110), ylabel="% of copy bandwidth")
+    for ax in g.axes.flat:
+        ax.axhline(100, color="grey", lw=0.8, ls="--")
+    g.figure.suptitle(f"compose kernels, {dtype}: useful bytes / time vs device copy", y=1.04)
+    return g.figure
+
+
+def compose_speedups(sp: pd.DataFrame, dtype: str = "bfloat16"):
+    """Fused speedup over eager and over torch.compile, per op, vs elements."""
+    t = sp[(sp["dtype"] == dtype) & sp["op"].isin(["fwd", "bwd_autograd", "train"])].copy()
+    t["elements"] = t["tokens"] * t["d_out"]
+    long = t.melt(id_vars=["op", "elements"], value_vars=["speedup_vs_eager", "speedup_vs_compile"],
+                  var_name="baseline", value_name="speedup").dropna()
+    g = sns.relplot(data=long, x="elements", y="speedup", hue="baseline", col="op", kind="line", marker="o",
+                    height=3.2, aspect=1.1, estimator="median", errorbar=None)
+    g.set(xscale="log", yscale="log")
+    for ax in g.axes.flat:
+        ax.axhline(1, color="grey", lw=0.8, ls="--")
+    return g.figure
+
+
+def norm_peak_memory(nt: pd.DataFrame):
+    """Peak extra memory per row-norm method (measured; the theory agrees within 0.1 MB)."""
+    t = nt.copy()
+    t["shape"] = t["d_out"].astype(str) + "x" + t["d_in"].astype(str) + " r" + t["rank"].astype(str)
+    g = sns.catplot(data=t, x="shape", y="measured_MB", hue="method", col="w_dtype", kind="bar", height=3.6,
+                    aspect=1.4)
+    for ax in g.axes.flat:
+        ax.set_yscale("log")
+        ax.tick_params(axis="x", rotation=20)
+    g.set_axis_labels("", "peak extra memory (MB, log)")
+    return g.figure
+
+
+def layer_vs_peft(lt: pd.DataFrame):
+    """Forward / forward+backward time and peak memory: dora_num vs PEFT."""
+    t = lt.copy()
+    t["shape"] = t["d_in"].astype(str) + " r" + t["rank"].astype(str) + " T" + t["tokens"].astype(str)
+    t["peak_MB"] = t["peak_extra_bytes"] / 1e6
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    sns.barplot(data=t[t["mode"] == "fwd_bwd"], x="shape", y="ms", hue="impl", ax=axes[0])
+    axes[0].set_title("forward + backward time (ms)")
+    sns.barplot(data=t[t["mode"] == "fwd_bwd"], x="shape", y="peak_MB", hue="impl", ax=axes[1])
+    axes[1].set_title("forward + backward peak extra memory (MB)")
+    for ax in axes:
+        ax.set_xlabel("")
+    fig.tight_layout()
+    return fig
+
+
+def train_step_timing(tt: pd.DataFrame):
+    """Training step time by timing mode: one step through autograd (host in the loop)
+    vs CUDA-graph replay (device only), fused vs compile, as % of the bandwidth floor."""
+    t = tt[tt["mode"].isin(["do_bench_step", "cuda_graph"])].copy()
+    t["shape"] = t["tokens"].astype(str) + "x" + t["d_out"].astype(str)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+    for ax, mode, title in zip(axes, ("do_bench_step", "cuda_graph"),
+                               ("one step at a time through autograd", "CUDA graph replay (device only)")):
+        sns.barplot(data=t[t["mode"] == mode], x="shape", y="pct_floor", hue="impl", ax=ax)
+        ax.axhline(100, color="k", lw=0.8, ls="--")
+        ax.set_title(title)
+        ax.set_xlabel("tokens x d_out (bf16)")
+    axes[0].set_ylabel("% of the bandwidth floor (16 B/element)")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,59 @@
+"""``dora-num record NAME``: every recorder behind one command; ``--help`` prints and writes
+nothing; each module's ``python -m`` entry point delegates to it."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dora_num.__main__ import build_parser
+from dora_num.repro.paths import REPO_ROOT
+from dora_num.studies import cli
+
+MODULE_MAINS = {  # python -m entry points that must keep working
+    "dora_num.studies.suite": "suite", "dora_num.studies.convergence.run": "convergence",
+    "dora_num.studies.gradient.memory_model": "memory", "dora_num.studies.gradient.memory_measure": "memory",
+    "dora_num.studies.cancellation.train_adapters": "adapters", "dora_num.studies.speed.train_graphs": "train-graphs",
+    "dora_num.studies.speed.overhead": "overhead", "dora_num.studies.carry": "carry",
+}
+
+
+@pytest.mark.parametrize("name", list(cli.RECORDERS))
+def test_every_recorder_prints_help_and_writes_nothing(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a recorder that wrote anything would write here
+    with pytest.raises(SystemExit) as e:
+        cli.run(name, ["--help"])
+    assert e.value.code == 0
+    assert f"dora-num record {name}" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_record_is_a_subcommand_and_lists_the_recorders(capsys):
+    args = build_parser().parse_args(["record", "convergence", "--out", "x", "--smoke"])
+    assert args.command == "record" and args.name == "convergence" and args.args == ["--out", "x", "--smoke"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["record", "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in cli.RECORDERS)
+    with pytest.raises(SystemExit, match="unknown recorder"):
+        cli.run("no-such-recorder", [])
+
+
+@pytest.mark.parametrize("module", list(MODULE_MAINS))
+def test_module_entry_points_delegate_to_the_recorder(module, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli, "run", lambda name, argv=None, **kw: calls.append((name, argv)) or 0)
+    assert importlib.import_module(module).main(["--help"]) == 0
+    assert calls == [(MODULE_MAINS[module], ["--help"])]
+
+
+def test_python_m_help_runs_in_a_fresh_process(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    res = subprocess.run([sys.executable, "-m", "dora_num.studies.carry", "--help"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "dora-num record carry" in res.stdout
+    assert list(tmp_path.iterdir()) == []
