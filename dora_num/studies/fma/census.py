@@ -71,12 +71,9 @@ def reference(bits) -> dict[str, np.ndarray]:
     ref[keep] = b[keep]
     parity = np.zeros(b.shape, dtype=np.int64)
     pos = np.zeros(b.shape, dtype=np.int64)
-    sel = np.flatnonzero(cls >= 2) if not ((cls == 2) | (cls == 3)).all() else None
-    xb = b if sel is None else b[sel]
-    xb = xb[(xb >> 23) != 0xFF] if sel is not None else xb
-    if sel is not None:
-        sel = sel[(b[sel] >> 23) != 0xFF]
-    r, par, ps, n_corr = _isqrt_round(xb.astype(np.int64))
+    pf = (cls == 2) | (cls == 3)
+    sel = None if pf.all() else np.flatnonzero(pf)
+    r, par, ps, n_corr = _isqrt_round((b if sel is None else b[sel]).astype(np.int64))
     if sel is None:
         ref, parity, pos = r.astype(np.uint32), par, ps
     else:
