@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-INPUT_CLASSES = ("negative", "zero", "subnormal", "normal", "inf", "nan")
+INPUT_CLASSES = ("negative", "zero", "subnormal", "normal", "infinite", "not_a_number")  # CSV-safe names
 RESULTS = ("correct", "1ulp", "other")
 N_POS_BINS = 32
 N_CODES = len(INPUT_CLASSES) * len(RESULTS) * 2 * N_POS_BINS  # 1152 < 2^11
@@ -256,6 +256,57 @@ def cpu_capability() -> str:
     import torch
 
     return str(torch.backends.cpu.get_cpu_capability())
+
+
+# --------------------------------------------------------------------------
+# Tables and the figure of notebook 02
+# --------------------------------------------------------------------------
+
+GPU_FILES = ("sqrt_census_gpu_counts.csv", "sqrt_census_gpu_chunks.csv", "sqrt_census_gpu_timing.csv")
+
+
+def load_gpu(folder=None):
+    """``(counts, per_chunk, timing)`` of the recorded GPU census, or None if it is not recorded."""
+    from ...repro.paths import committed_data
+
+    folder = committed_data("gpu", "exhaustive") if folder is None else folder
+    if not all((folder / f).is_file() for f in GPU_FILES):
+        return None
+    return tuple(pd.read_csv(folder / f) for f in GPU_FILES)
+
+
+def failure_profile(counts: pd.DataFrame, input_class: str = "normal") -> pd.DataFrame:
+    """Per implementation, exponent parity and position bin of the exact root between its two
+    neighbouring floats: inputs and the fraction not correctly rounded."""
+    c = counts[counts["input_class"] == input_class]
+    g = c.groupby(["implementation", "exp_parity", "position_bin"])
+    out = g["count"].sum().rename("n").to_frame()
+    out["not_correct"] = c[c["result"] != "correct"].groupby(["implementation", "exp_parity", "position_bin"])[
+        "count"].sum().reindex(out.index).fillna(0).astype(np.int64)
+    out["frac_not_correct"] = out["not_correct"] / out["n"]
+    out = out.reset_index()
+    out["position"] = (out["position_bin"] + 0.5) / N_POS_BINS
+    return out
+
+
+def failure_figure(profile: pd.DataFrame, impls):
+    """Where an implementation fails: fraction not correctly rounded against the position of the
+    exact root between its neighbouring floats (0: on the lower float, 1/2: at the rounding
+    boundary), one line per exponent parity (odd: the root's significand lies in [sqrt 2, 2))."""
+    import matplotlib.pyplot as plt
+
+    impls = [i for i in impls if i in set(profile["implementation"])]
+    fig, axes = plt.subplots(1, max(len(impls), 1), figsize=(5.2 * max(len(impls), 1), 3.6), squeeze=False)
+    for ax, impl in zip(axes[0], impls):
+        d = profile[profile["implementation"] == impl]
+        for par, dd in d.groupby("exp_parity"):
+            ax.plot(dd["position"], dd["frac_not_correct"], marker="o", ms=3, lw=1, label=f"exponent {par}")
+        ax.axvline(0.5, color="grey", lw=0.8, ls=":")
+        ax.set(title=impl, xlabel="position of the exact root between neighbouring floats",
+               ylabel="fraction not correctly rounded", ylim=(-0.02, 1.02))
+        ax.legend(fontsize=8)
+    fig.suptitle("fp32 sqrt, every normal input: where the results are not correctly rounded")
+    return fig
 
 
 RECORD_DIR = ("exhaustive",)

@@ -42,7 +42,7 @@ def _sqrt_census_kernel(out_ptr, r_ptr, start, MODE: tl.constexpr, BLOCK: tl.con
     else:
         r = tl.load(r_ptr + local)
     o = r.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    # input class: 0 negative, 1 zero, 2 subnormal, 3 normal, 4 inf, 5 nan
+    # input class (census.INPUT_CLASSES): 0 negative, 1 zero, 2 subnormal, 3 normal, 4 infinite, 5 not a number
     neg = b >= 0x80000000
     ef = (b >> 23) & 0xFF
     fr = b & 0x7FFFFF
@@ -125,9 +125,11 @@ def tables(values: torch.Tensor, chunk: int, impl: str):
     dist = (values >> 11).long()
     cnt = torch.bincount(code, minlength=C.N_CODES).cpu().numpy()
     cr = code // (2 * C.N_POS_BINS)
-    mx = torch.zeros(len(C.INPUT_CLASSES) * 3, dtype=torch.int64, device=values.device)
-    mx = mx.scatter_reduce(0, cr, dist, reduce="amax").cpu().numpy()
-    cc = np.bincount(np.arange(cnt.size) // (2 * C.N_POS_BINS), weights=cnt, minlength=mx.size).astype(np.int64)
+    cc = np.bincount(np.arange(cnt.size) // (2 * C.N_POS_BINS), weights=cnt,
+                     minlength=len(C.INPUT_CLASSES) * 3).astype(np.int64)
+    mx = np.zeros(cc.size, dtype=np.int64)
+    for k in np.flatnonzero(cc):  # a masked max per class present (scatter_reduce would serialise on atomics)
+        mx[k] = int(torch.where(cr == int(k), dist, 0).amax())
     nz = np.flatnonzero(cnt)
     counts = pd.DataFrame({"implementation": impl, "code": nz, "count": cnt[nz]})
     per = pd.DataFrame([{"chunk": chunk, "implementation": impl, "input_class": C.INPUT_CLASSES[k // 3],
