@@ -257,14 +257,15 @@ def check_bounds(W=None, A=None, B=None, m=None, x=None, *, scale: float | None 
     wd = dn.dense_row_norm(W, A, B, s)
     rows, how = _rows_to_check(W, A, B, s, max_rows, seed)
     notes.append(f"row norms and g checked on {how}; compose on every element")
-    Ws, Bs = W[rows], B[rows]
-    exact_w = mp_dense_row_norm(Ws, A, Bs, s).value
+    # exact float64 copies (every 16/32-bit value is a float64) for the ground truth and the bounds
+    Ws, A64, Bs = W[rows].double().cpu().numpy(), A.double().cpu().numpy(), B[rows].double().cpu().numpy()
+    exact_w = mp_dense_row_norm(Ws, A64, Bs, s).value
     tc = W.is_cuda and W.dtype in (torch.bfloat16, torch.float16) and A.dtype == W.dtype
     q32 = ulp(exact_w, "fp32")
     at_row = lambda i: f"row {int(rows[i])}"  # noqa: E731
     table, worst = [], []
-    b_fact = factored_norm_bound(Ws, A, Bs, s, tensor_core_products=tc)
-    for name, meas, bound in (("factored row norm", wf, b_fact), ("dense row norm", wd, dense_norm_bound(Ws, A, Bs, s))):
+    b_fact = factored_norm_bound(Ws, A64, Bs, s, tensor_core_products=tc)
+    for name, meas, bound in (("factored row norm", wf, b_fact), ("dense row norm", wd, dense_norm_bound(Ws, A64, Bs, s))):
         c = meas.double().cpu().numpy()[rows]
         err = np.abs(c - exact_w)
         row, ratio = _row(name, "fp32", how, err, bound, q32, where=at_row)

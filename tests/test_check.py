@@ -71,6 +71,8 @@ def test_safetensors_file_and_cli(tmp_path, names):
     scale = None if meta else 0.37
     rep = check_bounds(file=f, scale=scale)
     assert rep.ok and rep.table.equals(check_bounds(**t, scale=0.37).table)
+    if names == "peft":
+        return  # the CLI runs once, on the canonical file
     out = tmp_path / "report.csv"
     cmd = [sys.executable, "-m", "dora_num", "bounds", "check", str(f), "--out", str(out)]
     if scale:
@@ -128,7 +130,7 @@ def test_bad_files_are_named(tmp_path):
     save_file({k: v for k, v in t.items() if k != "m"}, str(f))
     with pytest.raises(BoundsCheckError, match=r"no tensor for m: .* the file holds \['A', 'B', 'W', 'x'\]"):
         check_bounds(file=f, scale=1.0)
-    save_file({**t, "weight": t["W"]}, str(f))
+    save_file({**t, "weight": t["W"].clone()}, str(f))
     with pytest.raises(BoundsCheckError, match="several tensors could be W"):
         check_bounds(file=f, scale=1.0)
     save_file(t, str(f), metadata={"scale": "0.5"})

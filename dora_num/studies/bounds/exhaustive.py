@@ -447,7 +447,10 @@ def run_gpu(out_dir, *, smoke: bool = False, budget_s: float = 540.0, log=print)
         cfgs = [c for c in cfgs if c["g_label"] in keep_g and c["s_label"] != "0.5"]
         start, n = 0x3F80 << 16, 1 << 24
     rows, t0 = [], time.time()
-    log(f"[exhaustive] {len(cfgs)} launches of {n:,} pairs each")
+    for f in ("bf16", "fp16"):  # compile outside the timed launches (the events would include the compile)
+        launch(f, 1.0, 1.0, start=0, n=256 * 256)
+    torch.cuda.synchronize()
+    log(f"[exhaustive] compiled in {time.time() - t0:.0f} s; {len(cfgs)} launches of {n:,} pairs each")
     for i, cfg in enumerate(cfgs):
         if time.time() - t0 > budget_s:
             log(f"[exhaustive] stopped_early after {i} of {len(cfgs)} launches ({time.time() - t0:.0f} s)")
@@ -510,6 +513,61 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
         max_ulp=("max_ulp", "max"), violations=("violations", "sum"), max_err_over_bound=("max_err_over_bound", "max"),
         nonfinite=("spurious_nonfinite", "sum"), overflow=("overflow_agree", "sum"))
     return agg.merge(worst.rename(columns={"g_label": "worst_g", "s_label": "worst_s"}), on=keys)
+
+
+def load_all() -> tuple[pd.DataFrame, list[str]]:
+    """The recorded exhaustive results: fp8 (CPU, ``data/exhaustive/``) and, when recorded,
+    bf16/fp16 (H200, ``data/gpu/exhaustive/``); and what is missing, in words."""
+    from ...repro.paths import committed_data
+
+    missing, parts = [], []
+    fp8 = committed_data("exhaustive", FP8_FILE)
+    if fp8.is_file():
+        parts.append(pd.read_csv(fp8))
+    else:
+        missing.append(f"{fp8} (python -m dora_num.studies.bounds.exhaustive record-fp8)")
+    try:
+        parts.insert(0, load_gpu())
+    except FileNotFoundError as e:
+        missing.append(str(e))
+    return (pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()), missing
+
+
+def collapse_view(df: pd.DataFrame, s_label: str = "1") -> pd.DataFrame:
+    """Fraction correctly rounded per format and ``g`` (rows) and formula x arithmetic (columns)."""
+    d = df[df["s_label"] == s_label]
+    return d.pivot_table(index=["format", "g_minus_1", "g_label"], columns=["formula", "arith"],
+                         values="frac_correctly_rounded").sort_index()
+
+
+def plot_correctly_rounded(df: pd.DataFrame, s_label: str = "1"):
+    """Fraction correctly rounded against ``g - 1`` (symlog), one panel per format."""
+    import matplotlib.pyplot as plt
+
+    d = df[df["s_label"] == s_label]
+    fmts = [f for f in ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2") if f in set(d["format"])]
+    fig, axes = plt.subplots(1, len(fmts), figsize=(4.2 * len(fmts), 3.4), squeeze=False, sharey=True)
+    for ax, f in zip(axes[0], fmts):
+        for (formula, arith), dd in d[d["format"] == f].groupby(["formula", "arith"]):
+            dd = dd.sort_values("g_minus_1")
+            ax.plot(dd["g_minus_1"], dd["frac_correctly_rounded"], marker="o", ms=3, lw=1,
+                    label=f"{formula.removeprefix('compose_')}, {arith}")
+        fm = FORMATS[f]
+        ax.axvspan(-fm.eps / 4, fm.eps / 2, color="grey", alpha=0.2)
+        ax.set_xscale("symlog", linthresh=2.0**-24)
+        ax.set(title=f"{f}: every (base, lora) pair, s = {s_label}", xlabel="g - 1",
+               ylabel="fraction correctly rounded")
+    axes[0][-1].legend(fontsize=7)
+    return fig
+
+
+def attained(df: pd.DataFrame, chk: pd.DataFrame, threshold: float = 0.99) -> pd.DataFrame:
+    """The configurations whose largest err/bound reaches ``threshold``, with the input where
+    (from :func:`recheck_worst`): where the bound is attained."""
+    w = chk[chk["worst_by"] == "max_err_over_bound"]
+    w = w[w["err_over_bound"] >= threshold]
+    return w[["format", "g_label", "s_label", "formula", "arith", "base", "lora", "computed", "exact", "err_over_ulp",
+              "bound_over_ulp", "err_over_bound"]].sort_values("err_over_bound", ascending=False)
 
 
 def main(argv=None) -> int:

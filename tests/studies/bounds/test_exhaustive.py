@@ -17,7 +17,7 @@ RS = E.scale_constants(2 / math.sqrt(7))[0]
 CONFIGS = [(1.0, 1.0), (E._f32(1 + 1e-3), RS), (1 - 2.0**-24, 0.5), (E._next32(1 - 2.0**-12, 0.0), RS)]
 _rng = np.random.Generator(np.random.PCG64(5))
 # tiles of 4096 pairs: random, around base = 1, tiny and huge bases (subnormals, overflow), negative
-STARTS = [int(_rng.integers(0, 2**20)) * 4096, 0x3F80 << 16, 0x0001 << 16, 0x7F7F << 16, 0xFBFF << 16]
+STARTS = [int(_rng.integers(0, 2**20)) * 4096, 0x3F80 << 16, 0x0001 << 16, 0xFBFF << 16]
 
 
 def _pairs(fmt, start, n):
