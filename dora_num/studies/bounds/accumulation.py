@@ -383,3 +383,30 @@ def model_record(model: TensorCoreModel, fmt: str, K: int, positions=None) -> di
 
 __all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca_sizes", "run_gpu", "run_probes",
            "asdict"]
+
+
+def load_record(folder=None) -> list[dict] | None:
+    """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json``), or None."""
+    from ...repro.paths import committed_data
+
+    folder = committed_data("gpu", "exhaustive") if folder is None else folder
+    path = folder / "accumulation_probe.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def findings_table(records: list[dict]):
+    """One row per recorded (format, product, K): the findings of :func:`analyze` and
+    :func:`bound_factor`, recomputed from the raw probe outputs."""
+    import pandas as pd
+
+    rows = []
+    for rec in records:
+        f = analyze(rec)
+        b = bound_factor(f)
+        rows.append({"format": f["format"], "product": f["shape"][0], "K": f["K"],
+                     **{k: f.get(k) for k in ("explained", "block_k", "splits", "products_exact",
+                                              "subnormal_products_kept", "unit_kept", "block_bits", "acc_bits",
+                                              "rounding_block", "rounding_acc", "tie_block", "tie_acc",
+                                              "columns_agree")},
+                     "bound_valid": b["valid"], "charge_factor": b.get("factor")})
+    return pd.DataFrame(rows)

@@ -173,6 +173,8 @@ def launch(fmt, g: float, s: float, *, start: int = 0, n: int = 1 << 32, device=
     tile = tile or (4096 if interp else 256)
     iters = iters or (1 if interp else 256)
     per = tile * iters
+    if iters > 511:
+        raise ValueError(f"iters = {iters} > 511 would overflow the kernel's 9-bit per-lane counters")
     if n % per or start % tile or start + n > 1 << 32:
         raise ValueError(f"n = {n} must be a multiple of tile*iters = {per}, start of tile, within 2^32")
     consts, f32s = launch_constants(fmt, g, s)

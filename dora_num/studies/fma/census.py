@@ -43,7 +43,7 @@ N_CODES = len(INPUT_CLASSES) * len(RESULTS) * 2 * N_POS_BINS  # 1152 < 2^11
 DIST_CAP = (1 << 20) - 1  # ULP distance stored for results that are no positive float
 CHUNK = 1 << 22  # census granularity of the record (1024 chunks)
 CPU_IMPLS = ("numpy np.sqrt (float32)", "torch.sqrt (CPU, float32)", "torch.sqrt (CPU, via float64)")
-SMOKE_CHUNKS = (0, 254, 255, 510, 1023)  # +0 and subnormals; around 1.0 (two exponent parities); +inf/NaN; negatives
+SMOKE_CHUNKS = (0, 254, 256, 510, 1023)  # +0, subnormals; [1, 1.5) and [2, 3) (both exponent parities); +inf, NaN; -NaN
 
 
 def _bit_length(m: np.ndarray) -> np.ndarray:
@@ -305,7 +305,8 @@ def failure_figure(profile: pd.DataFrame, impls):
         ax.set(title=impl, xlabel="position of the exact root between neighbouring floats",
                ylabel="fraction not correctly rounded", ylim=(-0.02, 1.02))
         ax.legend(fontsize=8)
-    fig.suptitle("fp32 sqrt, every normal input: where the results are not correctly rounded")
+    fig.suptitle("fp32 sqrt, every normal input: where the results are not correctly rounded", y=1.04)
+    fig.tight_layout()
     return fig
 
 
