@@ -225,7 +225,7 @@ def run_probes(mm, fmt: str, K: int, *, shape=("U", 256, 64), device="cpu", posi
             blk = ra[s0:s0 + m_rows]
             a = torch.zeros((m_rows, K), dtype=dt, device=device)
             a[:blk.shape[0]] = blk.to(device)
-            y = mm(a, bt.T).double().cpu().numpy()[:blk.shape[0]]
+            y = mm(a, bt.T)[:blk.shape[0]].double().cpu().numpy()
             agree &= bool((y == y[:, :1]).all())
             outs.append(y[:, 0])
         return np.concatenate(outs), agree
