@@ -323,10 +323,12 @@ def bound_factor(findings: dict) -> dict:
     ``k 2^(1-w) max|term| + r |result|``; summed over the ``ceil(d/k)`` blocks (plus the
     ``log2(splits)`` final additions), with every running sum at most the sum of the
     magnitudes before it, a product is charged ``nb (k 2^(1-w) + r)`` relative to the
-    magnitudes summed.  ``factor`` is that over ``2u d``: below 1 the bound could be tightened
-    by it; above 1 the present charge is *not* safe for this accumulator and must grow (a
-    truncating adder without guard bits, ``k = 1, w = 24``, gives 2).  A model-based
-    statement: valid only if products are exact and the model explained every order probe."""
+    magnitudes summed.  ``factor`` is that over ``2u d``: at most 1 confirms the present charge
+    for this accumulator (and below 1 says by how much it could be tightened); above 1 this
+    analysis does not confirm it (the per-block charge is loose, charging every truncated term
+    against the largest; a truncating adder without guard bits, ``k = 1, w = 24``, gives 2):
+    then the charge needs a sharper argument or must grow.  A model-based statement: valid only
+    if products are exact and the model explained every order probe."""
     ok = findings.get("explained") and findings.get("products_exact") and findings.get("columns_agree")
     if not ok:
         return {"valid": False, "reason": "order not explained by the blocked model, or products not exact, "
