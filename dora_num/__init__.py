@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {  # heavier modules (PEFT, transformers, pandas) load on first use
     "load_peft_dora": "dora_num.adapters.peft_io",
     "collapse_table": "dora_num.adapters.collapse",
+    "check_bounds": "dora_num.check",
 }
 
 
@@ -30,6 +31,7 @@ def __getattr__(name):
 __all__ = [
     "DoRALinear",
     "base_row_norm_sq",
+    "check_bounds",
     "collapse_table",
     "load_peft_dora",
     "compose",

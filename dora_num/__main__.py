@@ -23,6 +23,7 @@ def _cmd_reproduce(args) -> int:
 _COMMAND_MODULES = (
     "dora_num.adapters.cli",  # collapse
     "dora_num.studies.cli",  # record NAME, gpu-suite
+    "dora_num.check",  # bounds check
 )
 
 

@@ -1,0 +1,458 @@
+r"""Exhaustive compose checks: every (base, lora) pair of a 16-bit format on the GPU, of fp8 on the CPU.
+
+Question (notebooks 01 and 03): at the values of ``g`` and ``s`` that matter, how often is
+the compose correctly rounded, how far off can it be, and does the a-priori bound
+(:func:`dora_num.numerics.bounds.compose_bound`) hold on the *whole* input space, not a sample?
+
+Configurations (:func:`configurations`): ``g`` exactly 1; ``1 +- k`` fp32 ulps (k = 1, 2, 3);
+each side of the collapse edges ``1 + eps/2`` and ``1 - eps/4`` of bf16 and fp16 (the
+fp32 numbers just inside, at, and just outside: where ``fl_fmt(g)`` stops being 1); realistic
+``g - 1`` of +-1e-5, +-1e-3, +-1e-2.  ``s`` in {1, 0.5, 2/sqrt(7)} (the last an rsLoRA
+scale, rounded to fp32: inexact, so ``g*s`` has up to 48 bits).  Formulas: stable and naive;
+arithmetics: the contract (fp32, one final rounding) and per-op (eager bf16/fp16).
+
+- 16-bit, GPU: :mod:`.exhaustive_kernels` (exact reference and its proof there); one launch
+  per (format, g, s) computes all four (formula, arithmetic) variants over the
+  ``2^32`` pairs; :func:`run_gpu` plans every configuration into one run.
+- fp8, CPU (:func:`fp8_exhaustive`): the ``2^16`` pairs of e4m3fn / e5m2 through
+  :func:`~dora_num.numerics.emulate.emulate`, exact results from
+  :func:`~dora_num.numerics.ground_truth.compose_exact`, bounds from ``compose_bound``.
+
+Non-finite inputs are excluded (the contract refuses them) and counted.  A finite pair whose
+exact result overflows the format, or whose computed result is not finite, is its own class,
+counted and not ULP-measured.  ULP error is the number of representable steps between the
+computed result and the exact result rounded once (:func:`~dora_num.numerics.formats.ulp_distance`).
+:func:`.exhaustive_report.recheck_worst` recomputes every recorded worst input on the CPU with the package's own
+functions (``compose_bound``, ``emulate``, exact ``Fraction`` arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from fractions import Fraction
+
+import numpy as np
+import pandas as pd
+
+from ...numerics.formats import FORMATS, get_format, round_to
+from ...numerics.formulas import scale_constants
+from . import exhaustive_kernels as K
+
+S_VALUES = (("1", 1.0), ("0.5", 0.5), ("rslora_2/sqrt(7)", 2 / math.sqrt(7)))
+REALISTIC_GM1 = (1e-5, -1e-5, 1e-3, -1e-3, 1e-2, -1e-2)
+FORMULAS = ("compose_stable", "compose_naive")
+ARITHS = ("fp32", "per_op")
+RESULT_FILE = "compose_exhaustive.csv"
+FP8_FILE = "compose_fp8.csv.gz"
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _next32(x: float, toward: float) -> float:
+    return float(np.nextafter(np.float32(x), np.float32(toward)))
+
+
+def g_values(edge_formats=("bf16", "fp16")) -> list[tuple[str, float]]:
+    """``(label, g)`` pairs (fp32 values), ordered by ``g``."""
+    out = [("exactly_1", 1.0)]
+    for k in (1, 2, 3):
+        out += [(f"1+{k}ulp32", 1.0 + k * 2.0**-23), (f"1-{k}ulp32", 1.0 - k * 2.0**-24)]
+    for f in edge_formats:
+        eps = FORMATS[f].eps
+        for side, edge in (("above", 1.0 + eps / 2), ("below", 1.0 - eps / 4)):
+            out += [(f"{f}_edge_{side}_inside", _next32(edge, 1.0)), (f"{f}_edge_{side}", edge),
+                    (f"{f}_edge_{side}_outside", _next32(edge, 2.0 if side == "above" else 0.0))]
+    out += [(f"1{d:+.0e}", _f32(1.0 + d)) for d in REALISTIC_GM1]
+    seen, uniq = set(), []
+    for lab, g in sorted(out, key=lambda t: t[1]):
+        if g not in seen:
+            seen.add(g)
+            uniq.append((lab, g))
+    return uniq
+
+
+def _priority(g_label: str) -> int:
+    """Launch order, so that a run stopped by its time budget has the values that matter most."""
+    for i, key in enumerate(("exactly_1", "edge", "ulp32", "1+1e-03", "1-1e-03")):
+        if key in g_label:
+            return i
+    return 5
+
+
+def configurations(formats=("bf16", "fp16"), edge_formats=("bf16", "fp16")) -> list[dict]:
+    """Every (format, g, s) launch of the exhaustive check, in launch order (:func:`_priority`,
+    then s, then format: both formats advance together)."""
+    cfgs = [{"format": f, "g_label": gl, "g": g, "s_label": sl, "s": scale_constants(s)[0], "_order": (
+        _priority(gl), si, fi)} for fi, f in enumerate(formats) for gl, g in g_values(edge_formats)
+        for si, (sl, s) in enumerate(S_VALUES)]
+    cfgs.sort(key=lambda c: c.pop("_order"))
+    return cfgs
+
+
+# --------------------------------------------------------------------------
+# Host constants of one launch
+# --------------------------------------------------------------------------
+
+def _exact_f64(q: Fraction, what: str) -> float:
+    v = float(q)
+    if Fraction(v) != q:
+        raise ValueError(f"{what} = {q} is not exactly representable in float64")
+    return v
+
+
+def bound_constants(fmt, arith: str, g: float, s: float) -> dict[str, float]:
+    """The scalar parts of :func:`~dora_num.numerics.bounds.compose_bound` for one arithmetic
+    (``fp32``: the contract; ``per_op``), as that function evaluates them (Python floats, same
+    expressions).  The kernel's transcription combines them with the per-element terms."""
+    fmt = get_format(fmt)
+    u32 = FORMATS["fp32"]
+    if arith == "per_op":
+        w, out = fmt, None
+        us = (1 + w.u) * (1 + u32.u) - 1 if w.p < 24 else w.u
+        eta = w.min_subnormal / 2 + (u32.min_subnormal / 2 if w.p < 24 else 0.0)
+        gp = float(round_to(np.array([g]), fmt)[0])
+    elif arith == "fp32":
+        w, out, us, eta, gp = u32, fmt, u32.u, u32.min_subnormal / 2, g
+    else:
+        raise ValueError(f"arith must be fp32 or per_op, got {arith!r}")
+    u = w.u
+    ag = abs(gp)
+    k = 1.0 if (gp < 0.5 or gp > 2.0) else 0.0
+    return {"gp": gp, "dg": abs(gp - g), "u": u, "us": us, "eta": eta, "wmax": w.max,
+            "c_p": (1 + u) ** (2 + k) - 1, "c_t": (1 + us) * (1 + u) ** 2 - 1,
+            "c_e": (ag * (1 + u) + 2) * (1 + u), "c1": (1 + us) * (1 + u) ** 2 - 1,
+            "k_eta": ag * (1 + u) ** 2 * eta, "k_lb": ((1 + u) ** 2 - 1) * ag,
+            "has_out": 1.0 if out is not None else 0.0, "uo": out.u if out else 0.0,
+            "omax": out.max if out else math.inf, "omin_half": out.min_subnormal / 2 if out else 0.0,
+            "u1sq": (1 + u) ** 2, "u1cu": (1 + u) ** 3}
+
+
+def launch_constants(fmt, g: float, s: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(fp64 constants, fp32 scalars)`` of one launch, each exactness claim of the kernel's
+    docstring checked here with ``Fraction``."""
+    fmt = get_format(fmt)
+    if _f32(g) != g or scale_constants(s)[0] != s:
+        raise ValueError(f"g and s must be fp32 values (s rounded by scale_constants), got {g!r}, {s!r}")
+    if not 0.5 <= g <= 2.0:
+        raise ValueError(f"g = {g} outside [0.5, 2]: g - 1 would not be exact in fp32 (Sterbenz)")
+    gm1 = _exact_f64(Fraction(g) - 1, "g - 1")
+    C = _exact_f64(Fraction(g) * Fraction(s), "g * s")
+    ch = _f32(C)
+    cl = _exact_f64(Fraction(C) - Fraction(ch), "g*s - RN24(g*s)")
+    if abs(Fraction(cl)) > abs(Fraction(ch)) * Fraction(1, 2**24) or Fraction(cl).denominator > 2**200:
+        raise ValueError("split of g*s is not as the kernel's proof assumes")
+    consts = [g, gm1, ch, cl, s]
+    for arith in ARITHS:
+        c = bound_constants(fmt, arith, g, s)
+        consts += [c[n] for n in K.ARITH_CONSTS]
+    gp = float(round_to(np.array([g]), fmt)[0])
+    gm1p = float(round_to(np.array([_f32(np.float32(gp) - np.float32(1.0))]), fmt)[0])
+    return np.array(consts, dtype=np.float64), np.array([g, s, gp, gm1p], dtype=np.float32)
+
+
+# --------------------------------------------------------------------------
+# One launch
+# --------------------------------------------------------------------------
+
+def launch(fmt, g: float, s: float, *, start: int = 0, n: int = 1 << 32, device=None,
+           tile: int | None = None, iters: int | None = None, write_out: bool = False):
+    """Run the kernel over pair indices ``[start, start + n)``; returns ``(stats, out)``:
+    ``stats`` int64 ``[4, N_STAT]`` summed over programs (keys: max); ``out`` is None, or with
+    ``write_out`` ``(patterns int32 [n, 5], bounds float64 [n, 4])`` (kernel docstring)."""
+    import torch
+
+    fmt = get_format(fmt)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    interp = K.INTERPRET or str(device) == "cpu"
+    # GPU: 256 pairs per tile, 8 warps (one pair per thread): ptxas for sm_90 (triton 3.7.1, on the CPU)
+    # gives 225 registers and no spill; 1024 x 8 warps needed 255 and spilled 128 bytes.  Not timed.
+    tile = tile or (4096 if interp else 256)
+    iters = iters or (1 if interp else 256)
+    per = tile * iters
+    if iters > 511:
+        raise ValueError(f"iters = {iters} > 511 would overflow the kernel's 9-bit per-lane counters")
+    if n % per or start % tile or start + n > 1 << 32:
+        raise ValueError(f"n = {n} must be a multiple of tile*iters = {per}, start of tile, within 2^32")
+    consts, f32s = launch_constants(fmt, g, s)
+    c64 = torch.from_numpy(consts).to(device)
+    c32 = torch.from_numpy(f32s).to(device)
+    progs = n // per
+    stats = torch.zeros(progs, 4, K.N_STAT, dtype=torch.int64, device=device)
+    if write_out:
+        out = torch.full((n, 5), -1, dtype=torch.int32, device=device)
+        outf = torch.full((n, 4), math.nan, dtype=torch.float64, device=device)
+    else:
+        out = torch.empty(1, dtype=torch.int32, device=device)
+        outf = torch.empty(1, dtype=torch.float64, device=device)
+    kw = {} if interp else {"num_warps": 8}
+    K._compose_exhaustive_kernel[(progs,)](c64, c32, stats, out, outf, start, FMT=K.FMT_CODES[fmt.name], TILE=tile,
+                                           ITERS=iters, WRITE_OUT=write_out, enable_fp_fusion=False, **kw)
+    tot = stats.sum(0)
+    tot[:, -2:] = stats[:, :, -2:].amax(0)
+    return tot.cpu().numpy(), ((out.cpu().numpy(), outf.cpu().numpy()) if write_out else None)
+
+
+def stats_rows(cfg: dict, stats: np.ndarray, n: int, **extra) -> list[dict]:
+    """Tidy rows (one per formula x arithmetic) from a launch's statistics."""
+    rows = []
+    for v, (formula, arith) in enumerate(K.VARIANTS):
+        st = dict(zip(K.STAT_NAMES, (int(x) for x in stats[v])))
+        finite = sum(st[c] for c in K.CLASSES[:10])
+        kd, kr = st.pop("key_dist"), st.pop("key_ratio")
+        row = {**{k: cfg[k] for k in ("format", "g_label", "g", "s_label", "s")}, "g_minus_1": cfg["g"] - 1.0,
+               "formula": formula, "arith": arith, "n_pairs": n, "n_measured": finite,
+               **{k: v_ for k, v_ in st.items() if not k.startswith("unused")},
+               "frac_correctly_rounded": st["ulp_0"] / finite if finite else math.nan,
+               "frac_within_1ulp": (st["ulp_0"] + st["ulp_1"]) / finite if finite else math.nan,
+               "max_ulp": (kd >> 32) if kd >= 0 else -1,
+               "worst_ulp_base_bits": ((kd & 0xFFFFFFFF) >> 16) if kd >= 0 else -1,
+               "worst_ulp_lora_bits": (kd & 0xFFFF) if kd >= 0 else -1,
+               "max_err_over_bound": float(np.array([kr >> 32], dtype=np.int32).view(np.float32)[0]) if kr >= 0 else math.nan,
+               "worst_ratio_base_bits": ((kr & 0xFFFFFFFF) >> 16) if kr >= 0 else -1,
+               "worst_ratio_lora_bits": (kr & 0xFFFF) if kr >= 0 else -1, **extra}
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------
+# fp8 on the CPU (the same quantities, from the package's numpy functions)
+# --------------------------------------------------------------------------
+
+def all_values(fmt) -> tuple[np.ndarray, np.ndarray]:
+    """``(bits, values)`` of every pattern of an 8- or 16-bit format (values float64, NaN kept)."""
+    fmt = get_format(fmt)
+    bits = np.arange(1 << fmt.bits, dtype=np.int64).astype(fmt.uint_dtype)
+    with np.errstate(invalid="ignore"):  # NaN patterns stay NaN
+        return bits, bits.view(fmt.np_dtype).astype(np.float64)
+
+
+def exact_terms(b, l_, g: float, s: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(H, rho)`` with ``X = (g-1) b + g s l``, ``H`` within no fp64 number of ``X`` and
+    ``sign(rho) = sign(X - H)``: the kernel's error-free sequence in numpy (its proof:
+    :mod:`.exhaustive_kernels`)."""
+    from ...numerics.formats import two_sum
+
+    consts, _ = launch_constants("bf16", g, s)
+    gm1, ch, cl = consts[1], consts[2], consts[3]
+    b, l_ = np.asarray(b, dtype=np.float64), np.asarray(l_, dtype=np.float64)
+    h, l1 = two_sum(gm1 * b, ch * l_)
+    m, l2 = two_sum(l1, cl * l_)
+    H, L = two_sum(h, m)
+    return H, L + l2
+
+
+def err_upper(c, H, rho) -> np.ndarray:
+    """An upper bound on ``|c - X|`` (as the kernel computes it)."""
+    with np.errstate(invalid="ignore"):
+        return (np.abs(np.asarray(c, dtype=np.float64) - H) + np.abs(rho)) * (1.0 + 2.0**-50)
+
+
+def cpu_exhaustive(fmt, g: float, s: float, g_label: str = "", s_label: str = "", *, base_bits=None) -> list[dict]:
+    """Every (base, lora) pair of ``fmt`` (or ``base`` restricted to ``base_bits``) at one (g, s):
+    rows as :func:`stats_rows`, computed with ``emulate`` / ``compose_exact`` / ``compose_bound``."""
+    from ...numerics.bounds import compose_bound
+    from ...numerics.emulate import emulate
+    from ...numerics.formats import ulp_distance
+    from ...numerics.ground_truth import compose_exact
+
+    fmt = get_format(fmt)
+    bits, vals = all_values(fmt)
+    bsel = bits if base_bits is None else np.asarray(base_bits, dtype=fmt.uint_dtype)
+    bb, lb = np.meshgrid(bsel.astype(np.int64), bits.astype(np.int64), indexing="ij")
+    bv, lv = vals[bb.ravel()], vals[lb.ravel()]
+    shift = fmt.bits
+    idx = (bb.ravel() << shift) | lb.ravel()
+    fin = np.isfinite(bv) & np.isfinite(lv)
+    b, l_, ix = bv[fin], lv[fin], idx[fin]
+    gg = np.full(b.shape, g)
+    ref = compose_exact(b, l_, gg, s, fmt).rounded
+    H, rho = exact_terms(b, l_, g, s)
+    rows = []
+    cfg = {"format": fmt.name, "g_label": g_label, "g": g, "s_label": s_label, "s": scale_constants(s)[0]}
+    eager = eager_variants(fmt, bb.ravel()[fin], lb.ravel()[fin], g, s) if fmt.bits == 16 else None
+    for formula, arith in K.VARIANTS:
+        if eager is None:
+            c = emulate(formula, {"base": b, "lora": l_, "g": gg, "s": s}, fmt, arith)
+        else:
+            c = eager[(formula, arith)].view(fmt.np_dtype).astype(np.float64)
+        B = compose_bound(formula, b, l_, gg, s, fmt, arith)
+        r_fin, c_fin = np.isfinite(ref), np.isfinite(c)
+        both = r_fin & c_fin
+        d = np.full(b.shape, -1, dtype=np.int64)
+        d[both] = np.abs(ulp_distance(ref[both], c[both], fmt))
+        err = err_upper(c, H, rho)
+        hist = {k: int((both & (d > lo_) & (d <= hi_)).sum())
+                for k, lo_, hi_ in zip(K.CLASSES[:10], (-1,) + K.DIST_EDGES, K.DIST_EDGES + (np.inf,))}
+        agree = ~r_fin & ~c_fin & ((c == ref) | (np.isnan(c) & np.isnan(ref)))
+        hist.update(overflow_agree=int(agree.sum()), overflow_mismatch=int((~r_fin & ~agree).sum()),
+                    spurious_nonfinite=int((r_fin & ~c_fin).sum()), input_nonfinite=int((~fin).sum()))
+        bfin = np.isfinite(B)
+        with np.errstate(invalid="ignore"):
+            ratio = np.where(both & bfin, err / B, -1.0).astype(np.float32)  # as the kernel packs it
+        viol = bfin & (~both | (err > B))
+        kd = int(np.flatnonzero(d == d.max())[-1]) if both.any() else -1  # ties: the largest index, as the kernel
+        kr = int(np.flatnonzero(ratio == ratio.max())[-1]) if (ratio >= 0).any() else -1
+        n_b = max(int(both.sum()), 1)
+        rows.append({**cfg, "g_minus_1": g - 1.0, "formula": formula, "arith": arith, "n_pairs": int(idx.size),
+                     "n_measured": int(both.sum()), **hist,
+                     "violations": int(viol.sum()), "bound_inf": int((both & ~bfin).sum()),
+                     "ratio_ge_half": int((both & bfin & (ratio >= 0.5)).sum()),
+                     "frac_correctly_rounded": float((d == 0).sum() / n_b),
+                     "frac_within_1ulp": float(((d >= 0) & (d <= 1)).sum() / n_b),
+                     "max_ulp": int(d[kd]) if kd >= 0 else -1,
+                     "worst_ulp_base_bits": int(ix[kd] >> shift) if kd >= 0 else -1,
+                     "worst_ulp_lora_bits": int(ix[kd] & ((1 << shift) - 1)) if kd >= 0 else -1,
+                     "max_err_over_bound": float(ratio[kr]) if kr >= 0 else math.nan,
+                     "worst_ratio_base_bits": int(ix[kr] >> shift) if kr >= 0 else -1,
+                     "worst_ratio_lora_bits": int(ix[kr] & ((1 << shift) - 1)) if kr >= 0 else -1})
+    return rows
+
+
+def fp8_exhaustive(formats=("fp8_e4m3fn", "fp8_e5m2"), *, smoke: bool = False) -> pd.DataFrame:
+    """:func:`cpu_exhaustive` over the fp8 configurations (edges of the fp8 formats included)."""
+    rows = []
+    for f in formats:
+        gs = g_values(("bf16", "fp16", f))
+        ss = S_VALUES
+        if smoke:
+            gs, ss = [gs[0], gs[len(gs) // 2]], ss[:1] + ss[2:]
+        for gl, g in gs:
+            for sl, s in ss:
+                rows += cpu_exhaustive(f, g, scale_constants(s)[0], gl, sl)
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------
+# The computed variants by eager torch (what the kernel must equal), and re-checks
+# --------------------------------------------------------------------------
+
+def eager_variants(fmt, base_bits, lora_bits, g: float, s: float, device="cpu") -> dict[tuple, np.ndarray]:
+    """The four computed variants, evaluated by eager torch on 16-bit tensors, as bit patterns
+    (uint16): the contract via :mod:`dora_num.ops.reference`, per-op as the formula of
+    :mod:`dora_num.numerics.formulas` on ``fmt`` tensors (each op computed in fp32 and rounded,
+    a Python scalar operand included), ``g`` held in ``fmt``.  Inputs must be finite."""
+    import torch
+
+    from ...numerics import formulas as F
+    from ...numerics.arithmetic import TorchFP32
+    from ...ops import reference as R
+
+    fmt = get_format(fmt)
+    dt = fmt.torch_dtype
+    as_t = lambda bits: torch.from_numpy(np.asarray(bits, dtype=np.uint16).view(np.int16).copy()).view(dt).to(device)  # noqa: E731
+    base, lora = as_t(base_bits), as_t(lora_bits)
+    gt = torch.full(base.shape, g, dtype=torch.float32, device=device)
+    bits = lambda t: t.view(torch.int16).cpu().numpy().view(np.uint16)  # noqa: E731
+    return {("compose_stable", "fp32"): bits(R.compose_stable(base, lora, gt, s)),
+            ("compose_naive", "fp32"): bits(R.compose_naive(base, lora, gt, s)),
+            ("compose_stable", "per_op"): bits(F.compose_stable(TorchFP32, base, lora, gt.to(dt), s)),
+            ("compose_naive", "per_op"): bits(F.compose_naive(TorchFP32, base, lora, gt.to(dt), s))}
+
+
+def bitwise_check(fmt, g: float, s: float, start: int, n: int, device="cpu", *, return_bounds: bool = False):
+    """Kernel outputs (``write_out``) on pair indices ``[start, start+n)`` against eager torch
+    (:func:`eager_variants`) and the exact result against ``compose_exact``: mismatch counts
+    (all zero when the kernel is right) over the finite pairs (and the kernel's bounds
+    ``[n, 4]`` with ``return_bounds``)."""
+    from ...numerics.ground_truth import compose_exact
+
+    fmt = get_format(fmt)
+    _, (out, bounds) = launch(fmt, g, s, start=start, n=n, device=device, write_out=True)
+    idx = np.arange(start, start + n, dtype=np.int64)
+    bb, lb = (idx >> 16).astype(np.uint16), (idx & 0xFFFF).astype(np.uint16)
+    with np.errstate(invalid="ignore"):
+        vb, vl = bb.view(fmt.np_dtype).astype(np.float64), lb.view(fmt.np_dtype).astype(np.float64)
+    fin = np.isfinite(vb) & np.isfinite(vl)
+    got = out.astype(np.int64) & 0xFFFF
+    res = {"n_finite": int(fin.sum())}
+    for v, ev in zip(K.VARIANTS, eager_variants(fmt, bb[fin], lb[fin], g, s, device).values()):
+        res[f"{v[0]}/{v[1]}"] = int((got[fin, K.VARIANTS.index(v)] != ev).sum())
+    want = compose_exact(vb[fin], vl[fin], np.full(int(fin.sum()), g), s, fmt).rounded
+    ref = got[fin, 4].astype(np.uint16).view(fmt.np_dtype).astype(np.float64)
+    res["exact"] = int((ref != want).sum())
+    return (res, bounds) if return_bounds else res
+
+
+# --------------------------------------------------------------------------
+# The GPU run (one call plans every configuration)
+# --------------------------------------------------------------------------
+
+def run_gpu(out_dir, *, smoke: bool = False, budget_s: float = 540.0, log=print) -> pd.DataFrame:
+    """Every configuration (``smoke``: two formats x 2 g x 2 s on a 2^24-pair slice around
+    ``base ~ 1``, plus a bitwise check of the four computed variants against eager torch on
+    CUDA), written to ``out_dir/compose_exhaustive.csv`` after each launch.  Stops cleanly,
+    with what it has, once ``budget_s`` has passed (``stopped_early`` in the log)."""
+    import torch
+
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfgs = configurations()
+    start, n = 0, 1 << 32
+    if smoke:
+        keep_g = {"exactly_1", "bf16_edge_above_outside"}
+        cfgs = [c for c in cfgs if c["g_label"] in keep_g and c["s_label"] != "0.5"]
+        start, n = 0x3F80 << 16, 1 << 24
+    rows, t0 = [], time.time()
+    for f in ("bf16", "fp16"):  # compile outside the timed launches (the events would include the compile)
+        launch(f, 1.0, 1.0, start=0, n=256 * 256)
+    torch.cuda.synchronize()
+    log(f"[exhaustive] compiled in {time.time() - t0:.0f} s; {len(cfgs)} launches of {n:,} pairs each")
+    for i, cfg in enumerate(cfgs):
+        if time.time() - t0 > budget_s:
+            log(f"[exhaustive] stopped_early after {i} of {len(cfgs)} launches ({time.time() - t0:.0f} s)")
+            break
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        stats, _ = launch(cfg["format"], cfg["g"], cfg["s"], start=start, n=n)
+        ev1.record()
+        torch.cuda.synchronize()
+        ms = ev0.elapsed_time(ev1)
+        rows += stats_rows(cfg, stats, n, start=start, kernel_ms=ms)
+        pd.DataFrame(rows).to_csv(out_dir / RESULT_FILE, index=False, lineterminator="\n")
+        log(f"[exhaustive] {i + 1}/{len(cfgs)} {cfg['format']} g={cfg['g_label']} s={cfg['s_label']}: {ms:.0f} ms; "
+            f"elapsed {time.time() - t0:.0f} s")
+    if smoke or time.time() - t0 < budget_s:
+        checks = [{"format": f, "g": g, "s": s_, **bitwise_check(f, g, s_, 0x3F80 << 16, 1 << 20, device="cuda")}
+                  for f in ("bf16", "fp16") for g, s_ in ((1.0, 1.0), (_f32(1 + 1e-3), scale_constants(2 / math.sqrt(7))[0]))]
+        pd.DataFrame(checks).to_csv(out_dir / "compose_exhaustive_bitwise.csv", index=False, lineterminator="\n")
+        log(f"[exhaustive] kernel vs eager torch on CUDA (mismatches, must be 0): {checks}")
+    return pd.DataFrame(rows)
+
+
+def record_fp8(out_dir=None) -> "Path":
+    """The fp8 exhaustive check (every configuration) into ``data/exhaustive/compose_fp8.csv.gz``."""
+    from pathlib import Path
+
+    from ...repro.paths import data_dir
+    from ...repro.provenance import save_dataframe
+
+    t0 = time.time()
+    df = fp8_exhaustive()
+    out = (data_dir("exhaustive") if out_dir is None else Path(out_dir)) / FP8_FILE
+    save_dataframe(df, out, float_format="%.17g", params={"wall_s": round(time.time() - t0, 1), "rows": len(df)},
+                   producer="python -m dora_num.studies.bounds.exhaustive record-fp8")
+    print(f"[exhaustive] fp8: {len(df)} rows in {time.time() - t0:.0f} s -> {out}")
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.bounds.exhaustive",
+                                 description="exhaustive compose checks (fp8 on the CPU; the 16-bit GPU run: "
+                                             "python -m dora_num.studies.exhaustive_gpu)")
+    ap.add_argument("command", choices=["record-fp8"])
+    ap.add_argument("--out", help="output folder (default data/exhaustive/)")
+    args = ap.parse_args(argv)
+    record_fp8(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The exhaustive compose check: the kernel (under the interpreter) against eager torch, the exact
+result and compose_bound, bit for bit; its statistics against the CPU twin; the configurations."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dora_num.numerics.bounds import compose_bound
+from dora_num.numerics.formats import FORMATS, round_fraction, round_to
+from dora_num.studies.bounds import exhaustive as E
+from dora_num.studies.bounds import exhaustive_kernels as K
+from dora_num.studies.bounds import exhaustive_report as R
+
+RS = E.scale_constants(2 / math.sqrt(7))[0]
+CONFIGS = [(1.0, 1.0), (E._f32(1 + 1e-3), RS), (1 - 2.0**-24, 0.5), (E._next32(1 - 2.0**-12, 0.0), RS)]
+_rng = np.random.Generator(np.random.PCG64(5))
+# tiles of 4096 pairs: random, around base = 1, tiny and huge bases (subnormals, overflow), negative
+STARTS = [int(_rng.integers(0, 2**20)) * 4096, 0x3F80 << 16, 0x0001 << 16, 0xFBFF << 16]
+
+
+def _pairs(fmt, start, n):
+    f = FORMATS[fmt]
+    idx = np.arange(start, start + n, dtype=np.int64)
+    with np.errstate(invalid="ignore"):
+        vb = (idx >> 16).astype(np.uint16).view(f.np_dtype).astype(np.float64)
+        vl = (idx & 0xFFFF).astype(np.uint16).view(f.np_dtype).astype(np.float64)
+    return vb, vl, np.isfinite(vb) & np.isfinite(vl)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("g, s", CONFIGS, ids=lambda v: f"{v:.9g}")
+def test_kernel_bitwise_eager_exact_and_bound(fmt, g, s):
+    """Per pair: the four computed variants equal eager torch, the exact result equals
+    compose_exact, the bound equals compose_bound (bit for bit; a change of the bound fails here
+    until the kernel's transcription follows)."""
+    for start in STARTS:
+        res, bounds = E.bitwise_check(fmt, g, s, start, 4096, device="cpu", return_bounds=True)
+        assert {k: v for k, v in res.items() if k != "n_finite"} == {
+            "compose_stable/fp32": 0, "compose_naive/fp32": 0, "compose_stable/per_op": 0,
+            "compose_naive/per_op": 0, "exact": 0}, (hex(start), res)
+        vb, vl, fin = _pairs(fmt, start, 4096)
+        for v, (formula, arith) in enumerate(K.VARIANTS):
+            want = compose_bound(formula, vb[fin], vl[fin], np.full(int(fin.sum()), g), s, fmt, arith)
+            assert np.array_equal(bounds[fin, v], want), (hex(start), formula, arith)
+
+
+@pytest.mark.parametrize("fmt, base_bits, g, s", [
+    ("bf16", 0x3F81, E._f32(1 + 1e-3), RS),   # base ~ 1: the lora values that cancel (g-1) base are in the row
+    ("fp16", 0x7BFF, 1.0, 1.0),              # base = 65504: overflow of the exact result and of the naive inner
+])
+def test_kernel_statistics_equal_the_cpu_twin(fmt, base_bits, g, s):
+    """One full row (every lora for one base): the kernel's reduced statistics (histogram,
+    violations, maxima and the worst inputs) equal those of cpu_exhaustive."""
+    stats, _ = E.launch(fmt, g, s, start=base_bits << 16, n=1 << 16, device="cpu", tile=4096, iters=4)
+    cfg = {"format": fmt, "g_label": "", "g": g, "s_label": "", "s": s}
+    got = pd.DataFrame(E.stats_rows(cfg, stats, 1 << 16))
+    want = pd.DataFrame(E.cpu_exhaustive(fmt, g, s, base_bits=[base_bits]))
+    cols = [c for c in want.columns if c in got.columns]
+    pd.testing.assert_frame_equal(got[cols], want[cols], check_dtype=False)
+
+
+def test_exact_terms_leave_no_double_between():
+    """The kernel's claim: H is within no fp64 number of X and sign(rho) = sign(X - H) (checked
+    with Fraction on random and on cancelling pairs)."""
+    rng = np.random.Generator(np.random.PCG64(1))
+    g, s = E._f32(1 + 1e-3), RS
+    b = round_to(rng.normal(0, 1, 3000) * 10.0 ** rng.integers(-30, 30, 3000), "bf16")
+    lc = round_to(-(g - 1) * b / (g * s) * (1 + rng.normal(0, 1e-2, 3000)), "bf16")  # cancelling
+    lr = round_to(rng.normal(0, 1, 3000), "bf16")
+    for l_ in (lc, lr):
+        H, rho = E.exact_terms(b, l_, g, s)
+        for hi, r, bb, ll in zip(H[:1500], rho[:1500], b[:1500], l_[:1500]):
+            X = (Fraction(g) - 1) * Fraction(float(bb)) + Fraction(g) * Fraction(s) * Fraction(float(ll))
+            assert (X > hi) == (r > 0) and (X < hi) == (r < 0)
+            nxt = np.nextafter(hi, np.inf if X > hi else -np.inf)
+            assert X == hi or (min(Fraction(hi), Fraction(float(nxt))) <= X <= max(Fraction(hi), Fraction(float(nxt)))
+                               and X != Fraction(float(nxt)))
+            assert round_fraction(X, "bf16") == round_fraction(X, "bf16")
+
+
+def test_launch_constants_exact_and_refusals():
+    consts, f32s = E.launch_constants("bf16", E._f32(1 + 1e-3), RS)
+    g, gm1, ch, cl, s = consts[:5]
+    assert Fraction(gm1) == Fraction(g) - 1 and Fraction(ch) + Fraction(cl) == Fraction(g) * Fraction(s)
+    assert ch == E._f32(ch) and abs(Fraction(cl)) <= abs(Fraction(ch)) / 2**24
+    assert f32s[2] == round_to(np.array([g]), "bf16")[0]
+    with pytest.raises(ValueError, match="outside"):
+        E.launch_constants("bf16", 3.0, 1.0)
+    with pytest.raises(ValueError, match="fp32 values"):
+        E.launch_constants("bf16", 1 + 1e-9, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        E.launch("bf16", 1.0, 1.0, start=0, n=1000, device="cpu")
+
+
+def test_configurations_cover_the_edges():
+    cfgs = E.configurations()
+    assert len(cfgs) == 2 * len(E.g_values()) * len(E.S_VALUES)
+    assert cfgs[0]["g_label"] == "exactly_1" and {c["format"] for c in cfgs[:2]} == {"bf16", "fp16"}
+    g = dict(E.g_values())
+    for f in ("bf16", "fp16"):  # inside the edge g rounds to 1 in the format, outside it does not
+        for side in ("above", "below"):
+            inside, outside = g[f"{f}_edge_{side}_inside"], g[f"{f}_edge_{side}_outside"]
+            assert round_to(np.array([inside]), f)[0] == 1.0 != round_to(np.array([outside]), f)[0]
+        assert round_to(np.array([g[f"{f}_edge_above"]]), f)[0] == 1.0  # the tie rounds to even: 1
+
+
+def test_fp8_exhaustive_matches_the_record():
+    from dora_num.repro.paths import committed_data
+
+    path = committed_data("exhaustive", E.FP8_FILE)
+    if not path.is_file():
+        pytest.fail(f"{path} missing: python -m dora_num.studies.bounds.exhaustive record-fp8")
+    rec = pd.read_csv(path)
+    assert (rec["violations"] == 0).all(), rec[rec["violations"] > 0]
+    fresh = E.fp8_exhaustive(smoke=True)
+    key = ["format", "g", "s", "formula", "arith"]
+    m = fresh.merge(rec, on=key, suffixes=("", "_rec"))
+    assert len(m) == len(fresh)
+    for c in ("n_measured", "ulp_0", "ulp_1", "violations", "max_ulp", "overflow_agree", "spurious_nonfinite"):
+        assert (m[c] == m[f"{c}_rec"]).all(), c
+
+
+def test_recheck_worst_reproduces_the_run():
+    rows = pd.DataFrame(E.cpu_exhaustive("bf16", E._f32(1 + 1e-3), RS, base_bits=[0x3F81, 0xC2F7]))
+    chk = R.recheck_worst(rows)
+    assert len(chk) == 2 * len(rows) and chk["agrees"].all(), chk
+    assert (chk["err_over_bound"] <= 1).all()
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_bitwise():
+    for fmt in ("bf16", "fp16"):
+        for g, s in CONFIGS[:3]:
+            res = E.bitwise_check(fmt, g, s, 0x3F80 << 16, 1 << 20, device="cuda")
+            assert all(v == 0 for k, v in res.items() if k != "n_finite"), res
