@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from dora_num.studies.cancellation import gpu_launch as L
 from dora_num.studies.cancellation import gpu_training as G
-from dora_num.studies.cancellation import trained as T
+from dora_num.studies.cancellation import trained_record as R
 
 # MiniLM's 36 encoder linears: (d_out, d_in) per type, 6 layers each
 SHAPES = {"q": (384, 384), "k": (384, 384), "v": (384, 384), "o": (384, 384), "intermediate": (1536, 384),
@@ -39,7 +40,7 @@ def test_exported_adapter_fits_a_returned_file(rank):
     only the ranks planned for export have to."""
     n = sum(6 * 4 * (rank * (d_in + d_out) + d_out) for d_out, d_in in SHAPES.values())
     planned = rank in {r for r, _ in G.EXPORTS}
-    assert (n < G.PART_BYTES) or not planned, (rank, n)
+    assert (n < L.PART_BYTES) or not planned, (rank, n)
 
 
 def test_train_config_of_a_run():
@@ -127,7 +128,7 @@ def test_captures_file_round_trip():
     path = G.captures_npz(caps, names)
     import io
 
-    c = T.Captures.load(io.BytesIO(path))
+    c = R.Captures.load(io.BytesIO(path))
     assert c.steps.tolist() == [0, 10] and c.modules == names and c.offsets.tolist() == [0, 5, 12]
     assert np.all(np.concatenate(list(c.g_layer(0).values())) == 1.0)  # fl32(w / w) = 1
     for n in names:
@@ -145,10 +146,10 @@ def test_pack_splits_under_the_limit_and_unpacks(tmp_path):
         (work / rel).write_bytes(data)
     out = tmp_path / "out"
     out.mkdir()
-    parts = G.pack(work, out, part_bytes=30_000, max_parts=5)
+    parts = L.pack(work, out, part_bytes=30_000, max_parts=5)
     assert len(parts) == 2 and all(p.stat().st_size <= 30_000 for p in parts)
     assert not work.exists()
-    T.unpack(out, tmp_path / "back")
+    R.unpack(out, tmp_path / "back")
     for rel, data in payload.items():
         assert (tmp_path / "back" / rel).read_bytes() == data
 
@@ -158,16 +159,16 @@ def test_pack_refuses_what_cannot_come_back(tmp_path):
     work.mkdir()
     (work / "big.bin").write_bytes(b"x" * 20_000)
     with pytest.raises(ValueError, match="more than a part may hold"):
-        G.pack(work, tmp_path, part_bytes=30_000)
+        L.pack(work, tmp_path, part_bytes=30_000)
     (work / "big.bin").unlink()
     for i in range(3):
         (work / f"f{i}.bin").write_bytes(b"x" * 15_000)
     with pytest.raises(ValueError, match="3 parts needed, at most 2"):
-        G.pack(work, tmp_path, part_bytes=30_000, max_parts=2)
+        L.pack(work, tmp_path, part_bytes=30_000, max_parts=2)
 
 
 def test_prediction_of_the_full_plan():
-    p = G.predict(G.full_plan(), G.FULL, 540.0)
+    p = L.predict(G.full_plan(), G.FULL, 540.0)
     assert p["processes"] == 13
     assert 0 < p["steps_gpu_bound"] <= p["steps_host_bound"] < G.FULL.max_steps
     assert not p["reaches_max_steps"] and "deadline" in p["note"]

@@ -4,7 +4,6 @@ every committed exported adapter."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +16,10 @@ import torch
 
 from dora_num.adapters.collapse import FORMATS, POOLED, collapse_table
 from dora_num.repro.paths import REPO_ROOT, committed_data
+from dora_num.studies.cancellation import gpu_launch as L
 from dora_num.studies.cancellation import gpu_training as G
 from dora_num.studies.cancellation import trained as T
+from dora_num.studies.cancellation import trained_record as R
 
 U64 = 2.0**-53
 MINILM_NAMES = [f"encoder.layer.{i}.{s}" for i in range(6) for s in
@@ -31,10 +32,10 @@ MINILM_NAMES = [f"encoder.layer.{i}.{s}" for i in range(6) for s in
 # --------------------------------------------------------------------------
 
 def test_module_types_of_minilm():
-    types = [T.module_type(n) for n in MINILM_NAMES]
+    types = [R.module_type(n) for n in MINILM_NAMES]
     assert types == list(T.MODULE_TYPES) * 6
     with pytest.raises(ValueError, match="not one of MiniLM's encoder linears"):
-        T.module_type("pooler.dense")
+        R.module_type("pooler.dense")
 
 
 def _g_by_module(seed=0, spread=3e-3):
@@ -44,7 +45,7 @@ def _g_by_module(seed=0, spread=3e-3):
 
 def test_collapse_by_type_pools_like_collapse_table():
     g = _g_by_module()
-    by_type = T.collapse_by_type(g, ("bf16", "fp16"))
+    by_type = R.collapse_by_type(g, ("bf16", "fp16"))
     full = collapse_table(g, ("bf16", "fp16"))
     a = by_type[by_type["group"] == POOLED].set_index("format")
     b = full[full["module"] == POOLED].set_index("format")
@@ -58,7 +59,7 @@ def test_collapse_by_type_absorption_is_activation_weighted():
     g = {n: v for n, v in _g_by_module().items() if "layer.0." in n}
     rng = np.random.default_rng(1)
     acts = {n: rng.standard_normal((3 + i, v.size)) for i, (n, v) in enumerate(sorted(g.items()))}
-    by_type = T.collapse_by_type(g, ("bf16",), activations=acts)
+    by_type = R.collapse_by_type(g, ("bf16",), activations=acts)
     per = collapse_table(g, ("bf16",), activations=acts)
     per = per[per["module"] != POOLED]
     w = per["n_activations"].to_numpy()
@@ -71,7 +72,7 @@ def _raw(role, name, caps: dict, spec=None, dtypes=None):
     names = list(caps[0]["m"])
     steps = sorted(caps)
     sizes = [caps[0]["m"][n].size for n in names]
-    c = T.Captures(np.array(steps), names, np.concatenate([[0], np.cumsum(sizes)]),
+    c = R.Captures(np.array(steps), names, np.concatenate([[0], np.cumsum(sizes)]),
                    np.stack([np.concatenate([caps[s]["m"][n] for n in names]) for s in steps]).astype(np.float32),
                    np.stack([np.concatenate([caps[s]["wnorm"][n] for n in names]) for s in steps]).astype(np.float32),
                    np.stack([np.concatenate([caps[s]["wnorm64"][n] for n in names]) for s in steps]),
@@ -80,7 +81,7 @@ def _raw(role, name, caps: dict, spec=None, dtypes=None):
     info = {"name": name, "role": role, "spec": {**spec, "backend": "peft" if role == "peft_twin" else "dora_num",
                                                    "perturbed": role == "ulp_twin"},
             "input_dtypes": dtypes or {}, "steps": steps[-1], "scale": 1.0}
-    return T.RawRun(name, info, pd.DataFrame(), pd.DataFrame(), c, Path("."))
+    return R.RawRun(name, info, pd.DataFrame(), pd.DataFrame(), c, Path("."))
 
 
 def test_crosscheck_ratios_and_verdict():
@@ -101,21 +102,21 @@ def test_crosscheck_ratios_and_verdict():
             "r16_lr0.001_peft": _raw("peft_twin", "r16_lr0.001_peft", caps["peft"],
                                      dtypes={names[0]: "float32", names[1]: "bfloat16"}),
             "r16_lr0.001_ulp": _raw("ulp_twin", "r16_lr0.001_ulp", caps["ulp"])}
-    table = T.crosscheck_table(runs)
+    table = R.crosscheck_table(runs)
     assert set(table["step"]) == {0, 30, 100} and set(table["g"]) == {"layer", "params"}
     p = table[(table["g"] == "params") & (table["step"] == 100) & (table["group"] == "q")]
     # m stored in fp32: differences of ~2e-4 carry up to 2^-24 (|m_a| + |m_b|) ~ 3e-7, i.e. ~2e-3 relative
     assert p["ratio"].item() == pytest.approx(1.5, rel=2e-3)
-    assert T.bf16_input_types(runs) == ["o"]
-    v = T.crosscheck_verdict(table, T.bf16_input_types(runs))
+    assert R.bf16_input_types(runs) == ["o"]
+    v = R.crosscheck_verdict(table, R.bf16_input_types(runs))
     assert v["steps"] == [30, 100] and v["agree_g_params"] and v["agree_g_layer_fp32_inputs"]
     lay = table[(table["g"] == "layer") & (table["group"] == "o") & table["judged"]]
     assert (lay["ratio"] > T.CROSSCHECK_FACTOR).all()  # the bf16 norm: excluded from the layer verdict by design
 
 
 def test_crosscheck_needs_the_trio():
-    assert T.crosscheck_table({}).empty and T.crosscheck_verdict(pd.DataFrame()) == {
-        "criterion": T.CROSSCHECK_CRITERION, "ran": False}
+    assert R.crosscheck_table({}).empty and R.crosscheck_verdict(pd.DataFrame()) == {
+        "criterion": R.CROSSCHECK_CRITERION, "ran": False}
 
 
 def _to_bf16(v: np.ndarray) -> np.ndarray:
@@ -129,7 +130,7 @@ def test_bf16_norm_rounding_prediction():
     rng = np.random.default_rng(3)
     v = np.exp2(rng.random(2_000_000)).astype(np.float32)
     r = _to_bf16(v).astype(np.float64) / v - 1
-    assert np.sqrt(np.mean(r**2)) == pytest.approx(T.BF16_NORM_RMS_PREDICTED, rel=0.01)
+    assert np.sqrt(np.mean(r**2)) == pytest.approx(R.BF16_NORM_RMS_PREDICTED, rel=0.01)
 
 
 def _trained(evals_rows, outcome_rows, cfg):
@@ -164,11 +165,11 @@ def smoke(tmp_path_factory):  # (slow: 3 MiniLM runs and an ingest, ~40 s on the
     root = tmp_path_factory.mktemp("trained-smoke")
     torch_threads = torch.get_num_threads()
     try:
-        files = G.record_inline(G.smoke_plan()[:3], "smoke", G.SMOKE_CPU, root / "launch", log=lambda m: None)
-        T.ingest(files, root / "trained", keep=root / "full", log=lambda m: None)
+        files = L.record_inline(G.smoke_plan()[:3], "smoke", G.SMOKE_CPU, root / "launch", log=lambda m: None)
+        R.ingest(files, root / "trained", keep=root / "full", log=lambda m: None)
     finally:
         torch.set_num_threads(torch_threads)
-    return SimpleNamespace(files=files, dest=root / "trained", raw=T.load_raw(root / "full"),
+    return SimpleNamespace(files=files, dest=root / "trained", raw=R.load_raw(root / "full"),
                            tr=T.load_trained(root / "trained"), root=root)
 
 
@@ -207,7 +208,7 @@ def test_smoke_peft_norm_is_bf16_where_its_input_is(smoke):
     whose input is bf16 (attention output, MLP output), fp32 elsewhere."""
     peft = next(r for r in smoke.raw.runs.values() if r.info["role"] == "peft_twin")
     dt = peft.info["input_dtypes"]
-    assert {T.module_type(n) for n, d in dt.items() if d == "bfloat16"} == {"o", "output"}
+    assert {R.module_type(n) for n, d in dt.items() if d == "bfloat16"} == {"o", "output"}
     for step_row in range(len(peft.captures.steps)):
         wn = peft.captures.split(peft.captures.wnorm[step_row])
         for n, v in wn.items():
