@@ -98,9 +98,10 @@ def launch(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, 
         f = open(work / "logs" / f"{spec.name}.log", "w")
         procs[spec.name] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), f, time.time())
     termed = killed = False
-    last_report = time.time()
+    last_report, ended = time.time(), {}
     while any(p.poll() is None for p, _, _ in procs.values()):
         now = time.time()
+        ended.update({n: now for n, (p, _, _) in procs.items() if n not in ended and p.poll() is not None})
         if not termed and now > deadline_at + TERM_AFTER_S:
             termed = True
             for name, (p, _, _) in procs.items():
@@ -124,7 +125,8 @@ def launch(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, 
     for name, (p, f, started) in procs.items():
         f.close()
         lines = (work / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
-        results[name] = {"returncode": p.returncode, "log_tail": lines[-8:], "wall_s": time.time() - started}
+        results[name] = {"returncode": p.returncode, "log_tail": lines[-8:],
+                         "wall_s": ended.get(name, time.time()) - started}
         if p.returncode != 0:
             log(f"{name}: exit {p.returncode}: " + " | ".join(lines[-3:]))
     summary = {"plan_name": plan_name, "plan": [dataclasses.asdict(s) | {"name": s.name, "role": s.role}

@@ -13,7 +13,7 @@
 lr 1e-4, so that ``s * lr`` (how hard AdamW pushes ``sBA``) is that of the ``s = 1``, lr 1e-3 runs; and, for the
 cross-check of the captured ``g``, the r = 16, lr 1e-3 configuration twice more: through PEFT's own DoRA, and
 through ``DoRALinear`` with every initial ``m`` moved by one fp32 ulp (the baseline: how far two equally valid
-executions of one training drift apart; :mod:`.trained` states the criterion).  13 runs, one process each, all
+executions of one training drift apart; :mod:`.trained_record` states the criterion).  13 runs, one process each, all
 at once (:func:`.gpu_launch.launch`): on the H200 the harness is bound by each process's host Python (about 0.1 s a step
 with four processes sharing the GPU in the convergence study), so processes on separate cores share the GPU well.
 
@@ -32,7 +32,9 @@ the runs of one configuration).  It stops at the first of
 * **max_steps** (5000);
 * **deadline**: a wall-clock time given by the launcher, early enough for the final evaluation, capture
   and export (their measured cost, with margin) to finish in time;
-* **signal**: SIGTERM (the launcher's last resort), handled like the deadline.
+* **signal**: SIGTERM (the launcher's last resort), handled like the deadline;
+* **diverged**: a non-finite training loss.  (An exception in training ends the run as ``error: ...``; what
+  was recorded until then is written all the same.)
 
 The state a run ends in is always evaluated and captured, and ``run.json`` says why it ended: a run cut by
 the deadline is labelled ``deadline``, not converged.
@@ -164,8 +166,7 @@ def plan_and_config(plan: str, device: str = "auto") -> tuple[list[RunSpec], Stu
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if plan == "full":
-        return full_plan(), dataclasses.replace(FULL, device=device, bf16_autocast=device.startswith("cuda") or
-                                                FULL.bf16_autocast)
+        return full_plan(), dataclasses.replace(FULL, device=device)
     if plan == "smoke":
         return smoke_plan(), (SMOKE_GPU if device.startswith("cuda") else SMOKE_CPU)
     raise ValueError(f"plan must be 'full' or 'smoke', got {plan!r}")
@@ -231,6 +232,7 @@ class StopRule:
         self.plateau = Plateau(cfg.patience, cfg.min_delta)
         self.terminated = False
         self._seen = 0  # evaluations already given to the plateau rule
+        self.diverged = False
         self.capture_seconds = 0.0  # the largest capture so far (set by the capturer)
 
     def reserve_s(self, res) -> float:
@@ -244,6 +246,9 @@ class StopRule:
         self._seen = len(res.evals)
         if plateau:
             return "plateau"
+        if res.history and not math.isfinite(res.history[-1]["loss"]):
+            self.diverged = True
+            return "diverged"
         if self.terminated:
             return "signal"
         if self.deadline_at is not None:
@@ -342,10 +347,12 @@ class Capturer:
 
     def __init__(self, stop: StopRule | None = None):
         self.stop, self.input_dtypes, self.seconds, self.first_at = stop, None, {}, None
+        self.res = None  # the TrainResult being filled (what survives an exception in training)
 
     def __call__(self, res, step: int):
         if self.first_at is None:
             self.first_at = time.time()
+            self.res = res
         t0 = time.perf_counter()
         if self.input_dtypes is None:
             self.input_dtypes = module_input_dtypes(res.model, res.config, res.module_names)
@@ -384,19 +391,33 @@ BASE_NAME = {"packaged": "sentence-transformers/all-MiniLM-L6-v2",
              "bf16-rounded": "all-MiniLM-L6-v2, bf16-rounded copy (python -m dora_num.studies.carry DIR; --base DIR)"}
 
 
+def weights_fingerprint(path) -> str:
+    """sha256 over the tensors of a safetensors file (sorted by name: name, dtype, shape, bytes).  Not the
+    file's own hash: safetensors writes its metadata in an order that changes from one write to the next."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    h = hashlib.sha256()
+    for name, t in sorted(load_file(str(path)).items()):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def base_info(base_path=None) -> dict:
-    """The base weights a run used: folder, sha256 of ``model.safetensors`` and its kind
-    (``bf16-rounded``: written by :func:`dora_num.studies.carry.write_minilm_bf16`; else ``packaged``)."""
+    """The base weights a run used: folder, :func:`weights_fingerprint` of ``model.safetensors`` and its
+    kind (``bf16-rounded``: written by :func:`dora_num.studies.carry.write_minilm_bf16`; else ``packaged``)."""
     from safetensors import safe_open
 
     from ...adapters.model import minilm_path
-    from ...repro.provenance import sha256_file
 
     path = Path(base_path) if base_path is not None else minilm_path()
     f = path / "model.safetensors"
     with safe_open(str(f), "pt") as h:
         note = (h.metadata() or {}).get("note", "")
-    return {"path": str(path), "sha256": sha256_file(f), "kind": "bf16-rounded" if "bf16-rounded" in note else "packaged"}
+    return {"path": str(path), "fingerprint": weights_fingerprint(f),
+            "kind": "bf16-rounded" if "bf16-rounded" in note else "packaged"}
 
 
 def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float | None = None, base_path=None,
@@ -427,19 +448,30 @@ def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float |
     reset_dispatch_counts()
     tc = cfg.train_config(spec)
     base = base_info(base_path)
-    res = train(tc, corpus=corpus, base_path=base_path, hooks=TrainHooks(capture=cap, should_stop=should_stop))
+    try:
+        res = train(tc, corpus=corpus, base_path=base_path, hooks=TrainHooks(capture=cap, should_stop=should_stop))
+    except Exception as e:  # noqa: BLE001 - keep what was recorded; the reason says what happened
+        if cap.res is None or not cap.res.captures:
+            raise
+        res = cap.res
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        # a diverged run's final evaluation and capture fail on its non-finite parameters
+        res.stop_reason = "diverged" if stop.diverged else f"error: {error}"
+        log(f"{spec.name}: {res.stop_reason} ({error})")
     t_trained = time.time()
     d = Path(work) / "runs" / spec.name
     steps = res.history[-1]["step"] if res.history else 0
     ev = {e["step"]: e for e in res.evals}
+    last_ev = res.evals[-1]
     summary = {
         "name": spec.name, "role": spec.role, "spec": dataclasses.asdict(spec), "scale": spec.scale,
         "study_config": dataclasses.asdict(cfg), "train_config": config_dict(tc), "compose_path": tc.compose_path,
         "stop_reason": res.stop_reason, "steps": steps, "max_steps": cfg.max_steps,
         "best_step": stop.plateau.best_step, "best_mrr10": stop.plateau.best,
         "mrr10_base": ev[0]["mrr10"], "val_loss_base": ev[0]["val_loss"],
-        "mrr10_final": ev[steps]["mrr10"], "val_loss_final": ev[steps]["val_loss"],
-        "capture_steps": sorted(res.captures), "deadline_at": deadline_at, "started_at": t_start,
+        "mrr10_final": last_ev["mrr10"], "val_loss_final": last_ev["val_loss"], "final_eval_step": last_ev["step"],
+        "capture_steps": sorted(res.captures), "final_capture_step": max(res.captures),
+        "deadline_at": deadline_at, "started_at": t_start,
         "build_s": (cap.first_at or t_trained) - t_start, "train_s": t_trained - (cap.first_at or t_start),
         "median_s_per_step": res.seconds_per_step, "eval_s_median": float(np.median([e["seconds"] for e in res.evals])),
         "capture_s": cap.seconds, "input_dtypes": cap.input_dtypes, "dispatch_counts": dispatch_counts(),
@@ -452,7 +484,7 @@ def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float |
     write_artifact(d / "captures.npz", captures_npz(res.captures, res.module_names), **prov)
     save_dataframe(pd.DataFrame(res.history), d / "history.csv.gz", float_format="%.9g", **prov)
     save_dataframe(pd.DataFrame(res.evals), d / "evals.csv", float_format="%.9g", **prov)
-    if spec.export:
+    if spec.export and max(res.captures) == steps and not res.stop_reason.startswith("error"):
         if spec.backend != "dora_num":
             raise ValueError(f"{spec.name}: only DoRALinear runs are exported")
         export_peft_dora(res.model, d / "adapter", base_model_name_or_path=BASE_NAME[base["kind"]], **prov)

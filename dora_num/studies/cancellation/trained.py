@@ -92,7 +92,7 @@ def base_for_record(tr: Trained, workdir) -> Path:
 # Analysis for notebook 01
 # --------------------------------------------------------------------------
 
-STOP_REASONS = ("plateau", "max_steps", "deadline", "signal")
+STOP_REASONS = ("plateau", "max_steps", "deadline", "signal", "diverged")  # or "error: ..." (gpu_training.run_one)
 # The paper's real adapter (PAPER.md): Qwen2-VL-7B, r = 128, 326 modules, 1.77M g values; task, learning
 # rate and steps not stated (the paper's own training recipe, for its Qwen3.5-9B convergence runs: r = 384,
 # rsLoRA, lr 1e-5 cosine, 2000 steps).
@@ -121,9 +121,9 @@ def check_stop_labels(tr: Trained) -> list[str]:
     bad = []
     for r in tr.outcome.itertuples():
         e = tr.evals[tr.evals["run"] == r.run].sort_values("step")
-        if r.stop_reason not in STOP_REASONS:
+        if r.stop_reason not in STOP_REASONS and not str(r.stop_reason).startswith("error: "):
             bad.append(f"{r.run}: unknown stop reason {r.stop_reason!r}")
-        if e["step"].max() != r.steps:
+        if e["step"].max() != r.steps and not str(r.stop_reason).startswith("error: "):
             bad.append(f"{r.run}: last evaluation at {e['step'].max()}, not at the final step {r.steps}")
         if r.stop_reason == "plateau":
             p = cfg["patience"]

@@ -145,7 +145,8 @@ class RawRun:
 
     @property
     def final_step(self) -> int:
-        return int(self.info["steps"])
+        """The last capture (the final state; earlier only if a run's final capture failed)."""
+        return int(self.info.get("final_capture_step", self.info["steps"]))
 
 
 @dataclass
@@ -235,20 +236,21 @@ def activations_for(base_dir, *, n_texts=None, max_rows=None, seed: int = 0) -> 
 
 
 def resolve_base(base: dict, workdir: Path) -> Path:
-    """A local folder holding the base weights a run used (``run.json: base``), checked by sha256:
-    the packaged MiniLM, or its bf16-rounded copy rebuilt by :func:`dora_num.studies.carry.write_minilm_bf16`."""
+    """A local folder holding the base weights a run used (``run.json: base``), checked by
+    :func:`~.gpu_training.weights_fingerprint`: the packaged MiniLM, or its bf16-rounded copy rebuilt by
+    :func:`dora_num.studies.carry.write_minilm_bf16`."""
     from ...adapters.model import minilm_path
-    from ...repro.provenance import sha256_file
     from ..carry import write_minilm_bf16
+    from .gpu_training import weights_fingerprint
 
     if base["kind"] == "bf16-rounded":
         path = write_minilm_bf16(Path(workdir) / "minilm-bf16")
     else:
         path = minilm_path()
-    got = sha256_file(path / "model.safetensors")
-    if got != base["sha256"]:
-        raise ValueError(f"the runs used base weights with sha256 {base['sha256']} ({base['kind']}); {path} has {got}: "
-                         "cannot reproduce their activations here")
+    got = weights_fingerprint(path / "model.safetensors")
+    if got != base["fingerprint"]:
+        raise ValueError(f"the runs used base weights with fingerprint {base['fingerprint']} ({base['kind']}); "
+                         f"{path} has {got}: cannot reproduce their activations here")
     return path
 
 
@@ -426,7 +428,7 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
         rec = load_raw(root)
         if not rec.runs:
             raise ValueError(f"no complete run in {files} (missing: {rec.missing})")
-        bases = {json.dumps(r.info["base"]["sha256"]) for r in rec.runs.values()}
+        bases = {r.info["base"]["fingerprint"] for r in rec.runs.values()}
         if len(bases) != 1:
             raise ValueError(f"the runs used different base weights: {sorted(bases)}")
         first = next(iter(rec.runs.values()))

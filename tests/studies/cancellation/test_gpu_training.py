@@ -113,6 +113,10 @@ def test_stop_rule_plateau_and_signal():
     rule2 = G.StopRule(cfg)
     rule2.terminated = True
     assert rule2(_res([0.1], [{"step": 0, "mrr10": 0.6}]), 1) == "signal"
+    bad = _res([0.1], [{"step": 0, "mrr10": 0.6}])
+    bad.history[-1]["loss"] = float("nan")
+    rule3 = G.StopRule(cfg)
+    assert rule3(bad, 1) == "diverged" and rule3.diverged
 
 
 def test_captures_file_round_trip():
@@ -183,3 +187,25 @@ def test_plan_command_prints(capsys):
 def test_unknown_run_is_named():
     with pytest.raises(ValueError, match=r"runs \['r7_lr0.1'\] are not in the plan"):
         G.select(G.full_plan(), ["r7_lr0.1"])
+
+
+@pytest.mark.slow
+def test_a_failing_run_keeps_what_it_recorded(tmp_path):
+    """An exception in training (here: a training text that is not a string, met at the first step)
+    ends the run as ``error: ...``, and what was recorded before it (the step-0 capture and evaluation)
+    is written all the same; nothing is exported."""
+    import json
+
+    from dora_num.adapters.corpus import load_corpus
+
+    c = load_corpus()
+    cfg = G.SMOKE_CPU
+    train = [dict(p) for p in c if p["split"] == "train"][: cfg.batch_size]
+    train[1]["summary"] = None
+    corpus = train + [p for p in c if p["split"] == "validation"][: cfg.eval_limit]
+    G.run_one(G.RunSpec(4, 1e-3, export=True), cfg, tmp_path, corpus=corpus, log=lambda m: None)
+    d = tmp_path / "runs" / "r4_lr0.001"
+    info = json.loads((d / "run.json").read_text())
+    assert info["stop_reason"].startswith("error: ") and info["steps"] == 0 and info["capture_steps"] == [0]
+    assert R.Captures.load(d / "captures.npz").steps.tolist() == [0]
+    assert not (d / "adapter").exists()
