@@ -4,7 +4,7 @@
                                                               [--wall-s 540] [--device auto|cuda|cpu] [--runs NAME ...]
     python -m dora_num.studies.cancellation.gpu_training plan [--plan full|smoke] [--wall-s 540]
     python -m dora_num.studies.cancellation.gpu_training ingest FILES_DIR --dest data/adapters/trained --git-sha SHA
-                                                              [--keep DIR]
+                                                              [--keep DIR] [--replace]
 
 (``dora-num record adapters-gpu ...`` is the same :func:`main`.)
 
@@ -536,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dest", required=True, help="e.g. data/adapters/trained")
     q.add_argument("--git-sha", default=None, help="the commit the device ran")
     q.add_argument("--keep", default=None, help="also unpack everything (the full record) into this folder")
+    q.add_argument("--replace", action="store_true", help="overwrite a --dest that already holds a record")
     return p
 
 
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "ingest":
         from .trained_record import ingest
 
-        for path in ingest(Path(a.files), Path(a.dest), git_sha=a.git_sha, keep=a.keep):
+        for path in ingest(Path(a.files), Path(a.dest), git_sha=a.git_sha, keep=a.keep, replace=a.replace):
             print(path)
         return 0
     from . import gpu_launch as L  # (the launcher imports this module)

@@ -413,15 +413,21 @@ def _brief(info: dict) -> dict:
 
 
 def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_texts: int | None = None,
-           max_rows: int | None = None, log=print) -> list[Path]:
+           max_rows: int | None = None, replace: bool = False, log=print) -> list[Path]:
     """Unpack a launch (``files``: ``plan.json`` + ``part-K.tar``), check it, and write the committed
     record into ``dest`` (module docstring); with ``keep``, the full record stays unpacked there.
-    ``n_texts``/``max_rows``: the absorption activations (default: ``dora-num collapse``'s)."""
+    ``n_texts``/``max_rows``: the absorption activations (default: ``dora-num collapse``'s).  A ``dest``
+    that already holds files is refused unless ``replace`` (then it is emptied first: no stale file of
+    an earlier record survives beside the new one)."""
     import shutil
 
     from ...repro.provenance import read_provenance, save_dataframe, save_json, sha256_file, write_artifact
 
     files, dest = Path(files), Path(dest)
+    if dest.is_dir() and any(dest.iterdir()):
+        if not replace:
+            raise FileExistsError(f"{dest} already holds a record: pass replace=True (--replace) to overwrite it")
+        shutil.rmtree(dest)
     tmp = Path(tempfile.mkdtemp(prefix="dora-num-ingest-"))
     try:
         root = unpack(files, Path(keep) if keep else tmp / "record")

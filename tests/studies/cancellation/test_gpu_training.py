@@ -209,3 +209,34 @@ def test_a_failing_run_keeps_what_it_recorded(tmp_path):
     assert info["stop_reason"].startswith("error: ") and info["steps"] == 0 and info["capture_steps"] == [0]
     assert R.Captures.load(d / "captures.npz").steps.tolist() == [0]
     assert not (d / "adapter").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_smoke_trio(tmp_path):
+    """On CUDA (the H200 image; base from .carry/minilm when present): the cross-check trio at GPU smoke
+    sizes through the fused path; every DoRALinear capture's g is the fp32 quotient m / wnorm, the fused
+    training tier ran, step 0 is shared, and PEFT's norm is bf16-valued exactly where its input is bf16."""
+    import dataclasses
+
+    import torch
+
+    from dora_num.repro.paths import REPO_ROOT
+
+    base = REPO_ROOT / ".carry" / "minilm"
+    cfg = dataclasses.replace(G.SMOKE_GPU, max_steps=12, eval_every=6, capture_steps=(0, 10))
+    files = L.record_inline(G.smoke_plan()[:3], "smoke", cfg, tmp_path / "launch",
+                            base_path=base if base.is_dir() else None, log=lambda m: None)
+    raw = R.load_raw(R.unpack(files, tmp_path / "full"))
+    assert not raw.missing
+    by_role = {r.info["role"]: r for r in raw.runs.values()}
+    for role in ("grid", "ulp_twin"):
+        info = by_role[role].info
+        assert info["g_is_quotient"] is True and info["compose_path"] == "fused"
+        assert info["dispatch_counts"]["fused_training"] > 0
+    ours, peft = by_role["grid"].captures, by_role["peft_twin"].captures
+    np.testing.assert_array_equal(ours.m[0], ours.wnorm[0])
+    np.testing.assert_array_equal(peft.m[0], ours.m[0])
+    dt = by_role["peft_twin"].info["input_dtypes"]
+    for n, v in peft.split(peft.wnorm[0]).items():
+        bf = torch.from_numpy(v).to(torch.bfloat16).float().numpy()
+        assert np.array_equal(bf, v) == (dt[n] == "bfloat16"), n
