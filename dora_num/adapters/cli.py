@@ -29,8 +29,9 @@ def _cmd_collapse(args) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            more = {} if args.texts is None else {"n_texts": args.texts}
             df = analyse_adapter(args.adapter_dir, args.base, formats=formats, activations=not args.no_activations,
-                                 n_texts=args.texts)
+                                 **more)
         for w in caught:
             if "absorption" in str(w.message):
                 print(f"dora-num collapse: warning: {w.message}", file=sys.stderr)
@@ -63,5 +64,7 @@ def register(sub) -> None:
     p.add_argument("--formats", nargs="+", default=None, help="formats (default: bf16 fp16 fp8_e4m3fn fp8_e5m2)")
     p.add_argument("--per-module", action="store_true", help="print every module, not only the pooled rows")
     p.add_argument("--no-activations", action="store_true", help="skip running the base model (no absorption column)")
-    p.add_argument("--texts", type=int, default=32, help="validation sentences run through the base model for activations")
+    p.add_argument("--texts", type=int, default=None,
+                   help="validation sentences run through the base model (float64) for activations "
+                        "(default: collapse.ACTIVATION_TEXTS, 32)")
     p.set_defaults(func=_cmd_collapse)

@@ -34,6 +34,13 @@ from ..oracles import row_norm_ref64
 FORMATS = ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2")
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
 POOLED = "(all modules)"
+# Activations for the absorption column (:func:`analyse_adapter`): this many validation summaries, this many
+# token rows per module (a seeded sample), the base model evaluated in float64.  float64 so that the rounded
+# activations do not depend on the CPU: fp32 forwards differ in the last bits between machines (BLAS kernel
+# choice), which moves values across rounding boundaries of the narrow formats; float64 differences (~1e-16)
+# decide a bf16/fp16/fp8 rounding only for values within 1e-16 of a rounding boundary.
+ACTIVATION_TEXTS = 32
+ACTIVATION_ROWS = 256
 
 
 @torch.no_grad()
@@ -167,12 +174,13 @@ def base_activations(model: torch.nn.Module, tok, names: list[str], texts: list[
 
 
 def analyse_adapter(adapter_dir: str | os.PathLike, base_dir: str | os.PathLike | None = None, *,
-                    formats=FORMATS, activations: bool = True, n_texts: int = 32, max_rows: int = 256):
+                    formats=FORMATS, activations: bool = True, n_texts: int = ACTIVATION_TEXTS,
+                    max_rows: int = ACTIVATION_ROWS):
     """``collapse_table`` of the PEFT DoRA adapter in ``adapter_dir`` on the base model in ``base_dir``.
 
     Activations come from running the base model (transformers ``AutoModel`` +
-    tokenizer from ``base_dir``) on ``n_texts`` validation summaries of the
-    corpus; if the base model cannot be run that way, the absorption column is
+    tokenizer from ``base_dir``, in float64: :data:`ACTIVATION_TEXTS`) on ``n_texts``
+    validation summaries of the corpus; if the base model cannot be run that way, the absorption column is
     NaN and a warning is printed (g statistics need only the weights).
     """
     import warnings
@@ -196,7 +204,7 @@ def analyse_adapter(adapter_dir: str | os.PathLike, base_dir: str | os.PathLike 
         try:
             from .corpus import load_corpus
 
-            model, tok = load_base_model(base_dir)
+            model, tok = load_base_model(base_dir, dtype=torch.float64)
             texts = [p["summary"] for p in load_corpus(split="validation")[:n_texts]]
             acts = base_activations(model, tok, sorted(g), texts, max_rows=max_rows)
         except Exception as e:  # noqa: BLE001 - g statistics stay valid without activations

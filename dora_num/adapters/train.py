@@ -98,6 +98,8 @@ class TrainResult:
     g_minus_1: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # step -> module -> float32
     model: nn.Module | None = None
     module_names: list[str] = field(default_factory=list)
+    captures: dict[int, object] = field(default_factory=dict)  # step -> what TrainHooks.capture returned
+    stop_reason: str = "max_steps"  # or the reason TrainHooks.should_stop gave
 
     @property
     def seconds_per_step(self) -> float:
@@ -116,6 +118,13 @@ class TrainHooks:
     step's history record; ``compose_fn`` is the ``compose_fn`` of every
     :class:`~dora_num.DoRALinear` of the ``dora_num`` backend (None: the layer's own
     compose).
+
+    ``capture(result, step) -> object`` replaces the default ``g - 1`` snapshot at the
+    capture steps (kept in ``result.captures[step]``).  ``should_stop(result, step) ->
+    str | None`` runs after each step's evaluation and capture; a reason it returns ends
+    training there (``result.stop_reason``; ``"max_steps"`` otherwise).  With a
+    ``should_stop``, the last step reached is always evaluated and captured (once),
+    whatever ended the run.
     """
 
     wrap_model: Callable | None = None
@@ -123,6 +132,8 @@ class TrainHooks:
     gather: Callable | None = None
     on_step: Callable | None = None
     compose_fn: Callable | None = None
+    capture: Callable | None = None
+    should_stop: Callable | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -286,11 +297,15 @@ def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None,
     fwd_model = hooks.wrap_model(model) if hooks.wrap_model else model
     capture, evals = set(cfg.capture_steps), set(cfg.eval_steps)
 
-    def snapshot(step):
-        if step in capture:
-            res.g_minus_1[step] = {n: g_minus_one_exact(*t) for n, t in adapter_tensors(model, cfg.backend, names).items()}
-        if step in evals:
-            res.evals.append({"step": step, **evaluate(model, tok, val_pairs, cfg)})
+    def snapshot(step, force=False):  # force: the final state (once, if not already taken at this step)
+        if (step in capture or force) and step not in res.captures and step not in res.g_minus_1:
+            if hooks.capture is not None:
+                res.captures[step] = hooks.capture(res, step)
+            else:
+                res.g_minus_1[step] = {n: g_minus_one_exact(*t) for n, t in adapter_tensors(model, cfg.backend, names).items()}
+        if (step in evals or force) and not (res.evals and res.evals[-1]["step"] == step):
+            t0 = time.perf_counter()
+            res.evals.append({"step": step, **evaluate(model, tok, val_pairs, cfg), "seconds": time.perf_counter() - t0})
 
     torch.manual_seed(cfg.seed)  # dropout masks: same stream for both backends
     snapshot(0)
@@ -325,6 +340,14 @@ def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None,
         if hooks.on_step:
             hooks.on_step(res.history[-1])
         snapshot(step)
+        if hooks.should_stop is not None:
+            reason = hooks.should_stop(res, step)
+            if reason:
+                res.stop_reason = str(reason)
+                break
+    bar.close()
+    if hooks.should_stop is not None:  # the state training ended in is always evaluated and captured
+        snapshot(res.history[-1]["step"] if res.history else 0, force=True)
     model.eval()
     return res
 

@@ -124,3 +124,24 @@ def test_bf16_autocast_step(small_corpus):
     assert np.isfinite(res.history[0]["loss"])
     assert all(p.dtype == torch.float32 for p in res.model.parameters())
     assert all(g.dtype == np.float32 for g in res.g_minus_1[1].values())
+
+
+def test_stop_and_capture_hooks(small_corpus):
+    """``should_stop`` ends training at the step it names; the state training ended in is then
+    evaluated and captured once, by the ``capture`` hook (the default g - 1 snapshot is not taken)."""
+    seen = []
+
+    def capture(res, step):
+        seen.append(step)
+        return {"step": step, "m0": res.model.get_submodule(res.module_names[0]).magnitude.detach().clone()}
+
+    hooks = T.TrainHooks(capture=capture, should_stop=lambda res, step: "enough" if step == 2 else None)
+    cfg = T.TrainConfig(steps=5, capture_steps=(0, 1, 4), eval_steps=(0, 4), **SMALL)
+    res = T.train(cfg, corpus=small_corpus, hooks=hooks)
+    assert res.stop_reason == "enough" and [h["step"] for h in res.history] == [1, 2]
+    assert seen == [0, 1, 2] and sorted(res.captures) == [0, 1, 2] and not res.g_minus_1
+    assert [e["step"] for e in res.evals] == [0, 2] and all(e["seconds"] > 0 for e in res.evals)
+    assert not torch.equal(res.captures[0]["m0"], res.captures[2]["m0"])  # captures are snapshots, not views
+    full = T.train(T.TrainConfig(steps=2, capture_steps=(2,), eval_steps=(2,), **SMALL), corpus=small_corpus,
+                   hooks=T.TrainHooks(should_stop=lambda res, step: None))
+    assert full.stop_reason == "max_steps" and sorted(full.g_minus_1) == [2] and [e["step"] for e in full.evals] == [2]

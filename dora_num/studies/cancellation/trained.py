@@ -1,0 +1,288 @@
+"""Notebook 01's trained adapters: the committed record (``data/adapters/trained``) and its analysis.
+
+:func:`load_trained` reads what :func:`.trained_record.ingest` wrote; the functions below make notebook
+01's tables: what "trained" means for each run (:func:`outcome`, with the stop labels re-derived from the
+evaluations by :func:`check_stop_labels`), the collapse fractions at the final step (:func:`final_pivot`,
+recomputed from the committed per-row ``g`` by :func:`check_final_against_record`), the paper's adapter
+beside ours (:func:`paper_beside`), and the exported adapters' tables as ``dora-num collapse`` prints them,
+from the recorded ``g`` of the exported state (:func:`exported_tables`; the tests hold the command to them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ...adapters.collapse import FORMATS, POOLED, collapse_table
+from .trained_record import (CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES, RECORD_COMMAND,  # noqa: F401
+                             ZONE_COLUMNS, activations_for, collapse_by_type, ingest, module_type, resolve_base)
+
+RECORDED_DIR = ("adapters", "trained")
+
+
+@dataclass
+class Trained:
+    manifest: dict
+    evals: pd.DataFrame
+    windows: pd.DataFrame
+    collapse: pd.DataFrame
+    crosscheck: pd.DataFrame
+    g_final: dict[str, dict[str, np.ndarray]]  # run -> module -> g (float64, from float32 g - 1)
+    final_steps: dict[str, int]
+    folder: Path
+    outcome: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    def exported(self) -> dict[str, Path]:
+        d = self.folder / "exported"
+        return {p.name: p for p in sorted(d.iterdir())} if d.is_dir() else {}
+
+
+def load_trained(folder=None) -> Trained:
+    """The committed record (default ``data/adapters/trained``); a clear error naming the record
+    command when it is missing."""
+    from ...repro.paths import committed_data
+
+    folder = Path(folder) if folder is not None else committed_data(*RECORDED_DIR)
+    need = ("manifest.json", "evals.csv", "history_windows.csv", "collapse.csv.gz", "g_final.npz")
+    missing = [n for n in need if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no recorded trained adapters in {folder} (missing {', '.join(missing)}); "
+                                f"record them: {RECORD_COMMAND}")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    with np.load(folder / "g_final.npz", allow_pickle=False) as z:
+        off, mods = z["offsets"], [str(n) for n in z["modules"]]
+        g = {str(r): {n: 1.0 + z["gm1"][i, off[j]:off[j + 1]].astype(np.float64) for j, n in enumerate(mods)}
+             for i, r in enumerate(z["runs"])}
+        steps = {str(r): int(s) for r, s in zip(z["runs"], z["steps"])}
+    cross = pd.read_csv(folder / "crosscheck.csv") if (folder / "crosscheck.csv").is_file() else pd.DataFrame()
+    return Trained(manifest, pd.read_csv(folder / "evals.csv"), pd.read_csv(folder / "history_windows.csv"),
+                   pd.read_csv(folder / "collapse.csv.gz"), cross, g, steps, folder,
+                   pd.DataFrame(manifest["outcome"]))
+
+
+def final_recomputed(tr: Trained, formats=FORMATS) -> pd.DataFrame:
+    """The final-step zone fractions of every run recomputed from ``g_final.npz`` (no absorption)."""
+    frames = [collapse_by_type(g, formats).assign(run=run, step=tr.final_steps[run]) for run, g in tr.g_final.items()]
+    return pd.concat(frames, ignore_index=True)
+
+
+def check_final_against_record(tr: Trained, formats=FORMATS) -> pd.DataFrame:
+    """Rows where :func:`final_recomputed` differs from ``collapse.csv.gz``'s final rows in a zone
+    fraction (empty: the committed g reproduces the recorded table)."""
+    key = ["run", "group", "format"]
+    rec = tr.collapse[tr.collapse["final"] & tr.collapse["run"].isin(tr.g_final)][key + list(ZONE_COLUMNS)]
+    j = final_recomputed(tr, formats)[key + list(ZONE_COLUMNS)].merge(rec, on=key, how="outer",
+                                                                      suffixes=("", "_recorded"))
+    bad = np.zeros(len(j), dtype=bool)
+    for c in ZONE_COLUMNS:
+        bad |= ~(j[c] == j[f"{c}_recorded"]).to_numpy()
+    return j[bad].reset_index(drop=True)
+
+
+def base_for_record(tr: Trained, workdir) -> Path:
+    """The base weights folder of the record's runs (rebuilt and checked: :func:`resolve_base`)."""
+    return resolve_base(tr.manifest["base"], Path(workdir))
+
+
+# --------------------------------------------------------------------------
+# Analysis for notebook 01
+# --------------------------------------------------------------------------
+
+STOP_REASONS = ("plateau", "max_steps", "deadline", "signal", "diverged")  # or "error: ..." (gpu_training.run_one)
+# The paper's real adapter (PAPER.md): Qwen2-VL-7B, r = 128, 326 modules, 1.77M g values; task, learning
+# rate and steps not stated (the paper's own training recipe, for its Qwen3.5-9B convergence runs: r = 384,
+# rsLoRA, lr 1e-5 cosine, 2000 steps).
+PAPER_ADAPTER = {"source": "paper: Qwen2-VL-7B, r=128", "model_params": "7B", "modules": 326, "n_g": 1_770_000,
+                 "task": "not stated", "lr": "not stated", "steps": "not stated", "g_std": 0.0015,
+                 "bf16_frac_symmetric_zone": 1.00, "fp16_frac_symmetric_zone": 0.20}
+
+
+def outcome(tr: Trained) -> pd.DataFrame:
+    """Per run: why and where it stopped, MRR@10 and validation loss against the base model (step 0)."""
+    o = tr.outcome.copy()
+    o["mrr10_gain_best"] = o["mrr10_best"] - o["mrr10_base"]
+    o["mrr10_gain_final"] = o["mrr10_final"] - o["mrr10_base"]
+    o["converged"] = o["stop_reason"] == "plateau"
+    cols = ["run", "variant", "rank", "lr", "scale", "stop_reason", "steps", "best_step", "mrr10_base", "mrr10_best",
+            "mrr10_final", "mrr10_gain_best", "val_loss_base", "val_loss_final", "s_per_step", "train_s"]
+    return o[cols].sort_values(["variant", "lr", "rank"]).reset_index(drop=True)
+
+
+def check_stop_labels(tr: Trained) -> list[str]:
+    """Problems with the recorded stop reasons, re-derived from ``evals.csv`` (empty: every label holds).
+
+    ``plateau``: the last ``patience`` evaluations did not beat the best before them by more than
+    ``min_delta``; ``deadline``/``signal``: fewer than ``max_steps`` steps; ``max_steps``: all of them."""
+    cfg = tr.manifest["config"]
+    bad = []
+    for r in tr.outcome.itertuples():
+        e = tr.evals[tr.evals["run"] == r.run].sort_values("step")
+        if r.stop_reason not in STOP_REASONS and not str(r.stop_reason).startswith("error: "):
+            bad.append(f"{r.run}: unknown stop reason {r.stop_reason!r}")
+        if e["step"].max() != r.steps and not str(r.stop_reason).startswith("error: "):
+            bad.append(f"{r.run}: last evaluation at {e['step'].max()}, not at the final step {r.steps}")
+        if r.stop_reason == "plateau":
+            p = cfg["patience"]
+            scores = e[e["step"] % cfg["eval_every"] == 0]["mrr10"].to_numpy()
+            if len(scores) <= p or scores[-p:].max() - cfg["min_delta"] > _keras_best(scores[:-p], cfg["min_delta"]):
+                bad.append(f"{r.run}: labelled plateau, but its last {p} evaluations improved on the best")
+        elif r.stop_reason == "max_steps" and r.steps != cfg["max_steps"]:
+            bad.append(f"{r.run}: labelled max_steps at step {r.steps}")
+        elif r.stop_reason in ("deadline", "signal") and r.steps >= cfg["max_steps"]:
+            bad.append(f"{r.run}: labelled {r.stop_reason} but reached max_steps")
+    return bad
+
+
+def _keras_best(scores, min_delta: float) -> float:
+    best = -np.inf
+    for s in scores:
+        if s - min_delta > best:
+            best = s
+    return best
+
+
+def pooled(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["group"] == POOLED].reset_index(drop=True)
+
+
+def final_pivot(tr: Trained) -> pd.DataFrame:
+    """The closing-note table: pooled fractions at each run's final step, per (variant, rank, lr) x format."""
+    f = pooled(tr.collapse[tr.collapse["final"]])
+    f = f.merge(tr.outcome[["run", "steps", "stop_reason"]], on="run")
+    keep = ["variant", "rank", "lr", "steps", "stop_reason", "format", "g_std", "frac_rounds_to_one",
+            "frac_symmetric_zone", "absorption"]
+    return f[keep].sort_values(["format", "variant", "lr", "rank"]).reset_index(drop=True)
+
+
+def paper_beside(tr: Trained) -> pd.DataFrame:
+    """The paper's real adapter beside ours at the final step (bf16 and fp16, the paper's symmetric zone,
+    and the exact zone it does not report), with what differs: task, model size, lr, steps."""
+    rows = [{**PAPER_ADAPTER, "format": fmt, "frac_symmetric_zone": PAPER_ADAPTER[f"{fmt}_frac_symmetric_zone"],
+             "frac_rounds_to_one": np.nan} for fmt in ("bf16", "fp16")]
+    f = final_pivot(tr)
+    for r in f[f["format"].isin(["bf16", "fp16"])].itertuples():
+        rows.append({"source": f"ours: MiniLM-L6, r={r.rank} ({r.variant})", "model_params": "22.7M", "modules": 36,
+                     "n_g": 20_736, "task": "contrastive retrieval (stdlib docstrings)", "lr": r.lr, "steps": r.steps,
+                     "g_std": r.g_std, "format": r.format, "frac_symmetric_zone": r.frac_symmetric_zone,
+                     "frac_rounds_to_one": r.frac_rounds_to_one})
+    cols = ["source", "model_params", "modules", "n_g", "task", "lr", "steps", "format", "g_std",
+            "frac_symmetric_zone", "frac_rounds_to_one"]
+    return pd.DataFrame(rows)[cols]
+
+
+def smoke_record(folder, *, log=print) -> Path:
+    """A tiny live CPU record (the cross-check trio, a few steps, :data:`~.gpu_training.SMOKE_NOTEBOOK`)
+    recorded in this process and ingested into ``folder/trained``: notebook 01's SMOKE input."""
+    from .gpu_launch import record_inline
+    from .gpu_training import SMOKE_NOTEBOOK, smoke_plan
+
+    folder = Path(folder)
+    files = record_inline(smoke_plan()[:3], "smoke", SMOKE_NOTEBOOK, folder / "launch", log=log)
+    ingest(files, folder / "trained", n_texts=4, max_rows=16, log=log)
+    return folder / "trained"
+
+
+EARLY_ADAPTER = ("adapters", "minilm_dora_r16")  # CPU, 50 steps; its recorded g: data/adapters/runs/r16_lr0.001.npz
+EARLY_RUN = "r16_lr0.001"
+U64 = 2.0**-53
+
+
+def float64_g_bound(g: np.ndarray, rank: int, d_in: int = 1536) -> np.ndarray:
+    """Bound on ``|g_fp64 - g|`` for ``g = m / ||W + sBA||`` with the norm evaluated densely in float64:
+    relative ``(r + d_in + 2) u_64`` for the norm (:func:`dora_num.adapters.collapse.g_exact`) plus one
+    rounding of the quotient."""
+    return np.abs(g) * ((rank + d_in + 2) * U64 + U64)
+
+
+def _near_zone_ends(g: np.ndarray, fmt, width: np.ndarray) -> int:
+    from ...numerics.collapse import exact_zone
+    from ...numerics.formats import get_format
+
+    f = get_format(fmt)
+    ends = np.array([*exact_zone(f), 1.0 - f.eps / 2, 1.0 + f.eps / 2])
+    return int((np.abs(g[:, None] - ends[None, :]).min(axis=1) <= width).sum())
+
+
+def _table_with_margins(g: dict[str, np.ndarray], bound: dict[str, np.ndarray], acts, formats) -> pd.DataFrame:
+    df = collapse_table(g, formats, activations=acts)
+    allg, allb = np.concatenate([g[n] for n in sorted(g)]), np.concatenate([bound[n] for n in sorted(g)])
+    near, bmax = [], []
+    for r in df.itertuples():
+        gg, bb = (allg, allb) if r.module == POOLED else (g[r.module], bound[r.module])
+        near.append(_near_zone_ends(gg, r.format, 2 * bb))  # the recorded g's error and dora-num collapse's
+        bmax.append(float(bb.max()))
+    return df.assign(g_abs_error_bound=bmax, n_near_zone_end=near)
+
+
+def _rel(p: Path) -> str:
+    from ...repro.paths import REPO_ROOT
+
+    try:
+        return str(Path(p).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(Path(p).resolve())
+
+
+def exported_tables(tr: Trained, work, *, n_texts=None, max_rows=None, formats=FORMATS,
+                    include_early: bool = True) -> pd.DataFrame:
+    """Per exported adapter (the record's, and the early CPU one): its collapse table as ``dora-num collapse``
+    prints it (per module and pooled), from the recorded ``g`` of the state that was exported, with
+    ``g_abs_error_bound`` (the recorded g's error against the exact g) and ``n_near_zone_end`` (rows within
+    twice that of a zone end: where a count could differ from another correct float64 evaluation)."""
+    from ...adapters.model import minilm_path
+    from ...adapters.peft_io import read_config
+    from ...repro.paths import committed_data
+    from .analysis import load_runs
+
+    cache: dict[str, dict] = {}
+
+    def acts(base_dir: Path) -> dict:
+        key = str(base_dir)
+        if key not in cache:
+            cache[key] = activations_for(base_dir, n_texts=n_texts, max_rows=max_rows)
+        return cache[key]
+
+    frames = []
+    exp = tr.exported()
+    if exp:
+        base_dir = base_for_record(tr, work)
+        for name, d in exp.items():
+            r = read_config(d)["r"]
+            with np.load(d / "final_capture.npz", allow_pickle=False) as z:
+                off, mods = z["offsets"], [str(n) for n in z["modules"]]
+                gall = z["m"].astype(np.float64) / z["wnorm64"]
+            g = {n: gall[off[j]:off[j + 1]] for j, n in enumerate(mods)}
+            b = {n: float64_g_bound(v, r) for n, v in g.items()}
+            frames.append(_table_with_margins(g, b, acts(base_dir), formats).assign(
+                adapter=_rel(d), base=tr.manifest["base"]["kind"], g_source="recorded capture: m / wnorm64 (float64)"))
+    early_dir = committed_data(*EARLY_ADAPTER)
+    if include_early and early_dir.is_dir():
+        run = load_runs()[EARLY_RUN]
+        g = run["g"][max(run["g"])]
+        r = read_config(early_dir)["r"]
+        # g - 1 stored in float32: half an ulp of g - 1, 2^-24 |g - 1|, on top of the float64 evaluation
+        b = {n: float64_g_bound(v, r) + np.abs(v - 1.0) * 2.0**-24 for n, v in g.items()}
+        frames.append(_table_with_margins(g, b, acts(minilm_path()), formats).assign(
+            adapter=_rel(early_dir), base="packaged", g_source="recorded g - 1 (float32) of m / float64 norm"))
+    df = pd.concat(frames, ignore_index=True)
+    return df[["adapter", "base", "g_source"] + [c for c in df.columns if c not in ("adapter", "base", "g_source")]]
+
+
+def headline(tr: Trained) -> dict:
+    """What notebook 01 asserts and reports about the trained adapters."""
+    o = outcome(tr)
+    std = o[o["variant"] == "standard"]
+    fin = final_pivot(tr)
+    return {
+        "runs": int(len(o)), "stop_reasons": o["stop_reason"].value_counts().to_dict(),
+        "steps_min_max": [int(o["steps"].min()), int(o["steps"].max())],
+        "g_is_quotient": bool(all(v is not False for v in tr.outcome["g_is_quotient"])),
+        "min_mrr10_gain_standard": float(std["mrr10_gain_best"].min()) if len(std) else float("nan"),
+        "crosscheck": {k: v for k, v in tr.manifest["crosscheck"].items() if k != "criterion"},
+        "final_bf16_exact_zone": {f"{r.variant} r={r.rank} lr={r.lr:g}": r.frac_rounds_to_one
+                                  for r in fin[fin["format"] == "bf16"].itertuples()},
+    }

@@ -1,0 +1,506 @@
+"""Notebook 01's trained adapters: the raw record of a launch, and its ingest into the committed record.
+
+A launch of :mod:`.gpu_training` returns ``plan.json`` and ``part-K.tar``; :func:`ingest` unpacks them
+(optionally keeping everything: ``--keep``), checks them, and writes the committed record (default
+``data/adapters/trained/``), every file with a provenance sidecar whose device and versions are the GPU
+machine's:
+
+====================================  ========================================================================
+``manifest.json``                     plan, configuration, prediction, per run: why and where it stopped,
+                                      MRR@10 base/best/final, time per step; the cross-check verdict; what
+                                      is committed and what is left out
+``evals.csv``                         run, step, mrr10, val_loss (every evaluation)
+``history_windows.csv``               per run and 50-step window: loss mean/min/max, gradient norm, seconds
+``collapse.csv.gz``                   per run x capture step x module type (+ pooled) x format: the
+                                      collapse statistics of :func:`dora_num.adapters.collapse.collapse_table`
+                                      of ``g = m / wnorm64`` (absorption on real activations included)
+``g_final.npz``                       per grid run, ``g - 1`` (float32) at its final capture, every row
+``crosscheck.csv``                    PEFT and the 1-ulp twin against ``DoRALinear``, per step and module type
+``exported/<run>/``                   the final adapter in PEFT format, with ``final_capture.npz``
+                                      (``m``, ``wnorm``, ``wnorm64`` of that state)
+====================================  ========================================================================
+
+Left out (``--keep`` has them; the GPU command regenerates them): every capture's ``m``, ``wnorm``,
+``wnorm64`` (16 bytes per row: 13 runs x 8 captures x 20,736 rows = 34.5 MB), the per-step history
+(~1.3 MB), adapters above r = 16 (r = 64: 10.6 MB).
+
+**g.** ``g = m / wnorm64`` (fp32 ``m`` over the float64 dense norm): the ``g`` of the adapter's
+parameters, what ``dora-num collapse`` computes from an exported file, and within a few fp32 ulps of the
+``g`` the layer itself uses (``fl32(m / wnorm)``, its factored fp32 norm: both are recorded).  In
+``g_final.npz`` it is stored as float32 ``g - 1`` (relative error ``2^-24`` of ``g - 1``, ~1e-10 absolute);
+:func:`ingest` checks that every zone count computed from that form equals the one from the full
+precision record (``manifest.json: compact_certified``).
+
+**Cross-check** (:data:`CROSSCHECK_CRITERION`, stated before the device run): the r = 16, lr 1e-3
+configuration ran three times with the same init, batch order and dropout stream: ``DoRALinear``, PEFT's
+DoRA, and ``DoRALinear`` with every initial ``m`` moved by one fp32 ulp (random signs).  The last measures
+how far two equally valid executions of the same training drift apart (in the convergence study's H200
+runs the loss difference of such twins reached its plateau level, ~1.1e-3, by steps 11-30, hence the
+judged steps start at 30).  Per module type and capture step from 30 on: ``RMS(g_PEFT - g_ours) <= 2
+RMS(g_ulp - g_ours)``, for ``g`` of the trained parameters in every module type, and for the ``g`` each
+layer's forward divides by where PEFT sees an fp32 input.  Where its input is bf16 (under autocast: the
+attention output and MLP output linears) PEFT's ``get_weight_norm`` computes ``W + sBA`` and its norm in
+bf16 (``lora_weight.to(x.dtype)``, ``weight.to(x.dtype)``, ``.to(weight.dtype)``): its ``g`` carries the
+rounding of the norm to bf16, predicted RMS :data:`BF16_NORM_RMS_PREDICTED` (1.66e-3), recorded beside the
+verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ...adapters.collapse import FORMATS, POOLED, collapse_table
+
+MODULE_TYPES = ("q", "k", "v", "o", "intermediate", "output")
+_TYPE_RE = (("q", r"attention\.self\.query$"), ("k", r"attention\.self\.key$"), ("v", r"attention\.self\.value$"),
+            ("o", r"attention\.output\.dense$"), ("intermediate", r"intermediate\.dense$"),
+            ("output", r"(?<!attention\.)output\.dense$"))
+COMMIT_MAX_RANK = 16  # exported adapters committed up to this rank (r = 16: 2.75 MB; r = 64: 10.6 MB)
+WINDOW = 50  # steps per row of history_windows.csv
+CROSSCHECK_FACTOR = 2.0  # same-dtype-baseline convention (train_adapters.AGREEMENT_FACTOR)
+CROSSCHECK_FROM_STEP = 30
+# Where PEFT's input is bf16 its forward divides by a norm rounded to bf16; predicted RMS of the relative
+# rounding error (uniform in +-2^-8 x the spacing, values spread log-uniformly over an octave):
+# 2^-8 / sqrt(3) * sqrt(E[1/v^2]), E[1/v^2] = (1/2 - 1/8) / ln 2 for v in [1, 2).
+BF16_NORM_RMS_PREDICTED = 2.0**-8 / 3**0.5 * ((0.5 - 0.125) / np.log(2)) ** 0.5
+CROSSCHECK_CRITERION = (f"per module type and every common capture step >= {CROSSCHECK_FROM_STEP}: "
+                        f"RMS(g_peft - g_ours) <= {CROSSCHECK_FACTOR:g} x RMS(g_ulp - g_ours), for g of the trained "
+                        "parameters (m / float64 norm) in every module type, and for the g each layer's forward "
+                        "divides by in the module types whose input PEFT sees in fp32; where PEFT's input is bf16 "
+                        "its forward divides by a norm rounded to bf16: predicted RMS(g_peft - g_ours) = "
+                        f"{BF16_NORM_RMS_PREDICTED:.2e} at step 0")
+RECORD_COMMAND = ("on the H200: python3 -m dora_num.studies.cancellation.gpu_training launch --out $OUT "
+                  "--base .carry/minilm; then: python -m dora_num.studies.cancellation.gpu_training ingest "
+                  "FILES_DIR --dest data/adapters/trained --git-sha SHA")
+ZONE_COLUMNS = ("frac_symmetric_zone", "frac_rounds_to_one", "frac_below_one_symmetric",
+                "frac_below_one_rounds_to_one")
+
+
+def module_type(name: str) -> str:
+    """``q``, ``k``, ``v``, ``o`` (attention output), ``intermediate`` or ``output`` of a MiniLM linear."""
+    for t, pat in _TYPE_RE:
+        if re.search(pat, name):
+            return t
+    raise ValueError(f"{name!r} is not one of MiniLM's encoder linears")
+
+
+# --------------------------------------------------------------------------
+# A launch's raw record (what came back from the device)
+# --------------------------------------------------------------------------
+
+@dataclass
+class Captures:
+    """One run's captures (:func:`~.gpu_training.captures_npz`)."""
+
+    steps: np.ndarray
+    modules: list[str]
+    offsets: np.ndarray
+    m: np.ndarray  # float32 [k, rows]
+    wnorm: np.ndarray  # float32
+    wnorm64: np.ndarray  # float64
+    g_is_quotient: np.ndarray
+
+    @classmethod
+    def load(cls, path) -> "Captures":
+        with np.load(path, allow_pickle=False) as z:
+            return cls(z["steps"], [str(n) for n in z["modules"]], z["offsets"], z["m"], z["wnorm"], z["wnorm64"],
+                       z["g_is_quotient"])
+
+    def row(self, step: int) -> int:
+        hit = np.flatnonzero(self.steps == step)
+        if not hit.size:
+            raise KeyError(f"no capture at step {step} (have {self.steps.tolist()})")
+        return int(hit[0])
+
+    def split(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        return {n: flat[self.offsets[j]:self.offsets[j + 1]] for j, n in enumerate(self.modules)}
+
+    def g_params(self, step: int) -> dict[str, np.ndarray]:
+        """``m / wnorm64`` (float64): the g of the adapter's parameters."""
+        i = self.row(step)
+        return self.split(self.m[i].astype(np.float64) / self.wnorm64[i])
+
+    def g_layer(self, step: int) -> dict[str, np.ndarray]:
+        """``fl32(m / wnorm)``: the g the layer's forward uses (IEEE fp32 division, as on the device)."""
+        i = self.row(step)
+        return self.split((self.m[i] / self.wnorm[i]).astype(np.float64))
+
+
+@dataclass
+class RawRun:
+    name: str
+    info: dict  # run.json
+    history: pd.DataFrame
+    evals: pd.DataFrame
+    captures: Captures
+    folder: Path
+
+    @property
+    def final_step(self) -> int:
+        """The last capture (the final state; earlier only if a run's final capture failed)."""
+        return int(self.info.get("final_capture_step", self.info["steps"]))
+
+
+@dataclass
+class RawRecord:
+    plan: dict
+    runs: dict[str, RawRun]
+    missing: list[str]
+    folder: Path
+
+
+def unpack(files: Path, into: Path) -> Path:
+    """Extract ``files/part-*.tar`` into ``into`` (tar's ``data`` filter: no links, nothing outside)."""
+    parts = sorted(Path(files).glob("part-*.tar"))
+    if not parts:
+        raise FileNotFoundError(f"no part-*.tar in {files} (the output folder of a gpu_training launch)")
+    into.mkdir(parents=True, exist_ok=True)
+    for p in parts:
+        with tarfile.open(p) as tar:
+            tar.extractall(into, filter="data")
+    return into
+
+
+def load_raw(folder: Path) -> RawRecord:
+    """The unpacked record: ``plan.json`` and ``runs/<name>/``; runs of the plan without a complete
+    folder are listed in ``missing``."""
+    folder = Path(folder)
+    plan = json.loads((folder / "plan.json").read_text())
+    runs, missing = {}, []
+    for spec in plan["plan"]:
+        d = folder / "runs" / spec["name"]
+        need = [d / f for f in ("run.json", "history.csv.gz", "evals.csv", "captures.npz")]
+        if not all(p.is_file() for p in need):
+            missing.append(spec["name"])
+            continue
+        runs[spec["name"]] = RawRun(spec["name"], json.loads(need[0].read_text()), pd.read_csv(need[1]),
+                                    pd.read_csv(need[2]), Captures.load(need[3]), d)
+    return RawRecord(plan, runs, missing, folder)
+
+
+def run_labels(info: dict) -> dict:
+    s = info["spec"]
+    variant = ("PEFT" if s["backend"] == "peft" else "m + 1 ulp" if s["perturbed"] else
+               "rsLoRA" if s["use_rslora"] else "standard")
+    return {"run": info["name"], "rank": s["rank"], "lr": s["lr"], "variant": variant, "role": info["role"],
+            "scale": info["scale"]}
+
+
+# --------------------------------------------------------------------------
+# Collapse statistics per module type
+# --------------------------------------------------------------------------
+
+def collapse_by_type(g_by_module: dict[str, np.ndarray], formats=FORMATS, activations: dict | None = None):
+    """:func:`collapse_table` per MiniLM module type and pooled: statistics of the concatenated g;
+    absorption as the activation-weighted mean of the per-module fractions (as the pooled row of
+    ``collapse_table`` does)."""
+    by_type: dict[str, list] = {}
+    for n in sorted(g_by_module):
+        by_type.setdefault(module_type(n), []).append(n)
+    stats = collapse_table({t: np.concatenate([g_by_module[n] for n in ns]) for t, ns in by_type.items()}, formats)
+    stats = stats.rename(columns={"module": "group"}).drop(columns=["absorption", "n_activations"])
+    if activations is None:
+        return stats.assign(absorption=np.nan, n_activations=0)
+    per = collapse_table(g_by_module, formats, activations=activations)
+    per = per[per["module"] != POOLED].assign(group=lambda d: d["module"].map(module_type))
+    rows = []
+    for (grp, fmt), sub in list(per.groupby(["group", "format"])) + [((POOLED, f), s) for f, s in per.groupby("format")]:
+        w = sub["n_activations"].to_numpy()
+        rows.append({"group": grp, "format": fmt, "n_activations": int(w.sum()),
+                     "absorption": float(np.nansum(sub["absorption"].to_numpy() * w) / w.sum()) if w.sum() else np.nan})
+    return stats.merge(pd.DataFrame(rows), on=["group", "format"], how="left")
+
+
+def activations_for(base_dir, *, n_texts=None, max_rows=None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Real base activations ``x W^T`` of every encoder linear: what ``dora-num collapse`` uses
+    (:func:`dora_num.adapters.collapse.analyse_adapter`'s defaults: validation summaries, a seeded
+    sample of token rows, the base model evaluated in float64)."""
+    import torch
+
+    from ...adapters.collapse import ACTIVATION_ROWS, ACTIVATION_TEXTS, base_activations
+    from ...adapters.corpus import load_corpus
+    from ...adapters.model import encoder_linear_names, load_base_model
+
+    model, tok = load_base_model(base_dir, dtype=torch.float64)
+    texts = [p["summary"] for p in load_corpus(split="validation")[: n_texts or ACTIVATION_TEXTS]]
+    return base_activations(model, tok, encoder_linear_names(model), texts, max_rows=max_rows or ACTIVATION_ROWS,
+                            seed=seed)
+
+
+def resolve_base(base: dict, workdir: Path) -> Path:
+    """A local folder holding the base weights a run used (``run.json: base``), checked by
+    :func:`~.gpu_training.weights_fingerprint`: the packaged MiniLM, or its bf16-rounded copy rebuilt by
+    :func:`dora_num.studies.carry.write_minilm_bf16`."""
+    from ...adapters.model import minilm_path
+    from ..carry import write_minilm_bf16
+    from .gpu_training import weights_fingerprint
+
+    if base["kind"] == "bf16-rounded":
+        path = write_minilm_bf16(Path(workdir) / "minilm-bf16")
+    else:
+        path = minilm_path()
+    got = weights_fingerprint(path / "model.safetensors")
+    if got != base["fingerprint"]:
+        raise ValueError(f"the runs used base weights with fingerprint {base['fingerprint']} ({base['kind']}); "
+                         f"{path} has {got}: cannot reproduce their activations here")
+    return path
+
+
+# --------------------------------------------------------------------------
+# Cross-check
+# --------------------------------------------------------------------------
+
+def crosscheck_table(runs: dict[str, RawRun]) -> pd.DataFrame:
+    """Per common capture step, module type (+ ``all``) and g (``layer``, ``params``): RMS and max of
+    ``g_peft - g_ours`` and ``g_ulp - g_ours``, their ratio and whether it meets the criterion."""
+    peft = next((r for r in runs.values() if r.info["role"] == "peft_twin"), None)
+    ulp = next((r for r in runs.values() if r.info["role"] == "ulp_twin"), None)
+    if peft is None or ulp is None:
+        return pd.DataFrame()
+    key = {k: peft.info["spec"][k] for k in ("rank", "lr", "use_rslora", "alpha")}
+    ours = next((r for r in runs.values() if r.info["role"] == "grid"
+                 and all(r.info["spec"][k] == v for k, v in key.items())), None)
+    if ours is None:
+        return pd.DataFrame()
+    common = sorted(set(ours.captures.steps.tolist()) & set(peft.captures.steps.tolist())
+                    & set(ulp.captures.steps.tolist()))
+    rows = []
+    for step in common:
+        for kind in ("layer", "params"):
+            get = (lambda r: r.captures.g_layer(step)) if kind == "layer" else (lambda r: r.captures.g_params(step))
+            go, gp, gu = get(ours), get(peft), get(ulp)
+            groups = {"all": sorted(go)} | {t: [n for n in sorted(go) if module_type(n) == t] for t in MODULE_TYPES}
+            for grp, names in groups.items():
+                if not names:
+                    continue
+                dp = np.concatenate([gp[n] - go[n] for n in names])
+                du = np.concatenate([gu[n] - go[n] for n in names])
+                rp, ru = float(np.sqrt(np.mean(dp**2))), float(np.sqrt(np.mean(du**2)))
+                rows.append({"step": step, "g": kind, "group": grp, "rms_peft": rp, "rms_ulp": ru,
+                             "max_peft": float(np.abs(dp).max()), "max_ulp": float(np.abs(du).max()),
+                             "ratio": rp / ru if ru > 0 else (0.0 if rp == 0 else np.inf)})
+    df = pd.DataFrame(rows)
+    df["judged"] = df["step"] >= CROSSCHECK_FROM_STEP
+    df["meets"] = df["ratio"] <= CROSSCHECK_FACTOR
+    return df
+
+
+def crosscheck_verdict(table: pd.DataFrame, bf16_input_types=()) -> dict:
+    """:data:`CROSSCHECK_CRITERION` applied to :func:`crosscheck_table`.  ``bf16_input_types``: the
+    module types whose input PEFT's forward sees in bf16 (from its run's recorded input dtypes)."""
+    if table.empty:
+        return {"criterion": CROSSCHECK_CRITERION, "ran": False}
+    j = table[table["judged"]]
+    out = {"criterion": CROSSCHECK_CRITERION, "ran": True, "steps": sorted(j["step"].unique().tolist()),
+           "bf16_input_types": sorted(bf16_input_types)}
+    judged = {"params": j[(j["g"] == "params") & (j["group"] != "all")],
+              "layer_fp32_inputs": j[(j["g"] == "layer") & (j["group"] != "all") & ~j["group"].isin(bf16_input_types)]}
+    for key, sub in judged.items():
+        out[f"agree_g_{key}"] = bool(len(sub) and sub["meets"].all())
+        out[f"worst_ratio_g_{key}"] = float(sub["ratio"].max()) if len(sub) else None
+        out[f"failing_g_{key}"] = sorted({f"{r.group}@{r.step}" for r in sub[~sub["meets"]].itertuples()})
+    at0 = table[(table["step"] == 0) & (table["g"] == "layer") & table["group"].isin(bf16_input_types)]
+    out["peft_bf16_norm_rms_step0"] = {r.group: r.rms_peft for r in at0.itertuples()}
+    out["peft_bf16_norm_rms_predicted"] = BF16_NORM_RMS_PREDICTED
+    return out
+
+
+def bf16_input_types(runs: dict[str, RawRun]) -> list[str]:
+    """Module types whose input the PEFT twin's forward saw in bf16 (all layers alike)."""
+    peft = next((r for r in runs.values() if r.info["role"] == "peft_twin"), None)
+    if peft is None:
+        return []
+    return sorted({module_type(n) for n, dt in peft.info["input_dtypes"].items() if dt == "bfloat16"})
+
+
+# --------------------------------------------------------------------------
+# Tables of a raw record
+# --------------------------------------------------------------------------
+
+def collapse_over_training(runs: dict[str, RawRun], formats=FORMATS, activations: dict | None = None,
+                           log=None) -> pd.DataFrame:
+    """:func:`collapse_by_type` of ``g = m / wnorm64`` at every capture of every run (tidy)."""
+    frames = []
+    for name, r in sorted(runs.items()):
+        for step in r.captures.steps.tolist():
+            df = collapse_by_type(r.captures.g_params(step), formats, activations)
+            frames.append(df.assign(**run_labels(r.info), step=int(step), final=int(step) == r.final_step))
+        if log:
+            log(f"collapse tables: {name}")
+    df = pd.concat(frames, ignore_index=True)
+    first = ["run", "rank", "lr", "variant", "role", "scale", "step", "final", "group", "format"]
+    return df[first + [c for c in df.columns if c not in first]]
+
+
+def history_windows(runs: dict[str, RawRun], window: int = WINDOW) -> pd.DataFrame:
+    frames = []
+    for name, r in sorted(runs.items()):
+        h = r.history.assign(window=(r.history["step"] - 1) // window)
+        agg = h.groupby("window").agg(step_lo=("step", "min"), step_hi=("step", "max"), loss_mean=("loss", "mean"),
+                                      loss_min=("loss", "min"), loss_max=("loss", "max"),
+                                      grad_norm_mean=("grad_norm", "mean"), lr=("lr", "last"),
+                                      seconds_median=("seconds", "median"),
+                                      seconds_p90=("seconds", lambda s: float(np.quantile(s, 0.9))))
+        frames.append(agg.reset_index(drop=True).assign(run=name))
+    df = pd.concat(frames, ignore_index=True)
+    return df[["run"] + [c for c in df.columns if c != "run"]]
+
+
+def outcome_table(runs: dict[str, RawRun]) -> pd.DataFrame:
+    rows = []
+    for name, r in sorted(runs.items()):
+        i = r.info
+        rows.append({**run_labels(i), "stop_reason": i["stop_reason"], "steps": i["steps"], "best_step": i["best_step"],
+                     "mrr10_base": i["mrr10_base"], "mrr10_best": i["best_mrr10"], "mrr10_final": i["mrr10_final"],
+                     "val_loss_base": i["val_loss_base"], "val_loss_final": i["val_loss_final"],
+                     "s_per_step": i["median_s_per_step"], "build_s": i["build_s"], "train_s": i["train_s"],
+                     "g_is_quotient": i["g_is_quotient"], "compose_path": i["compose_path"],
+                     "fused_training_calls": i["dispatch_counts"].get("fused_training", 0)})
+    return pd.DataFrame(rows)
+
+
+def g_final_npz(runs: dict[str, RawRun]) -> bytes:
+    """``runs [n]``, ``steps [n]`` (each run's final capture), ``modules``, ``offsets``, ``gm1`` float32
+    ``[n, rows]`` = ``fl32(m / wnorm64 - 1)``; the grid runs only (the twins' final states are in
+    ``crosscheck.csv`` and ``collapse.csv.gz``)."""
+    import io
+
+    names = sorted(n for n, r in runs.items() if r.info["role"] == "grid")
+    caps = [runs[n].captures for n in names]
+    gm1 = np.stack([c.m[c.row(runs[n].final_step)].astype(np.float64) / c.wnorm64[c.row(runs[n].final_step)] - 1.0
+                    for n, c in zip(names, caps)]).astype(np.float32)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, runs=np.asarray(names), steps=np.asarray([runs[n].final_step for n in names]),
+                        modules=np.asarray(caps[0].modules), offsets=caps[0].offsets, gm1=gm1)
+    return buf.getvalue()
+
+
+def compact_differences(runs: dict[str, RawRun], formats=FORMATS) -> list[dict]:
+    """Zone counts of ``g_final.npz``'s float32 ``g - 1`` that differ from those of the full-precision
+    ``m / wnorm64`` (per run, module, format; empty when the compact form loses nothing counted)."""
+    bad = []
+    for name, r in sorted(runs.items()):
+        exact = r.captures.g_params(r.final_step)
+        compact = {n: 1.0 + (g - 1.0).astype(np.float32).astype(np.float64) for n, g in exact.items()}
+        a, b = collapse_table(exact, formats), collapse_table(compact, formats)
+        for col in ZONE_COLUMNS:
+            diff = a[col] != b[col]
+            bad += [{"run": name, "module": a.loc[i, "module"], "format": a.loc[i, "format"], "column": col}
+                    for i in np.flatnonzero(diff.to_numpy())]
+    return bad
+
+
+# --------------------------------------------------------------------------
+# Ingest
+# --------------------------------------------------------------------------
+
+def _brief(info: dict) -> dict:
+    """``run.json`` for the manifest: input dtypes per module type (they are the same in every layer)."""
+    out = dict(info)
+    by_type: dict[str, set] = {}
+    for n, dt in (info.get("input_dtypes") or {}).items():
+        by_type.setdefault(module_type(n), set()).add(dt)
+    out["input_dtypes"] = {t: "/".join(sorted(v)) for t, v in by_type.items()}
+    return out
+
+
+def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_texts: int | None = None,
+           max_rows: int | None = None, replace: bool = False, log=print) -> list[Path]:
+    """Unpack a launch (``files``: ``plan.json`` + ``part-K.tar``), check it, and write the committed
+    record into ``dest`` (module docstring); with ``keep``, the full record stays unpacked there.
+    ``n_texts``/``max_rows``: the absorption activations (default: ``dora-num collapse``'s).  A ``dest``
+    that already holds files is refused unless ``replace`` (then it is emptied first: no stale file of
+    an earlier record survives beside the new one)."""
+    import shutil
+
+    from ...repro.provenance import read_provenance, save_dataframe, save_json, sha256_file, write_artifact
+
+    files, dest = Path(files), Path(dest)
+    if dest.is_dir() and any(dest.iterdir()):
+        if not replace:
+            raise FileExistsError(f"{dest} already holds a record: pass replace=True (--replace) to overwrite it")
+        shutil.rmtree(dest)
+    tmp = Path(tempfile.mkdtemp(prefix="dora-num-ingest-"))
+    try:
+        root = unpack(files, Path(keep) if keep else tmp / "record")
+        rec = load_raw(root)
+        if not rec.runs:
+            raise ValueError(f"no complete run in {files} (missing: {rec.missing})")
+        bases = {r.info["base"]["fingerprint"] for r in rec.runs.values()}
+        if len(bases) != 1:
+            raise ValueError(f"the runs used different base weights: {sorted(bases)}")
+        first = next(iter(rec.runs.values()))
+        base_dir = resolve_base(first.info["base"], tmp)
+        log(f"{len(rec.runs)} runs (missing: {rec.missing or 'none'}); base {first.info['base']['kind']} ok")
+        side = read_provenance(first.folder / "run.json")
+        parts = {p.name: p for p in sorted(files.glob("part-*.tar"))}
+        prov = dict(device=side.get("device"), params=rec.plan["config"], seed=rec.plan["config"]["seed"],
+                    producer="dora_num.studies.cancellation.trained.ingest (GPU launch of gpu_training)",
+                    inputs=parts, extra={"measured_at_git_sha": git_sha or rec.plan.get("git_sha"),
+                                         "gpu_versions": side.get("versions"), "plan": rec.plan["plan_name"]})
+        acts = activations_for(base_dir, n_texts=n_texts, max_rows=max_rows)
+        collapse = collapse_over_training(rec.runs, activations=acts, log=log)
+        cross = crosscheck_table(rec.runs)
+        verdict = crosscheck_verdict(cross, bf16_input_types(rec.runs))
+        diffs = compact_differences(rec.runs)
+        outcome = outcome_table(rec.runs)
+        dest.mkdir(parents=True, exist_ok=True)
+        out = [save_dataframe(pd.concat([r.evals.assign(run=n) for n, r in sorted(rec.runs.items())])
+                              [["run", "step", "mrr10", "val_loss", "seconds"]], dest / "evals.csv",
+                              float_format="%.9g", **prov),
+               save_dataframe(history_windows(rec.runs), dest / "history_windows.csv", float_format="%.9g", **prov),
+               save_dataframe(collapse, dest / "collapse.csv.gz", **prov),
+               write_artifact(dest / "g_final.npz", g_final_npz(rec.runs), **prov)]
+        if not cross.empty:
+            out.append(save_dataframe(cross, dest / "crosscheck.csv", **prov))
+        exported = {}
+        for name, r in sorted(rec.runs.items()):
+            adir = r.folder / "adapter"
+            if not (adir / "adapter_config.json").is_file():
+                continue
+            size = sum(p.stat().st_size for p in adir.iterdir() if p.is_file() and not p.name.endswith(".json"))
+            committed = r.info["spec"]["rank"] <= COMMIT_MAX_RANK
+            exported[name] = {"bytes": size, "committed": committed}
+            if not committed:
+                continue
+            edir = dest / "exported" / name
+            for f in ("adapter_config.json", "adapter_model.safetensors"):
+                out.append(write_artifact(edir / f, (adir / f).read_bytes(), **prov))
+            i = r.captures.row(r.final_step)
+            import io
+
+            buf = io.BytesIO()
+            np.savez_compressed(buf, modules=np.asarray(r.captures.modules), offsets=r.captures.offsets,
+                                step=np.int64(r.final_step), m=r.captures.m[i], wnorm=r.captures.wnorm[i],
+                                wnorm64=r.captures.wnorm64[i])
+            out.append(write_artifact(edir / "final_capture.npz", buf.getvalue(), **prov))
+        manifest = {
+            "plan_name": rec.plan["plan_name"], "plan": rec.plan["plan"], "config": rec.plan["config"],
+            "prediction": rec.plan["prediction"], "wall_s": rec.plan["wall_s"], "elapsed_s": rec.plan.get("elapsed_s"),
+            "processes": {k: {"returncode": v["returncode"], "wall_s": v["wall_s"]}
+                          for k, v in rec.plan["processes"].items()},
+            "missing_runs": rec.missing, "runs": {n: _brief(r.info) for n, r in sorted(rec.runs.items())},
+            "outcome": outcome.to_dict(orient="records"), "crosscheck": verdict,
+            "compact_certified": not diffs, "compact_differences": diffs[:50],
+            "exported": exported, "base": first.info["base"], "git_sha": git_sha or rec.plan.get("git_sha"),
+            "absorption_activations": {"n_texts": n_texts, "max_rows": max_rows, "dtype": "float64",
+                                       "note": "None: dora-num collapse's defaults"},
+            "parts": {k: sha256_file(p) for k, p in parts.items()},
+            "left_out": {"captures": "m, wnorm, wnorm64 of every capture (runs/<name>/captures.npz)",
+                         "history": "per-step loss, gradient norm, lr, seconds (runs/<name>/history.csv.gz)",
+                         "adapters": [n for n, e in exported.items() if not e["committed"]],
+                         "bytes": int(sum(p.stat().st_size for p in root.rglob("*") if p.is_file())),
+                         "regenerate": RECORD_COMMAND},
+        }
+        out.append(save_json(manifest, dest / "manifest.json", **prov))
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
