@@ -40,7 +40,10 @@ RECORDERS = {
     "memory": Recorder("dora_num.studies.gradient.memory_measure",
                        "GPU: peak memory of training steps against the memory model (06)"),
     "adapters": Recorder("dora_num.studies.cancellation.train_adapters",
-                         "CPU: the real MiniLM DoRA adapters and the PEFT agreement runs (01)"),
+                         "CPU: the early-training MiniLM DoRA adapters (50 steps) and the PEFT agreement runs (01)"),
+    "adapters-gpu": Recorder("dora_num.studies.cancellation.gpu_training",
+                             "GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training; "
+                             "launch | plan | ingest (01)"),
     "carry": Recorder("dora_num.studies.carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
 }
 

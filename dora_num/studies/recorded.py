@@ -119,17 +119,18 @@ def machine_from_sidecar(path: Path) -> dict:
 
 def ingest(artifacts: dict, dest: Path, *, machine: dict, producer: str, git_sha: str | None = None,
            params: dict | None = None, seed: int | None = None, extra: dict | None = None,
-           sources=(), float_formats: dict[str, str] | None = None) -> list[Path]:
+           sources=(), inputs: dict | None = None, float_formats: dict[str, str] | None = None) -> list[Path]:
     """Write recorded ``artifacts`` into ``dest`` (under ``data/``), each with a sidecar.
 
     ``artifacts``: ``{file name: content}``, content a ``Path`` or ``bytes`` (copied
     byte for byte), a pandas ``DataFrame`` (:func:`~dora_num.repro.provenance.save_dataframe`,
     ``float_formats[name]`` if given) or a JSON-able ``dict``.  ``machine``: the
     measuring machine (:func:`read_machine` / :func:`machine_from_sidecar`).
-    ``git_sha``: the commit that ran, when ``machine`` does not know it.  Sidecar
-    keys: see the module docstring."""
+    ``git_sha``: the commit that ran, when ``machine`` does not know it.  ``inputs``:
+    ``{name: file}`` the artifacts were derived from (e.g. the archives a GPU machine
+    returned), hashed into every sidecar.  Sidecar keys: see the module docstring."""
     dest = Path(dest)
-    prov = dict(device=machine.get("device"), producer=producer, params=params or {}, seed=seed,
+    prov = dict(device=machine.get("device"), producer=producer, params=params or {}, seed=seed, inputs=inputs,
                 extra={"measured_at_git_sha": git_sha or machine.get("git_sha"),
                        "measured_versions": machine.get("versions"), "measured_argv": machine.get("argv"),
                        "measured_from": [Path(s).name for s in sources], **(extra or {})})

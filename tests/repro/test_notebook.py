@@ -4,6 +4,7 @@ beside them, and recorded data asked for in one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -97,5 +98,14 @@ def test_every_notebook_declares_its_parameters_once_and_its_recorded_inputs(nb)
     for name in declared:  # a parameter is never assigned again after the parameters cell
         assert f"\n{name} = " not in "\n" + later and f", {name} = " not in later, name
     requires = book["metadata"]["dora_num"]["requires"]
-    assert all(r.startswith("data/") and (paths.REPO_ROOT / r).is_file() for r in requires), requires
+    assert all(r.startswith("data/") for r in requires), requires
     assert ("ctx.recorded(" in later) == bool(requires)
+    # Every required file of a record that is committed is there (a typo or an incomplete record fails here); a
+    # record not made yet (its folder absent altogether) means the full run waits for it: the runner skips the
+    # notebook and names the missing files (tests/repro/test_runner.py).
+    missing = [r for r in requires if not (paths.REPO_ROOT / r).is_file()]
+    incomplete = [r for r in missing if (paths.REPO_ROOT / r).parent.exists()]
+    assert not incomplete, f"required files missing from committed records: {incomplete}"
+    if missing:
+        pytest.skip(f"{nb.stem}: recorded inputs not committed yet, its full run waits for them: "
+                    + ", ".join(sorted({str(Path(r).parent) for r in missing})))

@@ -17,7 +17,8 @@ from dora_num.studies import cli
 MODULE_MAINS = {  # python -m entry points that must keep working
     "dora_num.studies.suite": "suite", "dora_num.studies.convergence.run": "convergence",
     "dora_num.studies.gradient.memory_model": "memory", "dora_num.studies.gradient.memory_measure": "memory",
-    "dora_num.studies.cancellation.train_adapters": "adapters", "dora_num.studies.speed.train_graphs": "train-graphs",
+    "dora_num.studies.cancellation.train_adapters": "adapters",
+    "dora_num.studies.cancellation.gpu_training": "adapters-gpu", "dora_num.studies.speed.train_graphs": "train-graphs",
     "dora_num.studies.speed.overhead": "overhead", "dora_num.studies.carry": "carry",
 }
 

@@ -75,16 +75,45 @@ PAPER_SHAPE = recorded.RecordedData(
 # 1. Collapse on the recorded training runs.
 # ----------------------------------------------------------------------------
 
-def load_runs(root=None) -> dict[str, dict]:
-    """``{run: {"rank", "lr", "g": {step: {module: g (float64)}}}}`` from ``data/adapters/runs/*.npz``."""
+def load_runs(root=None, only=()) -> dict[str, dict]:
+    """``{run: {"rank", "lr", "g": {step: {module: g (float64)}}}}`` from ``data/adapters/runs/*.npz``
+    (the runs named in ``only``; all of them if it is empty)."""
     root = committed_data("adapters", "runs") if root is None else root
+    have = {p.stem: p for p in sorted(root.glob("r*_lr*.npz"))}
+    unknown = sorted(set(only) - set(have))
+    if unknown:
+        raise ValueError(f"runs {unknown} are not recorded in {root} (have {sorted(have)})")
     out = {}
-    for p in sorted(root.glob("r*_lr*.npz")):
+    for p in (have[n] for n in sorted(have) if not only or n in only):
         rank, lr = p.stem.split("_lr")
         g = {s: {n: 1.0 + v.astype(np.float64) for n, v in mods.items()} for s, mods in load_g_npz(p).items()}
         out[p.stem] = {"rank": int(rank[1:]), "lr": float(lr), "g": g}
     if not out:
         recorded.require([root / f"{run}.npz" for run in _RUNS], ADAPTERS.how_to_record)
+    return out
+
+
+def training_tables(root=None) -> tuple[pd.DataFrame, pd.DataFrame, list]:
+    """The early runs' evaluations and per-step history (``data/adapters/runs/*_{evals,history}.csv``)
+    and the files they came from."""
+    root = committed_data("adapters", "runs") if root is None else root
+    ev, hi = sorted(root.glob("*_evals.csv")), sorted(root.glob("*_history.csv"))
+    if not ev or not hi:
+        recorded.require([root / f"{run}_evals.csv" for run in _RUNS], ADAPTERS.how_to_record)
+    return (pd.concat(map(pd.read_csv, ev), ignore_index=True), pd.concat(map(pd.read_csv, hi), ignore_index=True),
+            ev + hi)
+
+
+def training_summary(evals: pd.DataFrame, hist: pd.DataFrame) -> pd.DataFrame:
+    """Per early run: rank, lr, final step, validation MRR@10 and loss against the base model (step 0),
+    first and last training loss (mean of the last 5 steps), median CPU seconds per step."""
+    base_mrr = float(evals.loc[evals["step"] == 0, "mrr10"].iloc[0])
+    final = evals[evals["step"] > 0].rename(columns={"mrr10": "mrr10_final", "val_loss": "val_loss_final"})
+    speed = hist[hist["step"] > 1].groupby("run")["seconds"].median().rename("s_per_step_median")
+    first_last = hist.groupby("run")["loss"].agg(loss_first="first", loss_last=lambda s: s.tail(5).mean())
+    out = (final.set_index("run")[["rank", "lr_peak", "step", "mrr10_final", "val_loss_final"]]
+           .join(first_last).join(speed).reset_index().assign(mrr10_base=base_mrr))
+    out["mrr10_gain"] = out["mrr10_final"] - out["mrr10_base"]
     return out
 
 

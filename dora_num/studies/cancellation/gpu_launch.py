@@ -91,10 +91,7 @@ def launch(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, 
     procs = {}
     (work / "logs").mkdir(parents=True, exist_ok=True)
     for spec in plan:
-        cmd = [python, "-m", MODULE, "run", spec.name, "--work", str(work), "--plan", plan_name,
-               "--device", cfg.device, "--deadline-at", repr(deadline_at)]
-        if base_path is not None:
-            cmd += ["--base", str(base_path)]
+        cmd = run_command(spec, plan_name, cfg, work, deadline_at=deadline_at, base_path=base_path, python=python)
         f = open(work / "logs" / f"{spec.name}.log", "w")
         procs[spec.name] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), f, time.time())
     termed = killed = False
@@ -142,6 +139,17 @@ def launch(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, 
     log(f"packed {len(parts)} parts ({sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB) in "
         f"{summary['elapsed_s']:.0f} s total; {sum(r['returncode'] == 0 for r in results.values())}/{len(plan)} runs ok")
     return summary
+
+
+def run_command(spec: RunSpec, plan_name: str, cfg: StudyConfig, work: Path, *, deadline_at: float | None,
+                base_path=None, python: str = sys.executable) -> list[str]:
+    """The command line of one run's process (``gpu_training run NAME ...``)."""
+    cmd = [python, "-m", MODULE, "run", spec.name, "--work", str(work), "--plan", plan_name, "--device", cfg.device]
+    if deadline_at is not None:
+        cmd += ["--deadline-at", repr(deadline_at)]
+    if base_path is not None:
+        cmd += ["--base", str(base_path)]
+    return cmd
 
 
 def record_inline(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, base_path=None,

@@ -1,12 +1,12 @@
 """Notebook 01's trained adapters: MiniLM + DoRA until validation MRR@10 stops improving (the recorder).
 
-    python -m dora_num.studies.cancellation.gpu_training launch --out DIR [--plan full|smoke] [--base MODEL_DIR]
-                                                              [--wall-s 540] [--device auto|cuda|cpu] [--runs NAME ...]
-    python -m dora_num.studies.cancellation.gpu_training plan [--plan full|smoke] [--wall-s 540]
-    python -m dora_num.studies.cancellation.gpu_training ingest FILES_DIR --dest data/adapters/trained --git-sha SHA
-                                                              [--keep DIR] [--replace]
+    dora-num record adapters-gpu launch --out DIR [--plan full|smoke] [--base MODEL_DIR] [--wall-s 540]
+                                        [--device auto|cuda|cpu] [--runs NAME ...] [--git-sha SHA]
+    dora-num record adapters-gpu plan [--plan full|smoke] [--wall-s 540]
+    dora-num record adapters-gpu ingest FILES_DIR --dest data/adapters/trained --git-sha SHA [--keep DIR] [--replace]
 
-(``dora-num record adapters-gpu ...`` is the same :func:`main`.)
+(``python -m dora_num.studies.cancellation.gpu_training ...`` and, where nothing is installed, as on the
+GPU machine, ``python3 -m dora_num record adapters-gpu ...`` are the same command.)
 
 **The plan** (:func:`full_plan`): ranks 8, 16, 64, 128, 384 x learning rates 1e-4, 1e-3 (``alpha = r``, so
 ``s = 1``); rsLoRA at r = 384 with ``alpha = 192 = r/2`` (the paper's own convergence setting, ``s = 9.80``) at
@@ -69,7 +69,7 @@ import torch
 
 from ...adapters.train import TrainConfig, TrainHooks, config_dict, peft_dora_modules, train
 from ...oracles import row_norm_ref64
-from ..convergence.run import ULP_SEED_OFFSET
+from ..convergence.config import ULP_SEED_OFFSET
 
 RECORDER_NAME = "adapters-gpu"  # for ``dora-num record adapters-gpu``
 MODULE = "dora_num.studies.cancellation.gpu_training"  # what the launcher runs with python -m
@@ -506,9 +506,8 @@ def threading_is_main() -> bool:
 # Command line (``dora-num record adapters-gpu``)
 # --------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dora_num.studies.cancellation.gpu_training",
-                                description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = f"dora-num record {RECORDER_NAME}", name: str = RECORDER_NAME) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -540,8 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def record(a) -> int:
+    """``dora-num record adapters-gpu`` with its parsed arguments (:func:`build_parser`)."""
     if a.cmd == "ingest":
         from .trained_record import ingest
 
@@ -565,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = L.launch(select(plan, a.runs), a.plan, cfg, Path(a.out), wall_s=a.wall_s, base_path=a.base,
                        git_sha=a.git_sha)
     return 0 if all(r["returncode"] == 0 for r in summary["processes"].values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import run
+
+    return run(RECORDER_NAME, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """The figures of notebook 01: one function per figure, named like the file the
 notebook saves it as, each taking the notebook's tidy tables and returning a
-matplotlib figure (every notebook's figures live in its study folder's ``plots.py``)."""
+matplotlib figure (every notebook's figures live in its study folder's ``plots.py``).
+
+``trained_*``: the adapters trained on the H200 (:mod:`.trained`'s tables; step 0 is
+drawn at 1 on the log axes); the early CPU runs (:mod:`.analysis`); the compose error
+and the paper's benchmark."""
 
 from __future__ import annotations
 
@@ -9,8 +13,150 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from ...adapters.collapse import POOLED
 from ...numerics.formats import get_format
 from .analysis import pooled
+from .trained import CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES, PAPER_ADAPTER
+
+_MEASURE = {"frac_rounds_to_one": "exact: fl(g) = 1", "frac_symmetric_zone": "paper: |g-1| < eps/2",
+            "absorption": "absorption: fl(g x) = x"}
+
+
+def _pooled_groups(collapse: pd.DataFrame) -> pd.DataFrame:
+    """The pooled rows (all modules) of a trained record's collapse table, step 0 at 1 for log axes."""
+    c = collapse[collapse["group"] == POOLED]
+    return c.assign(step1=c["step"].clip(lower=1)).reset_index(drop=True)
+
+
+# ----------------------------------------------------------------------------
+# The trained adapters (H200)
+# ----------------------------------------------------------------------------
+
+def trained_quality(evals: pd.DataFrame, outcome: pd.DataFrame):
+    """Validation MRR@10 and loss of the standard runs over training, the base model dotted."""
+    ev = evals.merge(outcome[["run", "rank", "lr", "variant"]], on="run")
+    ev = ev[ev["variant"] == "standard"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    for ax, (col, lab) in zip(axes, (("mrr10", "validation MRR@10"), ("val_loss", "validation loss"))):
+        sns.lineplot(data=ev, x="step", y=col, hue="rank", style="lr", palette="viridis", ax=ax)
+        ax.axhline(float(evals.loc[evals["step"] == 0, col].iloc[0]), color="k", lw=0.8, ls=":")
+        ax.set(ylabel=lab, title=f"{lab} (dotted: the base model)")
+    return fig
+
+
+def trained_collapse_over_training(collapse: pd.DataFrame):
+    """Per format and lr: the exact-zone, paper-zone and absorption fractions (pooled) over training."""
+    col = _pooled_groups(collapse)
+    col = col[col["variant"] == "standard"]
+    long = col.melt(id_vars=["run", "rank", "lr", "step1", "format"], value_name="fraction", var_name="measure",
+                    value_vars=list(_MEASURE))
+    long["measure"] = long["measure"].map(_MEASURE)
+    g = sns.relplot(data=long, x="step1", y="fraction", hue="rank", style="measure", col="format", row="lr",
+                    kind="line", palette="viridis", height=2.5, aspect=1.15, facet_kws={"sharey": True},
+                    dashes=["", (4, 2), (1, 1)])
+    g.set(xscale="log")
+    g.set_titles(row_template="lr {row_name}", col_template="{col_name}")
+    g.set_axis_labels("step", "fraction")
+    g.figure.suptitle("collapse over training (pooled over modules)", y=1.02)
+    return g.figure
+
+
+def trained_g_std(collapse: pd.DataFrame):
+    """std of g (all modules) over training, beside the paper's adapter."""
+    std = _pooled_groups(collapse[collapse["format"] == "bf16"])
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    sns.lineplot(data=std[std["variant"].isin(["standard", "rsLoRA"])], x="step1", y="g_std", hue="rank", style="lr",
+                 markers=True, palette="viridis", ax=ax)
+    ax.axhline(PAPER_ADAPTER["g_std"], color="k", lw=0.8, ls=":")
+    ax.set(xscale="log", yscale="log", xlabel="step", ylabel="std of g (all modules)",
+           title=f"spread of g over training (dotted: the paper's adapter, {PAPER_ADAPTER['g_std']:g})")
+    return fig
+
+
+def trained_final_exact_zone(collapse: pd.DataFrame):
+    """Exact-zone fraction of the final adapters per rank, lr and format."""
+    fin = collapse[collapse["final"] & (collapse["group"] == POOLED) & collapse["variant"].eq("standard")]
+    g = sns.catplot(data=fin, x="rank", y="frac_rounds_to_one", hue="lr", col="format", kind="bar", height=2.8,
+                    aspect=0.9, palette="crest")
+    g.set_titles(col_template="{col_name}")
+    g.set_axis_labels("rank", "fraction of g with fl(g) = 1")
+    g.figure.suptitle("exact-zone collapse of the final adapters", y=1.03)
+    return g.figure
+
+
+def trained_final_by_module_type(bytype: pd.DataFrame):
+    """Exact-zone fraction per module type at the final step (:func:`.trained.final_by_module_type`)."""
+    g = sns.catplot(data=bytype, x="group", y="frac_rounds_to_one", hue="rank", col="format", row="lr", kind="bar",
+                    order=list(MODULE_TYPES), palette="viridis", height=2.4, aspect=1.2)
+    g.set_titles(row_template="lr {row_name}", col_template="{col_name}")
+    g.set_xticklabels(rotation=45)
+    g.set_axis_labels("module type", "fl(g) = 1")
+    g.figure.suptitle("exact-zone fraction per module type, final step", y=1.02)
+    return g.figure
+
+
+def trained_bf16_by_module_type_over_training(collapse: pd.DataFrame):
+    """bf16 exact-zone fraction per module type over training, per rank and lr (standard runs)."""
+    c = collapse
+    over = c[(c["group"] != POOLED) & c["variant"].eq("standard") & c["format"].eq("bf16")]
+    over = over.assign(step1=over["step"].clip(lower=1))
+    g = sns.relplot(data=over, x="step1", y="frac_rounds_to_one", hue="group", hue_order=list(MODULE_TYPES),
+                    col="rank", row="lr", kind="line", marker="o", height=2.3, aspect=1.0)
+    g.set(xscale="log")
+    g.set_titles(row_template="lr {row_name}", col_template="r = {col_name}")
+    g.set_axis_labels("step", "bf16: fl(g) = 1")
+    g.figure.suptitle("bf16 exact-zone fraction per module type over training", y=1.02)
+    return g.figure
+
+
+def trained_g_histogram(g_final: dict, final_steps: dict, runs=("r16_lr0.001", "r128_lr0.0001")):
+    """Every row of ``g - 1`` at the final step of ``runs`` (those recorded; else the first run), with
+    each format's zones: shaded the paper's symmetric zone, solid lines the exact zone's ends."""
+    want = [r for r in runs if r in g_final] or sorted(g_final)[:1]
+    fig, axes = plt.subplots(1, len(want), figsize=(6 * len(want), 3.4), squeeze=False)
+    for ax, run in zip(axes[0], want):
+        ax.hist(np.concatenate(list(g_final[run].values())) - 1, bins=200, color="0.4")
+        for fmt, color in (("bf16", "C0"), ("fp16", "C1")):
+            f = get_format(fmt)
+            ax.axvspan(-f.eps / 2, f.eps / 2, color=color, alpha=0.12, label=f"{fmt}: |g-1| < eps/2")
+            for x in (-f.spacing_below_one / 2, f.spacing_above_one / 2):
+                ax.axvline(x, color=color, lw=1.2)
+        ax.set(xlabel="g - 1", ylabel="rows", title=f"{run}, step {final_steps[run]}")
+        ax.legend(fontsize=7)
+    return fig
+
+
+def trained_g_std_vs_lr_steps(collapse: pd.DataFrame):
+    """std of g at the final step against lr x steps, beside the paper's adapter."""
+    fs = collapse[collapse["final"] & (collapse["group"] == POOLED) & collapse["format"].eq("bf16")]
+    fs = fs[fs["variant"].isin(["standard", "rsLoRA"])]
+    fs = fs.assign(lr_steps=fs["lr"] * fs["step"])
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    sns.scatterplot(data=fs, x="lr_steps", y="g_std", hue="rank", style="variant", palette="viridis", s=60, ax=ax)
+    ax.axhline(PAPER_ADAPTER["g_std"], color="k", lw=0.8, ls=":", label="paper: Qwen2-VL-7B r=128")
+    ax.set(xscale="log", yscale="log", xlabel="lr x steps", ylabel="std of g at the final step")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def trained_crosscheck(crosscheck: pd.DataFrame):
+    """RMS(g_PEFT - g_ours) / RMS(g_ulp - g_ours) per module type over training, both g, with the criterion."""
+    cc = crosscheck[(crosscheck["group"] != "all") & (crosscheck["ratio"] > 0)]  # step 0 of params: 0 / x
+    cc = cc.assign(step1=cc["step"].clip(lower=1))
+    g = sns.relplot(data=cc, x="step1", y="ratio", hue="group", col="g", kind="line", marker="o", height=3, aspect=1.3,
+                    hue_order=list(MODULE_TYPES))
+    for ax in g.axes.flat:
+        ax.axhline(CROSSCHECK_FACTOR, color="k", lw=0.8, ls=":")
+        ax.axvline(CROSSCHECK_FROM_STEP, color="0.6", lw=0.8, ls="--")
+    g.set(xscale="log", yscale="log")
+    g.set_axis_labels("step", "RMS(g_peft - g_ours) / RMS(g_ulp - g_ours)")
+    g.figure.suptitle("PEFT vs DoRALinear, in units of the 1-ulp chaos floor (dotted: the criterion)", y=1.03)
+    return g.figure
+
+
+# ----------------------------------------------------------------------------
+# The early CPU runs (50 steps)
+# ----------------------------------------------------------------------------
 
 
 def agreement_peft_vs_doralinear(agreement: pd.DataFrame):
@@ -30,7 +176,7 @@ def training_loss(hist: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(7, 3.5))
     h = hist.assign(loss_smooth=hist.groupby("run")["loss"].transform(lambda s: s.rolling(5, min_periods=1).mean()))
     sns.lineplot(data=h, x="step", y="loss_smooth", hue="rank", style="lr_peak", palette="viridis", ax=ax)
-    ax.set(ylabel="contrastive loss (rolling mean of 5)", title="DoRA fine-tuning of MiniLM (CPU)")
+    ax.set(ylabel="contrastive loss (rolling mean of 5)", title="early training: DoRA fine-tuning of MiniLM (CPU)")
     return fig
 
 
@@ -47,7 +193,8 @@ def collapse_over_training(over: pd.DataFrame, paper: pd.DataFrame):
         if fmt in ("bf16", "fp16"):
             ax.axhline(float(paper.loc[paper["format"] == fmt, "frac_symmetric_zone"].iloc[0]), color="k", lw=0.8,
                        ls=":")
-    g.figure.suptitle("fraction of g collapsing to 1 (dotted: the paper's Qwen2-VL-7B r=128 zone fraction)", y=1.02)
+    g.figure.suptitle("early training (CPU, 50 steps): fraction of g collapsing to 1 (dotted: the paper's "
+                      "Qwen2-VL-7B r=128 zone fraction)", y=1.02)
     return g.figure
 
 
@@ -61,10 +208,14 @@ def g_histogram_r16(runs: dict, run: str):
         ax.axvspan(-f.eps / 2, f.eps / 2, color=color, alpha=0.12, label=f"{fmt} paper zone |g-1| < eps/2")
         for x in (-f.spacing_below_one / 2, f.spacing_above_one / 2):
             ax.axvline(x, color=color, lw=1.2)
-    ax.set(xlabel="g - 1", ylabel="count", title=f"g of {run} at its last step (solid lines: exact zone ends)")
+    ax.set(xlabel="g - 1", ylabel="count", title=f"g of {run} (CPU) at its last step (solid lines: exact zone ends)")
     ax.legend(fontsize=8)
     return fig
 
+
+# ----------------------------------------------------------------------------
+# The compose error and the paper's benchmark
+# ----------------------------------------------------------------------------
 
 def compose_ulp_error_vs_gm1(agg: pd.DataFrame):
     """Mean ULP error of the compose against ``|g-1|`` (:func:`~dora_num.studies.cancellation.analysis.error_by_gm1`)."""

@@ -18,10 +18,21 @@ import numpy as np
 import pandas as pd
 
 from ...adapters.collapse import FORMATS, POOLED, collapse_table
-from .trained_record import (CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES, RECORD_COMMAND,  # noqa: F401
-                             ZONE_COLUMNS, activations_for, collapse_by_type, ingest, module_type, resolve_base)
+from .. import recorded
+from .gpu_training import EXPORTS, RunSpec
+from .trained_record import (COMMIT_MAX_RANK, CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES,  # noqa: F401
+                             RECORD_COMMAND, ZONE_COLUMNS, activations_for, collapse_by_type, ingest, module_type,
+                             resolve_base)
 
 RECORDED_DIR = ("adapters", "trained")
+READ = ("manifest.json", "evals.csv", "history_windows.csv", "collapse.csv.gz", "g_final.npz")  # what load_trained reads
+# The committed H200 record as notebook 01's full run needs it: what load_trained reads, the cross-check of the
+# full plan, and the exported adapters small enough to commit (with the capture of their final state).
+TRAINED = recorded.RecordedData(
+    files=tuple("/".join((*RECORDED_DIR, f)) for f in (*READ, "crosscheck.csv"))
+    + tuple("/".join((*RECORDED_DIR, "exported", RunSpec(r, lr).name, f)) for r, lr in EXPORTS if r <= COMMIT_MAX_RANK
+            for f in ("adapter_config.json", "adapter_model.safetensors", "final_capture.npz")),
+    how_to_record=RECORD_COMMAND)
 
 
 @dataclass
@@ -42,16 +53,13 @@ class Trained:
 
 
 def load_trained(folder=None) -> Trained:
-    """The committed record (default ``data/adapters/trained``); a clear error naming the record
-    command when it is missing."""
+    """The committed record (default ``data/adapters/trained``), or a record in ``folder``;
+    :class:`~dora_num.studies.recorded.RecordedDataMissing` naming the missing files and the record
+    command when it is incomplete."""
     from ...repro.paths import committed_data
 
     folder = Path(folder) if folder is not None else committed_data(*RECORDED_DIR)
-    need = ("manifest.json", "evals.csv", "history_windows.csv", "collapse.csv.gz", "g_final.npz")
-    missing = [n for n in need if not (folder / n).is_file()]
-    if missing:
-        raise FileNotFoundError(f"no recorded trained adapters in {folder} (missing {', '.join(missing)}); "
-                                f"record them: {RECORD_COMMAND}")
+    recorded.require([folder / n for n in READ], RECORD_COMMAND)
     manifest = json.loads((folder / "manifest.json").read_text())
     with np.load(folder / "g_final.npz", allow_pickle=False) as z:
         off, mods = z["offsets"], [str(n) for n in z["modules"]]
@@ -149,6 +157,12 @@ def pooled(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["group"] == POOLED].reset_index(drop=True)
 
 
+def final_by_module_type(tr: Trained) -> pd.DataFrame:
+    """The final-step collapse rows of the standard runs per module type (pooled rows left out)."""
+    c = tr.collapse
+    return c[c["final"] & (c["group"] != POOLED) & c["variant"].eq("standard")].reset_index(drop=True)
+
+
 def final_pivot(tr: Trained) -> pd.DataFrame:
     """The closing-note table: pooled fractions at each run's final step, per (variant, rank, lr) x format."""
     f = pooled(tr.collapse[tr.collapse["final"]])
@@ -227,12 +241,20 @@ def _rel(p: Path) -> str:
         return str(Path(p).resolve())
 
 
-def exported_tables(tr: Trained, work, *, n_texts=None, max_rows=None, formats=FORMATS,
+def exported_tables(tr: Trained, work=None, *, n_texts=None, max_rows=None, formats=FORMATS,
                     include_early: bool = True) -> pd.DataFrame:
     """Per exported adapter (the record's, and the early CPU one): its collapse table as ``dora-num collapse``
     prints it (per module and pooled), from the recorded ``g`` of the state that was exported, with
     ``g_abs_error_bound`` (the recorded g's error against the exact g) and ``n_near_zone_end`` (rows within
-    twice that of a zone end: where a count could differ from another correct float64 evaluation)."""
+    twice that of a zone end: where a count could differ from another correct float64 evaluation).
+    ``n_texts``/``max_rows``: the activations (``None`` or 0: ``dora-num collapse``'s defaults).  ``work``:
+    where the bf16-rounded base is rebuilt when the runs used it (45 MB; default: a temporary folder)."""
+    if work is None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="dora-num-01-") as tmp:
+            return exported_tables(tr, Path(tmp), n_texts=n_texts, max_rows=max_rows, formats=formats,
+                                   include_early=include_early)
     from ...adapters.model import minilm_path
     from ...adapters.peft_io import read_config
     from ...repro.paths import committed_data

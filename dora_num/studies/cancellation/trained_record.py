@@ -1,9 +1,10 @@
 """Notebook 01's trained adapters: the raw record of a launch, and its ingest into the committed record.
 
-A launch of :mod:`.gpu_training` returns ``plan.json`` and ``part-K.tar``; :func:`ingest` unpacks them
-(optionally keeping everything: ``--keep``), checks them, and writes the committed record (default
-``data/adapters/trained/``), every file with a provenance sidecar whose device and versions are the GPU
-machine's:
+A launch of :mod:`.gpu_training` returns ``plan.json`` and ``part-K.tar``; :func:`ingest`
+(``dora-num record adapters-gpu ingest``) unpacks them (optionally keeping everything: ``--keep``), checks
+them, and writes the committed record (default ``data/adapters/trained/``) through
+:func:`dora_num.studies.recorded.ingest`: every file with a provenance sidecar in the recorded-data
+vocabulary (the GPU machine's device, ``measured_at_git_sha``, ``measured_versions``, ...):
 
 ====================================  ========================================================================
 ``manifest.json``                     plan, configuration, prediction, per run: why and where it stopped,
@@ -77,9 +78,9 @@ CROSSCHECK_CRITERION = (f"per module type and every common capture step >= {CROS
                         "divides by in the module types whose input PEFT sees in fp32; where PEFT's input is bf16 "
                         "its forward divides by a norm rounded to bf16: predicted RMS(g_peft - g_ours) = "
                         f"{BF16_NORM_RMS_PREDICTED:.2e} at step 0")
-RECORD_COMMAND = ("on the H200: python3 -m dora_num.studies.cancellation.gpu_training launch --out $OUT "
-                  "--base .carry/minilm; then: python -m dora_num.studies.cancellation.gpu_training ingest "
-                  "FILES_DIR --dest data/adapters/trained --git-sha SHA")
+RECORDER = "dora-num record adapters-gpu"  # gpu_training.RECORDER_NAME
+RECORD_COMMAND = (f"on the H200: {RECORDER} launch --out $OUT --base .carry/minilm --git-sha SHA; "
+                  f"then here: {RECORDER} ingest FILES_DIR --dest data/adapters/trained --git-sha SHA")
 ZONE_COLUMNS = ("frac_symmetric_zone", "frac_rounds_to_one", "frac_below_one_symmetric",
                 "frac_below_one_rounds_to_one")
 
@@ -419,9 +420,11 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
     ``n_texts``/``max_rows``: the absorption activations (default: ``dora-num collapse``'s).  A ``dest``
     that already holds files is refused unless ``replace`` (then it is emptied first: no stale file of
     an earlier record survives beside the new one)."""
+    import io
     import shutil
 
-    from ...repro.provenance import read_provenance, save_dataframe, save_json, sha256_file, write_artifact
+    from ...repro.provenance import sha256_file
+    from .. import recorded
 
     files, dest = Path(files), Path(dest)
     if dest.is_dir() and any(dest.iterdir()):
@@ -440,27 +443,21 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
         first = next(iter(rec.runs.values()))
         base_dir = resolve_base(first.info["base"], tmp)
         log(f"{len(rec.runs)} runs (missing: {rec.missing or 'none'}); base {first.info['base']['kind']} ok")
-        side = read_provenance(first.folder / "run.json")
         parts = {p.name: p for p in sorted(files.glob("part-*.tar"))}
-        prov = dict(device=side.get("device"), params=rec.plan["config"], seed=rec.plan["config"]["seed"],
-                    producer="dora_num.studies.cancellation.trained.ingest (GPU launch of gpu_training)",
-                    inputs=parts, extra={"measured_at_git_sha": git_sha or rec.plan.get("git_sha"),
-                                         "gpu_versions": side.get("versions"), "plan": rec.plan["plan_name"]})
+        sha = git_sha or rec.plan.get("git_sha")
         acts = activations_for(base_dir, n_texts=n_texts, max_rows=max_rows)
         collapse = collapse_over_training(rec.runs, activations=acts, log=log)
         cross = crosscheck_table(rec.runs)
         verdict = crosscheck_verdict(cross, bf16_input_types(rec.runs))
         diffs = compact_differences(rec.runs)
         outcome = outcome_table(rec.runs)
-        dest.mkdir(parents=True, exist_ok=True)
-        out = [save_dataframe(pd.concat([r.evals.assign(run=n) for n, r in sorted(rec.runs.items())])
-                              [["run", "step", "mrr10", "val_loss", "seconds"]], dest / "evals.csv",
-                              float_format="%.9g", **prov),
-               save_dataframe(history_windows(rec.runs), dest / "history_windows.csv", float_format="%.9g", **prov),
-               save_dataframe(collapse, dest / "collapse.csv.gz", **prov),
-               write_artifact(dest / "g_final.npz", g_final_npz(rec.runs), **prov)]
+        artifacts = {
+            "evals.csv": pd.concat([r.evals.assign(run=n) for n, r in sorted(rec.runs.items())])[
+                ["run", "step", "mrr10", "val_loss", "seconds"]],
+            "history_windows.csv": history_windows(rec.runs), "collapse.csv.gz": collapse,
+            "g_final.npz": g_final_npz(rec.runs)}
         if not cross.empty:
-            out.append(save_dataframe(cross, dest / "crosscheck.csv", **prov))
+            artifacts["crosscheck.csv"] = cross
         exported = {}
         for name, r in sorted(rec.runs.items()):
             adir = r.folder / "adapter"
@@ -471,18 +468,15 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
             exported[name] = {"bytes": size, "committed": committed}
             if not committed:
                 continue
-            edir = dest / "exported" / name
             for f in ("adapter_config.json", "adapter_model.safetensors"):
-                out.append(write_artifact(edir / f, (adir / f).read_bytes(), **prov))
+                artifacts[f"exported/{name}/{f}"] = adir / f
             i = r.captures.row(r.final_step)
-            import io
-
             buf = io.BytesIO()
             np.savez_compressed(buf, modules=np.asarray(r.captures.modules), offsets=r.captures.offsets,
                                 step=np.int64(r.final_step), m=r.captures.m[i], wnorm=r.captures.wnorm[i],
                                 wnorm64=r.captures.wnorm64[i])
-            out.append(write_artifact(edir / "final_capture.npz", buf.getvalue(), **prov))
-        manifest = {
+            artifacts[f"exported/{name}/final_capture.npz"] = buf.getvalue()
+        artifacts["manifest.json"] = {  # written last: a record without its manifest is refused by load_trained
             "plan_name": rec.plan["plan_name"], "plan": rec.plan["plan"], "config": rec.plan["config"],
             "prediction": rec.plan["prediction"], "wall_s": rec.plan["wall_s"], "elapsed_s": rec.plan.get("elapsed_s"),
             "processes": {k: {"returncode": v["returncode"], "wall_s": v["wall_s"]}
@@ -490,7 +484,7 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
             "missing_runs": rec.missing, "runs": {n: _brief(r.info) for n, r in sorted(rec.runs.items())},
             "outcome": outcome.to_dict(orient="records"), "crosscheck": verdict,
             "compact_certified": not diffs, "compact_differences": diffs[:50],
-            "exported": exported, "base": first.info["base"], "git_sha": git_sha or rec.plan.get("git_sha"),
+            "exported": exported, "base": first.info["base"], "git_sha": sha,
             "absorption_activations": {"n_texts": n_texts, "max_rows": max_rows, "dtype": "float64",
                                        "note": "None: dora-num collapse's defaults"},
             "parts": {k: sha256_file(p) for k, p in parts.items()},
@@ -500,7 +494,12 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
                          "bytes": int(sum(p.stat().st_size for p in root.rglob("*") if p.is_file())),
                          "regenerate": RECORD_COMMAND},
         }
-        out.append(save_json(manifest, dest / "manifest.json", **prov))
-        return out
+        # One vocabulary of provenance keys (dora_num.studies.recorded): the GPU machine's device and
+        # versions from a run's own sidecar, the commit it ran, the archives it came back in.
+        return recorded.ingest(artifacts, dest, machine=recorded.machine_from_sidecar(first.folder / "run.json"),
+                               producer=f"{RECORDER} ingest (a launch of {__package__}.gpu_training)",
+                               git_sha=sha, params=rec.plan["config"], seed=rec.plan["config"]["seed"],
+                               extra={"plan": rec.plan["plan_name"]}, sources=[files], inputs=parts,
+                               float_formats={"evals.csv": "%.9g", "history_windows.csv": "%.9g"})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -184,6 +184,23 @@ def test_plan_command_prints(capsys):
     assert "r384_lr0.0001_rslora" in out and "steps_host_bound" in out
 
 
+def test_plan_through_dora_num_record(capsys):
+    """``dora-num record adapters-gpu ...`` reaches the recorder with its arguments passed through."""
+    from dora_num.__main__ import main
+
+    assert main(["record", G.RECORDER_NAME, "plan", "--plan", "smoke", "--device", "cpu"]) == 0
+    assert [s.name for s in G.smoke_plan()][0] in capsys.readouterr().out
+
+
+def test_launcher_command_line_is_the_recorder_s():
+    """Each run's process (``python -m ...gpu_training run NAME ...``) parses with the recorder's parser."""
+    cmd = L.run_command(G.smoke_plan()[1], "smoke", G.SMOKE_CPU, "W", deadline_at=123.5, base_path="B", python="py")
+    assert cmd[:3] == ["py", "-m", G.MODULE]
+    a = G.build_parser().parse_args(cmd[3:])
+    assert (a.cmd, a.name, a.work, a.plan, a.device, a.deadline_at, a.base) == (
+        "run", G.smoke_plan()[1].name, "W", "smoke", "cpu", 123.5, "B")
+
+
 def test_unknown_run_is_named():
     with pytest.raises(ValueError, match=r"runs \['r7_lr0.1'\] are not in the plan"):
         G.select(G.full_plan(), ["r7_lr0.1"])

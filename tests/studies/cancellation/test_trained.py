@@ -189,6 +189,39 @@ def test_smoke_record_is_complete_and_labelled(smoke):
 
 
 @pytest.mark.slow
+def test_smoke_ingest_writes_the_recorded_data_vocabulary(smoke):
+    """Every file of the record has a sidecar in :mod:`dora_num.studies.recorded`'s vocabulary: the measuring
+    machine's device (from a run's own sidecar), the commit and versions it ran, the archives it came in."""
+    from dora_num.repro.provenance import read_provenance
+
+    run_side = read_provenance(next(iter(smoke.raw.runs.values())).folder / "run.json")
+    files = sorted(p for p in smoke.dest.rglob("*") if p.is_file() and not p.name.endswith(".provenance.json"))
+    assert {p.relative_to(smoke.dest).as_posix() for p in files} >= set(T.READ) | {"crosscheck.csv"}
+    for p in files:
+        side = read_provenance(p)
+        assert side["device"] == run_side["device"] and side["producer"].startswith("dora-num record adapters-gpu")
+        assert {"measured_at_git_sha", "measured_versions", "measured_argv", "measured_from", "plan"} <= set(side["extra"])
+        assert side["extra"]["measured_versions"] == run_side["versions"]
+        assert side["extra"]["measured_from"] == [smoke.files.name]
+        assert set(side["inputs"]) == {q.name for q in smoke.files.glob("part-*.tar")}
+
+
+def test_notebook_01_requires_what_it_asks_for():
+    """Notebook 01's ``requires`` (what the runner checks before a full run) is exactly the data sets it asks
+    ``ctx.recorded`` for: the H200 record, the early CPU runs, the paper-shape benchmark."""
+    import json
+
+    from dora_num.studies.cancellation import analysis as C
+
+    book = json.loads((REPO_ROOT / "notebooks" / "01_cancellation_at_g1.ipynb").read_text())
+    want = {f"data/{f}" for d in (T.TRAINED, C.ADAPTERS, C.PAPER_SHAPE) for f in d.files}
+    assert sorted(book["metadata"]["dora_num"]["requires"]) == sorted(want)
+    code = "\n".join("".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code")
+    for spec in ("T.TRAINED", "C.ADAPTERS", "C.PAPER_SHAPE"):
+        assert f"ctx.recorded({spec}" in code, spec
+
+
+@pytest.mark.slow
 def test_smoke_init_is_shared_and_g_is_one(smoke):
     """Step 0: our layer's g is 1 exactly (m is its own norm); the ulp twin's m is one fp32 ulp away from
     ours in every row; PEFT got our A, B = 0, m, so its parameters' g is ours bit for bit."""
