@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fixed_order as fo
 from . import formulas as F
 from .formats import FORMATS, get_format, round_to
 
@@ -237,12 +238,12 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
     _, two_s, s_sq = F.scale_constants(s)
     aW, aA, aB = np.abs(W), np.abs(A), np.abs(B)
     base = (W * W).sum(1)
-    WA = aW @ aA.T
-    BA = aB @ aA
+    WA = fo.matmul(aW, aA.T)  # fixed-order float64 products: the same bits on every CPU (not BLAS)
+    BA = fo.matmul(aB, aA)
     cross_mag = (aB * WA).sum(1)
     ba_mag = (BA * BA).sum(1)
-    cross = (B * (W @ A.T)).sum(1)
-    ba = ((B @ A) ** 2).sum(1)
+    cross = (B * fo.matmul(W, A.T)).sum(1)
+    ba = (fo.matmul(B, A) ** 2).sum(1)
     dp = 2 * d if tensor_core_products else d  # additions charged to the products U and G
     d_terms = _gam(d, u) * base + two_s * _gam(dp + r, u) * cross_mag + s_sq * _gam(dp + 2 * r, u) * ba_mag
     S = base + two_s * cross_mag + s_sq * ba_mag  # >= the magnitudes of the computed terms' sum
@@ -274,8 +275,8 @@ def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
     d, r = W.shape[1], A.shape[0]
     u = FORMATS["fp32"].u
     s = F.scale_constants(s)[0]
-    BA = B @ A
-    BAabs = np.abs(B) @ np.abs(A)
+    BA = fo.matmul(B, A)  # fixed order (not BLAS): the same bits on every CPU
+    BAabs = fo.matmul(np.abs(B), np.abs(A))
     x = W + s * BA
     xmag = np.abs(W) + abs(s) * np.abs(BA)
     e = u * np.abs(x) + (1 + u) ** 2 * abs(s) * _gam(r, u) * BAabs + (1 + u) * u * abs(s) * np.abs(BA) \

@@ -13,8 +13,8 @@ Usage: ``python -m dora_num.studies.carry .carry/minilm`` (the folder is git-ign
 
 from __future__ import annotations
 
+import argparse
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -41,6 +41,17 @@ def write_minilm_bf16(dst: str | Path) -> Path:
     return dst
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dora_num.studies.carry",
+                                description="Write a bf16 copy of the packaged all-MiniLM-L6-v2 (45 MB) for the "
+                                            "GPU machine, which cannot install it.")
+    p.add_argument("dst", nargs="?", default=".carry/minilm", metavar="DIR",
+                   help="output folder (default: .carry/minilm, git-ignored)")
+    args = p.parse_args(argv)
+    out = write_minilm_bf16(args.dst)
+    print(f"wrote {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 2**20:.1f} MiB)")
+    return 0
+
+
 if __name__ == "__main__":
-    out = write_minilm_bf16(sys.argv[1] if len(sys.argv) > 1 else ".carry/minilm")
-    print(f"wrote {out} ({sum(p.stat().st_size for p in out.rglob('*') if p.is_file()) / 2**20:.1f} MiB)")
+    raise SystemExit(main())

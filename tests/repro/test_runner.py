@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from dora_num.repro import paths
+from dora_num.repro.kernel import KERNELSPEC
 from dora_num.repro.runner import NotebookFailed, list_notebooks, reproduce
 
 NOTEBOOKS = list_notebooks()
@@ -41,7 +42,7 @@ def test_notebook_is_committed_clean(nb):
     assert "parameters" in code[0].metadata.get("tags", []), "first code cell must be tagged 'parameters'"
     assert "SMOKE" in code[0].source
     assert book.cells[0].cell_type == "markdown"
-    assert book.metadata["kernelspec"]["name"] == "python3"
+    assert book.metadata["kernelspec"] == KERNELSPEC, "notebooks run on the project kernel (dora-num)"
     assert "assert" in code[-1].source, "the last cell asserts the headline claim"
 
 

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from ...numerics import formulas as F
+from ...numerics import fixed_order, formulas as F
 from ...numerics.bounds import (assembly_bound, assembly_condition, compose_bound, dense_norm_bound,
                                factored_norm_bound)
 from ...numerics.emulate import VARIANTS, emulate
@@ -218,7 +218,7 @@ def conditioning_inputs(rows: int, d_in: int, r: int, *, seed: int = 0, tau_min:
     s = F.scale_constants(SCALE)[0]
     A = round_to(rng.standard_normal((r, d_in)) / np.sqrt(d_in), "fp32")
     B = round_to(rng.standard_normal((rows, r)), "fp32")
-    V = s * (B @ A)
+    V = s * fixed_order.matmul(B, A)  # not BLAS: the same inputs on every CPU
     N = rng.standard_normal((rows, d_in)) / np.sqrt(d_in)
     tau = np.exp(np.linspace(0.0, np.log(tau_min), rows))
     W = round_to(-V + tau[:, None] * np.linalg.norm(V, axis=1, keepdims=True) * N, "fp32")

@@ -133,4 +133,8 @@ def layer_host_cost(rounds: int = 7, reps: int = 200) -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m dora_num.studies.speed.overhead",
+                            description=__doc__.split("\n\n")[0]).parse_args()
     main()
