@@ -64,6 +64,8 @@ def render_cells(nb, stem: str, figures_rel: str) -> list[str]:
                     out += _fence(_clean_text(o["text"]))
             elif kind in ("execute_result", "display_data"):
                 data = o.get("data", {})
+                if "application/vnd.jupyter.widget-view+json" in data:  # a progress bar
+                    continue
                 if "image/png" in data or "image/svg+xml" in data:
                     if figures and not shown_figures:
                         out += [f"![{name}]({figures_rel}/{stem}/{name}.png)" for name in figures] + [""]
@@ -75,9 +77,7 @@ def render_cells(nb, stem: str, figures_rel: str) -> list[str]:
                 elif "text/markdown" in data:
                     out += [data["text/markdown"].rstrip(), ""]
                 elif "text/plain" in data:
-                    text = _clean_text(data["text/plain"])
-                    if not re.fullmatch(r"\[?PosixPath\(.*", text.strip(), re.S):  # echoed artifact paths
-                        out += _fence(text)
+                    out += _fence(_clean_text(data["text/plain"]))
             elif kind == "error":
                 out += _fence(_clean_text("\n".join(o.get("traceback", []))))
         if figures and not shown_figures:  # a figure saved but not displayed inline

@@ -150,7 +150,10 @@ def run_notebook(nb: Path, *, smoke: bool, build_dir: Path, parameters: dict | N
         with _environ({paths.OUTPUT_ROOT_ENV: str(out_root), "PYDEVD_DISABLE_FILE_VALIDATION": "1",
                        **pinned_env()}):
             pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name=kernel,
-                                cwd=str(nb.parent), progress_bar=progress, log_output=False)
+                                cwd=str(nb.parent), progress_bar=progress, log_output=False,
+                                # the kernel listens on loopback only; its "TCP without encryption"
+                                # warning on every start says nothing about this use
+                                extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except PapermillExecutionError as e:
         cell, first_line = _source_cell(executed)
         raise NotebookFailed(
