@@ -151,5 +151,21 @@ def write_readme(readme: Path = REPO_ROOT / "README.md", data: Path = COMMITTED_
     return new != old
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m dora_num.repro.results",
+                                 description="Rewrite the Results section of README.md from the committed data/.")
+    ap.add_argument("--check", action="store_true", help="only check; exit 1 when the README is stale")
+    args = ap.parse_args(argv)
+    readme = REPO_ROOT / "README.md"
+    if args.check:
+        stale = splice(readme.read_text(), section()) != readme.read_text()
+        print("README.md results are stale" if stale else "README.md results agree with data/")
+        return 1 if stale else 0
     print("README.md", "updated" if write_readme() else "unchanged")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
