@@ -40,14 +40,15 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
-    """``{"sha": ..., "dirty": ...}``: ``dirty`` means tracked files outside ``data/`` and
-    ``figures/`` differ from the commit; ``None`` values outside a git checkout."""
+    """``{"sha": ..., "dirty": ...}``: ``dirty`` means tracked files outside ``data/``,
+    ``figures/`` and ``notebooks/rendered/`` differ from the commit; ``None`` values outside
+    a git checkout."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
-        # Artifacts themselves are excluded: a reproduce run rewrites data/ and figures/
-        # as it goes, which must not mark the code it runs as modified.
+        # Artifacts themselves are excluded: a reproduce run rewrites data/, figures/ and the
+        # rendered notebooks as it goes, which must not mark the code it runs as modified.
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                 ":(exclude)data", ":(exclude)figures"], cwd=repo,
+                                 ":(exclude)data", ":(exclude)figures", ":(exclude)notebooks/rendered"], cwd=repo,
                                 capture_output=True, text=True, check=True).stdout
         return {"sha": sha, "dirty": bool(status.strip())}
     except (OSError, subprocess.CalledProcessError):
