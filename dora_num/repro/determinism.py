@@ -25,6 +25,10 @@ Float64 reductions whose result is reported are evaluated in a fixed order
 (:mod:`dora_num.numerics.fixed_order`) instead of by numpy's BLAS, whose kernel
 (``OPENBLAS_CORETYPE``) is the host's choice and is left alone.
 
+numpy dispatches its own SIMD kernels the same way (``NPY_DISABLE_CPU_FEATURES``):
+notebook 06's log-scale figure came out with other PDF bytes with numpy's AVX-512
+kernels disabled, so those are pinned off as well.
+
 ``DORA_NUM_NATIVE_KERNELS=1`` skips the pinning (to see what the host alone gives).
 """
 
@@ -40,6 +44,9 @@ PINNED_ENV: dict[str, str] = {
     "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised kernels at AVX2 width, AVX-512 hosts included
     "MKL_CBWR": "AVX2",  # MKL conditional numerical reproducibility: the AVX2 code path on every CPU
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN (bf16/fp16 matmul on CPU): no AVX-512 / AMX kernels
+    # numpy's AVX-512 kernels (float64 log/exp/... among them) round differently from its AVX2
+    # ones: matplotlib's log-scale transforms moved a PDF coordinate in its 6th decimal.
+    "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
     "OMP_NUM_THREADS": "2",  # parallel reductions split by thread count
     "MKL_NUM_THREADS": "2",
 }
@@ -88,7 +95,7 @@ def cpu_info() -> dict:
         info["torch_error"] = repr(e)
     info["blas"] = _blas()
     info["env"] = {k: os.environ.get(k) for k in (*PINNED_ENV, "MKL_ENABLE_INSTRUCTIONS", "OPENBLAS_CORETYPE",
-                                                  "NPY_DISABLE_CPU_FEATURES", NATIVE_ENV) if os.environ.get(k)}
+                                                  NATIVE_ENV) if os.environ.get(k)}
     return info
 
 
