@@ -33,3 +33,13 @@ def test_render_links_saved_figures_and_drops_noise(tmp_path):
     assert "done" in md and "step 1" not in md
     assert "not saved to `figures/`" in md
     assert "iVBOR" not in md  # no inline image data
+
+
+def test_paths_inside_the_checkout_are_shown_relative(tmp_path):
+    nb = new_notebook()
+    cell = new_code_cell("print(path)")
+    cell.outputs = [new_output("stream", name="stdout", text=f"{tmp_path}/data/gpu/run | ok\n")]
+    nb.cells = [cell]
+    nbformat.write(nb, tmp_path / "98_p.ipynb")
+    md = render_notebook(tmp_path / "98_p.ipynb", tmp_path / "98_p.md", "98_p", root=tmp_path).read_text()
+    assert "data/gpu/run | ok" in md and str(tmp_path) not in md
