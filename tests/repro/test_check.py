@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from dora_num.repro import check as chk
+from dora_num.repro.paths import REPO_ROOT
 from dora_num.repro.provenance import save_dataframe, save_json, write_artifact
 from dora_num.repro.runner import _promote
 
@@ -108,6 +109,18 @@ def test_provenance_records_cpu_and_lock(tmp_path):
     assert len(side["lock_sha256"]) == 64
 
 
+def test_recorded_artifacts_may_be_absent_but_not_different(tmp_path):
+    _csv(tmp_path / "old/data/n/rec.csv", pd.DataFrame({"a": [1]}))
+    rules = (chk.Rule("data/n/rec.csv", "recorded", "test: recomputed only on request"),)
+    (absent,) = chk.compare_trees(tmp_path / "new", tmp_path / "old", ["data/n"], rules)
+    assert absent.status == "recorded" and not absent.failed
+    _csv(tmp_path / "new/data/n/rec.csv", pd.DataFrame({"a": [2]}))
+    (other,) = chk.compare_trees(tmp_path / "new", tmp_path / "old", ["data/n"], rules)
+    assert other.status == "drift"
+
+
 def test_every_declared_rule_has_a_reason():
     for r in chk.RULES:
-        assert r.kind in ("exact", "numeric", "timing") and len(r.reason) > 20, r
+        assert r.kind in ("exact", "numeric", "timing", "recorded") and len(r.reason) > 20, r
+        if "*" not in r.pattern:
+            assert (REPO_ROOT / r.pattern).is_file(), f"rule for a file that does not exist: {r.pattern}"
