@@ -5,18 +5,60 @@ from __future__ import annotations
 import argparse
 import sys
 
+DESCRIPTION = ("Floating-point behaviour of DoRA: regenerate the notebooks' results, check them against the "
+               "committed ones, analyse a PEFT DoRA adapter, record GPU measurements.")
+
 
 def _cmd_reproduce(args) -> int:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from .repro import check as chk
+    from .repro import paths
     from .repro.runner import NotebookFailed, reproduce
 
+    dest = keep = None
+    if args.check:
+        dest = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dora-num-check-"))
+        keep = args.out is not None
+    elif args.out:
+        dest = Path(args.out)
     try:
-        reproduce(args.only or None, smoke=args.smoke)
+        results = reproduce(args.only or None, smoke=args.smoke, dest=dest)
     except NotebookFailed as e:
         print(f"dora-num reproduce: {e}", file=sys.stderr)
         return 1
     except FileNotFoundError as e:
         print(f"dora-num reproduce: {e}", file=sys.stderr)
         return 2
+    if args.smoke:
+        return 0
+    ran = [r.notebook for r in results if not r.skipped]
+    if not args.check:
+        if dest is None and not args.only:
+            from .repro.results import write_readme
+
+            changed = write_readme()
+            print(f"README.md results section {'updated' if changed else 'unchanged'}")
+        print(f"artifacts of {len(ran)} notebook(s) in {dest or paths.REPO_ROOT}")
+        return 0
+    subdirs = [f"{top}/{nb}" for nb in ran for top in ("data", "figures")]
+    outcomes = chk.compare_trees(dest, paths.REPO_ROOT, subdirs)
+    print(chk.format_table(outcomes, verbose=args.verbose))
+    bad_sidecars = chk.sidecar_mismatches(paths.REPO_ROOT, subdirs)
+    for line in bad_sidecars:
+        print(f"sidecar: {line}")
+    failed = [o for o in outcomes if o.failed]
+    if keep:
+        print(f"regenerated tree kept in {dest}")
+    else:
+        shutil.rmtree(dest, ignore_errors=True)
+    if failed or bad_sidecars:
+        print(f"dora-num reproduce --check: {len(failed)} artifact(s) drifted beyond their declared tolerance",
+              file=sys.stderr)
+        return 1
+    print("dora-num reproduce --check: every regenerated artifact matches the committed one")
     return 0
 
 
@@ -28,11 +70,26 @@ _COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dora-num", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("reproduce", help="run the notebooks through papermill, regenerating figures/ and data/")
-    r.add_argument("--smoke", action="store_true", help="tiny sizes, outputs to a temporary folder (CI)")
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="dora-num", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"dora-num {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    r = sub.add_parser(
+        "reproduce", help="run the notebooks headless (papermill), regenerating data/ and figures/",
+        description="Run every notebook in order through papermill. Artifacts are staged and moved into data/ and "
+                    "figures/ only when the notebook succeeds; an artifact whose bytes did not change is left as "
+                    "committed (sidecar included). Each notebook is also rendered to notebooks/rendered/NN.md, and "
+                    "a full run rewrites the README's results section.",
+        epilog="--check regenerates into a temporary folder and compares every artifact with the committed one "
+               "(bytes equal, or within the tolerance declared in dora_num/repro/check.py); exit status 1 on drift.")
+    r.add_argument("--smoke", action="store_true", help="tiny sizes, outputs to a temporary folder (what CI runs)")
     r.add_argument("--only", nargs="+", metavar="NN", help="notebook numbers or stems to run, e.g. 00 03")
+    r.add_argument("--check", action="store_true",
+                   help="regenerate into a temporary folder and compare with the committed artifacts")
+    r.add_argument("--out", metavar="DIR", help="write the artifacts under DIR instead of the repository "
+                                                 "(with --check: keep the regenerated tree there)")
+    r.add_argument("-v", "--verbose", action="store_true", help="with --check: list identical artifacts too")
     r.set_defaults(func=_cmd_reproduce)
     # Commands owned by other modules register themselves: register(subparsers).
     import importlib

@@ -21,6 +21,8 @@ certified ground truth is :mod:`dora_num.numerics.ground_truth`):
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import copy
 
 import torch
@@ -232,6 +234,23 @@ def row_norm_ref64_error_bound(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 # Host-memory measurement (torch.profiler, CPU)
 # --------------------------------------------------------------------------
 
+@contextmanager
+def _stderr_fd_silenced():
+    """File descriptor 2 to /dev/null for the block (C++ log lines that no setting turns off)."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def measure_cpu_allocations(fn) -> dict:
     """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True``; report its
     CPU allocator traffic, measured from the profiler's allocation events.
@@ -246,8 +265,14 @@ def measure_cpu_allocations(fn) -> dict:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
+    with _stderr_fd_silenced():  # kineto writes "USDT: ... profiler_start/stop" to fd 2 at each
+        prof.start()
+    try:
         fn()
+    finally:
+        with _stderr_fd_silenced():
+            prof.stop()
     allocs = []
     stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:

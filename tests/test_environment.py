@@ -1,42 +1,67 @@
-"""environment.yml (conda users) lists exactly the dependencies of pyproject.toml."""
+"""The lock: requirements.lock pins every dependency of pyproject.toml exactly, with hashes;
+environment.yml (conda users) is generated from it and says the same."""
 
 import tomllib
 
 import yaml
 from packaging.requirements import Requirement
+from packaging.version import Version
 
+from dora_num.repro.lockfile import ENVIRONMENT, LOCK, environment_yml, parse_lock
 from dora_num.repro.paths import REPO_ROOT
 
+PINS = parse_lock(LOCK.read_text())
 
-def _pyproject_requirements() -> dict[str, str]:
+
+def _pyproject_requirements() -> list[Requirement]:
     meta = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    reqs = list(meta["dependencies"]) + list(meta["optional-dependencies"]["test"])
-    return {Requirement(r).name.lower(): str(Requirement(r).specifier) for r in reqs}
+    return [Requirement(r) for r in list(meta["dependencies"]) + list(meta["optional-dependencies"]["test"])]
 
 
-def _environment_requirements() -> dict[str, str]:
-    env = yaml.safe_load((REPO_ROOT / "environment.yml").read_text())
-    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
-    out = {}
-    for spec in pip:
-        if spec.startswith("-e"):
-            continue
-        r = Requirement(spec)
-        out[r.name.lower()] = str(r.specifier)
-    return out
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
 
 
-def test_environment_yml_parses_and_pins_python():
-    env = yaml.safe_load((REPO_ROOT / "environment.yml").read_text())
-    assert env["name"] == "dora-num"
-    assert "python=3.11" in env["dependencies"]
+def test_lock_pins_every_pyproject_requirement_within_its_range():
+    for req in _pyproject_requirements():
+        name = _norm(req.name)
+        assert name in PINS, f"{req.name} is in pyproject.toml but not in requirements.lock: run `make lock`"
+        version = Version(PINS[name]["version"])
+        assert req.specifier.contains(version, prereleases=True), \
+            f"{req.name}: locked {version} outside pyproject's {req.specifier}: run `make lock`"
 
 
-def test_environment_yml_matches_pyproject():
-    assert _environment_requirements() == _pyproject_requirements()
+def test_every_locked_package_has_a_sha256():
+    assert len(PINS) > 50  # the whole closure, not just the direct dependencies
+    missing = [n for n, p in PINS.items() if not p["hashes"]]
+    assert not missing, missing
 
 
 def test_torch_and_triton_are_pinned():
-    reqs = _pyproject_requirements()
-    assert reqs["torch"] == "==2.13.0"
-    assert reqs["triton"] == "==3.7.1"
+    assert PINS["torch"]["version"] == "2.13.0+cpu"
+    assert PINS["triton"]["version"] == "3.7.1"
+    names = {_norm(r.name): str(r.specifier) for r in _pyproject_requirements()}
+    assert names["torch"] == "==2.13.0" and names["triton"] == "==3.7.1"
+
+
+def test_no_cuda_wheels_in_the_lock():
+    assert not [n for n in PINS if n.startswith("nvidia-")]
+
+
+def test_environment_yml_is_generated_from_the_lock():
+    assert ENVIRONMENT.read_text() == environment_yml(PINS), "environment.yml is stale: run `make lock`"
+
+
+def test_environment_yml_parses_and_pins_python():
+    env = yaml.safe_load(ENVIRONMENT.read_text())
+    assert env["name"] == "dora-num"
+    assert "python=3.11" in env["dependencies"]
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    pinned = {_norm(Requirement(s).name): str(Requirement(s).specifier) for s in pip if not s.startswith("-e")}
+    assert pinned == {n: f"=={p['version']}" for n, p in PINS.items()}
+
+
+def test_makefile_installs_from_the_lock_with_hashes():
+    make = (REPO_ROOT / "Makefile").read_text()
+    assert "--require-hashes -r $(LOCK)" in make
+    assert "--no-deps" in make and "lock:" in make

@@ -22,6 +22,7 @@ The statistics come from :mod:`dora_num.numerics.collapse` (one definition).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -58,9 +59,12 @@ def g_fp64(W, A, B, m, scale: float) -> np.ndarray:
     return (m.detach().double() / norm).cpu().numpy()
 
 
-def g_from_states(states) -> dict[str, np.ndarray]:
+def g_from_states(states, *, progress: bool = False) -> dict[str, np.ndarray]:
     """``{module name: g (float64)}`` for :class:`~dora_num.adapters.peft_io.DoRAModuleState` s."""
-    return {st.name: g_fp64(st.W, st.A, st.B, st.m, st.scale) for st in states}
+    from tqdm.auto import tqdm
+
+    return {st.name: g_fp64(st.W, st.A, st.B, st.m, st.scale)
+            for st in tqdm(states, desc="g per module", unit="module", disable=not progress, leave=False)}
 
 
 def _row(module: str, fmt, g: np.ndarray, x: np.ndarray | None) -> dict:
@@ -142,7 +146,10 @@ def base_activations(model: torch.nn.Module, tok, names: list[str], texts: list[
     when ``model`` runs on ``texts``.  Names not found in the model are skipped."""
     from .model import tokenize
 
-    out: dict[str, list] = {}
+    batch = tokenize(tok, texts, max_len)
+    keep = batch["attention_mask"].reshape(-1).bool()  # real tokens only
+    gen = torch.Generator().manual_seed(seed)
+    res: dict[str, np.ndarray] = {}
     hooks = []
     for n in names:
         mod = _resolve_module(model, n)
@@ -150,26 +157,23 @@ def base_activations(model: torch.nn.Module, tok, names: list[str], texts: list[
             continue
 
         def hook(m, inp, _out, n=n):
-            x = inp[0]
-            out.setdefault(n, []).append(torch.nn.functional.linear(x, m.weight).reshape(-1, m.weight.shape[0]))
+            # Reduced to the sampled rows at once (not kept for every token): the capture
+            # then costs max_rows rows per module, not the whole batch.
+            if n in res:
+                raise ValueError(f"module {n!r} ran twice in one forward: its activations are ambiguous")
+            x = torch.nn.functional.linear(inp[0], m.weight).reshape(-1, m.weight.shape[0])
+            if x.shape[0] == keep.shape[0]:
+                x = x[keep]
+            if x.shape[0] > max_rows:
+                x = x[torch.randperm(x.shape[0], generator=gen)[:max_rows].sort().values]
+            res[n] = x.double().numpy()
 
         hooks.append(mod.register_forward_hook(hook))
     try:
-        batch = tokenize(tok, texts, max_len)
         model(**batch)
-        keep = batch["attention_mask"].reshape(-1).bool()  # real tokens only
     finally:
         for h in hooks:
             h.remove()
-    gen = torch.Generator().manual_seed(seed)
-    res = {}
-    for n, chunks in out.items():
-        x = torch.cat(chunks)
-        if x.shape[0] == keep.shape[0]:
-            x = x[keep]
-        if x.shape[0] > max_rows:
-            x = x[torch.randperm(x.shape[0], generator=gen)[:max_rows].sort().values]
-        res[n] = x.double().numpy()
     return res
 
 
@@ -182,6 +186,16 @@ def analyse_adapter(adapter_dir: str | os.PathLike, base_dir: str | os.PathLike 
     tokenizer from ``base_dir``, in float64: :data:`ACTIVATION_TEXTS`) on ``n_texts``
     validation summaries of the corpus; if the base model cannot be run that way, the absorption column is
     NaN and a warning is printed (g statistics need only the weights).
+                    formats=FORMATS, activations: bool = True, n_texts: int = ACTIVATION_TEXTS,
+                    max_rows: int = ACTIVATION_ROWS, progress: bool = False):
+    """``collapse_table`` of the PEFT DoRA adapter in ``adapter_dir`` on the base model in ``base_dir``.
+
+    Activations come from running the base model (transformers ``AutoModel`` +
+    tokenizer from ``base_dir``, in float64: :data:`ACTIVATION_TEXTS`) on ``n_texts``
+    validation summaries of the corpus; if the base model cannot be run that way, the absorption column is
+    NaN and a warning is printed (g statistics need only the weights).  The base weights
+    are held once: the adapter's ``W`` are the loaded model's own tensors, and the model is
+    converted to float64 in place once g is formed.
     """
     import warnings
 
@@ -197,15 +211,26 @@ def analyse_adapter(adapter_dir: str | os.PathLike, base_dir: str | os.PathLike 
             base_dir = minilm_path()
         else:
             raise ValueError(f"base model of {adapter_dir} is {named!r}, not a folder on disk: pass --base MODEL_DIR")
-    states = load_peft_dora(adapter_dir, base_dir)
-    g = g_from_states(states)
-    acts = None
+    model = tok = None
     if activations:
+        try:
+            model, tok = load_base_model(base_dir)
+        except Exception as e:  # noqa: BLE001 - g statistics stay valid without activations
+            warnings.warn(f"could not run the base model for activations ({type(e).__name__}: {e}); "
+                          "absorption left as NaN", stacklevel=2)
+    # W from the loaded model when there is one (one copy of the base weights), else from the files
+    states = load_peft_dora(adapter_dir, model if model is not None else base_dir)
+    g = g_from_states(states, progress=progress)
+    del states
+    acts = None
+    if model is not None:
         try:
             from .corpus import load_corpus
 
-            model, tok = load_base_model(base_dir, dtype=torch.float64)
+            model = model.double()  # in place: the fp32 weights upcast exactly, then freed
             texts = [p["summary"] for p in load_corpus(split="validation")[:n_texts]]
+            if progress:
+                print(f"running the base model on {len(texts)} texts for the absorption column", file=sys.stderr)
             acts = base_activations(model, tok, sorted(g), texts, max_rows=max_rows)
         except Exception as e:  # noqa: BLE001 - g statistics stay valid without activations
             warnings.warn(f"could not run the base model for activations ({type(e).__name__}: {e}); "

@@ -216,7 +216,13 @@ def write_corpus(out_dir: str | Path | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    p = write_corpus()
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m dora_num.adapters.corpus",
+                                 description="Extract the docstring/signature corpus from this Python's standard "
+                                             "library and write it to data/corpus/ (with provenance).")
+    ap.add_argument("--out", metavar="DIR", default=None, help="output folder (default: data/corpus)")
+    p = write_corpus(ap.parse_args().out)
     rows = load_corpus(p)
     print(f"wrote {p} ({p.stat().st_size} bytes): {len(rows)} pairs, "
           f"{sum(r['split'] == 'validation' for r in rows)} validation")

@@ -38,12 +38,24 @@ def load_base_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype
     path = Path(path) if path is not None else minilm_path()
     if not path.is_dir():
         raise FileNotFoundError(f"base model folder not found: {path}")
+    from transformers.utils import logging as hf_logging
+
     kwargs = {"dtype": dtype, "local_files_only": True}
+    # transformers reports the pooler weights we do not load as UNEXPECTED (with raw colour
+    # codes) and draws a progress bar per load: quiet for this call only.
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
-        model = AutoModel.from_pretrained(str(path), add_pooling_layer=False, **kwargs)
-    except TypeError:  # architectures without a pooler
-        model = AutoModel.from_pretrained(str(path), **kwargs)
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        try:
+            model = AutoModel.from_pretrained(str(path), add_pooling_layer=False, **kwargs)
+        except TypeError:  # architectures without a pooler
+            model = AutoModel.from_pretrained(str(path), **kwargs)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval()
     return model, tok
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fixed_order as fo
 from . import formulas as F
 from .formats import FORMATS
 from .standard_model import ETA32, TINY32, U32, U64, finite64, gamma, pw, up32
@@ -36,12 +37,14 @@ def _factored_parts(W, A, B, s, tensor_core_products):
     aW, aA, aB = np.abs(W), np.abs(A), np.abs(B)
     # magnitudes (float64, relative evaluation error <= gamma64_{d + 2r + 2}: absorbed by the final inflation)
     base = (W * W).sum(1)
-    WA = aW @ aA.T  # [d_out, r]: (|W| |A|^T)
-    AA = aA @ aA.T  # [r, r]
+    # products in a fixed order (numerics.fixed_order, not BLAS): the same bits on every CPU
+    WA = fo.matmul(aW, aA.T)  # [d_out, r]: (|W| |A|^T)
+    AA = fo.matmul(aA, aA.T)  # [r, r]
     M_c = (aB * WA).sum(1)
-    M_a = ((aB @ AA) * aB).sum(1)  # || |B| |A| ||^2
-    cross = (B * (W @ A.T)).sum(1)
-    ba = ((B @ A) ** 2).sum(1)
+    BAA = fo.matmul(aB, AA)
+    M_a = (BAA * aB).sum(1)  # || |B| |A| ||^2
+    cross = (B * fo.matmul(W, A.T)).sum(1)
+    ba = (fo.matmul(B, A) ** 2).sum(1)
     # products exact on tensor cores (16-bit inputs) but the accumulator may truncate: 2u per addition
     dp = 2 * d if tensor_core_products else d
     add_abs = (d - 1) * TINY32 if tensor_core_products else 0.0  # a subnormal partial sum flushed to 0
@@ -51,14 +54,14 @@ def _factored_parts(W, A, B, s, tensor_core_products):
     g_b, g_c, g_a = gamma(d, u), gamma(dp + r, u), gamma(dp + 2 * r, u)
     # |U^ - U| <= gamma_dp (|W||A|^T) + (1 + gamma_dp)(n_U eta + add_abs); the r products B*U^, r - 1 adds
     uf_c = (1 + g_c) * ((aB * (n_U * eta + add_abs)).sum(1) + r * eta)
-    uf_a = (1 + g_a) * ((aB @ (n_G * eta + add_abs)) * aB).sum(1) + (1 + g_a) * (aB.sum(1) * r * eta + r * eta)
+    uf_a = (1 + g_a) * (fo.matmul(aB, n_G * eta + add_abs) * aB).sum(1) + (1 + g_a) * (aB.sum(1) * r * eta + r * eta)
     e_base = g_b * base + (1 + g_b) * n_base * eta
     e_cross = g_c * M_c + uf_c
     e_ba = g_a * M_a + uf_a
     # overflow of any intermediate (fp32): products, U, G, B G, the terms, the assembly's partial sums
     mx = FORMATS["fp32"].max
     over = (base * (1 + g_b) >= mx) | (WA.max(1, initial=0) * (1 + g_c) >= mx) | (M_c * (1 + g_c) >= mx) \
-        | ((aB @ AA).max(1, initial=0) * (1 + g_a) >= mx) | (M_a * (1 + g_a) >= mx) \
+        | (BAA.max(1, initial=0) * (1 + g_a) >= mx) | (M_a * (1 + g_a) >= mx) \
         | ((aW.max(1, initial=0) ** 2) >= mx) | (AA.max(initial=0) * (1 + g_a) >= mx)
     S_hat = (base + e_base) + abs(two_s) * (M_c + e_cross) + s_sq * (M_a + e_ba)
     over |= S_hat * (1 + u) ** 3 >= mx
@@ -145,8 +148,8 @@ def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
     d, r = W.shape[1], A.shape[0]
     u, eta = U32, ETA32
     s = F.scale_constants(s)[0]
-    BA = B @ A
-    BAabs = np.abs(B) @ np.abs(A)
+    BA = fo.matmul(B, A)  # fixed order (not BLAS): the same bits on every CPU
+    BAabs = fo.matmul(np.abs(B), np.abs(A))
     x = W + s * BA
     xmag = np.abs(W) + abs(s) * BAabs
     err_ba = gamma(r, u) * BAabs + (1 + gamma(r, u)) * r * eta

@@ -23,10 +23,21 @@ def set_theme() -> None:
                                 "pdf.fonttype": 42, "svg.hashsalt": "dora-num"})
 
 
-def save_figure(fig, notebook: str, name: str, **prov) -> list[Path]:
+class SavedFigure(list):
+    """The paths written by :func:`save_figure`: a list, shown in a notebook as nothing
+    (the figure itself is the output; the staging path it was written to is not)."""
+
+    def __repr__(self) -> str:
+        return f"SavedFigure({[p.name for p in self]})"
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def save_figure(fig, notebook: str, name: str, **prov) -> SavedFigure:
     """Save ``fig`` as ``figures/<notebook>/<name>.png`` and ``.pdf`` with provenance."""
     out = figures_dir(notebook)
-    paths = []
+    paths = SavedFigure()
     for ext, meta in (("png", _PNG_META), ("pdf", _PDF_META)):
         def w(buf: io.BytesIO, ext=ext, meta=meta):
             fig.savefig(buf, format=ext, metadata=meta)

@@ -22,6 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from .determinism import lock_hash
 from .paths import REPO_ROOT
 
 _UMASK = os.umask(0)
@@ -39,14 +40,15 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
-    """``{"sha": ..., "dirty": ...}``: ``dirty`` means tracked files outside ``data/`` and
-    ``figures/`` differ from the commit; ``None`` values outside a git checkout."""
+    """``{"sha": ..., "dirty": ...}``: ``dirty`` means tracked files outside ``data/``,
+    ``figures/`` and ``notebooks/rendered/`` differ from the commit; ``None`` values outside
+    a git checkout."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
-        # Artifacts themselves are excluded: a reproduce run rewrites data/ and figures/
-        # as it goes, which must not mark the code it runs as modified.
+        # Artifacts themselves are excluded: a reproduce run rewrites data/, figures/ and the
+        # rendered notebooks as it goes, which must not mark the code it runs as modified.
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                 ":(exclude)data", ":(exclude)figures"], cwd=repo,
+                                 ":(exclude)data", ":(exclude)figures", ":(exclude)notebooks/rendered"], cwd=repo,
                                 capture_output=True, text=True, check=True).stdout
         return {"sha": sha, "dirty": bool(status.strip())}
     except (OSError, subprocess.CalledProcessError):
@@ -64,7 +66,10 @@ def versions() -> dict[str, str | None]:
 
 
 def device_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"host_cpu": platform.processor() or platform.machine(), "cuda": False}
+    from .determinism import cpu_info
+
+    info: dict[str, Any] = {"host_cpu": platform.processor() or platform.machine(), "cuda": False,
+                            "cpu": cpu_info()}
     try:
         import torch
 
@@ -118,6 +123,10 @@ def write_artifact(
     ``inputs`` names files the artifact was derived from (hashed here).
     ``device`` overrides the local device description (for data measured on
     another machine and recorded here).
+
+    An artifact whose bytes equal the file already at ``path`` (with a sidecar that
+    names those bytes) is left alone, sidecar included: the sidecar records the
+    run that produced these bytes, and a re-run that reproduces them changes no file.
     """
     path = Path(path)
     if isinstance(writer, (bytes, bytearray)):
@@ -126,6 +135,8 @@ def write_artifact(
         buf = io.BytesIO()
         writer(buf)
         data = buf.getvalue()
+    if unchanged(path, data):
+        return path
     _atomic_write_bytes(path, data)
     input_hashes = {}
     for name, p in (inputs or {}).items():
@@ -144,6 +155,7 @@ def write_artifact(
         "seed": seed,
         "device": device if device is not None else device_info(),
         "versions": versions(),
+        "lock_sha256": lock_hash(),
         "inputs": input_hashes,
         "argv": sys.argv[:1],
     }
@@ -152,6 +164,19 @@ def write_artifact(
     _atomic_write_bytes(Path(str(path) + ".provenance.json"),
                         (json.dumps(sidecar, indent=2, sort_keys=True, default=str) + "\n").encode())
     return path
+
+
+def unchanged(path: str | os.PathLike, data: bytes) -> bool:
+    """``path`` holds exactly ``data`` and its sidecar says so (nothing to rewrite)."""
+    path, side = Path(path), Path(str(path) + ".provenance.json")
+    if not (path.is_file() and side.is_file()) or path.stat().st_size != len(data):
+        return False
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        recorded = json.loads(side.read_text()).get("sha256")
+    except (OSError, ValueError):
+        return False
+    return recorded == digest and sha256_file(path) == digest
 
 
 def _rel(p: Path) -> str:

@@ -1,22 +1,29 @@
 """Run the notebooks headlessly with papermill, in order.
 
 Full mode writes every artifact into a staging folder (``build/staging``) and
-moves it into ``data/``/``figures/`` only after the notebook finished without
-error, so a failing notebook leaves committed files untouched.  SMOKE mode
-writes into a temporary folder and never touches the repository's artifacts.
-Executed notebooks go to ``build/notebooks/`` (git-ignored).
+moves it into ``data/``/``figures/`` (or the ``dest`` folder of a check run) only
+after the notebook finished without error, so a failing notebook leaves committed
+files untouched; an artifact whose bytes did not change is not moved (its file and
+sidecar stay as committed).  SMOKE mode writes into a temporary folder and never
+touches the repository's artifacts.  Executed notebooks go to ``build/notebooks/``
+(git-ignored); a full run also renders each to ``notebooks/rendered/NN_topic.md``
+(:mod:`dora_num.repro.render`).  The kernel runs with the pinned CPU kernel choice
+of :mod:`dora_num.repro.determinism`, on the project's kernelspec ``dora-num``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import paths
+from .determinism import pinned_env
 
 
 class NotebookFailed(RuntimeError):
@@ -30,6 +37,7 @@ class RunResult:
     executed: Path | None
     artifacts: list[Path]
     skipped: str | None = None  # why a full run did not execute the notebook
+    out_root: Path | None = None  # where the artifacts are (SMOKE: the temporary folder)
 
 
 def missing_recorded_inputs(nb: Path) -> list[str]:
@@ -77,55 +85,104 @@ def _source_cell(executed: Path) -> tuple[int | str, str]:
 
 
 def _promote(staging: Path, dest: Path) -> list[Path]:
-    """Move every file under ``staging`` into ``dest`` (same filesystem: atomic renames)."""
-    moved = []
-    for src in sorted(p for p in staging.rglob("*") if p.is_file()):
+    """Move every artifact under ``staging`` (with its sidecar) into ``dest``; one whose
+    bytes equal the file already there is dropped, so its committed sidecar stays.
+    Returns the artifacts now at ``dest`` that this run produced (changed or not)."""
+    from .provenance import sha256_file, unchanged
+
+    out = []
+    side = ".provenance.json"
+    for src in sorted(p for p in staging.rglob("*") if p.is_file() and not p.name.endswith(side)):
         target = dest / src.relative_to(staging)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(src, target)
-        moved.append(target)
-    return moved
+        src_side, target_side = Path(str(src) + side), Path(str(target) + side)
+        if target.is_file() and unchanged(target, src.read_bytes()):
+            src.unlink()
+            src_side.unlink(missing_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if src_side.is_file():
+                os.replace(src_side, target_side)
+            os.replace(src, target)
+            if target_side.is_file():
+                assert json.loads(target_side.read_text())["sha256"] == sha256_file(target), target
+        out.append(target)
+    return out
+
+
+@contextmanager
+def _environ(changes: dict[str, str]):
+    """Set environment variables for the kernel subprocess, restored afterwards."""
+    old = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_notebook(nb: Path, *, smoke: bool, build_dir: Path, parameters: dict | None = None,
-                 progress: bool = False) -> RunResult:
+                 progress: bool = False, dest: Path | None = None, smoke_dir: Path | None = None,
+                 render: bool = True) -> RunResult:
+    """Execute one notebook.  Full mode promotes its artifacts into ``dest`` (default: the
+    repository) and renders it to ``dest/notebooks/rendered/``; SMOKE mode writes into
+    ``smoke_dir`` (default: a new temporary folder, named on stdout)."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
+
+    from .kernel import ensure_kernelspec, notebook_kernel
 
     executed = build_dir / "notebooks" / nb.name
     executed.parent.mkdir(parents=True, exist_ok=True)
     params = {"SMOKE": smoke, **(parameters or {})}
     if smoke:
-        out_root = Path(tempfile.mkdtemp(prefix=f"dora-num-smoke-{nb.stem}-"))
+        out_root = Path(smoke_dir) if smoke_dir else Path(tempfile.mkdtemp(prefix=f"dora-num-smoke-{nb.stem}-"))
+        out_root.mkdir(parents=True, exist_ok=True)
     else:
         out_root = build_dir / "staging" / nb.stem
         shutil.rmtree(out_root, ignore_errors=True)
         out_root.mkdir(parents=True)
-    old = os.environ.get(paths.OUTPUT_ROOT_ENV)
-    os.environ[paths.OUTPUT_ROOT_ENV] = str(out_root)
+    kernel = notebook_kernel(nb)
+    ensure_kernelspec(kernel)
     t0 = time.perf_counter()
     try:
-        pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name="python3",
-                            cwd=str(nb.parent), progress_bar=progress, log_output=False)
+        with _environ({paths.OUTPUT_ROOT_ENV: str(out_root), "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+                       **pinned_env()}):
+            pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name=kernel,
+                                cwd=str(nb.parent), progress_bar=progress, log_output=False,
+                                # the kernel listens on loopback only; its "TCP without encryption"
+                                # warning on every start says nothing about this use
+                                extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except PapermillExecutionError as e:
         cell, first_line = _source_cell(executed)
         raise NotebookFailed(
             f"{nb.name} failed in cell {cell} [{first_line}]: {e.ename}: {e.evalue}\n"
             f"executed copy: {executed}"
         ) from None
-    finally:
-        if old is None:
-            os.environ.pop(paths.OUTPUT_ROOT_ENV, None)
-        else:
-            os.environ[paths.OUTPUT_ROOT_ENV] = old
     seconds = time.perf_counter() - t0
-    artifacts = sorted(p for p in out_root.rglob("*") if p.is_file()) if smoke else _promote(out_root, paths.REPO_ROOT)
-    return RunResult(nb.stem, seconds, executed, artifacts)
+    if smoke:
+        return RunResult(nb.stem, seconds, executed, sorted(p for p in out_root.rglob("*") if p.is_file()),
+                         out_root=out_root)
+    dest = Path(dest) if dest is not None else paths.REPO_ROOT
+    artifacts = _promote(out_root, dest)
+    if render:
+        from .render import render_notebook
+
+        render_notebook(executed, dest / "notebooks" / "rendered" / f"{nb.stem}.md", nb.stem)
+    return RunResult(nb.stem, seconds, executed, artifacts, out_root=dest)
 
 
 def reproduce(only: list[str] | None = None, *, smoke: bool = False, build_dir: Path | None = None,
-              parameters: dict | None = None, notebooks_dir: Path | None = None) -> list[RunResult]:
-    """Run the notebooks in order; the first failure raises :class:`NotebookFailed`."""
+              parameters: dict | None = None, notebooks_dir: Path | None = None, dest: Path | None = None,
+              smoke_dir: Path | None = None) -> list[RunResult]:
+    """Run the notebooks in order; the first failure raises :class:`NotebookFailed`.
+
+    ``dest``: where a full run's artifacts go (default: the repository; ``--check``
+    passes a temporary folder).  ``smoke_dir``: where SMOKE artifacts go (one
+    subfolder per notebook; default: a temporary folder per notebook)."""
     from tqdm.auto import tqdm
 
     build_dir = Path(build_dir) if build_dir else paths.REPO_ROOT / "build"
@@ -139,8 +196,10 @@ def reproduce(only: list[str] | None = None, *, smoke: bool = False, build_dir: 
             res = RunResult(nb.stem, 0.0, None, [], skipped=f"recorded data missing: {', '.join(missing)}")
             tqdm.write(f"{nb.stem}: SKIPPED ({res.skipped}); its figures are not regenerated")
         else:
-            res = run_notebook(nb, smoke=smoke, build_dir=build_dir, parameters=parameters)
-            tqdm.write(f"{nb.stem}: ok in {res.seconds:.1f} s, {len(res.artifacts)} artifacts")
+            res = run_notebook(nb, smoke=smoke, build_dir=build_dir, parameters=parameters, dest=dest,
+                               smoke_dir=None if smoke_dir is None else Path(smoke_dir) / nb.stem)
+            where = f"; SMOKE artifacts in {res.out_root}" if smoke else ""
+            tqdm.write(f"{nb.stem}: ok in {res.seconds:.1f} s, {len(res.artifacts)} artifacts{where}")
         results.append(res)
     skipped = [r for r in results if r.skipped]
     if skipped:

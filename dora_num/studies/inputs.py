@@ -52,6 +52,7 @@ import math
 import numpy as np
 import torch
 
+from ..numerics import fixed_order
 from ..numerics.formats import FORMATS, get_format, round_to
 from ..numerics.formulas import scale_constants
 
@@ -200,7 +201,7 @@ def conditioning_rows(rows: int, d_in: int, r: int, *, seed: int = 0, tau_min: f
     s = scale_constants(scale)[0]
     A = round_to(rng.standard_normal((r, d_in)) / np.sqrt(d_in), "fp32")
     B = round_to(rng.standard_normal((rows, r)), "fp32")
-    V = s * (B @ A)
+    V = s * fixed_order.matmul(B, A)  # not BLAS: the same inputs on every CPU
     N = rng.standard_normal((rows, d_in)) / np.sqrt(d_in)
     tau = np.exp(np.linspace(np.log(tau_max), np.log(tau_min), rows))
     W = round_to(-V + tau[:, None] * np.linalg.norm(V, axis=1, keepdims=True) * N, "fp32")

@@ -1,7 +1,8 @@
 """JupyterLab for real: the notebooks open, run and save in a live JupyterLab server.
 
 Starts ``jupyter lab`` from this environment on a free 127.0.0.1 port with a
-random token and ``notebooks/`` as its root, then through the REST API checks
+random token and the repository as its root (as ``make lab`` does: data/, figures/
+and the package can be browsed), then through the REST API checks
 that the repository's notebooks and the project kernel ``dora-num`` (installed
 into the venv by ``make venv``: ``ipykernel install --sys-prefix --name dora-num``)
 are listed, starts a ``dora-num`` kernel, runs ``import dora_num`` over the
@@ -110,7 +111,7 @@ def test_jupyter_lab_lists_notebooks_and_runs_project_kernel(tmp_path):
                JUPYTER_DATA_DIR=str(tmp_path / "data"), JUPYTER_PLATFORM_DIRS="1")
     cmd = [str(jupyter), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={NOTEBOOKS_DIR}",
+           f"--ServerApp.root_dir={REPO_ROOT}",
            "--LabApp.extension_manager=readonly"]  # no PyPI look-ups from the extension manager
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # CI runs as root
         cmd.append("--allow-root")
@@ -144,14 +145,17 @@ def test_jupyter_lab_lists_notebooks_and_runs_project_kernel(tmp_path):
         status, _ = api.request("GET", "/lab/api/settings", timeout=30)
         assert status == 200
 
-        # 2. the notebooks directory's notebooks are listed
+        # 2. the repository root is browsable, and the notebooks directory's notebooks are listed
+        _, top = api.request("GET", "/api/contents")
+        assert {"data", "figures", "dora_num", "notebooks"} <= {i["name"] for i in top["content"]}
         on_disk = sorted(p.name for p in NOTEBOOKS_DIR.glob("*.ipynb"))
         assert on_disk, f"no notebooks in {NOTEBOOKS_DIR}"
-        _, listing = api.request("GET", "/api/contents")
+        _, listing = api.request("GET", "/api/contents/notebooks")
         listed = sorted(item["name"] for item in listing["content"] if item["type"] == "notebook")
         assert listed == on_disk
-        _, nb = api.request("GET", f"/api/contents/{on_disk[0]}", timeout=30)
+        _, nb = api.request("GET", f"/api/contents/notebooks/{on_disk[0]}", timeout=30)
         assert nb["type"] == "notebook" and nb["content"]["cells"], on_disk[0]
+        assert nb["content"]["metadata"]["kernelspec"]["name"] == KERNEL_NAME
 
         # 3. the project kernel is listed, and is this environment's python
         _, specs = api.request("GET", "/api/kernelspecs")
@@ -201,3 +205,12 @@ def test_jupyter_lab_lists_notebooks_and_runs_project_kernel(tmp_path):
                     proc.wait(timeout=10)
         log.close()
     assert proc.returncode is not None
+
+
+def test_make_lab_command():
+    """``make lab``: the repository root, no browser, --allow-root as root, LAB_ARGS passed on."""
+    out = subprocess.run(["make", "-n", "lab", "LAB_ARGS=--port=8899 --ip=0.0.0.0", f"STAMP={__file__}"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60).stdout
+    cmd = next(line for line in out.splitlines() if "jupyter lab" in line)
+    assert "--no-browser" in cmd and "--ServerApp.root_dir=." in cmd and "--port=8899 --ip=0.0.0.0" in cmd
+    assert ("--allow-root" in cmd) == (os.geteuid() == 0)

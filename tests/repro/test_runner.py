@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from dora_num.repro import paths
+from dora_num.repro.kernel import KERNELSPEC
 from dora_num.repro.runner import NotebookFailed, list_notebooks, reproduce
 
 NOTEBOOKS = list_notebooks()
@@ -25,8 +26,9 @@ def _tree_digest(root: Path) -> dict[str, str]:
 def test_notebook_smoke(nb, tmp_path):
     """Each notebook runs headless in SMOKE mode and touches no committed file."""
     before = _tree_digest(paths.COMMITTED_DATA_DIR), _tree_digest(paths.COMMITTED_FIGURES_DIR)
-    (res,) = reproduce([nb.stem], smoke=True, build_dir=tmp_path)
+    (res,) = reproduce([nb.stem], smoke=True, build_dir=tmp_path, smoke_dir=tmp_path / "smoke")
     assert res.executed.is_file()
+    assert res.out_root == tmp_path / "smoke" / nb.stem  # written under pytest's tmp_path, which it cleans
     assert res.seconds < 120, f"{nb.stem} SMOKE run took {res.seconds:.0f} s (budget 60 s on 2 idle cores)"
     after = _tree_digest(paths.COMMITTED_DATA_DIR), _tree_digest(paths.COMMITTED_FIGURES_DIR)
     assert before == after
@@ -41,7 +43,7 @@ def test_notebook_is_committed_clean(nb):
     assert "parameters" in code[0].metadata.get("tags", []), "first code cell must be tagged 'parameters'"
     assert "SMOKE" in code[0].source
     assert book.cells[0].cell_type == "markdown"
-    assert book.metadata["kernelspec"]["name"] == "python3"
+    assert book.metadata["kernelspec"] == KERNELSPEC, "notebooks run on the project kernel (dora-num)"
     assert "assert" in code[-1].source, "the last cell asserts the headline claim"
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ...numerics import formulas as F
+from ...numerics import fixed_order, formulas as F
 from ...numerics.bounds import (assembly_bound, assembly_condition, compose_bound, dense_norm_bound,
                                factored_norm_bound, factored_norm_posterior, lora_row_magnitudes)
 from ...numerics.emulate import VARIANTS, emulate

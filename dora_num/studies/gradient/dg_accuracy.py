@@ -33,6 +33,7 @@ So the reference is the exact real result, rounded once to float64.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -41,7 +42,7 @@ import torch
 from ...adapters.corpus import load_corpus
 from ...adapters.model import embed, tokenize
 from ...adapters.train import TrainConfig, batch_order, build_model, contrastive_loss
-from ...numerics import formulas as F
+from ...numerics import fixed_order, formulas as F
 from ...numerics.arithmetic import TorchFP32
 from ...numerics.bounds import dg_bound
 from ...numerics.formats import get_format, to_float64, two_prod, ulp
@@ -229,10 +230,12 @@ def dg_metrics(s: float, lora, base, grad, fmt: str, *, m0: np.ndarray | None = 
             rel_b = np.where(nz, bnd / np.abs(ex), np.nan)
         m_new = adamw_first_step(m0, v, lr=lr)
         dstep = np.abs(m_new - m_ref)
-        cos = float(np.dot(v, ex) / (np.linalg.norm(v) * np.linalg.norm(ex))) if np.any(ex) else float("nan")
+        # fixed-order float64 (fsum), not BLAS: the same bits on every CPU
+        fo = fixed_order
+        cos = fo.dot(v, ex) / (fo.norm(v) * fo.norm(ex)) if np.any(ex) else float("nan")
         rows.append({
             "reduction": r, "dtype": fmt, "T": int(T), "N": int(N),
-            "rel_err_norm": float(np.linalg.norm(v - ex) / np.linalg.norm(ex)) if np.any(ex) else float("nan"),
+            "rel_err_norm": fo.norm(v - ex) / fo.norm(ex) if np.any(ex) else float("nan"),
             "rel_err_median": float(np.nanmedian(rel)), "rel_err_max": float(np.nanmax(rel)),
             "rel_bound_median": float(np.nanmedian(rel_b)) if bounded else float("nan"),
             "bound_ratio_max": float(np.max(err / bnd)) if bounded else float("nan"),
@@ -275,7 +278,7 @@ def growth_exponents(df, metric: str = "rel_err_norm", by=("dtype", "reduction",
         # A log-log fit over only the T where the error happens to be nonzero is
         # biased (fp64 errors are exactly 0 at most T): report no exponent then.
         complete = g["T"].nunique() == grp["T"].nunique() and g["T"].nunique() >= 3
-        slope = float(np.polyfit(np.log(g["T"]), np.log(g[metric]), 1)[0]) if complete else float("nan")
+        slope = fixed_order.slope(np.log(g["T"]), np.log(g[metric])) if complete else float("nan")
         out.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))), "metric": metric,
                     "exponent": slope, "n_points": int(len(g)), "n_T": int(grp["T"].nunique())})
     return pd.DataFrame(out)
@@ -325,7 +328,11 @@ def capture_minilm(*, steps_before: int = 3, batch_size: int = 16, max_len: int 
         db = tokenize(tok, [pairs[i]["signature"] for i in idx], max_len)
         loss = contrastive_loss(embed(model, qb), embed(model, db))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with warnings.catch_warnings():
+            # the hooks read grad_output only; torch warns that grad_input is None for the
+            # first layer (its input needs no gradient), which is expected here
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss.backward()
         if step <= steps_before:
             opt.step()
     for h in hooks:

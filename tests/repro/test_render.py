@@ -1,0 +1,45 @@
+"""Executed notebooks rendered to Markdown: figures linked to the committed files,
+tables kept, run-dependent noise (stderr, progress widgets, colour codes) dropped."""
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from dora_num.repro.render import render_notebook
+
+
+def test_render_links_saved_figures_and_drops_noise(tmp_path):
+    nb = new_notebook()
+    plot = new_code_cell("fig, ax = plt.subplots()\nctx.save_figure(fig, 'curve')")
+    plot.outputs = [new_output("display_data", data={"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"})]
+    table = new_code_cell("df")
+    table.outputs = [new_output("execute_result", data={
+        "text/html": "<div><style scoped>.x{}</style><table><tr><td>1</td></tr></table></div>",
+        "text/plain": "   a\n0  1"}, execution_count=1)]
+    noisy = new_code_cell("run()")
+    noisy.outputs = [new_output("stream", name="stderr", text="Warning: \x1b[1mLOAD REPORT\x1b[0m\n"),
+                     new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {},
+                                                     "text/plain": "layers: 10%"}),
+                     new_output("stream", name="stdout", text="step 1\rstep 2\rdone\n")]
+    loose = new_code_cell("plt.plot([1])")
+    loose.outputs = [new_output("display_data", data={"image/png": "iVBORw0KGgo="})]
+    nb.cells = [new_markdown_cell("# Title"), plot, table, noisy, loose]
+    src = tmp_path / "99_x.ipynb"
+    nbformat.write(nb, src)
+    md = render_notebook(src, tmp_path / "out" / "99_x.md", "99_x").read_text()
+    assert "# Title" in md
+    assert "![curve](../../figures/99_x/curve.png)" in md
+    assert "<table>" in md and "<style" not in md
+    assert "LOAD REPORT" not in md and "\x1b" not in md and "layers: 10%" not in md
+    assert "done" in md and "step 1" not in md
+    assert "not saved to `figures/`" in md
+    assert "iVBOR" not in md  # no inline image data
+
+
+def test_paths_inside_the_checkout_are_shown_relative(tmp_path):
+    nb = new_notebook()
+    cell = new_code_cell("print(path)")
+    cell.outputs = [new_output("stream", name="stdout", text=f"{tmp_path}/data/gpu/run | ok\n")]
+    nb.cells = [cell]
+    nbformat.write(nb, tmp_path / "98_p.ipynb")
+    md = render_notebook(tmp_path / "98_p.ipynb", tmp_path / "98_p.md", "98_p", root=tmp_path).read_text()
+    assert "data/gpu/run | ok" in md and str(tmp_path) not in md
