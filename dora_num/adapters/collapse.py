@@ -179,14 +179,6 @@ def base_activations(model: torch.nn.Module, tok, names: list[str], texts: list[
 
 def analyse_adapter(adapter_dir: str | os.PathLike, base_dir: str | os.PathLike | None = None, *,
                     formats=FORMATS, activations: bool = True, n_texts: int = ACTIVATION_TEXTS,
-                    max_rows: int = ACTIVATION_ROWS):
-    """``collapse_table`` of the PEFT DoRA adapter in ``adapter_dir`` on the base model in ``base_dir``.
-
-    Activations come from running the base model (transformers ``AutoModel`` +
-    tokenizer from ``base_dir``, in float64: :data:`ACTIVATION_TEXTS`) on ``n_texts``
-    validation summaries of the corpus; if the base model cannot be run that way, the absorption column is
-    NaN and a warning is printed (g statistics need only the weights).
-                    formats=FORMATS, activations: bool = True, n_texts: int = ACTIVATION_TEXTS,
                     max_rows: int = ACTIVATION_ROWS, progress: bool = False):
     """``collapse_table`` of the PEFT DoRA adapter in ``adapter_dir`` on the base model in ``base_dir``.
 
