@@ -41,6 +41,8 @@ RECORDERS = {
                        "GPU: peak memory of training steps against the memory model (06)"),
     "adapters": Recorder("dora_num.studies.cancellation.train_adapters",
                          "CPU: the real MiniLM DoRA adapters and the PEFT agreement runs (01)"),
+    "exhaustive": Recorder("dora_num.studies.exhaustive_gpu",
+                           "GPU: exhaustive sqrt census, tensor-core accumulation probe, 16-bit compose checks (01-03)"),
     "carry": Recorder("dora_num.studies.carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
 }
 

@@ -19,6 +19,7 @@ MODULE_MAINS = {  # python -m entry points that must keep working
     "dora_num.studies.gradient.memory_model": "memory", "dora_num.studies.gradient.memory_measure": "memory",
     "dora_num.studies.cancellation.train_adapters": "adapters", "dora_num.studies.speed.train_graphs": "train-graphs",
     "dora_num.studies.speed.overhead": "overhead", "dora_num.studies.carry": "carry",
+    "dora_num.studies.exhaustive_gpu": "exhaustive",
 }
 
 

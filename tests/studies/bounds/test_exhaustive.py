@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dora_num.numerics.bounds import compose_bound
 from dora_num.numerics.formats import FORMATS, round_fraction, round_to
 from dora_num.studies.bounds import exhaustive as E
 from dora_num.studies.bounds import exhaustive_kernels as K
@@ -118,12 +117,15 @@ def test_fp8_exhaustive_matches_the_record():
     if not path.is_file():
         pytest.fail(f"{path} missing: python -m dora_num.studies.bounds.exhaustive record-fp8")
     rec = pd.read_csv(path)
-    assert (rec["violations"] == 0).all(), rec[rec["violations"] > 0]
+    assert (rec["violations"] == 0).all() and (rec["ulp_bound_violations"] == 0).all(), rec[rec["violations"] > 0]
+    stable32 = rec.query("formula == 'compose_stable' and arith == 'fp32'")
+    assert (stable32["kappa_le_one_ulp_over_1ulp"] == 0).all()  # lemma 1's 1-ulp claim on every fp8 pair
     fresh = E.fp8_exhaustive(smoke=True)
     key = ["format", "g", "s", "formula", "arith"]
     m = fresh.merge(rec, on=key, suffixes=("", "_rec"))
     assert len(m) == len(fresh)
-    for c in ("n_measured", "ulp_0", "ulp_1", "violations", "max_ulp", "overflow_agree", "spurious_nonfinite"):
+    for c in ("n_measured", "ulp_0", "ulp_1", "violations", "max_ulp", "overflow_agree", "spurious_nonfinite",
+              "bound_inf", "ratio_ge_half", "max_err_over_bound") + K.ULP_NAMES:
         assert (m[c] == m[f"{c}_rec"]).all(), c
 
 
