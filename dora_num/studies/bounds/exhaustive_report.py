@@ -90,6 +90,24 @@ def load_gpu(folder=None) -> pd.DataFrame:
     return pd.read_csv(path)
 
 
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per format x formula x arithmetic: over all (g, s), the smallest fraction
+    correctly rounded and within 1 ULP, the largest ULP error, the violations of the bound and of
+    the ulp bound, the largest err/bound, the pairs with ``kappa_c <= one_ulp_condition`` (the
+    domain of lemma 1's 1-ulp claim) and how many of them are more than 1 ULP off, and the
+    (g, s) where the largest ULP error occurs."""
+    keys = ["format", "formula", "arith"]
+    worst = df.loc[df.groupby(keys)["max_ulp"].idxmax(), keys + ["g_label", "s_label"]]
+    agg = df.groupby(keys, as_index=False).agg(
+        configs=("g", "size"), pairs_measured=("n_measured", "sum"), min_frac_correctly_rounded=(
+            "frac_correctly_rounded", "min"), min_frac_within_1ulp=("frac_within_1ulp", "min"),
+        max_ulp=("max_ulp", "max"), violations=("violations", "sum"), max_err_over_bound=("max_err_over_bound", "max"),
+        ulp_bound_violations=("ulp_bound_violations", "sum"), kappa_le_one_ulp=("kappa_le_one_ulp", "sum"),
+        kappa_le_one_ulp_over_1ulp=("kappa_le_one_ulp_over_1ulp", "sum"), nonfinite=("spurious_nonfinite", "sum"),
+        overflow=("overflow_agree", "sum"))
+    return agg.merge(worst.rename(columns={"g_label": "worst_g", "s_label": "worst_s"}), on=keys)
+
+
 def gpu_bitwise_failures(folder=None) -> list[str]:
     """The recorded run's check of the kernel against the package on CUDA
     (``compose_exhaustive_bitwise.csv``): one line per (format, g, s) with a nonzero mismatch

@@ -131,6 +131,7 @@ def exhaustive_correctly_rounded(ex: pd.DataFrame, s_label: str = "1"):
         fm = get_format(f)
         ax.axvspan(-fm.eps / 4, fm.eps / 2, color="grey", alpha=0.2)
         ax.set_xscale("symlog", linthresh=2.0**-24)
-        ax.set(title=f"{f}: every (base, lora) pair, s = {s_label}", xlabel="g - 1", ylabel="fraction correctly rounded")
+        ax.set_xticks([-1e-2, -1e-4, -1e-6, 0, 1e-6, 1e-4, 1e-2])  # every second decade: readable labels
+        ax.set(title=f"{f}, every pair, s = {s_label}", xlabel="g - 1", ylabel="fraction correctly rounded")
     axes[0][-1].legend(fontsize=7)
     return fig

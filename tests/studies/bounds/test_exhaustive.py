@@ -142,3 +142,25 @@ def test_gpu_kernel_bitwise():
         for g, s in CONFIGS[:3]:
             res = E.bitwise_check(fmt, g, s, 0x3F80 << 16, 1 << 20, device="cuda")
             assert all(v == 0 for k, v in res.items() if k != "n_finite"), res
+
+
+def test_report_tables_and_recorded_data(tmp_path):
+    """The reading side on the committed fp8 record: the summary and the 1-ulp claim per format x
+    formula x arithmetic; a missing GPU record is named with the command that records it; the
+    recorded bitwise check is read back, and a mismatch is reported."""
+    from dora_num.studies.recorded import RecordedDataMissing
+
+    ex = R.load_all(gpu=False)
+    assert set(ex["format"]) == {"fp8_e4m3fn", "fp8_e5m2"}
+    summ, claim = R.summary(ex), R.one_ulp_claim(ex)
+    assert len(summ) == len(claim) == 2 * len(K.VARIANTS)
+    assert (summ["violations"] == 0).all() and (summ["ulp_bound_violations"] == 0).all()
+    st = claim.query("formula == 'compose_stable' and arith == 'fp32'")
+    assert (st["kappa_le_one_ulp_over_1ulp"] == 0).all() and (st["frac_well_conditioned"] > 0.99).all()
+    with pytest.raises(RecordedDataMissing, match="dora-num record exhaustive"):
+        R.load_gpu(tmp_path)
+    chk = pd.DataFrame([{"format": "bf16", "g": 1.0, "s": 1.0, "n_finite": 5, "compose_stable/fp32": 0, "kappa": 0}])
+    chk.to_csv(tmp_path / E.BITWISE_FILE, index=False)
+    assert R.gpu_bitwise_failures(tmp_path) == []
+    chk.assign(kappa=2).to_csv(tmp_path / E.BITWISE_FILE, index=False)
+    assert R.gpu_bitwise_failures(tmp_path) == ["bf16 g=1.0 s=1.0: kappa=2"]
