@@ -18,6 +18,8 @@ CONFIGS = [(1.0, 1.0), (E._f32(1 + 1e-3), RS), (1 - 2.0**-24, 0.5), (E._next32(1
 _rng = np.random.Generator(np.random.PCG64(5))
 # tiles of 4096 pairs: random, around base = 1, tiny and huge bases (subnormals, overflow), negative
 STARTS = [int(_rng.integers(0, 2**20)) * 4096, 0x3F80 << 16, 0x0001 << 16, 0xFBFF << 16]
+# and per format: the largest finite base with the largest lora values (overflow of every variant's intermediates)
+STARTS_TOP = {"bf16": 0x7F7F7000, "fp16": 0x7BFF7000}
 
 
 def _pairs(fmt, start, n):
@@ -38,7 +40,8 @@ def test_kernel_bitwise_eager_exact_and_bound(fmt, g, s):
     the kernel's transcription follows)."""
     keys = [f"{f}/{a}" for f, a in K.VARIANTS] + ["exact", "kappa"] + [
         f"{k}:{f}/{a}" for k in ("bound", "ulp_bound") for f, a in K.VARIANTS]
-    for start in STARTS:
+    saw_inf = np.zeros(8, dtype=bool)
+    for start in STARTS + [STARTS_TOP[fmt]]:
         res, out = E.bitwise_check(fmt, g, s, start, 4096, device="cpu", return_bounds=True)
         assert {k: v for k, v in res.items() if k != "n_finite"} == dict.fromkeys(keys, 0), (hex(start), res)
         vb, vl, fin = _pairs(fmt, start, 4096)
@@ -48,6 +51,14 @@ def test_kernel_bitwise_eager_exact_and_bound(fmt, g, s):
             fin_b = np.isfinite(out[fin, :8])
             assert fin_b.any()
             assert (out[fin, 4:8][fin_b[:, 4:]] == 1).any() and (out[fin, 4:8][fin_b[:, 4:]] > 1).any()
+        saw_inf |= np.isinf(out[fin, :8]).any(0)
+    # the overflow tests (bound inf) are exercised: at the top of the format the naive inner s*lora + base
+    # overflows whatever s (per-op; with fp32 intermediates only from bf16, whose range is fp32's), and the
+    # result X = (g-1) base + g s lora overflows the format for s >= 1
+    must = [v for v, fa in enumerate(K.VARIANTS) if fa == ("compose_naive", "per_op") or (
+        fa == ("compose_naive", "fp32") and fmt == "bf16")]
+    assert saw_inf[must].all() and saw_inf[[4 + v for v in must]].all(), saw_inf
+    assert saw_inf.all() or s < 1, saw_inf
 
 
 @pytest.mark.parametrize("fmt, base_bits, g, s", [
