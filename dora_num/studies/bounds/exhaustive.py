@@ -172,9 +172,10 @@ def launch(fmt, g: float, s: float, *, start: int = 0, n: int = 1 << 32, device=
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     interp = K.INTERPRET or str(device) == "cpu"
-    # GPU: 256 pairs per tile, 8 warps (one pair per thread): ptxas for sm_90a (triton 3.7.1, on the CPU)
-    # gave 225 registers and no spill; with the ulp form and kappa_c it gives 255 and spills 16 (bf16) /
-    # 20 (fp16) bytes; 1024 x 8 warps needed 255 and spilled 128 bytes before.  Not timed.
+    # GPU: 256 pairs per tile, 8 warps (one pair per thread).  ptxas for sm_90a (triton 3.7.1, on the CPU):
+    # 255 registers, 16 (bf16) / 20 (fp16) bytes spilled, 1242 SASS instructions per pair and variant set
+    # in the loop (bf16); without the ulp form and kappa_c it was 254 registers, no spill, 968
+    # instructions.  1024 x 8 warps spilled 128 bytes.  Not timed on the GPU yet.
     tile = tile or (4096 if interp else 256)
     iters = iters or (1 if interp else 256)
     per = tile * iters
