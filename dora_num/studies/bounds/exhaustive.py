@@ -412,17 +412,20 @@ def bitwise_check(fmt, g: float, s: float, start: int, n: int, device="cpu", *, 
 BITWISE_FILE = "compose_exhaustive_bitwise.csv"
 
 
-def run_gpu(out_dir, *, smoke: bool = False, budget_s: float = 540.0, log=print) -> pd.DataFrame:
-    """First the kernel against the package on CUDA (:func:`bitwise_check` on 2^20 pairs around
-    ``base ~ 1`` at two (g, s) per format: computed variants, exact result, bounds, ulp bounds,
-    ``kappa_c``; every count must be 0) into ``out_dir/compose_exhaustive_bitwise.csv``; then every
-    configuration (``smoke``: two formats x 2 g x 2 s on a 2^24-pair slice around ``base ~ 1``),
-    written to ``out_dir/compose_exhaustive.csv`` after each launch.  Stops cleanly, with what it
-    has, once ``budget_s`` has passed (``stopped_early`` in the log)."""
+def run_gpu(out_dir, *, smoke: bool = False, budget_s: float = 540.0, log=print, device="cuda",
+            pairs: int | None = None, check_pairs: int = 1 << 20) -> pd.DataFrame:
+    """First the kernel against the package on the device (:func:`bitwise_check` on ``check_pairs``
+    pairs around ``base ~ 1`` at two (g, s) per format: computed variants, exact result, bounds,
+    ulp bounds, ``kappa_c``; every count must be 0) into ``out_dir/compose_exhaustive_bitwise.csv``;
+    then every configuration (``smoke``: two formats x 2 g x 2 s on a 2^24-pair slice around
+    ``base ~ 1``), written to ``out_dir/compose_exhaustive.csv`` after each launch.  Stops cleanly,
+    with what it has, once ``budget_s`` has passed (``stopped_early`` in the log).  ``device`` and
+    ``pairs`` (the slice of the smoke launches) let the tests run the driver under the interpreter."""
     import torch
 
     from pathlib import Path
 
+    cuda = str(device).startswith("cuda")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfgs = configurations()
@@ -430,30 +433,37 @@ def run_gpu(out_dir, *, smoke: bool = False, budget_s: float = 540.0, log=print)
     if smoke:
         keep_g = {"exactly_1", "bf16_edge_above_outside"}
         cfgs = [c for c in cfgs if c["g_label"] in keep_g and c["s_label"] != "0.5"]
-        start, n = 0x3F80 << 16, 1 << 24
+        start, n = 0x3F80 << 16, pairs or 1 << 24
     rows, t0 = [], time.time()
-    for f in ("bf16", "fp16"):  # compile outside the timed launches (the events would include the compile)
-        launch(f, 1.0, 1.0, start=0, n=256 * 256)
-    torch.cuda.synchronize()
+    if cuda:
+        for f in ("bf16", "fp16"):  # compile outside the timed launches (the events would include the compile)
+            launch(f, 1.0, 1.0, start=0, n=256 * 256, device=device)
+        torch.cuda.synchronize()
     log(f"[exhaustive] compiled in {time.time() - t0:.0f} s")
-    checks = [{"format": f, "g": g, "s": s_, **bitwise_check(f, g, s_, 0x3F80 << 16, 1 << 20, device="cuda")}
+    checks = [{"format": f, "g": g, "s": s_, **bitwise_check(f, g, s_, 0x3F80 << 16, check_pairs, device=device)}
               for f in ("bf16", "fp16") for g, s_ in ((1.0, 1.0), (_f32(1 + 1e-3), scale_constants(2 / math.sqrt(7))[0]))]
     chk = pd.DataFrame(checks)
     chk.to_csv(out_dir / BITWISE_FILE, index=False, lineterminator="\n")
-    bad = chk.drop(columns=["format", "g", "s", "n_finite"]).to_numpy().sum()
-    log(f"[exhaustive] kernel vs the package on CUDA ({len(checks)} x 2^20 pairs): "
+    bad = int(chk.drop(columns=["format", "g", "s", "n_finite"]).to_numpy().sum())
+    log(f"[exhaustive] kernel vs the package on {device} ({len(checks)} x {check_pairs:,} pairs): "
         + ("every output bit for bit" if bad == 0 else f"{bad} MISMATCHES (see {BITWISE_FILE})")
         + f"; {time.time() - t0:.0f} s; now {len(cfgs)} launches of {n:,} pairs each")
     for i, cfg in enumerate(cfgs):
         if time.time() - t0 > budget_s:
             log(f"[exhaustive] stopped_early after {i} of {len(cfgs)} launches ({time.time() - t0:.0f} s)")
             break
-        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ev0.record()
-        stats, _ = launch(cfg["format"], cfg["g"], cfg["s"], start=start, n=n)
-        ev1.record()
-        torch.cuda.synchronize()
-        ms = ev0.elapsed_time(ev1)
+        if cuda:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+        else:
+            tc = time.perf_counter()
+        stats, _ = launch(cfg["format"], cfg["g"], cfg["s"], start=start, n=n, device=device)
+        if cuda:
+            ev1.record()
+            torch.cuda.synchronize()
+            ms = ev0.elapsed_time(ev1)
+        else:
+            ms = (time.perf_counter() - tc) * 1e3
         rows += stats_rows(cfg, stats, n, start=start, kernel_ms=ms)
         pd.DataFrame(rows).to_csv(out_dir / RESULT_FILE, index=False, lineterminator="\n")
         log(f"[exhaustive] {i + 1}/{len(cfgs)} {cfg['format']} g={cfg['g_label']} s={cfg['s_label']}: {ms:.0f} ms; "

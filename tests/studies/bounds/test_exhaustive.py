@@ -175,3 +175,17 @@ def test_report_tables_and_recorded_data(tmp_path):
     assert R.gpu_bitwise_failures(tmp_path) == []
     chk.assign(kappa=2).to_csv(tmp_path / E.BITWISE_FILE, index=False)
     assert R.gpu_bitwise_failures(tmp_path) == ["bf16 g=1.0 s=1.0: kappa=2"]
+
+
+def test_gpu_driver_under_the_interpreter(tmp_path):
+    """run_gpu's SMOKE plan on the CPU (a 4096-pair slice): the bitwise check comes first and is all
+    zero, every planned launch writes its four rows, and the rows read back as the notebooks read them."""
+    logs = []
+    df = E.run_gpu(tmp_path, smoke=True, device="cpu", pairs=4096, check_pairs=4096, log=logs.append)
+    chk = pd.read_csv(tmp_path / E.BITWISE_FILE)
+    assert len(chk) == 4 and R.gpu_bitwise_failures(tmp_path) == [], chk
+    assert any("every output bit for bit" in m for m in logs), logs
+    rec = R.load_gpu(tmp_path)
+    assert len(rec) == len(df) == 4 * 2 * 2 * 2 and set(rec["format"]) == {"bf16", "fp16"}
+    assert (rec["n_pairs"] == 4096).all() and (rec["violations"] == 0).all() and (rec["ulp_bound_violations"] == 0).all()
+    assert R.summary(rec)["configs"].eq(4).all()
