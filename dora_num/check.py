@@ -11,11 +11,12 @@ from certified ground truth that the operator did not produce, the bound from
 ============================  ===========================================  ==========================================  ====================================
 formula                       measured                                     exact (certified)                           bound
 ============================  ===========================================  ==========================================  ====================================
-factored row norm             :func:`dora_num.factored_row_norm`           mpmath at two precisions (``mp_dense_row_norm``)  ``factored_norm_bound``
+factored row norm             :func:`dora_num.factored_row_norm`           ``mp_dense_row_norm`` (mpmath, exact sums)  ``factored_norm_bound``
 dense row norm                :func:`dora_num.dense_row_norm`              the same                                    ``dense_norm_bound``
-magnitude division            :func:`dora_num.magnitude_scale` of the      ``mp_magnitude_scale`` of the same inputs   one correctly rounded fp32 division:
-                              factored norm                                                                            ``u |g| + eta`` (below)
-g end to end                  the same ``g``                               ``m / max(||W + sBA||, eps)``, exact norm   division + the norm's bound (below)
+magnitude division            :func:`dora_num.magnitude_scale` of the      ``mp_magnitude_scale`` of the same inputs   ``magnitude_scale_bound`` (lemma 6),
+                              factored norm                                                                            the norm taken as exact
+g end to end                  the same ``g``                               ``m / max(||W + sBA||, eps)``, exact norm   ``magnitude_scale_bound`` with the
+                                                                                                                       factored norm's bound (below)
 compose stable / naive        :func:`dora_num.compose_stable` / ``_naive``  ``compose_exact`` (double-double + mpmath)  ``compose_bound(..., "fp32")``
 ============================  ===========================================  ==========================================  ====================================
 
@@ -26,13 +27,17 @@ the compose's).  Row norms are checked on at most ``max_rows`` rows (all of them
 are fewer): half with the largest condition number ``kappa`` of the factored assembly, half
 drawn at random (seeded); the report says how many.  The compose is checked on every element.
 
-**Division bound.**  With exact inputs, ``fl(m / w) = (m / w)(1 + d) + e``, ``|d| <= u``,
-``|e| <= eta`` (standard model; ``u = 2^-24``, ``eta = 2^-150``): ``|g^ - g| <= u |g| + eta``.
-End to end, with ``w^ = w (1 + r)``, ``|r| <= rho = B_norm / w`` (``B_norm`` the factored
-norm's bound): ``|g^ - m/w| <= u |m/w^| + eta + |g| rho / (1 - rho)`` (``inf`` when
-``rho >= 1``, or when ``eps`` lies within the norm's bound of ``w``, so that which side of
-``max(w, eps)`` applies is undecided).  These two are the bounds of
-:func:`~dora_num.numerics.formulas.magnitude_scale`'s docstring, written out here.
+**Division bounds** (:func:`dora_num.numerics.bounds.magnitude_scale_bound`, lemma 6 of
+``docs/bounds.md``: ``|g^ - g| <= |g| (u + rel) / (1 - rel) + eta`` for ``g^ = fl32(m / max(w^, eps))``,
+``g = m / max(w, eps)``, ``|w^ - w| <= rel w``; ``eps`` its fp32 value, as torch's clamp takes it).
+*Magnitude division*: the computed norm fed in, taken as exact (``rel = 0``).  *End to end*:
+``w`` the exact norm and ``w^`` the factored one, ``|w^ - w| <= B`` (``B`` = ``factored_norm_bound``).
+The lemma is applied to ``max(w, eps)`` and ``max(w^, eps)`` (the same ``g`` and ``g^``: ``max`` with
+``eps`` is idempotent), whose distance is at most ``B`` (``max(., eps)`` is 1-Lipschitz), so
+``rel = B / max(w, eps)`` (``inf`` for ``rel >= 1``): rows at or below ``eps``, a zero row
+included, keep a finite bound.  The float64 references add their own rounding: ``2^-52 |g|`` for
+the quotient of the magnitude division, ``4 * 2^-52 |g|`` end to end (the exact norm and the
+quotient each rounded to float64 once).
 
 **File format** (safetensors; PEFT-style names accepted where they name one tensor each):
 ``W`` [d_out, d_in] (or ``weight``, ``base_layer.weight``), ``A`` [r, d_in] (``lora_A...weight``),
@@ -51,8 +56,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-U32 = 2.0**-24
-ETA32 = 2.0**-150
 MAX_FILE_BYTES = 2 * 2**30
 MAX_COMPOSE_ELEMENTS = 1 << 22
 # name -> (exact keys, PEFT-style suffixes); a key matches if equal to an exact key or ending in a suffix
@@ -221,7 +224,7 @@ def check_bounds(W=None, A=None, B=None, m=None, x=None, *, scale: float | None 
     """
     import dora_num as dn
 
-    from .numerics.bounds import compose_bound, dense_norm_bound, factored_norm_bound
+    from .numerics.bounds import compose_bound, dense_norm_bound, factored_norm_bound, magnitude_scale_bound
     from .numerics.formats import get_format, ulp
     from .numerics.formulas import scale_constants
     from .numerics.ground_truth import compose_exact, mp_dense_row_norm, mp_magnitude_scale
@@ -271,26 +274,23 @@ def check_bounds(W=None, A=None, B=None, m=None, x=None, *, scale: float | None 
         row, ratio = _row(name, "fp32", how, err, bound, q32, where=at_row)
         table.append(row)
         worst += _worst(name, ratio, err, bound, c, exact_w, at_row, top)
-    # ---- magnitude division (exact inputs m, wnorm) and g end to end
+    # ---- magnitude division (exact inputs m, wnorm) and g end to end: lemma 6
     eps_v = default_eps(m.dtype) if eps is None else float(eps)
+    e32 = float(np.float32(eps_v))  # what the division's clamp uses
     g = dn.magnitude_scale(m, wf, eps=eps_v)
     gc = g.double().cpu().numpy()[rows]
     m_r, wf_r = m.double().cpu().numpy()[rows], wf.double().cpu().numpy()[rows]
-    g_div = mp_magnitude_scale(m_r, wf_r, eps_v).value
+    g_div = mp_magnitude_scale(m_r, wf_r, e32).value
     err = np.abs(gc - g_div)
-    bound = U32 * np.abs(g_div) + ETA32
+    bound = magnitude_scale_bound(m_r, wf_r, e32, 0.0) + 2.0**-52 * np.abs(g_div)
     row, ratio = _row("magnitude division", "fp32", how, err, bound, ulp(g_div, "fp32"), where=at_row)
     table.append(row)
     worst += _worst("magnitude division", ratio, err, bound, gc, g_div, at_row, top)
-    g_true = m_r / np.maximum(exact_w, eps_v)  # float64 of the exact quotient: 2^-52 relative, added below
-    div = U32 * (1 + 2 * U32) * np.abs(gc) + ETA32  # u |m / w^| + eta, |m / w^| <= |g^| / (1 - u)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rho = b_fact / exact_w
-        bound = np.where(rho < 1, div + np.abs(g_true) * rho / (1 - rho), np.inf)
-    # eps between the norm's bounds: which side of max(w, eps) applies is undecided (no claim);
-    # both below eps: g = m / eps on both sides
-    bound = np.where((exact_w - b_fact <= eps_v) & (exact_w + b_fact >= eps_v), np.inf,
-                     np.where(exact_w + b_fact < eps_v, div, bound)) + 4 * 2.0**-52 * np.abs(g_true)
+    den_true = np.maximum(exact_w, e32)
+    g_true = m_r / den_true  # float64 of the exact quotient (exact_w rounded once too): 4 * 2^-52 |g| below
+    rel = b_fact / den_true * (1 + 2.0**-50)  # an upper bound of B / max(w, eps) for the exact w
+    bound = magnitude_scale_bound(m_r, np.maximum(wf_r, e32), e32, np.where(np.isfinite(rel), rel, 1.0)) \
+        + 4 * 2.0**-52 * np.abs(g_true)
     err = np.abs(gc - g_true)
     row, ratio = _row("g end to end", "fp32", how, err, bound, ulp(g_true, "fp32"), where=at_row)
     table.append(row)

@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -145,3 +144,19 @@ def test_bad_files_are_named(tmp_path):
 
 def test_public_name():
     assert dn.check_bounds is check_bounds
+
+
+def test_rows_below_eps_keep_a_finite_division_bound():
+    """A zero row of W + sBA (norm 0: g = m / eps) and a row below eps: the end-to-end bound of
+    lemma 6 (applied to max(w, eps)) is finite there and holds."""
+    t = _layer()
+    t["W"][5] = 0.0
+    t["B"][5] = 0.0
+    t["m"][5] = 3e-13  # g = m / eps ~ 0.3
+    t["W"][7] *= 1e-14
+    t["B"][7] = 0.0
+    t["m"][7] = 1e-13
+    rep = check_bounds(**t, scale=0.37, eps=1e-12)
+    assert rep.ok, rep.to_string()
+    g_rows = rep.table.set_index("formula").loc[["magnitude division", "g end to end"]]
+    assert (g_rows["no_finite_bound"] == 0).all() and (g_rows["tightness"] > 0).all(), g_rows

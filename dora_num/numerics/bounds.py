@@ -56,9 +56,16 @@ from .standard_model import ETA32, SAFE, U32, U64, finite64, gamma, pw
 
 __all__ = ["assembly_bound", "assembly_condition", "compose_bound", "compose_condition", "compose_ulp_bound",
            "dense_norm_bound", "dg_bound", "dg_max_additions", "factored_norm_bound", "factored_norm_posterior",
-           "gamma", "lora_row_magnitudes", "magnitude_scale_bound", "one_ulp_condition"]
+           "gamma", "lora_row_magnitudes", "magnitude_scale_bound", "one_ulp_condition", "working_arithmetic"]
 
-def _working(fmt, variant):
+def working_arithmetic(fmt, variant: str):
+    """The standard model of ``variant`` for storage format ``fmt``, as every compose and
+    assembly bound uses it: ``(w, u_s, eta, out_fmt, fma)``, ``w`` the working format (the
+    storage format for ``per_op``, fp32 otherwise), ``u_s`` the relative error of an operation
+    with a Python scalar (per-op: computed in fp32, then rounded to ``w``), ``eta`` its underflow
+    term, ``out_fmt`` the format of the final rounding of an fp32 result (None for ``per_op``)
+    and whether products are contracted (``fp32_fma``).  Public so that a transcription of a
+    bound (the exhaustive GPU kernel) takes its constants from here."""
     fmt = get_format(fmt)
     if variant == "per_op":
         w = fmt
@@ -89,7 +96,7 @@ def _compose_parts(formula, base, lora, g, s, fmt, variant, g_in):
     if formula not in ("compose_stable", "compose_naive"):
         raise ValueError(f"formula must be compose_stable or compose_naive, got {formula!r}")
     fmt = get_format(fmt)
-    w, us, eta, out_fmt, fma = _working(fmt, variant)
+    w, us, eta, out_fmt, fma = working_arithmetic(fmt, variant)
     u = w.u
     base, lora, g = (finite64(n, x) for n, x in (("base", base), ("lora", lora), ("g", g)))
     s = F.scale_constants(s)[0]
@@ -200,7 +207,7 @@ def assembly_bound(base_sq, cross, ba, s: float, fmt, variant: str) -> np.ndarra
     given terms with the fp32 constants ``2s``, ``s^2 = fl32(s*s)`` (what the assembly
     receives).  ``inf`` where overflow is possible."""
     fmt = get_format(fmt)
-    w, us, eta, _, fma = _working(fmt, variant)
+    w, us, eta, _, fma = working_arithmetic(fmt, variant)
     u = w.u
     b, c, a = (finite64(n, x) for n, x in (("base_sq", base_sq), ("cross", cross), ("ba", ba)))
     _, two_s, s_sq = F.scale_constants(s)

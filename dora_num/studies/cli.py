@@ -44,6 +44,8 @@ RECORDERS = {
     "adapters-gpu": Recorder("dora_num.studies.cancellation.gpu_training",
                              "GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training; "
                              "launch | plan | ingest (01)"),
+    "exhaustive": Recorder("dora_num.studies.exhaustive_gpu",
+                           "GPU: exhaustive sqrt census, tensor-core accumulation probe, 16-bit compose checks (01-03)"),
     "carry": Recorder("dora_num.studies.carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
 }
 

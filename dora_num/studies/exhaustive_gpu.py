@@ -1,4 +1,6 @@
-"""``python -m dora_num.studies.exhaustive_gpu --out DIR [--smoke]``: the exhaustive GPU runs, one process.
+"""``dora-num record exhaustive --out DIR [--smoke] [--only SECTION ...] [--budget-s S]``: the
+exhaustive GPU runs of notebooks 01-03, one process (``python -m dora_num.studies.exhaustive_gpu``
+delegates here).
 
 Sections (``--only``), in this order, each writing under DIR:
 
@@ -11,25 +13,31 @@ Sections (``--only``), in this order, each writing under DIR:
 - ``compose``: every exhaustive 16-bit compose configuration
   (:mod:`dora_num.studies.bounds.exhaustive`): ``compose_exhaustive.csv`` (rewritten after each
   launch, so a stopped run keeps what it has) and ``compose_exhaustive_bitwise.csv`` (the kernel's
-  four computed variants and exact result against eager torch on CUDA and ``compose_exact``).
+  computed variants, exact result, bounds, ulp bounds and ``kappa_c`` against eager torch on CUDA
+  and the package's numpy functions: every mismatch count must be 0).
 
-``device.json`` records the GPU, versions, git sha, the sections' wall times and whether the
-compose section stopped at ``--budget-s``.  ``--smoke`` runs every kernel path (inline PTX
-included) on slices, in well under a minute.  ``--ingest DIR`` copies a run into
-``data/gpu/exhaustive/`` with provenance sidecars (device description from ``device.json``).
+``device.json`` (:func:`dora_num.studies.recorded.describe_machine`) records the GPU, versions,
+git sha, the sections' wall times, how many compose launches ran of how many planned, and
+whether the compose section stopped at ``--budget-s``.  ``--smoke`` runs every kernel path
+(inline PTX included) on slices, in well under a minute.  ``--ingest DIR`` copies a full run into
+``data/gpu/exhaustive/`` through :func:`dora_num.studies.recorded.ingest` (the measuring
+machine's description from ``device.json``; a ``--smoke`` run is refused).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from . import recorded
+
 SECTIONS = ("census", "accumulation", "compose")
+INGEST_DIR = ("gpu", "exhaustive")
+PRODUCER = "dora-num record exhaustive"
 
 
 def _log(msg: str) -> None:
@@ -38,22 +46,19 @@ def _log(msg: str) -> None:
 
 def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 480.0,
         git_sha: str | None = None) -> dict:
+    """Run ``sections`` into ``out``; returns the ``device.json`` description."""
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("exhaustive_gpu needs a CUDA GPU (this machine has none)")
-    from .suite import device_description
+        raise SystemExit("dora-num record exhaustive needs a CUDA GPU (this machine has none)")
+    import triton
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    desc = {**device_description(git_sha), "smoke": smoke, "sections": list(sections), "wall_s": {}}
+    desc = recorded.describe_machine(git_sha, triton_runtime=triton.__version__, smoke=smoke, sections=list(sections),
+                                     budget_s=budget_s, wall_s={})
     t_all = time.time()
-
-    def save():
-        (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
-
-    save()
+    recorded.write_machine(out, desc)
     for name in sections:
         t0 = time.time()
         try:
@@ -69,11 +74,13 @@ def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 
 
                 acc_run(out, smoke=smoke, log=_log)
             elif name == "compose":
-                from .bounds.exhaustive import run_gpu as comp_run
+                from .bounds.exhaustive import configurations, run_gpu as comp_run
 
                 left = budget_s - (time.time() - t_all)
                 df = comp_run(out, smoke=smoke, budget_s=max(left, 30.0), log=_log)
                 desc["compose_launches"] = len(df) // 4
+                desc["compose_planned"] = None if smoke else len(configurations())
+                desc["compose_stopped_early"] = (not smoke) and desc["compose_launches"] < len(configurations())
         except Exception:  # noqa: BLE001 - one GPU call: record the failure, run the other sections
             import traceback
 
@@ -81,60 +88,62 @@ def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 
             desc.setdefault("failed_sections", []).append(name)
         desc["wall_s"][name] = round(time.time() - t0, 1)
         _log(f"{name}: {desc['wall_s'][name]} s")
-        save()
+        recorded.write_machine(out, desc)
     desc["wall_s"]["total"] = round(time.time() - t_all, 1)
-    save()
+    recorded.write_machine(out, desc)
     return desc
 
 
-INGEST_DIR = ("gpu", "exhaustive")
-
-
-def ingest(src: Path, dest: Path | None = None) -> list[Path]:
-    """Copy a run folder into ``data/gpu/exhaustive/`` through the provenance helper."""
+def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
+    """Copy a run folder (all its files, ``device.json`` included) into ``data/gpu/exhaustive/``
+    with provenance (:func:`dora_num.studies.recorded.ingest_folder`); a ``--smoke`` run is refused."""
     from ..repro.paths import data_dir
-    from ..repro.provenance import write_artifact
 
-    src = Path(src)
-    desc = json.loads((src / "device.json").read_text())
+    desc = recorded.read_machine(src)
     if desc.get("smoke"):
         raise ValueError(f"{src} holds a --smoke run; ingest a full run")
-    dest = Path(dest) if dest is not None else data_dir(*INGEST_DIR)
-    written = []
-    for f in sorted(p for p in src.iterdir() if p.is_file()):
-        written.append(write_artifact(
-            dest / f.name, f.read_bytes(), device=desc["device"], producer="dora_num.studies.exhaustive_gpu",
-            params={"sections": desc.get("sections"), "smoke": desc.get("smoke"), "wall_s": desc.get("wall_s"),
-                    "failed_sections": desc.get("failed_sections")},
-            extra={"gpu_git_sha": desc.get("git_sha"), "gpu_versions": desc.get("versions")}))
-    return written
+    keys = ("sections", "smoke", "budget_s", "wall_s", "failed_sections", "compose_launches", "compose_planned",
+            "compose_stopped_early")
+    return recorded.ingest_folder(src, Path(dest) if dest is not None else data_dir(*INGEST_DIR), producer=PRODUCER,
+                                  git_sha=git_sha, params={k: desc.get(k) for k in keys})
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.exhaustive_gpu", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="output folder of the run (or, with --ingest, the data folder)")
+def build_parser(prog: str = PRODUCER, name: str = "exhaustive") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="output folder of the run (with --ingest: the data folder, "
+                                             "default data/gpu/exhaustive)")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     ap.add_argument("--smoke", action="store_true", help="slices of every kernel path (< 1 min)")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="the compose section stops cleanly once the run has taken this long (default 480)")
-    ap.add_argument("--git-sha", help="git sha of the code (when the GPU copy has no .git)")
-    ap.add_argument("--ingest", metavar="RUN_DIR", help="copy RUN_DIR into data/gpu/exhaustive/ with provenance")
-    args = ap.parse_args(argv)
+    ap.add_argument("--git-sha", help="git sha of the code (the GPU copy of the tree has no .git)")
+    ap.add_argument("--ingest", type=Path, metavar="RUN_DIR",
+                    help="instead of measuring: copy RUN_DIR into data/gpu/exhaustive/ (or --out) with provenance")
+    return ap
+
+
+def record(args) -> int:
     if args.ingest:
-        for p in ingest(Path(args.ingest), Path(args.out) if args.out else None):
+        for p in ingest(args.ingest, args.out, git_sha=args.git_sha):
             print(p)
         return 0
     if not args.out:
-        ap.error("--out DIR is required")
+        print(f"{PRODUCER}: --out DIR is required", file=sys.stderr)
+        return 2
     sha = args.git_sha or os.environ.get("DORA_NUM_GIT_SHA")
     if sha is None:
         try:
             sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             sha = None
-    desc = run(Path(args.out), sections=tuple(args.only or SECTIONS), smoke=args.smoke, budget_s=args.budget_s,
-               git_sha=sha)
+    desc = run(args.out, sections=tuple(args.only or SECTIONS), smoke=args.smoke, budget_s=args.budget_s, git_sha=sha)
     return 1 if desc.get("failed_sections") else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import run as run_recorder
+
+    return run_recorder("exhaustive", argv)
 
 
 if __name__ == "__main__":

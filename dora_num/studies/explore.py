@@ -4,7 +4,10 @@
 ``compose_naive``) under an arithmetic of :mod:`dora_num.numerics.emulate` (``fp32``: the
 contract; ``fp32_fma``; ``per_op``) and returns the computed value, the exact value (rational
 arithmetic), the exact value rounded once to the format, the error in ULPs, the a-priori bound
-(:func:`dora_num.numerics.bounds.compose_bound`) and where ``g`` sits against the format's
+(:func:`dora_num.numerics.bounds.compose_bound`) and its ulp form
+(:func:`~dora_num.numerics.bounds.compose_ulp_bound`), the sum's condition ``kappa_c``
+(:func:`~dora_num.numerics.bounds.compose_condition`) against lemma 1's 1-ulp threshold
+(:func:`~dora_num.numerics.bounds.one_ulp_condition`), and where ``g`` sits against the format's
 collapse zone ``fl(g) = 1`` (``1 - eps/4 <= g <= 1 + eps/2``).  :func:`sweep` does the same
 over a range of ``g - 1`` for the plot; :func:`widgets` wires both to ipywidgets.
 """
@@ -17,7 +20,7 @@ from fractions import Fraction
 import numpy as np
 import pandas as pd
 
-from ..numerics.bounds import compose_bound
+from ..numerics.bounds import compose_bound, compose_condition, compose_ulp_bound, one_ulp_condition
 from ..numerics.emulate import emulate
 from ..numerics.formats import FORMATS, get_format, round_fraction, round_to, ulp, ulp_distance
 from ..numerics.formulas import scale_constants
@@ -60,16 +63,21 @@ def point(fmt="bf16", formula="compose_stable", arith="fp32", g=1.001, s=0.5, ba
     X = (Fraction(g32) - 1) * Fraction(b) + Fraction(g32) * Fraction(s32) * Fraction(l_)
     ref = round_fraction(X, f)
     B = float(compose_bound(formula, arr(b), arr(l_), arr(g32), s32, f, arith)[0])
+    U = float(compose_ulp_bound(formula, arr(b), arr(l_), arr(g32), s32, f, arith)[0])
+    kappa = float(compose_condition(arr(b), arr(l_), arr(g32), s32)[0])
     q = float(ulp(arr(float(X)), f)[0])
     finite = math.isfinite(c) and math.isfinite(ref)
+    d = int(abs(ulp_distance(arr(ref), arr(c), f)[0])) if finite else None
     lo, hi = collapse_zone(f)
     return {"format": f.name, "formula": formula, "arith": arith, "g": g32, "g_minus_1": g32 - 1.0, "s": s32,
             "base": b, "lora": l_, "computed": c, "exact": float(X), "exact_rounded": ref,
             "abs_err": float(abs(Fraction(c) - X)) if math.isfinite(c) else math.inf,
-            "ulp_error": int(abs(ulp_distance(arr(ref), arr(c), f)[0])) if finite else None,
+            "ulp_error": d,
             "err_ulps": float(abs(Fraction(c) - X) / Fraction(q)) if math.isfinite(c) else math.inf,
             "bound": B, "bound_ulps": B / q, "within_bound": bool(math.isfinite(c) and abs(Fraction(c) - X) <= Fraction(B))
             if math.isfinite(B) else None,
+            "ulp_bound": U, "within_ulp_bound": bool(finite and d <= U) if math.isfinite(U) else None,
+            "kappa_c": kappa, "one_ulp_condition": one_ulp_condition(f),
             "g_rounds_to_1": bool(round_to(arr(g32), f)[0] == 1.0), "zone_lo": lo, "zone_hi": hi}
 
 

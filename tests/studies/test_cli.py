@@ -20,6 +20,7 @@ MODULE_MAINS = {  # python -m entry points that must keep working
     "dora_num.studies.cancellation.train_adapters": "adapters",
     "dora_num.studies.cancellation.gpu_training": "adapters-gpu", "dora_num.studies.speed.train_graphs": "train-graphs",
     "dora_num.studies.speed.overhead": "overhead", "dora_num.studies.carry": "carry",
+    "dora_num.studies.exhaustive_gpu": "exhaustive",
 }
 
 

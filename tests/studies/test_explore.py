@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from dora_num.numerics.bounds import compose_bound
+from dora_num.numerics.bounds import compose_bound, compose_condition, compose_ulp_bound, one_ulp_condition
 from dora_num.numerics.ground_truth import compose_exact
 from dora_num.studies import explore as X
 
@@ -19,6 +19,12 @@ def test_point_agrees_with_ground_truth_and_bound(fmt, formula, arith):
     assert p["exact_rounded"] == truth.rounded[0] and math.isclose(p["exact"], truth.value[0], rel_tol=1e-15)
     B = compose_bound(formula, np.array([p["base"]]), np.array([p["lora"]]), np.array([p["g"]]), p["s"], fmt, arith)[0]
     assert p["bound"] == B and p["within_bound"] and p["abs_err"] <= B
+    args = (np.array([p["base"]]), np.array([p["lora"]]), np.array([p["g"]]), p["s"])
+    U = compose_ulp_bound(formula, *args, fmt, arith)[0]
+    assert p["ulp_bound"] == U and p["within_ulp_bound"] and p["ulp_error"] <= U
+    assert p["kappa_c"] == compose_condition(*args)[0] and p["one_ulp_condition"] == one_ulp_condition(fmt)
+    if formula == "compose_stable" and arith == "fp32" and p["kappa_c"] <= p["one_ulp_condition"]:
+        assert p["ulp_error"] <= 1  # lemma 1's claim
     lo, hi = X.collapse_zone(fmt)
     assert p["g_rounds_to_1"] == (lo <= p["g"] <= hi)
 

@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .. import recorded
+
 FORMATS = ("bf16", "fp16")
 # (M, unit) of the order probe: M / unit >= 2^39 so that up to 2^14 units (< ulp(M)/2 of a
 # 24-bit accumulator, also after an alignment of up to 2^14 more bits) are swamped.
@@ -118,7 +120,6 @@ def model_lca_sizes(K: int, i: int, k: int, splits: int) -> np.ndarray:
         seg_of[seg] = si
         start[seg] = seg[0]
     blk = (np.arange(K) - start) // k  # block index inside its segment
-    j = np.arange(K)
     same = seg_of == seg_of[i]
     # within a segment: the running sum after block t holds blocks 0..t: lca(i, j) is the
     # block node of max(blk_i, blk_j), whose subtree is blocks 0..max of that segment
@@ -349,6 +350,9 @@ def bound_factor(findings: dict) -> dict:
 
 SHAPES = (("U", 4096, 384), ("G", 384, 384))  # (product, M rows per call, N) as in the factored norm
 K_VALUES = (384, 4096)
+PROBE_FILE = "accumulation_probe.json"
+RECORDED = recorded.RecordedData(files=(f"gpu/exhaustive/{PROBE_FILE}",),
+                                 how_to_record=recorded.record_command("exhaustive", extra="--only accumulation"))
 
 
 def run_gpu(out_dir, *, smoke: bool = False, log=print) -> list[dict]:
@@ -372,7 +376,7 @@ def run_gpu(out_dir, *, smoke: bool = False, log=print) -> list[dict]:
                 recs.append(rec)
                 f = analyze(rec)
                 log(f"[accumulation] {fmt} {shape[0]} K={K}: {f}")
-    (out_dir / "accumulation_probe.json").write_text(json.dumps(recs) + "\n")
+    (out_dir / PROBE_FILE).write_text(json.dumps(recs) + "\n")
     findings = [{**analyze(r), "bound": bound_factor(analyze(r))} for r in recs]
     (out_dir / "accumulation_findings.json").write_text(json.dumps(findings, indent=1, default=str) + "\n")
     return findings
@@ -387,13 +391,14 @@ __all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca
            "asdict"]
 
 
-def load_record(folder=None) -> list[dict] | None:
-    """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json``), or None."""
-    from ...repro.paths import committed_data
+def load_record(folder=None) -> list[dict]:
+    """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json``, or in ``folder``);
+    :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
+    from pathlib import Path
 
-    folder = committed_data("gpu", "exhaustive") if folder is None else folder
-    path = folder / "accumulation_probe.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    path = RECORDED.require()[0] if folder is None else recorded.require([Path(folder) / PROBE_FILE],
+                                                                         RECORDED.how_to_record)[0]
+    return json.loads(path.read_text())
 
 
 def findings_table(records: list[dict]):

@@ -57,19 +57,35 @@ The overflow threshold ``max + ulp/2`` is such a midpoint of the unbounded grid.
 
 **Error and bound.**  ``err = |c - X| <= (|fl(c - H)| + |rho|)(1 + 2^-50)`` (an upper bound;
 ``c`` the computed value).  The bound of each variant is
-:func:`dora_num.numerics.bounds.compose_bound`, transcribed op for op in float64
-(:func:`_bound`; host constants from :func:`bound_constants`) and held to it bit for bit by
-``tests/studies/bounds/test_exhaustive.py``: if the bound changes, that test fails until
-this transcription follows.  A violation is ``err > bound`` (or a non-finite result where
-the bound is finite).
+:func:`dora_num.numerics.bounds.compose_bound` and its ulp form
+:func:`~dora_num.numerics.bounds.compose_ulp_bound`, both from the pieces of ``_compose_parts``
+(``E_pre``, ``E_w``, ``E``, the overflow test, ``|g' - g||L + b|``), transcribed op for op in
+float64 (:func:`_bound`: same operations, same association; the scalar factors that depend on
+``g`` alone, e.g. ``(1 + us)^k (1 + u) - 1``, are host constants from
+:func:`~dora_num.studies.bounds.exhaustive.bound_constants`), together with the sum's condition
+``kappa_c`` (:func:`~dora_num.numerics.bounds.compose_condition`).  The three are held to those
+functions bit for bit by ``tests/studies/bounds/test_exhaustive.py`` (and on the GPU by
+``bitwise_check``): if a bound changes, that test fails until this transcription follows.  The
+quantum ``q`` of the ulp form is built from the exponent bits of ``max(|X| - E_last, 0)`` and
+``E_last / q`` is taken as a product with ``1/q`` (exact: a power of two), its floor by an
+integer conversion below ``2^52`` (every float64 above is an integer): no division, no libdevice.
+A violation is ``err > bound`` (or a non-finite result where the bound is finite); an ulp
+violation is ``ulp distance > ulp bound`` (likewise); the claim of lemma 1 is counted where
+``kappa_c <= one_ulp_condition(fmt)`` (``2^(22-p)``): how many pairs, and how many of them more
+than 1 ulp off.  The float64 constants that are not fp32 numbers (``1 + 2^-40``,
+``1 + 2^-50``) are loaded from the constant array, not written as literals, so no Triton
+version can narrow them.
 
-Statistics per variant and program (``N_STAT`` int64): a 16-bin histogram of the class
-(:data:`CLASSES`), the number of violations, of finite results whose bound is ``inf``, of
-results with ``err >= bound / 2``, and two maxima packed with the pair index (low 32 bits):
-ULP distance and ``fp32(err / bound)`` (its bits; positive floats order like their bits).
-Each tile lane accumulates its counts in registers (9- and 10-bit fields of int64 / int32
-words, so ``ITERS <= 511``) and the program reduces them once at its end: a reduction per
-tile cost 72 barriers and 164 shuffles per element (ptxas for sm_90, 256-element tiles).
+Statistics per variant and program (``N_STAT`` int64, :data:`STAT_NAMES`): a 16-bin histogram
+of the class (:data:`CLASSES`); the number of violations, of finite results whose bound is
+``inf``, of results with ``err >= bound / 2``; of ulp-bound violations, of pairs whose ulp
+bound is 1 (the bound itself guarantees 1 ulp), of pairs whose ulp error equals their ulp
+bound (attained); of pairs with ``kappa_c <= one_ulp_condition`` and of those among them more
+than 1 ulp off; and two maxima packed with the pair index (low 32 bits): ULP distance and
+``fp32(err / bound)`` (its bits; positive floats order like their bits).  Each tile lane
+accumulates its counts in registers (9- and 10-bit fields of int64 / int32 words, so
+``ITERS <= 511``) and the program reduces them once at its end: a reduction per tile cost 72
+barriers and 164 shuffles per element (ptxas for sm_90, 256-element tiles).
 """
 
 from __future__ import annotations
@@ -89,15 +105,17 @@ CLASSES = ("ulp_0", "ulp_1", "ulp_2", "ulp_3_4", "ulp_5_8", "ulp_9_16", "ulp_17_
            "ulp_257_4096", "ulp_gt_4096", "overflow_agree", "overflow_mismatch", "spurious_nonfinite",
            "input_nonfinite", "unused_14", "unused_15")
 N_HIST = 16
-STAT_NAMES = CLASSES + ("violations", "bound_inf", "ratio_ge_half", "key_dist", "key_ratio")
+FLAG_NAMES = ("violations", "bound_inf", "ratio_ge_half")  # 10-bit fields of one int32 per lane
+ULP_NAMES = ("ulp_bound_violations", "ulp_bound_le_1", "ulp_bound_attained", "kappa_le_one_ulp",
+             "kappa_le_one_ulp_over_1ulp")  # 10-bit fields of one int64 per lane
+STAT_NAMES = CLASSES + FLAG_NAMES + ULP_NAMES + ("key_dist", "key_ratio")  # the two keys last (max, not sum)
 N_STAT = len(STAT_NAMES)  # per variant
-# fp64 constants per launch (see bound_constants / pack_constants in exhaustive.py)
-CONST_NAMES = ("g", "gm1", "ch", "cl", "s")  # then ARITH_CONSTS for fp32, then for per_op
-ARITH_CONSTS = ("gp", "dg", "u", "us", "eta", "wmax", "c_p", "c_t", "c_e", "c1", "k_eta", "k_lb",
-                "has_out", "uo", "omax", "omin_half", "u1sq", "u1cu")
+# fp64 constants per launch (exhaustive.launch_constants / bound_constants)
+CONST_NAMES = ("g", "gm1", "ch", "cl", "s", "safe", "err_up")  # then ARITH_CONSTS for fp32, then for per_op
+ARITH_CONSTS = ("gp", "dg", "u", "us", "eta", "wmax", "c_p", "c_t", "c_e", "u1sq", "u1cu", "pw2", "uo", "omax",
+                "omin_half")
 N_CONST = len(CONST_NAMES) + 2 * len(ARITH_CONSTS)
-U64 = 2.0**-53
-SAFE = 1.0 + 2.0**-40
+N_OUTF = 9  # write_out: 4 bounds, 4 ulp bounds, kappa_c
 
 
 @triton.jit
@@ -182,48 +200,73 @@ def _ordinal(bits):
 
 
 @triton.jit
-def _bound(b, L, aL, ab, cptr, BASE: tl.constexpr, NAIVE: tl.constexpr):
-    """:func:`dora_num.numerics.bounds.compose_bound` for one arithmetic (constants at
-    ``cptr + BASE``), transcribed operation for operation (same association, float64)."""
+def _bound(b, L, aL, ab, Xt, cptr, BASE: tl.constexpr, NAIVE: tl.constexpr, PER_OP: tl.constexpr,
+           FMT: tl.constexpr):
+    """:func:`dora_num.numerics.bounds.compose_bound` and :func:`~dora_num.numerics.bounds.compose_ulp_bound`
+    of one (formula, arithmetic) (constants at ``cptr + BASE``), transcribed operation for
+    operation from ``_compose_parts`` (same association, float64; ``* (1 + U64)`` there is
+    ``* 1.0``: ``1 + 2^-53`` rounds to 1).  ``Xt = |X|`` with the given ``g``.  Returns
+    ``(bound, ulp_bound)``."""
+    P: tl.constexpr = 8 if FMT == 0 else 11
+    EMIN: tl.constexpr = -126 if FMT == 0 else -14
+    safe = tl.load(cptr + 5)
     gp = tl.load(cptr + BASE + 0)
     dg = tl.load(cptr + BASE + 1)
     u = tl.load(cptr + BASE + 2)
     us = tl.load(cptr + BASE + 3)
     eta = tl.load(cptr + BASE + 4)
     wmax = tl.load(cptr + BASE + 5)
-    c_p = tl.load(cptr + BASE + 6)
-    c_t = tl.load(cptr + BASE + 7)
-    c_e = tl.load(cptr + BASE + 8)
-    c1 = tl.load(cptr + BASE + 9)
-    k_eta = tl.load(cptr + BASE + 10)
-    k_lb = tl.load(cptr + BASE + 11)
-    has_out = tl.load(cptr + BASE + 12)
-    uo = tl.load(cptr + BASE + 13)
-    omax = tl.load(cptr + BASE + 14)
-    omin_half = tl.load(cptr + BASE + 15)
-    u1sq = tl.load(cptr + BASE + 16)  # (1 + u) ** 2 and ** 3 as the host's pow computes them
-    u1cu = tl.load(cptr + BASE + 17)
+    c_p = tl.load(cptr + BASE + 6)  # stable: ((1 + us)^k (1 + u) - 1), the factor of A
+    c_t = tl.load(cptr + BASE + 7)  # stable: (1 + us)(1 + u) - 1, the factor of T
+    c_e = tl.load(cptr + BASE + 8)  # stable: (|g'|(1 + u) + 2) eta
+    u1sq = tl.load(cptr + BASE + 9)  # (1 + u) ** 2 and ** 3 as the host's pow computes them
+    u1cu = tl.load(cptr + BASE + 10)
+    pw2 = tl.load(cptr + BASE + 11)  # (1 + u) ** 2 - 1
     ag = tl.abs(gp)
-    A = tl.abs((gp - 1.0) * b) * (1 + 2.0**-53)
-    T = ag * aL * (1 + 2.0**-53)
-    X = tl.abs((gp - 1.0) * b + gp * L) + (4 * 2.0**-53) * (A + T)
-    u1 = 1 + u
+    gm1 = gp - 1.0
+    A = tl.abs(gm1 * b)
+    T = ag * aL
+    X = tl.abs(gm1 * b + gp * L) + (4 * 2.0**-53) * (A + T)
+    u1 = 1.0 + u
+    m1 = aL * (1.0 + us) + eta
     if NAIVE:
-        Lb = aL + ab
-        E = u1 * (((c1 * T + k_eta) + k_lb * Lb) + eta) + u * X
-        over = (aL * (1 + us) >= wmax) | (Lb * u1sq >= wmax) | (ag * Lb * u1cu >= wmax) | (X + E >= wmax)
+        Lb = tl.abs(L + b)
+        E_pre = ag * (pw2 * Lb + u1sq * (us * aL + eta)) + eta
+        m2 = (aL + ab) * u1sq + eta
+        m3 = ag * (aL + ab) * u1cu + 2.0 * eta
     else:
-        E = c_p * A + c_t * T + c_e * eta
-        over = (aL * (1 + us) >= wmax) | (T * u1sq >= wmax) | (A * u1sq >= wmax) | (X + E >= wmax)
-    if has_out != 0:
-        over = over | ((X + E) * (1 + uo) >= omax)
-        E = E + uo * (X + E) + omin_half
-    E = (E + dg * tl.abs(L + b)) * (1.0 + 2.0**-40)
-    return tl.where(over, float("inf"), E)
+        E_pre = c_p * A + c_t * T + c_e
+        m2 = T * u1sq + 2.0 * eta
+        m3 = A * u1sq + eta
+    m4 = X + E_pre
+    over = (m1 * u1 >= wmax) | (m2 * u1 >= wmax) | (m3 * u1 >= wmax) | (m4 * u1 >= wmax)
+    E_w = E_pre + u * (X + E_pre)
+    if PER_OP:
+        E = E_w  # the last operation rounds to the format itself
+        E_last = E_pre
+    else:
+        uo = tl.load(cptr + BASE + 12)
+        omax = tl.load(cptr + BASE + 13)
+        omin_half = tl.load(cptr + BASE + 14)
+        over = over | ((X + E_w) * (1.0 + uo) >= omax)
+        E = E_w + uo * (X + E_w) + omin_half
+        E_last = E_w  # the fp32 result is what the final rounding to the format receives
+    dgL = dg * tl.abs(L + b)
+    B = tl.where(over, float("inf"), (E + dgL) * safe)
+    # ulp form: 1 + floor(E_last / q), q the format's quantum at max(|X| - E_last, 0)
+    E_last = (E_last + dgL) * safe
+    low = tl.maximum(Xt - E_last, 0.0)
+    e = ((low.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023  # floor(log2 low); < EMIN for 0, subnormals
+    qe = tl.maximum(e, EMIN) - P + 1
+    inv_q = ((1023 - qe) << 52).to(tl.float64, bitcast=True)  # 2^-qe (qe in [-133, 1024 - P]: normal)
+    r = E_last * inv_q  # = E_last / q exactly
+    r_floor = tl.where(r < 4503599627370496.0, r.to(tl.int64).to(tl.float64), r)  # floor: r >= 0
+    U = tl.where(over, float("inf"), 1.0 + r_floor)
+    return B, U
 
 
 @triton.jit
-def _stats(c_bits, ref_bits, in_fin, H, rho, B, idx, FMT: tl.constexpr):
+def _stats(c_bits, ref_bits, in_fin, H, rho, B, U, well, err_up, idx, FMT: tl.constexpr):
     P: tl.constexpr = 8 if FMT == 0 else 11
     EXPB: tl.constexpr = 8 if FMT == 0 else 5
     INF: tl.constexpr = ((1 << EXPB) - 1) << (P - 1)
@@ -241,7 +284,7 @@ def _stats(c_bits, ref_bits, in_fin, H, rho, B, idx, FMT: tl.constexpr):
         c = (c_bits << 16).to(tl.float32, bitcast=True).to(tl.float64)
     else:
         c = c_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float64)
-    err = (tl.abs(c - H) + tl.abs(rho)) * (1.0 + 2.0**-50)
+    err = (tl.abs(c - H) + tl.abs(rho)) * err_up
     bfin = B < float("inf")
     viol = in_fin & bfin & ((~c_fin) | (~r_fin) | (err > B))
     binf = both & (~bfin)
@@ -256,12 +299,23 @@ def _stats(c_bits, ref_bits, in_fin, H, rho, B, idx, FMT: tl.constexpr):
     p0 = tl.where(cls < 7, one << sh, 0)
     p1 = tl.where(cls >= 7, one << sh, 0)
     fl = viol.to(tl.int32) + (binf.to(tl.int32) << 10) + (half.to(tl.int32) << 20)
-    return p0, p1, fl, kd, kr
+    # the ulp form and the claim of lemma 1 (ULP_NAMES), 10-bit fields of an int64
+    ufin = U < float("inf")
+    dist64 = dist.to(tl.float64)
+    uviol = in_fin & ufin & ((~c_fin) | (~r_fin) | (dist64 > U))
+    ule1 = both & (U <= 1.0)
+    uatt = both & ufin & (dist64 == U)
+    kdom = both & well
+    kover = kdom & (dist > 1)
+    fu = (uviol.to(tl.int64) + (ule1.to(tl.int64) << 10) + (uatt.to(tl.int64) << 20) + (kdom.to(tl.int64) << 30)
+          + (kover.to(tl.int64) << 40))
+    return p0, p1, fl, fu, kd, kr
 
 
 @triton.jit
-def _store(base, P0, P1, S, KD, KR):
-    """Reduce one variant's per-lane accumulators and store its N_STAT int64 at ``base``."""
+def _store(base, P0, P1, S, SU, KD, KR):
+    """Reduce one variant's per-lane accumulators and store its N_STAT int64 at ``base``
+    (layout :data:`STAT_NAMES`)."""
     lane16 = tl.arange(0, 16)
     h = tl.zeros([16], dtype=tl.int64)
     for j in tl.static_range(14):
@@ -271,27 +325,30 @@ def _store(base, P0, P1, S, KD, KR):
     tl.store(base + 16, tl.sum((S & 1023).to(tl.int64), 0))
     tl.store(base + 17, tl.sum(((S >> 10) & 1023).to(tl.int64), 0))
     tl.store(base + 18, tl.sum(((S >> 20) & 1023).to(tl.int64), 0))
-    tl.store(base + 19, tl.max(KD, 0))
-    tl.store(base + 20, tl.max(KR, 0))
+    for j in tl.static_range(5):
+        tl.store(base + 19 + j, tl.sum((SU >> (10 * j)) & 1023, 0))
+    tl.store(base + 24, tl.max(KD, 0))
+    tl.store(base + 25, tl.max(KR, 0))
 
 
 @triton.jit
 def _compose_exhaustive_kernel(const_ptr, f32_ptr, stat_ptr, out_ptr, outf_ptr, start,
                                FMT: tl.constexpr, TILE: tl.constexpr, ITERS: tl.constexpr,
-                               WRITE_OUT: tl.constexpr):
+                               WRITE_OUT: tl.constexpr, NS: tl.constexpr, NC: tl.constexpr, NA: tl.constexpr,
+                               NOUTF: tl.constexpr):
     """Program ``pid`` covers pair indices ``start + pid*ITERS*TILE + [0, ITERS*TILE)``.
 
     ``f32_ptr``: ``[g, s, gp, gm1p]`` fp32 (``gp = fl_fmt(g)``, ``gm1p = fl_fmt(fl32(gp - 1))``);
     ``const_ptr``: fp64 constants (:data:`CONST_NAMES` then :data:`ARITH_CONSTS` for fp32 and
     per_op); ``stat_ptr``: int64 ``[programs, 4, N_STAT]``; with ``WRITE_OUT`` (tests),
     ``out_ptr`` int32 ``[n, 5]`` patterns (4 variants, then the exact result) and ``outf_ptr``
-    fp64 ``[n, 4]`` bounds of the 4 variants.
+    fp64 ``[n, NOUTF]``: the bounds of the 4 variants, their ulp bounds, ``kappa_c``.
+    ``NS`` = :data:`N_STAT`, ``NC`` = ``len(CONST_NAMES)``, ``NA`` = ``len(ARITH_CONSTS)``.
     """
     EXPB: tl.constexpr = 8 if FMT == 0 else 5
     P: tl.constexpr = 8 if FMT == 0 else 11
     EXPMASK: tl.constexpr = ((1 << EXPB) - 1) << (P - 1)
-    NC: tl.constexpr = 5
-    NA: tl.constexpr = 18
+    ONE_ULP_KAPPA: tl.constexpr = 16384.0 if FMT == 0 else 2048.0  # one_ulp_condition: 2^(22 - p)
     pid = tl.program_id(0)
     g32 = tl.load(f32_ptr + 0)
     s32 = tl.load(f32_ptr + 1)
@@ -301,14 +358,16 @@ def _compose_exhaustive_kernel(const_ptr, f32_ptr, stat_ptr, out_ptr, outf_ptr, 
     ch = tl.load(const_ptr + 2)
     cl = tl.load(const_ptr + 3)
     s64 = tl.load(const_ptr + 4)
+    g64 = tl.load(const_ptr + 0)
+    err_up = tl.load(const_ptr + 6)
     # per-lane accumulators (ITERS <= 511 keeps every 9-bit field from overflowing)
     z64 = tl.zeros([TILE], dtype=tl.int64)
     z32 = tl.zeros([TILE], dtype=tl.int32)
     m64 = tl.full([TILE], -1, dtype=tl.int64)
-    A0, A1, AS, AD, AR = z64, z64, z32, m64, m64
-    B0, B1, BS, BD, BR = z64, z64, z32, m64, m64
-    C0, C1, CS, CD, CR = z64, z64, z32, m64, m64
-    D0, D1, DS, DD, DR = z64, z64, z32, m64, m64
+    A0, A1, AS, AU, AD, AR = z64, z64, z32, z64, m64, m64
+    B0, B1, BS, BU, BD, BR = z64, z64, z32, z64, m64, m64
+    C0, C1, CS, CU, CD, CR = z64, z64, z32, z64, m64, m64
+    D0, D1, DS, DU, DD, DR = z64, z64, z32, z64, m64, m64
     for it in range(ITERS):
         local = (pid.to(tl.int64) * ITERS + it) * TILE + tl.arange(0, TILE)
         idx = start + local
@@ -345,14 +404,19 @@ def _compose_exhaustive_kernel(const_ptr, f32_ptr, stat_ptr, out_ptr, outf_ptr, 
         H = tl.where(in_fin, H, 0.0)
         rho = tl.where(in_fin, rho, 0.0)
         ref = _round_f64(H, rho, FMT)
-        # --- bounds
+        # --- bounds, ulp bounds and the condition kappa_c of the sum (compose_condition)
         L = s64 * l64
         aL = tl.abs(L)
         ab = tl.abs(b64)
-        B_st32 = _bound(b64, L, aL, ab, const_ptr, NC, False)
-        B_nv32 = _bound(b64, L, aL, ab, const_ptr, NC, True)
-        B_stp = _bound(b64, L, aL, ab, const_ptr, NC + NA, False)
-        B_nvp = _bound(b64, L, aL, ab, const_ptr, NC + NA, True)
+        Ac = tl.abs(gm1_64 * b64)
+        Tc = tl.abs(g64 * L)
+        Xt = tl.abs(gm1_64 * b64 + g64 * L)
+        kappa = tl.where(Ac + Tc == 0.0, 1.0, (Ac + Tc) / Xt)
+        well = kappa <= ONE_ULP_KAPPA
+        B_st32, U_st32 = _bound(b64, L, aL, ab, Xt, const_ptr, NC, False, False, FMT)
+        B_nv32, U_nv32 = _bound(b64, L, aL, ab, Xt, const_ptr, NC, True, False, FMT)
+        B_stp, U_stp = _bound(b64, L, aL, ab, Xt, const_ptr, NC + NA, False, True, FMT)
+        B_nvp, U_nvp = _bound(b64, L, aL, ab, Xt, const_ptr, NC + NA, True, True, FMT)
         if WRITE_OUT:
             o = out_ptr + local * 5
             tl.store(o + 0, st32)
@@ -360,23 +424,27 @@ def _compose_exhaustive_kernel(const_ptr, f32_ptr, stat_ptr, out_ptr, outf_ptr, 
             tl.store(o + 2, stp)
             tl.store(o + 3, nvp)
             tl.store(o + 4, ref)
-            of = outf_ptr + local * 4
+            of = outf_ptr + local * NOUTF
             tl.store(of + 0, B_st32)
             tl.store(of + 1, B_nv32)
             tl.store(of + 2, B_stp)
             tl.store(of + 3, B_nvp)
-        p0, p1, fl, kd, kr = _stats(st32, ref, in_fin, H, rho, B_st32, idx, FMT)
-        A0, A1, AS, AD, AR = A0 + p0, A1 + p1, AS + fl, tl.maximum(AD, kd), tl.maximum(AR, kr)
-        p0, p1, fl, kd, kr = _stats(nv32, ref, in_fin, H, rho, B_nv32, idx, FMT)
-        B0, B1, BS, BD, BR = B0 + p0, B1 + p1, BS + fl, tl.maximum(BD, kd), tl.maximum(BR, kr)
-        p0, p1, fl, kd, kr = _stats(stp, ref, in_fin, H, rho, B_stp, idx, FMT)
-        C0, C1, CS, CD, CR = C0 + p0, C1 + p1, CS + fl, tl.maximum(CD, kd), tl.maximum(CR, kr)
-        p0, p1, fl, kd, kr = _stats(nvp, ref, in_fin, H, rho, B_nvp, idx, FMT)
-        D0, D1, DS, DD, DR = D0 + p0, D1 + p1, DS + fl, tl.maximum(DD, kd), tl.maximum(DR, kr)
-    # layout [4 variants][N_STAT]: 16 histogram bins, violations, bound_inf, ratio_ge_half, key_dist, key_ratio
-    NS: tl.constexpr = 21
+            tl.store(of + 4, U_st32)
+            tl.store(of + 5, U_nv32)
+            tl.store(of + 6, U_stp)
+            tl.store(of + 7, U_nvp)
+            tl.store(of + 8, kappa)
+        p0, p1, fl, fu, kd, kr = _stats(st32, ref, in_fin, H, rho, B_st32, U_st32, well, err_up, idx, FMT)
+        A0, A1, AS, AU, AD, AR = A0 + p0, A1 + p1, AS + fl, AU + fu, tl.maximum(AD, kd), tl.maximum(AR, kr)
+        p0, p1, fl, fu, kd, kr = _stats(nv32, ref, in_fin, H, rho, B_nv32, U_nv32, well, err_up, idx, FMT)
+        B0, B1, BS, BU, BD, BR = B0 + p0, B1 + p1, BS + fl, BU + fu, tl.maximum(BD, kd), tl.maximum(BR, kr)
+        p0, p1, fl, fu, kd, kr = _stats(stp, ref, in_fin, H, rho, B_stp, U_stp, well, err_up, idx, FMT)
+        C0, C1, CS, CU, CD, CR = C0 + p0, C1 + p1, CS + fl, CU + fu, tl.maximum(CD, kd), tl.maximum(CR, kr)
+        p0, p1, fl, fu, kd, kr = _stats(nvp, ref, in_fin, H, rho, B_nvp, U_nvp, well, err_up, idx, FMT)
+        D0, D1, DS, DU, DD, DR = D0 + p0, D1 + p1, DS + fl, DU + fu, tl.maximum(DD, kd), tl.maximum(DR, kr)
+    # layout [4 variants][N_STAT] (STAT_NAMES)
     base = stat_ptr + pid.to(tl.int64) * (4 * NS)
-    _store(base + 0 * NS, A0, A1, AS, AD, AR)
-    _store(base + 1 * NS, B0, B1, BS, BD, BR)
-    _store(base + 2 * NS, C0, C1, CS, CD, CR)
-    _store(base + 3 * NS, D0, D1, DS, DD, DR)
+    _store(base + 0 * NS, A0, A1, AS, AU, AD, AR)
+    _store(base + 1 * NS, B0, B1, BS, BU, BD, BR)
+    _store(base + 2 * NS, C0, C1, CS, CU, CD, CR)
+    _store(base + 3 * NS, D0, D1, DS, DU, DD, DR)

@@ -1,4 +1,4 @@
-"""Reading the exhaustive compose results (notebooks 01 and 03): tables, a figure, and a
+"""Reading the exhaustive compose results (notebooks 01 and 03): tables, the recorded data sets, and a
 re-check of every recorded worst input on the CPU with the package's own functions.
 
 The records: ``data/exhaustive/compose_fp8.csv.gz`` (fp8, CPU) and
@@ -14,8 +14,15 @@ from fractions import Fraction
 import numpy as np
 import pandas as pd
 
-from ...numerics.formats import FORMATS, get_format
-from .exhaustive import FP8_FILE, RESULT_FILE, all_values, eager_variants
+from ...numerics.formats import get_format
+from .. import recorded
+from .exhaustive import BITWISE_FILE, FP8_FILE, RESULT_FILE, all_values, eager_variants
+
+RECORDED_FP8 = recorded.RecordedData(
+    files=(f"exhaustive/{FP8_FILE}",),
+    how_to_record="here, on the CPU (about 3 min): python -m dora_num.studies.bounds.exhaustive record-fp8")
+RECORDED_GPU = recorded.RecordedData(files=(f"gpu/exhaustive/{RESULT_FILE}", f"gpu/exhaustive/{BITWISE_FILE}"),
+                                     how_to_record=recorded.record_command("exhaustive", extra="--only compose"))
 
 
 def computed_value(formula: str, arith: str, fmt, b: float, l_: float, g: float, s: float) -> float:
@@ -35,9 +42,11 @@ def computed_value(formula: str, arith: str, fmt, b: float, l_: float, g: float,
 def recheck_worst(df: pd.DataFrame) -> pd.DataFrame:
     """For each row's two worst inputs (largest ULP error, largest error/bound): the computed
     value (:func:`computed_value`), the exact value (``Fraction``), the ULP error, the bound
-    (``compose_bound`` itself) in ULPs of the format at the exact value, and whether they
-    reproduce what the exhaustive run recorded (``agrees``)."""
-    from ...numerics.bounds import compose_bound
+    (``compose_bound`` itself) in ULPs of the format at the exact value, the ulp bound
+    (``compose_ulp_bound``) and the sum's condition ``kappa_c`` (``compose_condition``), all
+    computed here on the CPU, and whether they reproduce what the exhaustive run recorded
+    (``agrees``).  ``within_ulp_bound``: the ULP error is within the ulp bound."""
+    from ...numerics.bounds import compose_bound, compose_condition, compose_ulp_bound
     from ...numerics.formats import round_fraction, ulp, ulp_distance
 
     out = []
@@ -53,8 +62,10 @@ def recheck_worst(df: pd.DataFrame) -> pd.DataFrame:
             c = computed_value(r["formula"], r["arith"], fmt, b, l_, g, s)
             X = (Fraction(g) - 1) * Fraction(b) + Fraction(g) * Fraction(s) * Fraction(l_)
             ref = round_fraction(X, fmt)
-            B = float(compose_bound(r["formula"], np.array([b]), np.array([l_]), np.array([g]), s, fmt,
-                                    r["arith"])[0])
+            args = (np.array([b]), np.array([l_]), np.array([g]), s, fmt, r["arith"])
+            B = float(compose_bound(r["formula"], *args)[0])
+            U = float(compose_ulp_bound(r["formula"], *args)[0])
+            kappa = float(compose_condition(*args[:4])[0])
             err = float(abs(Fraction(c) - X))
             d = int(abs(ulp_distance(np.array([ref]), np.array([c]), fmt)[0]))
             q = float(ulp(np.array([float(X)]), fmt)[0])
@@ -64,52 +75,63 @@ def recheck_worst(df: pd.DataFrame) -> pd.DataFrame:
             out.append({**{k: r[k] for k in ("format", "g_label", "g", "s_label", "formula", "arith")},
                         "worst_by": which, "base": b, "lora": l_, "computed": c, "exact": float(X),
                         "rounded_exact": ref, "ulp_error": d, "err_over_ulp": err / q, "bound_over_ulp": B / q,
-                        "err_over_bound": err / B if B > 0 else math.nan, "agrees": bool(agrees)})
+                        "err_over_bound": err / B if B > 0 else math.nan, "ulp_bound": U, "kappa_c": kappa,
+                        "within_ulp_bound": bool(d <= U), "agrees": bool(agrees)})
     return pd.DataFrame(out)
 
 
 def load_gpu(folder=None) -> pd.DataFrame:
-    """The recorded 16-bit GPU run (``data/gpu/exhaustive/compose_exhaustive.csv``)."""
-    from ...repro.paths import committed_data
+    """The recorded 16-bit GPU run (``data/gpu/exhaustive/compose_exhaustive.csv``, or ``folder``);
+    :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
+    from pathlib import Path
 
-    folder = committed_data("gpu", "exhaustive") if folder is None else folder
-    path = folder / RESULT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: run python -m dora_num.studies.exhaustive_gpu --out DIR on the "
-                                "H200, then python -m dora_num.studies.exhaustive_gpu --ingest DIR")
+    path = RECORDED_GPU.require()[0] if folder is None else recorded.require([Path(folder) / RESULT_FILE],
+                                                                             RECORDED_GPU.how_to_record)[0]
     return pd.read_csv(path)
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
     """One row per format x formula x arithmetic: over all (g, s), the smallest fraction
-    correctly rounded and within 1 ULP, the largest ULP error, the violations, the largest
-    err/bound, and the (g, s) where the largest ULP error occurs."""
+    correctly rounded and within 1 ULP, the largest ULP error, the violations of the bound and of
+    the ulp bound, the largest err/bound, the pairs with ``kappa_c <= one_ulp_condition`` (the
+    domain of lemma 1's 1-ulp claim) and how many of them are more than 1 ULP off, and the
+    (g, s) where the largest ULP error occurs."""
     keys = ["format", "formula", "arith"]
     worst = df.loc[df.groupby(keys)["max_ulp"].idxmax(), keys + ["g_label", "s_label"]]
     agg = df.groupby(keys, as_index=False).agg(
         configs=("g", "size"), pairs_measured=("n_measured", "sum"), min_frac_correctly_rounded=(
             "frac_correctly_rounded", "min"), min_frac_within_1ulp=("frac_within_1ulp", "min"),
         max_ulp=("max_ulp", "max"), violations=("violations", "sum"), max_err_over_bound=("max_err_over_bound", "max"),
-        nonfinite=("spurious_nonfinite", "sum"), overflow=("overflow_agree", "sum"))
+        ulp_bound_violations=("ulp_bound_violations", "sum"), kappa_le_one_ulp=("kappa_le_one_ulp", "sum"),
+        kappa_le_one_ulp_over_1ulp=("kappa_le_one_ulp_over_1ulp", "sum"), nonfinite=("spurious_nonfinite", "sum"),
+        overflow=("overflow_agree", "sum"))
     return agg.merge(worst.rename(columns={"g_label": "worst_g", "s_label": "worst_s"}), on=keys)
 
 
-def load_all() -> tuple[pd.DataFrame, list[str]]:
-    """The recorded exhaustive results: fp8 (CPU, ``data/exhaustive/``) and, when recorded,
-    bf16/fp16 (H200, ``data/gpu/exhaustive/``); and what is missing, in words."""
-    from ...repro.paths import committed_data
+def gpu_bitwise_failures(folder=None) -> list[str]:
+    """The recorded run's check of the kernel against the package on CUDA
+    (``compose_exhaustive_bitwise.csv``): one line per (format, g, s) with a nonzero mismatch
+    count (computed variants, exact result, bounds, ulp bounds, ``kappa_c``); empty when the
+    kernel that produced the record is the package's transcription on that device."""
+    from pathlib import Path
 
-    missing, parts = [], []
-    fp8 = committed_data("exhaustive", FP8_FILE)
-    if fp8.is_file():
-        parts.append(pd.read_csv(fp8))
-    else:
-        missing.append(f"{fp8} (python -m dora_num.studies.bounds.exhaustive record-fp8)")
-    try:
+    path = RECORDED_GPU.require()[1] if folder is None else recorded.require([Path(folder) / BITWISE_FILE],
+                                                                             RECORDED_GPU.how_to_record)[0]
+    chk = pd.read_csv(path)
+    counts = chk.drop(columns=["format", "g", "s", "n_finite"])
+    return [f"{r['format']} g={r['g']} s={r['s']}: " + ", ".join(f"{k}={v}" for k, v in counts.loc[i].items() if v)
+            for i, r in chk.iterrows() if counts.loc[i].any()]
+
+
+def load_all(*, gpu: bool = True) -> pd.DataFrame:
+    """The recorded exhaustive results: fp8 (CPU, ``data/exhaustive/``: required) and, with
+    ``gpu``, bf16/fp16 (H200, ``data/gpu/exhaustive/``); a missing record raises
+    :class:`~dora_num.studies.recorded.RecordedDataMissing` (a notebook asks first with
+    ``ctx.recorded(RECORDED_GPU, required=False)``)."""
+    parts = [pd.read_csv(RECORDED_FP8.require()[0])]
+    if gpu:
         parts.insert(0, load_gpu())
-    except FileNotFoundError as e:
-        missing.append(str(e))
-    return (pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()), missing
+    return pd.concat(parts, ignore_index=True)
 
 
 def collapse_view(df: pd.DataFrame, s_label: str = "1") -> pd.DataFrame:
@@ -119,27 +141,6 @@ def collapse_view(df: pd.DataFrame, s_label: str = "1") -> pd.DataFrame:
                          values="frac_correctly_rounded").sort_index()
 
 
-def plot_correctly_rounded(df: pd.DataFrame, s_label: str = "1"):
-    """Fraction correctly rounded against ``g - 1`` (symlog), one panel per format."""
-    import matplotlib.pyplot as plt
-
-    d = df[df["s_label"] == s_label]
-    fmts = [f for f in ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2") if f in set(d["format"])]
-    fig, axes = plt.subplots(1, len(fmts), figsize=(4.2 * len(fmts), 3.4), squeeze=False, sharey=True)
-    for ax, f in zip(axes[0], fmts):
-        for (formula, arith), dd in d[d["format"] == f].groupby(["formula", "arith"]):
-            dd = dd.sort_values("g_minus_1")
-            ax.plot(dd["g_minus_1"], dd["frac_correctly_rounded"], marker="o", ms=3, lw=1,
-                    label=f"{formula.removeprefix('compose_')}, {arith}")
-        fm = FORMATS[f]
-        ax.axvspan(-fm.eps / 4, fm.eps / 2, color="grey", alpha=0.2)
-        ax.set_xscale("symlog", linthresh=2.0**-24)
-        ax.set(title=f"{f}: every (base, lora) pair, s = {s_label}", xlabel="g - 1",
-               ylabel="fraction correctly rounded")
-    axes[0][-1].legend(fontsize=7)
-    return fig
-
-
 def attained(df: pd.DataFrame, chk: pd.DataFrame, threshold: float = 0.99) -> pd.DataFrame:
     """The configurations whose largest err/bound reaches ``threshold``, with the input where
     (from :func:`recheck_worst`): where the bound is attained."""
@@ -147,3 +148,16 @@ def attained(df: pd.DataFrame, chk: pd.DataFrame, threshold: float = 0.99) -> pd
     w = w[w["err_over_bound"] >= threshold]
     return w[["format", "g_label", "s_label", "formula", "arith", "base", "lora", "computed", "exact", "err_over_ulp",
               "bound_over_ulp", "err_over_bound"]].sort_values("err_over_bound", ascending=False)
+
+
+def one_ulp_claim(df: pd.DataFrame) -> pd.DataFrame:
+    """Lemma 1's claim on every pair, per format x formula x arithmetic (over all g, s): the pairs
+    measured, those with ``kappa_c <= one_ulp_condition(fmt)`` and how many of them are more than
+    1 ULP off (0 for the stable form with fp32 intermediates: the claim), the fraction within 1 ULP
+    elsewhere too, and the violations of the per-pair ulp bound (``compose_ulp_bound``: 0 for every
+    variant)."""
+    keys = ["format", "formula", "arith"]
+    out = df.groupby(keys, as_index=False)[["n_measured", "kappa_le_one_ulp", "kappa_le_one_ulp_over_1ulp",
+                                             "ulp_bound_le_1", "ulp_bound_violations"]].sum()
+    out["frac_well_conditioned"] = out["kappa_le_one_ulp"] / out["n_measured"]
+    return out

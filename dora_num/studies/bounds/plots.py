@@ -56,3 +56,24 @@ def factored_vs_dense(cond: pd.DataFrame):
            ylabel="relative error of the row norm (fp32)", title="Factored vs dense row norm (exact reference: mpmath)")
     ax.legend(fontsize=8)
     return fig
+
+
+def exhaustive_tightness(ex: pd.DataFrame):
+    """Every (base, lora) pair of each format (:mod:`dora_num.studies.bounds.exhaustive`): the
+    largest error / bound over the pairs against ``g - 1`` (symlog), one panel per format, one
+    line per formula x arithmetic, every ``s``; at most 1 everywhere (the dashed line), and 1
+    where the bound is attained."""
+    fmts = [f for f in ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2") if f in set(ex["format"])]
+    fig, axes = plt.subplots(1, len(fmts), figsize=(4.2 * len(fmts), 3.4), squeeze=False, sharey=True)
+    for ax, f in zip(axes[0], fmts):
+        d = ex[ex["format"] == f].groupby(["formula", "arith", "g_minus_1"], as_index=False)["max_err_over_bound"].max()
+        for (formula, arith), dd in d.groupby(["formula", "arith"]):
+            ax.plot(dd["g_minus_1"], dd["max_err_over_bound"], marker="o", ms=3, lw=1,
+                    label=f"{formula.removeprefix('compose_')}, {arith}")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xscale("symlog", linthresh=2.0**-24)
+        ax.set_xticks([-1e-2, -1e-4, -1e-6, 0, 1e-6, 1e-4, 1e-2])  # every second decade: readable labels
+        ax.set(title=f"{f}: every (base, lora) pair", xlabel="g - 1", ylabel="max error / bound (over s too)",
+               ylim=(0, 1.05))
+    axes[0][-1].legend(fontsize=7)
+    return fig

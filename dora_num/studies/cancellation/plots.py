@@ -265,3 +265,24 @@ def paper_benchmark(bench: pd.DataFrame, shape):
     axes[1].tick_params(axis="x", rotation=45)
     axes[1].legend(fontsize=7)
     return fig
+
+
+def exhaustive_correctly_rounded(ex: pd.DataFrame, s_label: str = "1"):
+    """Every (base, lora) pair of each format (:mod:`dora_num.studies.bounds.exhaustive`): the
+    fraction correctly rounded against ``g - 1`` (symlog), one panel per format, one line per
+    formula x arithmetic; shaded: the collapse zone ``fl(g) = 1`` (``-eps/4 <= g - 1 <= eps/2``)."""
+    d = ex[ex["s_label"] == s_label]
+    fmts = [f for f in ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2") if f in set(d["format"])]
+    fig, axes = plt.subplots(1, len(fmts), figsize=(4.2 * len(fmts), 3.4), squeeze=False, sharey=True)
+    for ax, f in zip(axes[0], fmts):
+        for (formula, arith), dd in d[d["format"] == f].groupby(["formula", "arith"]):
+            dd = dd.sort_values("g_minus_1")
+            ax.plot(dd["g_minus_1"], dd["frac_correctly_rounded"], marker="o", ms=3, lw=1,
+                    label=f"{formula.removeprefix('compose_')}, {arith}")
+        fm = get_format(f)
+        ax.axvspan(-fm.eps / 4, fm.eps / 2, color="grey", alpha=0.2)
+        ax.set_xscale("symlog", linthresh=2.0**-24)
+        ax.set_xticks([-1e-2, -1e-4, -1e-6, 0, 1e-6, 1e-4, 1e-2])  # every second decade: readable labels
+        ax.set(title=f"{f}, every pair, s = {s_label}", xlabel="g - 1", ylabel="fraction correctly rounded")
+    axes[0][-1].legend(fontsize=7)
+    return fig

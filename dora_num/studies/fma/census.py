@@ -36,6 +36,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .. import recorded
+
 INPUT_CLASSES = ("negative", "zero", "subnormal", "normal", "infinite", "not_a_number")  # CSV-safe names
 RESULTS = ("correct", "1ulp", "other")
 N_POS_BINS = 32
@@ -265,14 +267,18 @@ def cpu_capability() -> str:
 GPU_FILES = ("sqrt_census_gpu_counts.csv", "sqrt_census_gpu_chunks.csv", "sqrt_census_gpu_timing.csv")
 
 
-def load_gpu(folder=None):
-    """``(counts, per_chunk, timing)`` of the recorded GPU census, or None if it is not recorded."""
-    from ...repro.paths import committed_data
+RECORDED_GPU = recorded.RecordedData(files=tuple(f"gpu/exhaustive/{f}" for f in GPU_FILES),
+                                     how_to_record=recorded.record_command("exhaustive", extra="--only census"))
 
-    folder = committed_data("gpu", "exhaustive") if folder is None else folder
-    if not all((folder / f).is_file() for f in GPU_FILES):
-        return None
-    return tuple(pd.read_csv(folder / f) for f in GPU_FILES)
+
+def load_gpu(folder=None):
+    """``(counts, per_chunk, timing)`` of the recorded GPU census (``data/gpu/exhaustive/`` or
+    ``folder``); :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
+    from pathlib import Path
+
+    paths = RECORDED_GPU.require() if folder is None else recorded.require(
+        [Path(folder) / f for f in GPU_FILES], RECORDED_GPU.how_to_record)
+    return tuple(pd.read_csv(p) for p in paths)
 
 
 def failure_profile(counts: pd.DataFrame, input_class: str = "normal") -> pd.DataFrame:
@@ -289,29 +295,11 @@ def failure_profile(counts: pd.DataFrame, input_class: str = "normal") -> pd.Dat
     return out
 
 
-def failure_figure(profile: pd.DataFrame, impls):
-    """Where an implementation fails: fraction not correctly rounded against the position of the
-    exact root between its neighbouring floats (0: on the lower float, 1/2: at the rounding
-    boundary), one line per exponent parity (odd: the root's significand lies in [sqrt 2, 2))."""
-    import matplotlib.pyplot as plt
-
-    impls = [i for i in impls if i in set(profile["implementation"])]
-    fig, axes = plt.subplots(1, max(len(impls), 1), figsize=(5.2 * max(len(impls), 1), 3.6), squeeze=False)
-    for ax, impl in zip(axes[0], impls):
-        d = profile[profile["implementation"] == impl]
-        for par, dd in d.groupby("exp_parity"):
-            ax.plot(dd["position"], dd["frac_not_correct"], marker="o", ms=3, lw=1, label=f"exponent {par}")
-        ax.axvline(0.5, color="grey", lw=0.8, ls=":")
-        ax.set(title=impl, xlabel="position of the exact root between neighbouring floats",
-               ylabel="fraction not correctly rounded", ylim=(-0.02, 1.02))
-        ax.legend(fontsize=8)
-    fig.suptitle("fp32 sqrt, every normal input: where the results are not correctly rounded", y=1.04)
-    fig.tight_layout()
-    return fig
-
-
 RECORD_DIR = ("exhaustive",)
 RECORD_FILES = ("sqrt_census_cpu_counts.csv.gz", "sqrt_census_cpu_chunks.csv.gz")
+RECORDED_CPU = recorded.RecordedData(files=tuple(f"exhaustive/{f}" for f in RECORD_FILES),
+                                     how_to_record="here, on the CPU (about 25 min on 2 cores): "
+                                                   "python -m dora_num.studies.fma.census record")
 
 
 def record(out_dir=None, *, workers: int = 2) -> list:
@@ -336,13 +324,16 @@ def record(out_dir=None, *, workers: int = 2) -> list:
 
 
 def load_record(folder=None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
-    """``(counts, per_chunk, provenance)`` of the recorded CPU census."""
-    from ...repro.paths import committed_data
+    """``(counts, per_chunk, provenance)`` of the recorded CPU census (``data/exhaustive/`` or
+    ``folder``); :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
+    from pathlib import Path
+
     from ...repro.provenance import read_provenance
 
-    folder = committed_data(*RECORD_DIR) if folder is None else folder
-    counts, per = (pd.read_csv(folder / f) for f in RECORD_FILES)
-    return counts, per, read_provenance(folder / RECORD_FILES[0])
+    paths = RECORDED_CPU.require() if folder is None else recorded.require(
+        [Path(folder) / f for f in RECORD_FILES], RECORDED_CPU.how_to_record)
+    counts, per = (pd.read_csv(p) for p in paths)
+    return counts, per, read_provenance(paths[0])
 
 
 def main(argv=None) -> int:
@@ -350,7 +341,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m dora_num.studies.fma.census",
                                  description="exhaustive fp32 sqrt census on the CPU (the GPU side: "
-                                             "python -m dora_num.studies.exhaustive_gpu)")
+                                             "dora-num record exhaustive --only census)")
     ap.add_argument("command", choices=["record", "check"], help="record: the full census into data/exhaustive/; "
                                                                    "check: recompute the SMOKE chunks against the record")
     ap.add_argument("--workers", type=int, default=2)

@@ -38,7 +38,7 @@ from ...numerics.formulas import scale_constants
 from ...repro.paths import committed_data
 from .. import inputs, recorded
 from . import models as M
-from .sqrt import gpu_suite_assembly_inputs, sqrt_platform_row
+from .sqrt import gpu_suite_assembly_inputs
 
 GPU_FILES = ("fma_sqrt.csv", "fma_sqrt_sample.npz")
 RECORDED = recorded.RecordedData(files=tuple(f"gpu/{f}" for f in GPU_FILES), how_to_record=recorded.record_command("fma"))
@@ -240,22 +240,6 @@ def sample_checks(sample: dict, rec: dict | None = None) -> pd.DataFrame:
                 rows.append({"output": var, "model": label, "n": got.size, "inputs_regenerated": g.get("spot_inputs_ok"),
                              "ref_sha256_matches": g["ref_sha_ok"], "bitwise": float((v == got).mean()),
                              "faithful": None})
-    return pd.DataFrame(rows)
-
-
-def platform_rows(sample: dict, rec: dict | None = None) -> pd.DataFrame:
-    """GPU rows of the sqrt platform table: each recorded root of the values under the
-    root (contraction off), decided exactly against the correct rounding."""
-    rec = (reconstruct(sample) if rec is None else rec)["norm"]
-    x = rec["x"]["none"]
-    where = f"norm_assembly_inputs (H200, first {x.size})"
-    rows = []
-    if rec["ref_sha_ok"]:  # the recorded torch CUDA bytes are those of the emulated correctly rounded roots
-        rows.append(sqrt_platform_row("torch.sqrt (CUDA)", where, x, rec["ref"]))
-    for impl, k in {"Triton tl.sqrt": "norm_fusionOff_approx", "Triton tl.sqrt_rn": "norm_fusionOff_rn",
-                    "inline PTX sqrt.rn.f32": "norm_fusionOff_ptx"}.items():
-        if k in rec["outputs"]:
-            rows.append(sqrt_platform_row(impl, where, x, rec["outputs"][k]))
     return pd.DataFrame(rows)
 
 

@@ -59,12 +59,24 @@ def compose_ulp_hist(hist: pd.DataFrame, sets: list[str], fmts=("fp32", "bf16"))
     return fig
 
 
-def sqrt_platform(platform: pd.DataFrame):
-    """Fraction of fp32 square roots correctly rounded, per implementation and input set."""
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    sns.barplot(data=platform, y="implementation", x="correctly_rounded", hue="inputs", errorbar=None, ax=ax)
-    ax.set_xlabel("fraction correctly rounded (exact check)"); ax.set_ylabel("")  # noqa: E702
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+def sqrt_census_failures(profile: pd.DataFrame, impls):
+    """Where an fp32 sqrt fails, over every normal input (the census,
+    :func:`~dora_num.studies.fma.census.failure_profile`): the fraction not correctly rounded
+    against the position of the exact root between its neighbouring floats (0: on the lower
+    float, 1/2: at the rounding boundary), one line per exponent parity (odd: the root's
+    significand lies in [sqrt 2, 2)), one panel per implementation."""
+    impls = [i for i in impls if i in set(profile["implementation"])]
+    fig, axes = plt.subplots(1, max(len(impls), 1), figsize=(5.2 * max(len(impls), 1), 3.6), squeeze=False)
+    for ax, impl in zip(axes[0], impls):
+        d = profile[profile["implementation"] == impl]
+        for par, dd in d.groupby("exp_parity"):
+            ax.plot(dd["position"], dd["frac_not_correct"], marker="o", ms=3, lw=1, label=f"exponent {par}")
+        ax.axvline(0.5, color="grey", lw=0.8, ls=":")
+        ax.set(title=impl, xlabel="position of the exact root between neighbouring floats",
+               ylabel="fraction not correctly rounded", ylim=(-0.02, 1.02))
+        ax.legend(fontsize=8)
+    fig.suptitle("fp32 sqrt, every normal input: where the results are not correctly rounded", y=1.04)
+    fig.tight_layout()
     return fig
 
 

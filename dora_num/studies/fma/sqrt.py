@@ -42,7 +42,6 @@ import torch.nn.functional as Fn
 
 from ...adapters.corpus import load_corpus
 from ...adapters.model import tokenize
-from ...numerics.arithmetic import TorchFP32CorrectSqrt
 from ...numerics.formats import quantum, round_to, ulp_distance
 from ...numerics.formulas import scale_constants
 from ...numerics.ground_truth import assembly_exact, compose_exact
@@ -325,42 +324,4 @@ def sites_table() -> pd.DataFrame:
     covered = {r["formula"] for r in rows}
     rows += [{"formula": f, "site": None, "expression": "(no a*b + c)", "contracted": "", "rounding_removed": "",
               "alternative": ""} for f in M.formula_names() if f not in covered]
-    return pd.DataFrame(rows)
-
-
-# --------------------------------------------------------------------------
-# Platform table (CPU rows; GPU rows from recorded data: fma_gpu.platform_rows)
-# --------------------------------------------------------------------------
-
-def sqrt_inputs(n: int, seed: int) -> dict[str, np.ndarray]:
-    """fp32 inputs for the platform table: random positive finite bit patterns (every
-    binade equally, subnormals included), uniform on [1, 4) (one period of the
-    significand pattern), and the values under the root in the GPU suite's norm assembly."""
-    rng = np.random.Generator(np.random.PCG64(seed))
-    bits = rng.integers(1, 0x7F800000, n, dtype=np.uint32)
-    t = M.evaluate("norm_assembly", ("none", "none"), gpu_suite_assembly_inputs(n, max(n, gpu_suite_sizes()["norm"])).terms(),
-                   sqrt=lambda x: x)
-    return {"random_bits": bits.view(np.float32).astype(np.float64),
-            "uniform_1_4": round_to(rng.uniform(1.0, 4.0, n), "fp32"),
-            "norm_assembly_inputs": t}
-
-
-def sqrt_platform_row(impl: str, inputs: str, x: np.ndarray, r: np.ndarray) -> dict:
-    """Correct rounding of measured roots ``r`` of ``x``, decided exactly."""
-    ok = M.sqrt_is_correctly_rounded(x, r)
-    d = np.abs(ulp_distance(M.sqrt_rn(x), r, "fp32"))
-    return {"implementation": impl, "inputs": inputs, "n": int(x.size), "correctly_rounded": float(ok.mean()),
-            "one_ulp": float((d == 1).mean()), "max_ulp": int(d.max()) if d.size else 0}
-
-
-def sqrt_platform_cpu(n: int, seed: int) -> pd.DataFrame:
-    rows = []
-    for name, x in sqrt_inputs(n, seed).items():
-        x32 = x.astype(np.float32)
-        impls = {
-            "numpy np.sqrt (float32)": np.sqrt(x32).astype(np.float64),
-            "torch.sqrt (CPU, float32)": torch.sqrt(torch.from_numpy(x32)).double().numpy(),
-            "TorchFP32CorrectSqrt.sqrt (CPU, via float64)": TorchFP32CorrectSqrt.sqrt(torch.from_numpy(x32)).double().numpy(),
-        }
-        rows += [sqrt_platform_row(impl, name, x, r) for impl, r in impls.items()]
     return pd.DataFrame(rows)

@@ -56,3 +56,10 @@ def test_bound_factor(k, w, rounding, splits, want):
          "K": 4096, "block_bits": w, "rounding_block": rounding, "rounding_acc": rounding}
     b = A.bound_factor(f)
     assert b["valid"] and math.isclose(b["factor"], want, rel_tol=1e-9, abs_tol=2**-28)
+
+
+def test_missing_probe_is_named_with_its_recorder(tmp_path):
+    from dora_num.studies.recorded import RecordedDataMissing
+
+    with pytest.raises(RecordedDataMissing, match="dora-num record exhaustive --out DIR --only accumulation"):
+        A.load_record(tmp_path)

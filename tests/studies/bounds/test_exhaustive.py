@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dora_num.numerics.bounds import compose_bound
 from dora_num.numerics.formats import FORMATS, round_fraction, round_to
 from dora_num.studies.bounds import exhaustive as E
 from dora_num.studies.bounds import exhaustive_kernels as K
@@ -19,6 +18,8 @@ CONFIGS = [(1.0, 1.0), (E._f32(1 + 1e-3), RS), (1 - 2.0**-24, 0.5), (E._next32(1
 _rng = np.random.Generator(np.random.PCG64(5))
 # tiles of 4096 pairs: random, around base = 1, tiny and huge bases (subnormals, overflow), negative
 STARTS = [int(_rng.integers(0, 2**20)) * 4096, 0x3F80 << 16, 0x0001 << 16, 0xFBFF << 16]
+# and per format: the largest finite base with the largest lora values (overflow of every variant's intermediates)
+STARTS_TOP = {"bf16": 0x7F7F7000, "fp16": 0x7BFF7000}
 
 
 def _pairs(fmt, start, n):
@@ -34,17 +35,30 @@ def _pairs(fmt, start, n):
 @pytest.mark.parametrize("g, s", CONFIGS, ids=lambda v: f"{v:.9g}")
 def test_kernel_bitwise_eager_exact_and_bound(fmt, g, s):
     """Per pair: the four computed variants equal eager torch, the exact result equals
-    compose_exact, the bound equals compose_bound (bit for bit; a change of the bound fails here
-    until the kernel's transcription follows)."""
-    for start in STARTS:
-        res, bounds = E.bitwise_check(fmt, g, s, start, 4096, device="cpu", return_bounds=True)
-        assert {k: v for k, v in res.items() if k != "n_finite"} == {
-            "compose_stable/fp32": 0, "compose_naive/fp32": 0, "compose_stable/per_op": 0,
-            "compose_naive/per_op": 0, "exact": 0}, (hex(start), res)
+    compose_exact, and each variant's bound, ulp bound and kappa_c equal compose_bound,
+    compose_ulp_bound and compose_condition (bit for bit; a change of a bound fails here until
+    the kernel's transcription follows)."""
+    keys = [f"{f}/{a}" for f, a in K.VARIANTS] + ["exact", "kappa"] + [
+        f"{k}:{f}/{a}" for k in ("bound", "ulp_bound") for f, a in K.VARIANTS]
+    saw_inf = np.zeros(8, dtype=bool)
+    for start in STARTS + [STARTS_TOP[fmt]]:
+        res, out = E.bitwise_check(fmt, g, s, start, 4096, device="cpu", return_bounds=True)
+        assert {k: v for k, v in res.items() if k != "n_finite"} == dict.fromkeys(keys, 0), (hex(start), res)
         vb, vl, fin = _pairs(fmt, start, 4096)
-        for v, (formula, arith) in enumerate(K.VARIANTS):
-            want = compose_bound(formula, vb[fin], vl[fin], np.full(int(fin.sum()), g), s, fmt, arith)
-            assert np.array_equal(bounds[fin, v], want), (hex(start), formula, arith)
+        assert res["n_finite"] == fin.sum() > 0
+        # the slice exercises what it must: finite and infinite bounds, ulp bounds of 1 and more
+        if start == STARTS[0]:
+            fin_b = np.isfinite(out[fin, :8])
+            assert fin_b.any()
+            assert (out[fin, 4:8][fin_b[:, 4:]] == 1).any() and (out[fin, 4:8][fin_b[:, 4:]] > 1).any()
+        saw_inf |= np.isinf(out[fin, :8]).any(0)
+    # the overflow tests (bound inf) are exercised: at the top of the format the naive inner s*lora + base
+    # overflows whatever s (per-op; with fp32 intermediates only from bf16, whose range is fp32's), and the
+    # result X = (g-1) base + g s lora overflows the format for s >= 1
+    must = [v for v, fa in enumerate(K.VARIANTS) if fa == ("compose_naive", "per_op") or (
+        fa == ("compose_naive", "fp32") and fmt == "bf16")]
+    assert saw_inf[must].all() and saw_inf[[4 + v for v in must]].all(), saw_inf
+    assert saw_inf.all() or s < 1, saw_inf
 
 
 @pytest.mark.parametrize("fmt, base_bits, g, s", [
@@ -114,12 +128,15 @@ def test_fp8_exhaustive_matches_the_record():
     if not path.is_file():
         pytest.fail(f"{path} missing: python -m dora_num.studies.bounds.exhaustive record-fp8")
     rec = pd.read_csv(path)
-    assert (rec["violations"] == 0).all(), rec[rec["violations"] > 0]
+    assert (rec["violations"] == 0).all() and (rec["ulp_bound_violations"] == 0).all(), rec[rec["violations"] > 0]
+    stable32 = rec.query("formula == 'compose_stable' and arith == 'fp32'")
+    assert (stable32["kappa_le_one_ulp_over_1ulp"] == 0).all()  # lemma 1's 1-ulp claim on every fp8 pair
     fresh = E.fp8_exhaustive(smoke=True)
     key = ["format", "g", "s", "formula", "arith"]
     m = fresh.merge(rec, on=key, suffixes=("", "_rec"))
     assert len(m) == len(fresh)
-    for c in ("n_measured", "ulp_0", "ulp_1", "violations", "max_ulp", "overflow_agree", "spurious_nonfinite"):
+    for c in ("n_measured", "ulp_0", "ulp_1", "violations", "max_ulp", "overflow_agree", "spurious_nonfinite",
+              "bound_inf", "ratio_ge_half", "max_err_over_bound") + K.ULP_NAMES:
         assert (m[c] == m[f"{c}_rec"]).all(), c
 
 
@@ -136,3 +153,39 @@ def test_gpu_kernel_bitwise():
         for g, s in CONFIGS[:3]:
             res = E.bitwise_check(fmt, g, s, 0x3F80 << 16, 1 << 20, device="cuda")
             assert all(v == 0 for k, v in res.items() if k != "n_finite"), res
+
+
+def test_report_tables_and_recorded_data(tmp_path):
+    """The reading side on the committed fp8 record: the summary and the 1-ulp claim per format x
+    formula x arithmetic; a missing GPU record is named with the command that records it; the
+    recorded bitwise check is read back, and a mismatch is reported."""
+    from dora_num.studies.recorded import RecordedDataMissing
+
+    ex = R.load_all(gpu=False)
+    assert set(ex["format"]) == {"fp8_e4m3fn", "fp8_e5m2"}
+    summ, claim = R.summary(ex), R.one_ulp_claim(ex)
+    assert len(summ) == len(claim) == 2 * len(K.VARIANTS)
+    assert (summ["violations"] == 0).all() and (summ["ulp_bound_violations"] == 0).all()
+    st = claim.query("formula == 'compose_stable' and arith == 'fp32'")
+    assert (st["kappa_le_one_ulp_over_1ulp"] == 0).all() and (st["frac_well_conditioned"] > 0.99).all()
+    with pytest.raises(RecordedDataMissing, match="dora-num record exhaustive"):
+        R.load_gpu(tmp_path)
+    chk = pd.DataFrame([{"format": "bf16", "g": 1.0, "s": 1.0, "n_finite": 5, "compose_stable/fp32": 0, "kappa": 0}])
+    chk.to_csv(tmp_path / E.BITWISE_FILE, index=False)
+    assert R.gpu_bitwise_failures(tmp_path) == []
+    chk.assign(kappa=2).to_csv(tmp_path / E.BITWISE_FILE, index=False)
+    assert R.gpu_bitwise_failures(tmp_path) == ["bf16 g=1.0 s=1.0: kappa=2"]
+
+
+def test_gpu_driver_under_the_interpreter(tmp_path):
+    """run_gpu's SMOKE plan on the CPU (a 4096-pair slice): the bitwise check comes first and is all
+    zero, every planned launch writes its four rows, and the rows read back as the notebooks read them."""
+    logs = []
+    df = E.run_gpu(tmp_path, smoke=True, device="cpu", pairs=4096, check_pairs=4096, log=logs.append)
+    chk = pd.read_csv(tmp_path / E.BITWISE_FILE)
+    assert len(chk) == 4 and R.gpu_bitwise_failures(tmp_path) == [], chk
+    assert any("every output bit for bit" in m for m in logs), logs
+    rec = R.load_gpu(tmp_path)
+    assert len(rec) == len(df) == 4 * 2 * 2 * 2 and set(rec["format"]) == {"bf16", "fp16"}
+    assert (rec["n_pairs"] == 4096).all() and (rec["violations"] == 0).all() and (rec["ulp_bound_violations"] == 0).all()
+    assert R.summary(rec)["configs"].eq(4).all()

@@ -142,3 +142,11 @@ def test_gpu_census_slice_matches_numpy():
     r = torch.sqrt(CK.input_patterns(start, n, "cuda"))
     got = CK.census_values(start, n, "external", r, device="cuda").cpu().numpy().astype(np.int64)
     assert np.array_equal(got, C.classify(ref, r.cpu().numpy().view(np.uint32)))
+
+
+def test_missing_gpu_census_is_named_with_its_recorder(tmp_path):
+    from dora_num.studies.recorded import RecordedDataMissing
+
+    with pytest.raises(RecordedDataMissing, match="dora-num record exhaustive --out DIR --only census"):
+        C.load_gpu(tmp_path)
+    assert [f.rsplit("/", 1)[1] for f in C.RECORDED_GPU.files] == list(C.GPU_FILES)
