@@ -50,9 +50,17 @@ RECORDERS = {
 }
 
 
+_HELP = """A recorder measures what `make reproduce` cannot (GPU runs, long CPU training) into an
+output folder, and ingests such a folder into data/ with provenance sidecars:
+
+    dora-num record NAME --out DIR [options]     # measure (on the machine it needs)
+    dora-num record NAME --ingest DIR ...        # here: DIR -> data/ with sidecars
+    dora-num record NAME --help                  # its options"""
+
+
 def _description() -> str:
     width = max(map(len, RECORDERS))
-    return (__doc__.split("\n\n")[1] + "\n\nrecorders:\n"
+    return (_HELP + "\n\nrecorders:\n"
             + "\n".join(f"  {name:<{width}}  {r.help}" for name, r in RECORDERS.items()))
 
 
