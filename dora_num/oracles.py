@@ -193,6 +193,50 @@ def peft_model_ref64(peft_model: nn.Module, *, round_scale: bool = True) -> nn.M
     return ref
 
 
+def tiny_hf_model(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config):
+    """A small randomly initialised transformers model (nothing downloads): ``"llama"`` (a
+    ``LlamaForCausalLM``: hidden 32, 2 layers, 4 heads, 2 KV heads, vocab 64) or ``"bert"``
+    (a MiniLM-like ``BertForSequenceClassification``: hidden 32, 2 layers, 4 heads, 3 labels,
+    dropout off).  ``config`` overrides fields of the transformers config."""
+    import transformers as tf
+
+    if kind == "llama":
+        fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        fields.update(config)
+        cfg, cls = tf.LlamaConfig(**fields), tf.LlamaForCausalLM
+    elif kind == "bert":
+        fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_labels=3, max_position_embeddings=64,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        fields.update(config)
+        cfg, cls = tf.BertConfig(**fields), tf.BertForSequenceClassification
+    else:
+        raise ValueError(f"kind must be 'llama' or 'bert', got {kind!r}")
+    torch.manual_seed(seed)
+    return cls(cfg).to(dtype).eval()
+
+
+@torch.no_grad()
+def perturb_peft_dora(peft_model: nn.Module, *, seed: int, update_ratio: float = 0.05,
+                      g_spread: float = 1e-3) -> None:
+    """Give every DoRA adapter of a PEFT model trained-looking ``B, m`` (:func:`perturbed_adapter`,
+    per layer and adapter, computed from the layer's own ``W`` and ``A``; kept in their dtypes)."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    i = 0
+    for _, mod in sorted(peft_model.named_modules(), key=lambda t: t[0]):
+        if not isinstance(mod, LoraLayer):
+            continue
+        for a in sorted(mod.lora_magnitude_vector):
+            A = mod.lora_A[a].weight
+            B, m = perturbed_adapter(mod.get_base_layer().weight.double(), A.double(), float(mod.scaling[a]),
+                                     seed=seed + i, update_ratio=update_ratio, g_spread=g_spread)
+            mod.lora_B[a].weight.copy_(B)
+            mod.lora_magnitude_vector[a].weight.copy_(m)
+            i += 1
+
+
 def perturbed_adapter(W: torch.Tensor, A: torch.Tensor, scale: float, *, seed: int,
                       update_ratio: float = 0.05, g_spread: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic trained-looking ``(B, m)`` for given ``W`` and ``A``.
