@@ -230,8 +230,9 @@ def perturb_peft_dora(peft_model: nn.Module, *, seed: int, update_ratio: float =
             continue
         for a in sorted(mod.lora_magnitude_vector):
             A = mod.lora_A[a].weight
-            B, m = perturbed_adapter(mod.get_base_layer().weight.double(), A.double(), float(mod.scaling[a]),
-                                     seed=seed + i, update_ratio=update_ratio, g_spread=g_spread)
+            W = mod.get_base_layer().weight.detach().double().cpu()
+            B, m = perturbed_adapter(W, A.detach().double().cpu(), float(mod.scaling[a]), seed=seed + i,
+                                     update_ratio=update_ratio, g_spread=g_spread)
             mod.lora_B[a].weight.copy_(B)
             mod.lora_magnitude_vector[a].weight.copy_(m)
             i += 1

@@ -42,11 +42,12 @@ def _peft(kind, *, seed=0, adapters=("default",), **fields):
     return pm.eval()
 
 
-def _batch(kind, seed=1):
+def _batch(kind, seed=1, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 64, (3, 8), generator=gen)
     labels = ids if kind == "llama" else torch.randint(0, 3, (3,), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return {k: v.to(device) for k, v in
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}.items()}
 
 
 def _adapter_grads(model, ref: bool):
@@ -64,7 +65,7 @@ def _adapter_grads(model, ref: bool):
 def _run(model, batch, mode, ref=False):
     model.zero_grad(set_to_none=True)
     if mode == "bf16-autocast" and not ref:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16):
             out = model(**batch)
     else:
         out = model(**batch)
@@ -92,16 +93,20 @@ def _agreement(acc, peft, ref, u):
     return rows, failures
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", list(U))
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_accelerated_model_agrees_with_peft(kind, mode):
-    pm = _peft(kind)
+def test_accelerated_model_agrees_with_peft(kind, mode, device):
+    pm = _peft(kind).to(device)
     ref = peft_model_ref64(pm)
     acc = copy.deepcopy(pm)
     report = dp.accelerate(acc, verbose=False)
     assert report.rows and not report.kept, str(report)
     n_layers = len(report.rows)
-    batch = _batch(kind)
+    batch = _batch(kind, device=device)
     C.reset_dispatch_counts()
     got = _run(acc, batch, mode)
     assert sum(C.dispatch_counts().values()) == n_layers  # every DoRA layer went through dora_num's compose

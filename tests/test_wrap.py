@@ -63,7 +63,7 @@ def test_wrap_refuses_what_it_cannot_do():
 @torch.no_grad()
 def _perturb(model, seed=0):
     for i, (n, m) in enumerate(sorted(peft_io.dora_linear_modules(model).items())):
-        B, mm = perturbed_adapter(m.base.weight.double(), m.lora_A.double(), m.scale, seed=seed + i)
+        B, mm = perturbed_adapter(m.base.weight.double().cpu(), m.lora_A.double().cpu(), m.scale, seed=seed + i)
         m.lora_B.copy_(B)
         m.magnitude.copy_(mm)
 
@@ -168,16 +168,23 @@ def test_fp32_adapters_on_16bit_compute_like_peft(autocast):
 # Merge
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                                 (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
-                         ids=["fp32", "bf16-fp32-adapters", "bf16-bf16-adapters", "fp16-fp32-adapters"])
-def test_merge_report_within_bound_and_unmerge_is_bitwise(dtype, adapter_dtype):
-    model = tiny_hf_model("llama", dtype=dtype)
+MERGE_CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+               (torch.float16, torch.float32)]
+MERGE_IDS = ["fp32", "bf16-fp32-adapters", "bf16-bf16-adapters", "fp16-fp32-adapters"]
+
+
+@pytest.mark.parametrize("device,dtype,adapter_dtype",
+                         [("cpu", *c) for c in MERGE_CASES]
+                         + [pytest.param("cuda", *c, marks=pytest.mark.gpu) for c in MERGE_CASES],
+                         ids=[f"cpu-{i}" for i in MERGE_IDS] + [f"cuda-{i}" for i in MERGE_IDS])
+def test_merge_report_within_bound_and_unmerge_is_bitwise(device, dtype, adapter_dtype):
+    """On CUDA the bound takes cuBLAS's reduced-precision reductions and TF32 from torch's flags."""
+    model = tiny_hf_model("llama", dtype=dtype).to(device)
     dn.wrap(model, "all-linear", r=4, alpha=8, adapter_dtype=adapter_dtype, verbose=False)
     _perturb(model)
     mods = peft_io.dora_linear_modules(model)
     W0 = {n: m.base.weight.detach().clone() for n, m in mods.items()}
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
         y_unmerged = model(input_ids=ids).logits
     report = dn.merge(model, {"input_ids": ids})
@@ -188,7 +195,7 @@ def test_merge_report_within_bound_and_unmerge_is_bitwise(dtype, adapter_dtype):
     assert {"rel_err", "rel_bound", "worst_ratio"} <= set(df.columns)
     with torch.no_grad():
         for m in mods.values():  # merged forward = the base layer with W'
-            x = torch.randn(3, m.in_features).to(dtype)
+            x = torch.randn(3, m.in_features, device=device).to(dtype)
             assert torch.equal(m(x), nn.functional.linear(x, m.base.weight, m.base.bias))
         y_merged = model(input_ids=ids).logits
     assert y_merged.shape == y_unmerged.shape
