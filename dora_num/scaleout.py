@@ -6,8 +6,9 @@ trains under ``torch.nn.parallel.DistributedDataParallel`` and under FSDP2
 nothing specific to this package: :class:`~dora_num.DoRALinear` is an ``nn.Module`` whose
 parameters the engines shard, gather and reduce like any other.
 
-What the engines gather (measured with torch 2.13, gloo, 2 ranks, tiny Llama, profiler
-counts per training step): FSDP2 all-gathers each unit's parameters (W, bias, A, B, m in
+What the engines gather (torch 2.13, gloo, 2 ranks, tiny Llama, profiler counts of the
+last training step's forward and backward, recorded by :func:`run_check` and asserted by
+the CI test): FSDP2 all-gathers each unit's parameters (W, bias, A, B, m in
 one collective) before its forward and again before its backward
 (``reshard_after_forward=True``), and the root unit once: 5 all-gathers for 2 layers, the
 same schedule as the model without DoRA; and reduce-scatters the trainable gradients
@@ -143,6 +144,7 @@ def _rank(rank: int, world: int, port: int, out: str):
         for kind in MODELS:
             for engine in ENGINES:
                 model = build_model(kind)
+                n_layers = len(decoder_layers(model))
                 if engine == "ddp":
                     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -156,32 +158,34 @@ def _rank(rank: int, world: int, port: int, out: str):
                         fully_shard(layer, mesh=mesh)
                     fully_shard(model, mesh=mesh)
                 opt = _optimizer(model)
-                losses = []
-                for ids in batches():
+                losses, collectives = [], {}
+                for step, ids in enumerate(batches()):
                     opt.zero_grad(set_to_none=True)
-                    loss = _loss(model, ids[2 * rank:2 * rank + 2])
-                    loss.backward()
+                    with _count_collectives(collectives, enabled=step == STEPS - 1):
+                        loss = _loss(model, ids[2 * rank:2 * rank + 2])
+                        loss.backward()
                     opt.step()
                     losses.append(loss.item())
                 params = _trainable(model)
                 gathered = [None] * world
                 dist.all_gather_object(gathered, losses)
                 if rank == 0:
-                    results[f"{kind}/{engine}"] = (gathered, params)
+                    results[f"{kind}/{engine}"] = (gathered, params, collectives, n_layers)
         if rank == 0:
             report = {}
             for kind in MODELS:
                 ref_losses, ref_params = single_process(kind, accumulate=True)
                 full_losses, full_params = single_process(kind, accumulate=False)
                 for engine in ENGINES:
-                    gathered, params = results[f"{kind}/{engine}"]
+                    gathered, params, collectives, n_layers = results[f"{kind}/{engine}"]
                     per_step = [[gathered[r][s] for r in range(world)] for s in range(STEPS)]
                     assert sorted(params) == sorted(ref_params)
                     report[f"{kind}/{engine}"] = {
                         "losses": per_step, "losses_one_process": ref_losses,
                         "losses_bitwise": per_step == ref_losses,
                         "params_bitwise": all(torch.equal(params[k], ref_params[k]) for k in ref_params),
-                        "n_params": len(params),
+                        "n_params": len(params), "n_layers": n_layers,
+                        "collectives_last_step": collectives,
                         "max_abs_diff_vs_whole_batch": max(float((params[k] - full_params[k]).abs().max())
                                                            for k in full_params),
                         "max_abs_param_change": max(float((params[k] - ref_params[k]).abs().max())
@@ -191,6 +195,31 @@ def _rank(rank: int, world: int, port: int, out: str):
                 json.dump(report, f, indent=2)
     finally:
         dist.destroy_process_group()
+
+
+class _count_collectives:
+    """Count the collectives of a forward + backward (torch.profiler event names; c10d ops)."""
+
+    NAMES = ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "c10d::allreduce_")
+
+    def __init__(self, out: dict, enabled: bool):
+        self.out, self.enabled, self.prof = out, enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
+            for e in self.prof.key_averages():
+                if e.key in self.NAMES:
+                    self.out[e.key] = e.count
+        return False
 
 
 def _free_port() -> int:

@@ -26,5 +26,11 @@ def test_ddp_and_fsdp2_match_one_process_bitwise(tmp_path):
         assert len(r["losses"]) == STEPS and r["n_params"] == 3 * 14, name  # A, B, m of 2 x 7 linears
         assert r["losses_bitwise"], (name, r["losses"], r["losses_one_process"])
         assert r["params_bitwise"] and r["max_abs_param_change"] == 0.0, name
+        c, L = r["collectives_last_step"], r["n_layers"]
+        if name.endswith("fsdp2"):  # FSDP2's own schedule: per layer unit one gather for the forward, one for the
+            # backward, the root once; one reduce-scatter per layer unit; the DoRA norm adds nothing
+            assert c == {"c10d::_allgather_base_": 2 * L + 1, "c10d::_reduce_scatter_base_": L}, (name, c)
+        else:  # DDP: gradient all-reduces only (bucketed)
+            assert set(c) == {"c10d::allreduce_"}, (name, c)
     # against one process on the whole batch (one mean over 4 rows, not two over 2): rounding, reported
     print({name: r["max_abs_diff_vs_whole_batch"] for name, r in report.items()})

@@ -122,6 +122,34 @@ def test_adapters_keep_their_dtypes():
         dn.DoRALinear(copy.deepcopy(lin), 3, adapter_dtype=torch.int8)
 
 
+def test_base_out_seam_and_from_peft_share_peft_s_parameters():
+    """``forward(x, base_out=x W^T)`` (no bias) is bitwise ``forward(x)``; with a bias the
+    layer returns ``base_out + delta`` with ``delta`` on ``base_out - b`` (PEFT's arithmetic).
+    ``from_peft`` holds PEFT's very parameter objects and dropout module."""
+    torch.manual_seed(0)
+    lin = nn.Linear(20, 9, bias=False)
+    layer = dn.DoRALinear(lin, 3)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    x = torch.randn(4, 20)
+    assert torch.equal(layer(x, base_out=nn.functional.linear(x, lin.weight)), layer(x))
+    peft_layer = peft_dora_linear(nn.Linear(20, 9), 3, 6.0)
+    ours = dn.DoRALinear.from_peft(peft_layer)
+    A, B, m = peft_dora_params(peft_layer)
+    assert ours.lora_A is A and ours.lora_B is B and ours.magnitude is m
+    assert ours.dropout is peft_layer.lora_dropout["default"] and ours.scale == peft_layer.scaling["default"]
+    base = peft_layer.get_base_layer()
+    assert ours.base is base and not any(p.requires_grad for p in base.parameters())
+    with torch.no_grad():
+        B.normal_(0, 0.1)
+        y = ours(x, base_out=base(x))
+        delta = dn.compose(base(x) - base.bias, nn.functional.linear(nn.functional.linear(x, A), B),
+                           ours.magnitude_scale(), ours.scale)
+    assert torch.equal(y, base(x) + delta)
+    with pytest.raises(TypeError, match="not a PEFT DoRA Linear"):
+        dn.DoRALinear.from_peft(nn.Linear(3, 3))
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16-model", "fp32-model-bf16-autocast"])
 def test_fp32_adapters_on_16bit_compute_like_peft(autocast):
     """fp32 A, B, m with a bf16 W (autocast off: the compose runs in fp32, rounded once), or an
