@@ -524,20 +524,21 @@ def _check_linear(name: str, mod) -> None:
                                       "unsupported module type (DoRALinear wraps torch.nn.Linear)")
 
 
-def _exact_copy_source(e: ExtraEntry, p: torch.Tensor) -> torch.Tensor:
+def _exact_copy_source(e: ExtraEntry, p: torch.Tensor, round_extra: bool) -> torch.Tensor:
     t = e.tensor
     if tuple(t.shape) != tuple(p.shape):
         raise AdapterError(f"adapter entry {e.key!r} has shape {tuple(t.shape)} but the model's parameter "
                            f"{e.name!r} has {tuple(p.shape)}")
-    if t.dtype != p.dtype and not torch.equal(t.to(p.dtype).to(t.dtype), t):
+    if t.dtype != p.dtype and not round_extra and not torch.equal(t.to(p.dtype).to(t.dtype), t):
         raise AdapterError(f"adapter entry {e.key!r} is {t.dtype} but the model's parameter {e.name!r} is "
-                           f"{p.dtype}: copying would round it (load the model in {t.dtype})")
+                           f"{p.dtype}: copying would round it (load the model in {t.dtype}, or pass "
+                           "round_extra=True to round it as PEFT's loader does)")
     return t
 
 
 @torch.no_grad()
 def apply_to_model(model: nn.Module, states: list[DoRAModuleState], *, freeze: bool = True,
-                   **dora_kwargs) -> nn.Module:
+                   round_extra: bool = False, **dora_kwargs) -> nn.Module:
     """Wrap the base ``model``'s linears named in ``states`` by :class:`DoRALinear` holding A, B, m
     (in place; the dtypes of A, B and m are kept), and apply the adapter's other entries.
 
@@ -546,7 +547,9 @@ def apply_to_model(model: nn.Module, states: list[DoRAModuleState], *, freeze: b
     (``modules_to_save`` weights, biases saved with ``bias="all"/"lora_only"``) is copied
     into the model parameter of its name and made trainable; the adapter is recorded on
     the model (:data:`SPEC_ATTR`) for :func:`export_peft_dora`.  ``freeze``: every other
-    parameter of the model gets ``requires_grad=False`` (as PEFT's loader).  Everything is
+    parameter of the model gets ``requires_grad=False`` (as PEFT's loader).  An extra entry
+    whose dtype differs from its parameter's is copied only if that is exact, or with
+    ``round_extra=True`` (PEFT's loader rounds it silently).  Everything is
     checked before anything is changed: an entry that cannot be applied raises
     :class:`AdapterError` (an unsupported module type :class:`UnsupportedAdapterError`).
     """
@@ -574,7 +577,7 @@ def apply_to_model(model: nn.Module, states: list[DoRAModuleState], *, freeze: b
         p = model_parameter(model, e.name)
         if p is None:
             raise AdapterError(f"adapter entry {e.key!r} cannot be applied: the model has no parameter {e.name!r}")
-        extra_params.append((e, p, _exact_copy_source(e, p)))
+        extra_params.append((e, p, _exact_copy_source(e, p, round_extra)))
     if freeze:
         for p in model.parameters():
             p.requires_grad_(False)

@@ -97,6 +97,9 @@ def test_head_in_another_dtype_is_not_rounded_silently(tmp_path):
                                            "copying would round it"):
         load_adapter(model, adir)
     assert not peft_io.dora_linear_modules(model), "nothing is changed before every entry is checked"
+    load_adapter(model, adir, round_extra=True)  # asked for: rounded as PEFT's loader rounds
+    want = load_file(str(adir / FILES[0]))["base_model.model.classifier.weight"].to(torch.bfloat16)
+    assert torch.equal(model.classifier.weight.detach(), want)
 
 
 class _ConvNet(nn.Module):
