@@ -64,7 +64,7 @@ to W's dtype) into W in place and keeps a copy of the original W, so :meth:`unme
 restores it bit for bit (``W'`` cannot be inverted exactly: the rounding of ``W'`` to
 a 16-bit dtype and of ``W'/g - sBA`` lose about ``u |W|`` per element).  While merged,
 the forward is the base layer's.  Error bound of the merged output:
-:func:`dora_num.numerics.bounds.merged_linear_bound`; per-layer report:
+:func:`dora_num.numerics.merge_bound.merged_linear_bound`; per-layer report:
 :func:`dora_num.wrapper.merge`.
 
 The switches of :mod:`dora_num.ops.config` are read once per forward.
@@ -263,7 +263,7 @@ class DoRALinear(nn.Module):
         ``P = B A`` (fp32 product), ``V = W + s P`` (``s = fl32(scale)``), ``g V``, one
         rounding to ``t``.  ``g``: the layer's own (:meth:`magnitude_scale`, checked) unless
         given.  Raises ``ValueError`` if ``W'`` is not finite (PEFT's ``safe_merge`` check).
-        Error bound: :func:`dora_num.numerics.bounds.merged_linear_bound`.
+        Error bound: :func:`dora_num.numerics.merge_bound.merged_linear_bound`.
         """
         g = self.magnitude_scale().detach() if g is None else g.detach()
         W, A, B = self.base.weight.detach(), self.lora_A.detach(), self.lora_B.detach()
