@@ -207,6 +207,18 @@ def test_unsupported_layers_keep_peft_s_path_and_are_reported(caplog, capsys):
     assert "emb [default] kept on PEFT's path: Embedding DoRA" in caplog.text
     assert list(report.to_frame().columns) == ["name", "adapter", "status", "reason"]
 
+    # a quantized integration's layer (bitsandbytes' Linear4bit, HQQ, torchao, ...) is its own subclass
+    # of PEFT's LoraLayer; stand-in: a subclass of lora.Linear (bitsandbytes is not installed here)
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    class Linear4bit(LoraLinear):
+        pass
+
+    q = get_peft_model(_Mixed(), LoraConfig(r=2, use_dora=True, target_modules=["lin"]))
+    q.base_model.model.lin.__class__ = Linear4bit
+    (row,) = dp.accelerate(q, verbose=False).rows
+    assert row.status == dp.KEPT and "Linear4bit is not PEFT's plain lora.Linear (a quantized base" in row.reason
+
     cfg = tf.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16)
     gpt = get_peft_model(tf.GPT2LMHeadModel(cfg), LoraConfig(r=2, use_dora=True, target_modules=["c_attn"],
                                                              fan_in_fan_out=True))
