@@ -3,7 +3,12 @@
 Public API (docs/design.md)::
 
     dense_row_norm, factored_row_norm, magnitude_scale,
-    compose_naive, compose_stable, compose, DoRALinear
+    compose_naive, compose_stable, compose, DoRALinear,
+    wrap, merge, unmerge, trainable_parameters          (dora_num.wrapper)
+    load_peft_dora, load_adapter, export_peft_dora      (dora_num.adapters.peft_io)
+
+``dora_num.peft.accelerate(peft_model)`` / ``restore``: a PEFT model's DoRA layers on
+this package's operator (import ``dora_num.peft``).
 """
 
 from .ops.compose import compose
@@ -18,6 +23,12 @@ _LAZY = {  # heavier modules (PEFT, transformers, pandas) load on first use
     "load_peft_dora": "dora_num.adapters.peft_io",
     "collapse_table": "dora_num.adapters.collapse",
     "check_bounds": "dora_num.check",
+    "load_adapter": "dora_num.adapters.peft_io",
+    "export_peft_dora": "dora_num.adapters.peft_io",
+    "wrap": "dora_num.wrapper",
+    "merge": "dora_num.wrapper",
+    "unmerge": "dora_num.wrapper",
+    "trainable_parameters": "dora_num.wrapper",
 }
 
 
@@ -34,6 +45,12 @@ __all__ = [
     "check_bounds",
     "collapse_table",
     "load_peft_dora",
+    "load_adapter",
+    "export_peft_dora",
+    "wrap",
+    "merge",
+    "unmerge",
+    "trainable_parameters",
     "compose",
     "compose_naive",
     "compose_stable",

@@ -12,6 +12,8 @@ certified ground truth is :mod:`dora_num.numerics.ground_truth`):
 - :func:`peft_dora_linear`: PEFT's own DoRA ``Linear`` wrapping a copy of an
   ``nn.Linear``, with :func:`set_dora_state` to put identical ``A, B, m`` into it
   and into a :class:`~dora_num.DoRALinear`.
+- :func:`peft_model_ref64`: a whole PEFT model in float64 with its DoRA layers
+  replaced by :class:`DoRALinearRef64` (model-level reference for the PEFT drop-in).
 - :func:`row_norm_ref64` and :func:`row_norm_ref64_error_bound`: the dense row norm
   in float64 and a bound on its own error, to add to the fp32 bounds of
   :mod:`dora_num.numerics.bounds` (which compare with the exact norm).
@@ -183,6 +185,83 @@ def set_dora_state(layer: nn.Module, A: torch.Tensor, B: torch.Tensor, m: torch.
             if dst.shape != src.shape:
                 raise ValueError(f"{name} has shape {tuple(src.shape)}; the layer expects {tuple(dst.shape)}")
             dst.copy_(src)
+
+
+def peft_model_ref64(peft_model: nn.Module, *, round_scale: bool = True) -> nn.Module:
+    """An fp64 copy of a PEFT model with every DoRA ``lora.Linear`` replaced by a
+    :class:`DoRALinearRef64` on its active adapter's ``W, b, A, B, m`` and scale.
+
+    The rest of the network (embeddings, norms, attention, ``modules_to_save`` heads) is
+    PEFT's / transformers' own code run in float64.  The reference's ``A``, ``B``, ``m`` are
+    fp64 leaves named ``<layer>.A``, ``<layer>.B``, ``<layer>.m`` (for fp64 gradients).
+    Only layers with exactly one active adapter, no merged weights and adapters enabled
+    are supported (anything else raises)."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    ref = copy.deepcopy(peft_model).double()
+    targets = []
+    for name, mod in ref.named_modules():
+        if not isinstance(mod, LoraLayer) or not any(mod.use_dora.values()):
+            continue
+        active = [a for a in mod.active_adapters if a in mod.lora_A]
+        if len(active) != 1 or mod.merged or mod.disable_adapters:
+            raise ValueError(f"{name}: the fp64 reference needs exactly one active, unmerged, enabled adapter")
+        (a,) = active
+        lin = mod.get_base_layer()
+        if not isinstance(lin, nn.Linear):
+            raise TypeError(f"{name}: the fp64 reference covers DoRA on nn.Linear only, got {type(lin).__name__}")
+        targets.append((name, DoRALinearRef64(lin.weight, lin.bias, mod.lora_A[a].weight, mod.lora_B[a].weight,
+                                              mod.lora_magnitude_vector[a].weight, float(mod.scaling[a]),
+                                              round_scale=round_scale)))
+    for name, new in targets:
+        parent, _, leaf = name.rpartition(".")
+        setattr(ref.get_submodule(parent) if parent else ref, leaf, new)
+    return ref
+
+
+def tiny_hf_model(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config):
+    """A small randomly initialised transformers model (nothing downloads): ``"llama"`` (a
+    ``LlamaForCausalLM``: hidden 32, 2 layers, 4 heads, 2 KV heads, vocab 64) or ``"bert"``
+    (a MiniLM-like ``BertForSequenceClassification``: hidden 32, 2 layers, 4 heads, 3 labels,
+    dropout off).  ``config`` overrides fields of the transformers config."""
+    import transformers as tf
+
+    if kind == "llama":
+        fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        fields.update(config)
+        cfg, cls = tf.LlamaConfig(**fields), tf.LlamaForCausalLM
+    elif kind == "bert":
+        fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_labels=3, max_position_embeddings=64,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        fields.update(config)
+        cfg, cls = tf.BertConfig(**fields), tf.BertForSequenceClassification
+    else:
+        raise ValueError(f"kind must be 'llama' or 'bert', got {kind!r}")
+    torch.manual_seed(seed)
+    return cls(cfg).to(dtype).eval()
+
+
+@torch.no_grad()
+def perturb_peft_dora(peft_model: nn.Module, *, seed: int, update_ratio: float = 0.05,
+                      g_spread: float = 1e-3) -> None:
+    """Give every DoRA adapter of a PEFT model trained-looking ``B, m`` (:func:`perturbed_adapter`,
+    per layer and adapter, computed from the layer's own ``W`` and ``A``; kept in their dtypes)."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    i = 0
+    for _, mod in sorted(peft_model.named_modules(), key=lambda t: t[0]):
+        if not isinstance(mod, LoraLayer):
+            continue
+        for a in sorted(mod.lora_magnitude_vector):
+            A = mod.lora_A[a].weight
+            W = mod.get_base_layer().weight.detach().double().cpu()
+            B, m = perturbed_adapter(W, A.detach().double().cpu(), float(mod.scaling[a]), seed=seed + i,
+                                     update_ratio=update_ratio, g_spread=g_spread)
+            mod.lora_B[a].weight.copy_(B)
+            mod.lora_magnitude_vector[a].weight.copy_(m)
+            i += 1
 
 
 def perturbed_adapter(W: torch.Tensor, A: torch.Tensor, scale: float, *, seed: int,

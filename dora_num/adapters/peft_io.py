@@ -12,6 +12,21 @@ Format (PEFT >= 0.9; what ``PeftModel.save_pretrained`` writes):
 
 Scale: ``s = alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
 
+Other entries of the weights file are applied, never dropped: ``modules_to_save``
+copies (``base_model.model.<module>.<param>``, e.g. a classifier head) and the biases
+saved with ``bias="all"`` / ``"lora_only"`` (``<module>.base_layer.bias``) are copied into
+the model's parameters of those names (:func:`apply_to_model`); an entry the model has
+no parameter for is an error.  What is not supported is called so: Embedding DoRA
+(``lora_embedding_A/B``), Conv DoRA (3-D/4-D ``lora_A``), ``lora_B.bias``, and base
+modules that are not ``nn.Linear`` (e.g. transformers' ``Conv1D`` with
+``fan_in_fan_out``).
+
+Round trip: :func:`apply_to_model` keeps the dtypes of A, B, m and records the
+adapter (its ``adapter_config.json`` bytes, key spelling, extra entries) on the model
+(:data:`SPEC_ATTR`), so :func:`export_peft_dora` writes the same file content back:
+bitwise the same ``adapter_model.safetensors`` for unchanged values and the same
+``adapter_config.json`` (tested on adapters saved by PEFT itself).
+
 Files are untrusted (docs/contract.md, promise 6): safetensors is preferred; a ``.bin`` is read
 only with ``torch.load(weights_only=True)``, so a pickle that tries to run code is
 refused.  Every malformed input raises :class:`AdapterError` (a ``ValueError``)
@@ -38,8 +53,54 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<name>.+?)\.(?P<part>lora_A\.wei
                   r"lora_magnitude_vector(?:\.weight)?)$")
 
 
+SPEC_ATTR = "dora_num_adapter"  # attribute of a model that carries its AdapterSpec
+
+
 class AdapterError(ValueError):
     """A PEFT adapter (or its base model) is missing, unreadable or inconsistent."""
+
+
+class UnsupportedAdapterError(AdapterError):
+    """A valid PEFT adapter entry of a kind this package does not serve (Embedding/Conv DoRA,
+    ``lora_B.bias``, a base module that is not ``nn.Linear``)."""
+
+
+@dataclass
+class ExtraEntry:
+    """A non-DoRA tensor of an adapter file: ``key`` as stored, ``name`` the model parameter
+    it belongs to (``base_model.model.`` and PEFT's ``.base_layer`` removed)."""
+
+    key: str
+    name: str
+    tensor: torch.Tensor
+
+
+class AdapterStates(list):
+    """The list of :class:`DoRAModuleState` of :func:`load_peft_dora`, plus what else the
+    adapter holds: ``config`` (parsed ``adapter_config.json``), ``config_bytes`` (as stored),
+    ``magnitude_suffix`` (``lora_magnitude_vector`` or ``...vector.weight``, as stored),
+    ``extra`` (:class:`ExtraEntry` list: ``modules_to_save`` weights, saved biases) and
+    ``source`` (the weights file)."""
+
+    def __init__(self, states=(), *, config: dict, config_bytes: bytes, magnitude_suffix: str,
+                 extra: list, source: str):
+        super().__init__(states)
+        self.config, self.config_bytes = config, config_bytes
+        self.magnitude_suffix, self.extra, self.source = magnitude_suffix, extra, source
+
+
+@dataclass
+class AdapterSpec:
+    """What :func:`export_peft_dora` needs to write a model's adapter: the config it was loaded
+    with (None: a new one is built), its bytes as stored, the magnitude key spelling, the
+    extra entries (stored key -> model parameter name) and, for a new config, the
+    ``modules_to_save`` names."""
+
+    config: dict | None
+    config_bytes: bytes | None = None
+    magnitude_suffix: str = "lora_magnitude_vector"
+    extra: dict | None = None
+    modules_to_save: list | None = None
 
 
 @dataclass
@@ -149,15 +210,48 @@ def adapter_weights_path(adapter_dir: str | os.PathLike) -> Path:
     raise AdapterError(f"{d} has neither {SAFETENSORS_NAME} nor {BIN_NAME}")
 
 
-def group_adapter_tensors(tensors: dict[str, torch.Tensor], source: str = "adapter") -> dict[str, dict[str, torch.Tensor]]:
-    """``{module name: {"A", "B", "m"}}``; raises on missing parts or inconsistent shapes."""
+_UNSUPPORTED_KEYS = (
+    (re.compile(r"\.lora_embedding_[AB]$"), "an Embedding DoRA adapter (lora_embedding_A/B)"),
+    (re.compile(r"\.lora_B\.bias$"), "a lora_B bias (lora_bias=True)"),
+    (re.compile(r"\.(original_module|modules_to_save)\."),
+     "PEFT's internal copies of a modules_to_save module (bias='all' with modules_to_save)"),
+)
+
+
+def split_adapter_tensors(tensors: dict[str, torch.Tensor], source: str = "adapter"):
+    """``(groups, extra, magnitude_suffix)``: ``{module name: {"A", "B", "m"}}`` of the DoRA
+    entries (checked as :func:`group_adapter_tensors`), the other entries as
+    :class:`ExtraEntry` objects, and how the magnitude keys are spelled.  Unsupported
+    entries raise :class:`UnsupportedAdapterError` naming the key."""
     groups: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
+    extra, suffixes = [], set()
+    for key, t in sorted(tensors.items()):
+        for pat, what in _UNSUPPORTED_KEYS:
+            if pat.search(key):
+                raise UnsupportedAdapterError(f"{source}: entry {key!r} is {what}: not supported "
+                                              "(DoRALinear serves Linear DoRA modules only)")
         mt = _KEY.match(key)
         if not mt:
-            continue  # e.g. modules_to_save entries: not part of the DoRA state
+            name = key.removeprefix(_PREFIX).replace(".base_layer.", ".")
+            extra.append(ExtraEntry(key, name, t))
+            continue
+        if mt["part"].startswith("lora_magnitude_vector"):
+            suffixes.add(mt["part"])
         part = {"lora_A.weight": "A", "lora_B.weight": "B"}.get(mt["part"], "m")
         groups.setdefault(mt["name"], {})[part] = t
+    if len(suffixes) > 1:
+        raise AdapterError(f"{source}: magnitude keys are spelled both 'lora_magnitude_vector' and "
+                           "'lora_magnitude_vector.weight'")
+    _check_groups(groups, source)
+    return groups, extra, suffixes.pop() if suffixes else "lora_magnitude_vector"
+
+
+def group_adapter_tensors(tensors: dict[str, torch.Tensor], source: str = "adapter") -> dict[str, dict[str, torch.Tensor]]:
+    """``{module name: {"A", "B", "m"}}``; raises on missing parts or inconsistent shapes."""
+    return split_adapter_tensors(tensors, source)[0]
+
+
+def _check_groups(groups: dict, source: str) -> None:
     if not groups:
         raise AdapterError(f"{source}: no lora_A/lora_B/lora_magnitude_vector keys found")
     for name, g in sorted(groups.items()):
@@ -168,13 +262,15 @@ def group_adapter_tensors(tensors: dict[str, torch.Tensor], source: str = "adapt
                 raise AdapterError(f"{source}: module {name!r} has lora_A/lora_B but no lora_magnitude_vector: not a DoRA adapter")
             raise AdapterError(f"{source}: module {name!r} is missing key(s) " + ", ".join(f"{_PREFIX}{name}.{names[k]}" for k in missing))
         A, B, m = g["A"], g["B"], g["m"]
+        if A.dim() in (3, 4, 5) and B.dim() == A.dim():
+            raise UnsupportedAdapterError(f"{source}: module {name!r} is a Conv DoRA adapter (lora_A of shape "
+                                          f"{tuple(A.shape)}): not supported (DoRALinear serves Linear DoRA modules only)")
         if A.dim() != 2 or B.dim() != 2 or m.dim() != 1:
             raise AdapterError(f"{source}: module {name!r}: expected A 2-D, B 2-D, magnitude 1-D, got shapes "
-                               f"{tuple(A.shape)}, {tuple(B.shape)}, {tuple(m.shape)} (only Linear DoRA modules are supported)")
+                               f"{tuple(A.shape)}, {tuple(B.shape)}, {tuple(m.shape)}")
         if B.shape[1] != A.shape[0] or m.shape[0] != B.shape[0]:
             raise AdapterError(f"{source}: module {name!r}: shape mismatch: A {tuple(A.shape)}, B {tuple(B.shape)}, "
                                f"magnitude {tuple(m.shape)} (need A [r, d_in], B [d_out, r], magnitude [d_out])")
-    return groups
 
 
 # ----------------------------------------------------------------------------
@@ -213,18 +309,22 @@ def _find_base_key(state: dict, name: str, suffix: str) -> str | None:
     return hits[0] if hits else None
 
 
-def load_peft_dora(adapter_dir: str | os.PathLike, base_model) -> list[DoRAModuleState]:
+def load_peft_dora(adapter_dir: str | os.PathLike, base_model) -> AdapterStates:
     """Per-module DoRA states ``(name, W, A, B, m, scale)`` of a PEFT adapter, sorted by name.
 
     ``base_model``: a model folder (``*.safetensors`` / ``*.bin``), a weights file,
-    an ``nn.Module`` or a state dict.  Tensors are returned as stored (no copy of
-    dtype); ``W`` is ``[d_out, d_in]`` (transposed back if ``fan_in_fan_out``).
+    an ``nn.Module`` or a state dict.  Tensors are returned as stored (dtypes kept);
+    ``W`` is ``[d_out, d_in]`` (transposed back if ``fan_in_fan_out``).  The list is an
+    :class:`AdapterStates`: it also carries the config and the adapter's other entries
+    (``modules_to_save`` weights, saved biases), which :func:`apply_to_model` applies.
     """
     cfg = read_config(adapter_dir)
+    config_bytes = (Path(adapter_dir) / CONFIG_NAME).read_bytes()
     wpath = adapter_weights_path(adapter_dir)
-    groups = group_adapter_tensors(read_weights(wpath), str(wpath))
+    groups, extra, mag_suffix = split_adapter_tensors(read_weights(wpath), str(wpath))
     state = _base_state(base_model)
-    out = []
+    out = AdapterStates(config=cfg, config_bytes=config_bytes, magnitude_suffix=mag_suffix, extra=extra,
+                        source=str(wpath))
     for name, g in sorted(groups.items()):
         A, B, m = g["A"], g["B"], g["m"]
         if not is_targeted(cfg, name):
@@ -261,70 +361,247 @@ def dora_linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: mod for n, mod in model.named_modules() if isinstance(mod, DoRALinear)}
 
 
+def model_parameter(model: nn.Module, name: str) -> nn.Parameter | None:
+    """The parameter ``name`` of ``model`` (a PEFT-style name: for a module wrapped by
+    :class:`~dora_num.DoRALinear` also found under its ``.base``), or None."""
+    from ..ops.layer import DoRALinear
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if name in params:
+        return params[name]
+    mod, _, leaf = name.rpartition(".")
+    try:
+        owner = model.get_submodule(mod) if mod else model
+    except AttributeError:
+        return None
+    if isinstance(owner, DoRALinear):
+        return params.get(f"{mod}.base.{leaf}")
+    return None
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """PEFT-keyed tensors (contiguous CPU copies) of every :class:`DoRALinear` in ``model``."""
+    """PEFT-keyed tensors (contiguous CPU copies, dtypes kept) of every :class:`DoRALinear` in
+    ``model``, and of the model's other adapter entries (``modules_to_save`` weights, saved
+    biases) recorded by :func:`apply_to_model` or :func:`dora_num.wrapper.wrap`."""
     mods = dora_linear_modules(model)
     if not mods:
         raise AdapterError("model has no DoRALinear modules to export")
+    spec = getattr(model, SPEC_ATTR, None)
+    mag = spec.magnitude_suffix if spec is not None else "lora_magnitude_vector"
     out = {}
     for n, mod in sorted(mods.items()):
         out[f"{_PREFIX}{n}.lora_A.weight"] = mod.lora_A.detach().cpu().contiguous().clone()
         out[f"{_PREFIX}{n}.lora_B.weight"] = mod.lora_B.detach().cpu().contiguous().clone()
-        out[f"{_PREFIX}{n}.lora_magnitude_vector"] = mod.magnitude.detach().cpu().contiguous().clone()
+        out[f"{_PREFIX}{n}.{mag}"] = mod.magnitude.detach().cpu().contiguous().clone()
+    for key, name in sorted(((spec.extra or {}) if spec is not None else {}).items()):
+        p = model_parameter(model, name)
+        if p is None:
+            raise AdapterError(f"cannot export: the adapter entry {key!r} is the model's parameter {name!r}, "
+                               "which the model no longer has")
+        out[key] = p.detach().cpu().contiguous().clone()
+    return out
+
+
+def _uniform(mods: dict, what: str, fn):
+    vals = {fn(m) for m in mods.values()}
+    if len(vals) != 1:
+        raise AdapterError(f"cannot export one PEFT config: the DoRALinear modules mix {what} {sorted(vals)}")
+    return vals.pop()
+
+
+def _dropout_p(mod) -> float:
+    return float(getattr(mod.dropout, "p", 0.0))
+
+
+def check_config_matches(cfg: dict, mods: dict) -> None:
+    """Raise unless every DoRALinear in ``mods`` is what ``cfg`` says for its name (targeted,
+    rank, alpha, rsLoRA, dropout): the config written back must describe the modules."""
+    for n, mod in sorted(mods.items()):
+        problems = []
+        if not is_targeted(cfg, n):
+            problems.append(f"not covered by target_modules {cfg.get('target_modules')!r}")
+        r = int(_pattern_value(cfg.get("rank_pattern"), n, cfg["r"]))
+        if r != mod.rank:
+            problems.append(f"rank {mod.rank}, config r = {r}")
+        alpha = module_scale(cfg, n, mod.rank)[0]
+        if alpha != mod.alpha:
+            problems.append(f"alpha {mod.alpha}, config alpha = {alpha}")
+        if bool(cfg.get("use_rslora", False)) != mod.use_rslora:
+            problems.append(f"use_rslora {mod.use_rslora}, config {cfg.get('use_rslora', False)}")
+        if float(cfg.get("lora_dropout", 0.0)) != _dropout_p(mod):
+            problems.append(f"lora_dropout {_dropout_p(mod)}, config {cfg.get('lora_dropout', 0.0)}")
+        if problems:
+            raise AdapterError(f"the model's DoRALinear {n!r} no longer matches the adapter config it was loaded "
+                               "with: " + "; ".join(problems))
+
+
+def peft_config_json(cfg: dict) -> bytes:
+    """``cfg`` as PEFT's ``PeftConfigMixin.save_pretrained`` writes it (``json.dumps(indent=2,
+    sort_keys=True)``, no trailing newline)."""
+    return json.dumps(cfg, indent=2, sort_keys=True).encode()
+
+
+def new_peft_config(mods: dict, *, modules_to_save=None, base_model_name_or_path=None) -> dict:
+    """A PEFT ``LoraConfig`` (``use_dora=True``) for the DoRALinear modules ``mods``, built by
+    PEFT itself (so every field has PEFT's default) and returned as the dict its
+    ``save_pretrained`` writes; ``target_modules`` lists the module names (sorted)."""
+    import tempfile
+
+    from peft import LoraConfig
+
+    first = mods[sorted(mods)[0]]
+    rank_pattern = {n: m.rank for n, m in sorted(mods.items()) if m.rank != first.rank}
+    alpha_pattern = {n: m.alpha for n, m in sorted(mods.items()) if m.alpha != first.alpha}
+    alpha = first.alpha
+    cfg = LoraConfig(
+        r=first.rank, lora_alpha=int(alpha) if float(alpha).is_integer() else alpha,
+        use_rslora=_uniform(mods, "use_rslora", lambda m: m.use_rslora), use_dora=True,
+        target_modules=sorted(mods), rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        lora_dropout=_uniform(mods, "lora_dropout", _dropout_p), bias="none",
+        modules_to_save=sorted(modules_to_save) if modules_to_save else None,
+        base_model_name_or_path=base_model_name_or_path, inference_mode=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        out = json.loads((Path(tmp) / CONFIG_NAME).read_text())
+    for key in ("target_modules", "modules_to_save", "exclude_modules"):  # sets in PEFT: make the order fixed
+        if isinstance(out.get(key), list):
+            out[key] = sorted(out[key])
     return out
 
 
 def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None) -> dict:
-    """A PEFT ``LoraConfig`` dict (``use_dora``) for the model's DoRALinear modules."""
+    """The PEFT ``LoraConfig`` dict (``use_dora``) for the model's DoRALinear modules: the config
+    the adapter was loaded with (checked to still describe the modules), or a new one."""
+    return _config_and_bytes(model, base_model_name_or_path)[0]
+
+
+def _config_and_bytes(model: nn.Module, base_model_name_or_path: str | None):
     mods = dora_linear_modules(model)
     if not mods:
         raise AdapterError("model has no DoRALinear modules to export")
-    rslora = {m.use_rslora for m in mods.values()}
-    if len(rslora) != 1:
-        raise AdapterError("cannot export: DoRALinear modules mix use_rslora True and False")
-    first = next(iter(sorted(mods.items())))[1]
-    rank_pattern = {n: m.rank for n, m in mods.items() if m.rank != first.rank}
-    alpha_pattern = {n: m.alpha for n, m in mods.items() if m.alpha != first.alpha}
-    return {
-        "peft_type": "LORA", "use_dora": True, "r": first.rank, "lora_alpha": first.alpha,
-        "use_rslora": rslora.pop(), "target_modules": sorted(mods), "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None, "task_type": None,
-        "base_model_name_or_path": base_model_name_or_path,
-    }
+    spec = getattr(model, SPEC_ATTR, None)
+    if spec is not None and spec.config is not None:
+        check_config_matches(spec.config, mods)
+        cfg = dict(spec.config)
+        if base_model_name_or_path is None or base_model_name_or_path == cfg.get("base_model_name_or_path"):
+            return cfg, spec.config_bytes if spec.config_bytes is not None else peft_config_json(cfg)
+        cfg["base_model_name_or_path"] = base_model_name_or_path
+        return cfg, peft_config_json(cfg)
+    mts = spec.modules_to_save if spec is not None else None
+    cfg = new_peft_config(mods, modules_to_save=mts, base_model_name_or_path=base_model_name_or_path)
+    return cfg, peft_config_json(cfg)
 
 
 def export_peft_dora(model: nn.Module, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None,
                      **prov) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (with provenance sidecars)."""
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (with provenance sidecars),
+    in PEFT's format: ``PeftModel.from_pretrained`` loads it.  A model loaded by
+    :func:`apply_to_model` is written back as it was loaded (same config bytes, same keys;
+    values as they are now)."""
     from safetensors.torch import save
 
     from ..repro.provenance import write_artifact
 
     out_dir = Path(out_dir)
-    cfg = adapter_config(model, base_model_name_or_path)
+    _, config_bytes = _config_and_bytes(model, base_model_name_or_path)
     tensors = adapter_state_dict(model)
     prov.setdefault("producer", "dora_num.adapters.peft_io.export_peft_dora")
     write_artifact(out_dir / SAFETENSORS_NAME, save(tensors, metadata={"format": "pt"}), **prov)
-    write_artifact(out_dir / CONFIG_NAME, (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode(), **prov)
+    write_artifact(out_dir / CONFIG_NAME, config_bytes, **prov)
     return out_dir
 
 
-@torch.no_grad()
-def apply_to_model(model: nn.Module, states: list[DoRAModuleState], **dora_kwargs) -> nn.Module:
-    """Wrap the base ``model``'s linears named in ``states`` by :class:`DoRALinear` holding A, B, m (in place)."""
+def _check_linear(name: str, mod) -> None:
     from ..ops.layer import DoRALinear
 
+    if isinstance(mod, DoRALinear):
+        raise AdapterError(f"module {name!r} is already a DoRALinear (apply the adapter to the base model)")
+    if not isinstance(mod, nn.Linear) or type(mod).forward is not nn.Linear.forward:
+        extra = (" (transformers' Conv1D stores W transposed: PEFT's fan_in_fan_out)"
+                 if type(mod).__name__ == "Conv1D" else "")
+        raise UnsupportedAdapterError(f"module {name!r} is a {type(mod).__module__}.{type(mod).__name__}{extra}: "
+                                      "unsupported module type (DoRALinear wraps torch.nn.Linear)")
+
+
+def _exact_copy_source(e: ExtraEntry, p: torch.Tensor, round_extra: bool) -> torch.Tensor:
+    t = e.tensor
+    if tuple(t.shape) != tuple(p.shape):
+        raise AdapterError(f"adapter entry {e.key!r} has shape {tuple(t.shape)} but the model's parameter "
+                           f"{e.name!r} has {tuple(p.shape)}")
+    if t.dtype != p.dtype and not round_extra and not torch.equal(t.to(p.dtype).to(t.dtype), t):
+        raise AdapterError(f"adapter entry {e.key!r} is {t.dtype} but the model's parameter {e.name!r} is "
+                           f"{p.dtype}: copying would round it (load the model in {t.dtype}, or pass "
+                           "round_extra=True to round it as PEFT's loader does)")
+    return t
+
+
+@torch.no_grad()
+def apply_to_model(model: nn.Module, states: list[DoRAModuleState], *, freeze: bool = True,
+                   round_extra: bool = False, **dora_kwargs) -> nn.Module:
+    """Wrap the base ``model``'s linears named in ``states`` by :class:`DoRALinear` holding A, B, m
+    (in place; the dtypes of A, B and m are kept), and apply the adapter's other entries.
+
+    With :class:`AdapterStates` (from :func:`load_peft_dora`): ``lora_dropout`` comes from
+    the config (unless given in ``dora_kwargs``); every other entry of the file
+    (``modules_to_save`` weights, biases saved with ``bias="all"/"lora_only"``) is copied
+    into the model parameter of its name and made trainable; the adapter is recorded on
+    the model (:data:`SPEC_ATTR`) for :func:`export_peft_dora`.  ``freeze``: every other
+    parameter of the model gets ``requires_grad=False`` (as PEFT's loader).  An extra entry
+    whose dtype differs from its parameter's is copied only if that is exact, or with
+    ``round_extra=True`` (PEFT's loader rounds it silently).  Everything is
+    checked before anything is changed: an entry that cannot be applied raises
+    :class:`AdapterError` (an unsupported module type :class:`UnsupportedAdapterError`).
+    """
+    from ..ops.layer import DoRALinear
+
+    cfg = getattr(states, "config", None)
+    extra = list(getattr(states, "extra", []))
+    kwargs = dict(dora_kwargs)
+    if cfg is not None:
+        kwargs.setdefault("lora_dropout", float(cfg.get("lora_dropout", 0.0)))
+    targets = []
     for st in states:
-        lin = model.get_submodule(st.name)
-        if not isinstance(lin, nn.Linear):
-            raise AdapterError(f"base model mismatch: {st.name!r} is a {type(lin).__name__}, not nn.Linear")
+        try:
+            lin = model.get_submodule(st.name)
+        except AttributeError:
+            raise AdapterError(f"base model mismatch: the adapter targets {st.name!r}, which the model does "
+                               "not have") from None
+        _check_linear(st.name, lin)
         if tuple(lin.weight.shape) != tuple(st.W.shape):
-            raise AdapterError(f"base model mismatch: {st.name!r} has weight {tuple(lin.weight.shape)}, adapter needs {tuple(st.W.shape)}")
-        mod = DoRALinear(lin, st.rank, st.alpha, use_rslora=st.use_rslora, **dora_kwargs)
-        mod.lora_A.copy_(st.A)
-        mod.lora_B.copy_(st.B)
-        mod.magnitude.copy_(st.m)
+            raise AdapterError(f"base model mismatch: {st.name!r} has weight {tuple(lin.weight.shape)}, "
+                               f"adapter needs {tuple(st.W.shape)}")
+        targets.append((st, lin))
+    extra_params = []
+    for e in extra:
+        p = model_parameter(model, e.name)
+        if p is None:
+            raise AdapterError(f"adapter entry {e.key!r} cannot be applied: the model has no parameter {e.name!r}")
+        extra_params.append((e, p, _exact_copy_source(e, p, round_extra)))
+    if freeze:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    for st, lin in targets:
+        dev = lin.weight.device
+        mod = DoRALinear(lin, st.rank, st.alpha, use_rslora=st.use_rslora, **kwargs,
+                         lora_A=nn.Parameter(st.A.detach().to(dev).clone()),
+                         lora_B=nn.Parameter(st.B.detach().to(dev).clone()),
+                         magnitude=nn.Parameter(st.m.detach().to(dev).clone()))
+        if mod.scale != st.scale:
+            raise AdapterError(f"module {st.name!r}: scale {mod.scale} differs from the adapter's {st.scale}")
         parent, _, child = st.name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, mod)
+    for e, p, t in extra_params:
+        p.copy_(t)
+        p.requires_grad_(True)
+    if cfg is not None:
+        setattr(model, SPEC_ATTR, AdapterSpec(config=cfg, config_bytes=getattr(states, "config_bytes", None),
+                                              magnitude_suffix=states.magnitude_suffix,
+                                              extra={e.key: e.name for e in extra}))
     return model
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, **dora_kwargs) -> nn.Module:
+    """``apply_to_model(model, load_peft_dora(adapter_dir, model))``: a PEFT DoRA adapter folder
+    (as ``save_pretrained`` writes it) onto the base ``model``, in place."""
+    return apply_to_model(model, load_peft_dora(adapter_dir, model), **dora_kwargs)

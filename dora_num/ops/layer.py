@@ -31,6 +31,42 @@ Seams for studies (instead of replacing this module's functions):
 - ``forward(x, g=...)``: a given fp32 ``g [out_features]`` is used as it is (the
   layer's own norm is not computed; ``g`` is still checked for finiteness).
 
+Adapter dtypes.  ``A``, ``B`` and ``m`` keep the dtype they are given: freshly
+initialised ones are ``adapter_dtype`` (default float32, as PEFT's
+``autocast_adapter_dtype=True`` keeps them whatever the base dtype), given ones
+(``lora_A=``, ``lora_B=``, ``magnitude=``: the same ``nn.Parameter`` objects, not copies)
+keep theirs.  What runs in which dtype (``t`` the dtype of W):
+
+- ``torch.autocast`` (e.g. bf16) on, fp32 adapters: the base product ``x W^T`` and the
+  two LoRA products run in the autocast dtype (autocast casts ``x``, ``A`` and ``B`` per
+  call; fp32 accumulation on tensor cores), ``base`` and ``lora`` come out in it and the
+  compose runs its fp32 sequence on them and rounds once to it.  The norm runs with
+  autocast off: ``base_sq`` fp32 (cached), ``U = W A^T`` and ``G = A A^T`` in fp32,
+  ``g`` fp32.  Gradients: ``dlora`` in the autocast dtype (as PEFT's under autocast),
+  ``A.grad``, ``B.grad`` and ``m.grad`` fp32, so an optimizer updates fp32 values.
+- autocast off, adapters wider than ``t`` (fp32 ``A``, ``B`` on a bf16 W): ``x`` is
+  cast to the adapter dtype for the LoRA products (exact), ``lora`` is fp32, ``base``
+  is promoted to fp32 (exact), the compose runs in fp32, ``base + delta`` is summed in
+  fp32 and rounded once to ``t`` (PEFT's sequence: its fp32 ``result_dora`` is added to
+  the 16-bit ``result`` and the sum cast back); ``dlora`` stays fp32.
+- adapters of W's dtype: as before (one dtype throughout).
+
+PEFT drop-in.  ``forward(x, base_out=...)`` takes the base layer's output
+``x W^T + b`` already computed by the caller (PEFT's ``lora.Linear`` computes it
+before its DoRA variant runs): the base product is not recomputed, ``base =
+base_out - b`` (PEFT's own arithmetic) enters the compose, and the layer returns
+``base_out + delta``; ``x`` may then be in the adapter dtype (PEFT casts it).
+:meth:`from_peft` builds a layer on a PEFT DoRA ``Linear``'s own parameters
+(:func:`dora_num.peft.accelerate` uses it).
+
+Merging (inference): :meth:`merge` writes ``W' = g * (W + s B A)`` (fp32, rounded once
+to W's dtype) into W in place and keeps a copy of the original W, so :meth:`unmerge`
+restores it bit for bit (``W'`` cannot be inverted exactly: the rounding of ``W'`` to
+a 16-bit dtype and of ``W'/g - sBA`` lose about ``u |W|`` per element).  While merged,
+the forward is the base layer's.  Error bound of the merged output:
+:func:`dora_num.numerics.merge_bound.merged_linear_bound`; per-layer report:
+:func:`dora_num.wrapper.merge`.
+
 The switches of :mod:`dora_num.ops.config` are read once per forward.
 """
 
@@ -42,6 +78,7 @@ import torch
 import torch.nn.functional as Fn
 from torch import nn
 
+from ..numerics.formulas import scale_constants
 from .compose import PATHS, _compose
 from .config import OpConfig, get_config
 from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
@@ -49,6 +86,27 @@ from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_c
 from .validation import check_tensor
 
 NORMS = ("cached", "factored", "dense")
+ADAPTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MERGE_ROW_BYTES = 64 * 2**20  # fp32 temporaries of one row block of W + sBA in merged_weight()
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype, cast: bool) -> torch.Tensor:
+    """``t`` in ``dtype`` when ``cast`` (autocast off); under autocast F.linear casts itself."""
+    return t.to(dtype) if cast and t.dtype != dtype else t
+
+
+def _adapter_param(name: str, t, shape: tuple, device) -> nn.Parameter:
+    """A given adapter tensor as a parameter: the same object if it is one (no copy)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or nn.Parameter, got {type(t).__name__}")
+    if t.dtype not in ADAPTER_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; adapters must be one of "
+                        + ", ".join(str(d).removeprefix("torch.") for d in ADAPTER_DTYPES))
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; the layer needs {list(shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the base weight is on {device}")
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t)
 
 
 class DoRALinear(nn.Module):
@@ -64,7 +122,15 @@ class DoRALinear(nn.Module):
         chunk_bytes: int | None = None,
         norm: str = "cached",
         compose_fn=None,
+        adapter_dtype: torch.dtype | None = torch.float32,
+        lora_A: torch.Tensor | None = None,
+        lora_B: torch.Tensor | None = None,
+        magnitude: torch.Tensor | None = None,
     ):
+        """``adapter_dtype``: dtype of freshly initialised ``A``, ``B``, ``m`` (None: W's dtype).
+        ``lora_A``, ``lora_B``, ``magnitude``: given adapter tensors, all three or none, used as
+        they are (an ``nn.Parameter`` is kept as the same object; dtypes kept; shapes
+        ``[rank, in]``, ``[out, rank]``, ``[out]`` on W's device)."""
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"base must be an nn.Linear, got {type(base).__name__}")
@@ -76,6 +142,15 @@ class DoRALinear(nn.Module):
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
         if compose_fn is not None and not callable(compose_fn):
             raise TypeError(f"compose_fn must be callable, got {type(compose_fn).__name__}")
+        given = [t is not None for t in (lora_A, lora_B, magnitude)]
+        if any(given) and not all(given):
+            raise ValueError("lora_A, lora_B and magnitude are given together or not at all")
+        if adapter_dtype is None:
+            adapter_dtype = base.weight.dtype
+        if adapter_dtype not in ADAPTER_DTYPES:
+            raise TypeError(f"adapter_dtype must be one of "
+                            + ", ".join(str(d).removeprefix("torch.") for d in ADAPTER_DTYPES)
+                            + f", got {adapter_dtype!r}")
         alpha = float(rank if alpha is None else alpha)
         if not math.isfinite(alpha):
             raise ValueError(f"alpha must be finite, got {alpha}")
@@ -90,17 +165,53 @@ class DoRALinear(nn.Module):
         self.chunk_bytes = chunk_bytes
         self.norm = norm
         self.compose_fn = compose_fn
+        self._unmerged_weight: torch.Tensor | None = None  # the original W while merged
         W = base.weight
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=W.dtype, device=W.device))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=W.dtype, device=W.device))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
-        self.magnitude = nn.Parameter(self.weight_norm().clone())
+        if all(given):
+            self.lora_A = _adapter_param("lora_A", lora_A, (rank, base.in_features), W.device)
+            self.lora_B = _adapter_param("lora_B", lora_B, (base.out_features, rank), W.device)
+            self.magnitude = _adapter_param("magnitude", magnitude, (base.out_features,), W.device)
+            return
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=adapter_dtype, device=W.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=adapter_dtype, device=W.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.magnitude = nn.Parameter(self.weight_norm().to(adapter_dtype))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, alpha: float | None = None, **kwargs) -> "DoRALinear":
         """Wrap ``linear`` (kept, frozen) with a freshly initialised DoRA adapter."""
         return cls(linear, rank, alpha, **kwargs)
+
+    @classmethod
+    def from_peft(cls, layer: nn.Module, adapter: str = "default", **kwargs) -> "DoRALinear":
+        """A layer on adapter ``adapter`` of a PEFT DoRA ``lora.Linear``, sharing its parameters.
+
+        ``base`` is PEFT's base ``nn.Linear``, ``lora_A``/``lora_B``/``magnitude`` are PEFT's
+        own ``nn.Parameter`` objects (not copies: an optimizer step on either is seen by
+        both), ``dropout`` is PEFT's dropout module of that adapter (its train/eval mode
+        follows the PEFT model) and ``scale`` PEFT's ``scaling[adapter]``.  The
+        ``requires_grad`` flags are left as PEFT set them.  The returned module is not
+        registered anywhere (PEFT's state dict is unchanged).  Which PEFT layers can be
+        served at all: :func:`dora_num.peft.unsupported_reason`.
+        """
+        try:
+            base = layer.get_base_layer()
+            A = layer.lora_A[adapter].weight
+            B = layer.lora_B[adapter].weight
+            m = layer.lora_magnitude_vector[adapter].weight
+            r, alpha, rslora = layer.r[adapter], layer.lora_alpha[adapter], layer.use_rslora.get(adapter, False)
+            dropout, scale = layer.lora_dropout[adapter], layer.scaling[adapter]
+        except (AttributeError, KeyError, TypeError) as e:
+            raise TypeError(f"{type(layer).__name__} is not a PEFT DoRA Linear with adapter {adapter!r} "
+                            f"({type(e).__name__}: {e})") from None
+        flags = [p.requires_grad for p in base.parameters()]
+        obj = cls(base, int(r), float(alpha), use_rslora=bool(rslora), lora_A=A, lora_B=B, magnitude=m, **kwargs)
+        for p, f in zip(base.parameters(), flags):
+            p.requires_grad_(f)
+        obj.dropout = dropout
+        obj.scale = float(scale)
+        return obj
 
     @property
     def in_features(self) -> int:
@@ -126,12 +237,73 @@ class DoRALinear(nn.Module):
 
     def weight_norm(self) -> torch.Tensor:
         """``||W + s B A||_row`` (fp32, detached), by the layer's ``norm``."""
+        if self.merged:
+            raise RuntimeError("the layer is merged (W holds g * (W + sBA)): unmerge() first")
         return self._row_norm(get_config(), True)
 
     def magnitude_scale(self) -> torch.Tensor:
         """``g = m / max(wnorm, eps)`` (fp32, differentiable in m), checked: a non-finite
         input raises naming it."""
         return magnitude_scale(self.magnitude, self.weight_norm())
+
+    # ------------------------------------------------------------------
+    # Merge for inference
+    # ------------------------------------------------------------------
+
+    @property
+    def merged(self) -> bool:
+        """Whether W currently holds the merged weight ``g * (W + sBA)``."""
+        return self._unmerged_weight is not None
+
+    @torch.no_grad()
+    def merged_weight(self, g: torch.Tensor | None = None) -> torch.Tensor:
+        """``W' = fl_t(g * (W + s B A))`` in W's dtype ``t``, from fp32 intermediates.
+
+        Per row block (fp32 temporaries under ``MERGE_ROW_BYTES``), autocast off:
+        ``P = B A`` (fp32 product), ``V = W + s P`` (``s = fl32(scale)``), ``g V``, one
+        rounding to ``t``.  ``g``: the layer's own (:meth:`magnitude_scale`, checked) unless
+        given.  Raises ``ValueError`` if ``W'`` is not finite (PEFT's ``safe_merge`` check).
+        Error bound: :func:`dora_num.numerics.merge_bound.merged_linear_bound`.
+        """
+        g = self.magnitude_scale().detach() if g is None else g.detach()
+        W, A, B = self.base.weight.detach(), self.lora_A.detach(), self.lora_B.detach()
+        s = scale_constants(self.scale)[0]
+        out = torch.empty_like(W)
+        rows = max(1, MERGE_ROW_BYTES // (8 * max(W.shape[1], 1)))
+        with torch.autocast(W.device.type, enabled=False):
+            Af = A.float()
+            for i in range(0, W.shape[0], rows):
+                V = W[i:i + rows].float() + s * (B[i:i + rows].float() @ Af)
+                out[i:i + rows] = (g[i:i + rows, None].float() * V).to(W.dtype)
+        if not bool(torch.isfinite(out).all()):
+            raise ValueError("the merged weight g * (W + sBA) is not finite in "
+                             f"{str(W.dtype).removeprefix('torch.')} (overflow); keep the layer unmerged")
+        return out
+
+    @torch.no_grad()
+    def merge(self, g: torch.Tensor | None = None) -> None:
+        """Write :meth:`merged_weight` (of ``g``, default the layer's own) into W in place,
+        keeping a copy of the original W.
+
+        The copy makes :meth:`unmerge` exact (bitwise): ``W'`` is rounded to W's dtype, so
+        ``W'/g - sBA`` differs from ``W`` by about ``u |W|`` and W cannot be recovered from it.
+        Memory: one more W per merged layer.  While merged the forward is the base
+        layer's (adapters get no gradient); the adapter parameters are unchanged, so
+        export still writes them."""
+        if self.merged:
+            raise RuntimeError("the layer is already merged")
+        Wm = self.merged_weight(g)
+        W = self.base.weight
+        self._unmerged_weight = W.detach().clone()
+        W.data.copy_(Wm)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Restore the original W bit for bit (the copy kept by :meth:`merge`)."""
+        if not self.merged:
+            raise RuntimeError("the layer is not merged")
+        self.base.weight.data.copy_(self._unmerged_weight)
+        self._unmerged_weight = None
 
     def _g_and_flag(self, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(g, bad)`` without the per-input value checks (their syncs).  ``norm="cached"``:
@@ -150,8 +322,9 @@ class DoRALinear(nn.Module):
         self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
         raise ValueError("g = m / max(wnorm, eps) contains non-finite values")
 
-    def _check_input(self, x, W: torch.Tensor) -> None:
-        """Metadata checks of ``x`` (no device sync): name ``x`` instead of a matmul error."""
+    def _check_input(self, x, W: torch.Tensor, base_out=None) -> None:
+        """Metadata checks of ``x`` (and ``base_out``; no device sync): name them instead of a
+        matmul error."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -161,6 +334,13 @@ class DoRALinear(nn.Module):
                              f"in_features = {self.in_features}")
         if x.device != W.device:
             raise ValueError(f"x is on {x.device} but the layer's weight is on {W.device}")
+        if base_out is not None:
+            if not isinstance(base_out, torch.Tensor) or base_out.shape != (*x.shape[:-1], self.out_features) \
+                    or base_out.device != x.device:
+                raise ValueError(f"base_out must be the base layer's output [..., out_features] = "
+                                 f"{[*x.shape[:-1], self.out_features]} on {x.device}, got "
+                                 f"{tuple(base_out.shape) if isinstance(base_out, torch.Tensor) else base_out!r}")
+            return  # x may be in the adapter dtype (PEFT casts it); the base product is not formed from it
         if x.dtype != W.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"x has dtype {x.dtype} but the layer's weight has {W.dtype} "
                             "(cast x, or run under torch.autocast)")
@@ -172,12 +352,17 @@ class DoRALinear(nn.Module):
             raise ValueError(f"g must be float32 [out_features] = [{self.out_features}] on {W.device}, "
                              f"got {tuple(g.shape)} on {g.device}")
 
-    def forward(self, x: torch.Tensor, *, g: torch.Tensor | None = None) -> torch.Tensor:
-        """``y = x W^T + b + delta``; ``g`` given: used as it is instead of the layer's own."""
+    def forward(self, x: torch.Tensor, *, g: torch.Tensor | None = None,
+                base_out: torch.Tensor | None = None) -> torch.Tensor:
+        """``y = x W^T + b + delta``; ``g`` given: used as it is instead of the layer's own;
+        ``base_out`` given: the base layer's output ``x W^T + b``, not recomputed (module
+        docstring).  Merged: the base layer's forward."""
+        if self._unmerged_weight is not None:
+            return self.base(x) if base_out is None else base_out
         cfg = get_config()
         W = self.base.weight
         bias = self.base.bias
-        self._check_input(x, W)
+        self._check_input(x, W, base_out)
         g_given = g is not None
         # g first: its flag is then ready long before the forward reads it (the GPU runs
         # the norm while the host queues the products below)
@@ -194,10 +379,20 @@ class DoRALinear(nn.Module):
                     self._raise_not_finite(g_given)
                 finite = None
         x_lora = self.dropout(x)
-        base = Fn.linear(x, W)
+        A, B = self.lora_A, self.lora_B
+        cast = not torch.is_autocast_enabled(x.device.type)  # under autocast F.linear casts
+        if base_out is None:
+            base = Fn.linear(x, W)
+        else:  # PEFT's arithmetic: its DoRA variant subtracts the bias from the base result
+            base = base_out if bias is None else base_out - bias.to(base_out.dtype)
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
-        base_c = base if x_lora is x else Fn.linear(x_lora, W)
-        lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B).to(base_c.dtype)
+        separate = x_lora is not x
+        base_c = Fn.linear(_as_dtype(x_lora, W.dtype, cast), W) if separate else base
+        lora = Fn.linear(_as_dtype(Fn.linear(_as_dtype(x_lora, A.dtype, cast), A), B.dtype, cast), B)
+        out_dtype = base_c.dtype
+        if lora.dtype != base_c.dtype:  # adapters wider than W, autocast off: compose in the wider dtype
+            cdt = torch.promote_types(lora.dtype, base_c.dtype)
+            base_c, lora = base_c.to(cdt), lora.to(cdt)
         inference = not (torch.is_grad_enabled()
                          and (base_c.requires_grad or lora.requires_grad or g.requires_grad))
         # Inference: the compose writes over the lora buffer (no new allocation).  Without
@@ -206,14 +401,17 @@ class DoRALinear(nn.Module):
         # autograd's accumulation of base's two gradients fewer).
         out_buf = lora if inference and lora.is_contiguous() else None
         if self.compose_fn is None:
-            fold = cfg.fold_output_add and bias is None and base_c is base
+            fold = cfg.fold_output_add and bias is None and not separate
             out = _compose(base_c, lora, g, self.scale, path=self.compose_path, out=out_buf, config=cfg,
                            check_g=False, add_base=fold)
         else:
             fold = False
             out = self.compose_fn(base_c, lora, g, self.scale, path=self.compose_path, out=out_buf)
         if not fold:
-            out = (base if bias is None else base + bias.to(base.dtype)) + out
+            res = base_out if base_out is not None else (base if bias is None else base + bias.to(base.dtype))
+            out = res + out
+        if out.dtype != out_dtype:  # the promoted sum, rounded once to W's dtype
+            out = out.to(out_dtype)
         if finite is not None and not finite.ok():  # every kernel of this forward is queued by now
             self._raise_not_finite(g_given)
         return out
@@ -225,7 +423,8 @@ class DoRALinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
             f"alpha={self.alpha}, scale={self.scale:.6g}, use_rslora={self.use_rslora}, "
-            f"compose_path={self.compose_path!r}" + seams
+            f"compose_path={self.compose_path!r}, adapter_dtype={str(self.lora_A.dtype).removeprefix('torch.')}"
+            + seams + (", merged" if self.merged else "")
         )
 
 

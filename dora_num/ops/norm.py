@@ -365,6 +365,13 @@ def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) 
     return val
 
 
+def clear_base_sq_cache(W: torch.Tensor) -> None:
+    """Drop the cached ``rowsum(W*W)`` of :func:`cached_base_row_norm_sq` from ``W`` (if any), so
+    that ``W`` carries no state of this package (:func:`dora_num.peft.restore`)."""
+    if hasattr(W, _CACHE_ATTR):
+        delattr(W, _CACHE_ATTR)
+
+
 @torch.library.custom_op("dora_num::weight_norm", mutates_args=())
 def _weight_norm_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
                     chunk_bytes: int, check: bool, config: str) -> torch.Tensor:

@@ -181,7 +181,8 @@ def test_compiled_layer_under_override():
 def test_compiled_model_runs_kernels_fullgraph():
     torch.manual_seed(0)
     dt = torch.bfloat16
-    layers = [dn.DoRALinear(torch.nn.Linear(512, 512, device="cuda", dtype=dt), rank=16, compose_path="fused")
+    layers = [dn.DoRALinear(torch.nn.Linear(512, 512, device="cuda", dtype=dt), rank=16, compose_path="fused",
+                            adapter_dtype=dt)
               for _ in range(2)]
     for layer in layers:
         with torch.no_grad():

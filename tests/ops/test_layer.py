@@ -58,7 +58,7 @@ def test_layer_output_add_folded_into_compose_is_bitwise(device, dtype, path, di
     d_in, d_out, r, alpha, lead = dims
     torch.manual_seed(seed)
     layer = dn.DoRALinear(torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=dtype), rank=r,
-                          alpha=alpha, compose_path=path)
+                          alpha=alpha, compose_path=path, adapter_dtype=dtype)  # one dtype: the unfolded ops
     with torch.no_grad():
         layer.lora_B.normal_(0, b_std)
     x = torch.randn(*lead, d_in, device=device).to(dtype)

@@ -56,8 +56,9 @@ class _Stack:
         for _ in range(cfg.n_layers):
             lin = nn.Linear(cfg.hidden, cfg.hidden, bias=False, device=device, dtype=dt)
             lin.weight.requires_grad_(False)
+            # adapter_dtype=None: A, B, m in W's dtype, the memory model's (and the recorded runs') setting
             lay = DoRALinear.from_linear(lin, cfg.rank, compose_path=cfg.compose, chunk_bytes=cfg.chunk_bytes,
-                                         norm=cfg.norm)
+                                         norm=cfg.norm, adapter_dtype=None)
             with torch.no_grad():
                 lay.lora_B.normal_(0, 1e-3)
             layers.append(lay)

@@ -184,7 +184,8 @@ def test_tail_and_torch_paths_agree_within_bound(device, d_in, d_out, r, dtype, 
     norm's bound of each other (bf16 on CUDA: U and G on tensor cores)."""
     torch.manual_seed(2 if device == "cpu" else 4)
     layer = dn.DoRALinear(torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=dtype), rank=r,
-                          alpha=2.0 * r if device == "cpu" else 192.0, use_rslora=device == "cuda")
+                          alpha=2.0 * r if device == "cpu" else 192.0, use_rslora=device == "cuda",
+                          adapter_dtype=dtype)  # 16-bit A on CUDA: the tensor-core products of the bound
     with torch.no_grad():
         layer.lora_B.normal_(0, b_std)
     with override(norm_tail="torch"):

@@ -1,0 +1,280 @@
+"""``dora_num.peft.accelerate``: a PeftModel's DoRA layers on this package's operator, in place.
+
+Agreement with PEFT (per tensor, normwise; ``ref`` the fp64 model of
+:func:`dora_num.oracles.peft_model_ref64`, ``e_x = max|x - ref|``): the accelerated model is
+no less accurate than PEFT's own up to a factor 2 plus one rounding of the tensor's largest
+entry in the run's precision (``u = 2^-24``, or ``2^-8`` under bf16 autocast), and the two
+are then within ``3 e_peft + u max|ref|`` of each other (the criteria of
+``tests/ops/test_layer_vs_peft.py``).  Checked for the logits and for the gradient of the
+loss with respect to every A, B and m, on a tiny Llama (all linears) and a MiniLM-like BERT
+(classifier head in ``modules_to_save``), in fp32 and under bf16 autocast with fp32 adapters.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import dora_num.peft as dp
+from dora_num.ops import compose as C
+from dora_num.oracles import peft_model_ref64, perturb_peft_dora, tiny_hf_model
+
+U = {"fp32": 2.0**-24, "bf16-autocast": 2.0**-8}
+MODELS = {
+    "llama": dict(target_modules="all-linear"),
+    "bert": dict(target_modules=["query", "key", "value", "dense"], task_type="SEQ_CLS"),
+}
+
+
+def _peft(kind, *, seed=0, adapters=("default",), **fields):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = dict(r=4, lora_alpha=8, use_dora=True, **MODELS[kind])
+    cfg.update(fields)
+    pm = get_peft_model(tiny_hf_model(kind, seed=seed), LoraConfig(**cfg), adapter_name=adapters[0])
+    for a in adapters[1:]:
+        pm.add_adapter(a, LoraConfig(**cfg))
+    perturb_peft_dora(pm, seed=seed + 100)
+    return pm.eval()
+
+
+def _batch(kind, seed=1, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (3, 8), generator=gen)
+    labels = ids if kind == "llama" else torch.randint(0, 3, (3,), generator=gen)
+    return {k: v.to(device) for k, v in
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}.items()}
+
+
+def _adapter_grads(model, ref: bool):
+    """``{layer name + part: grad}`` of every A, B, m (PEFT's names, or the fp64 reference's)."""
+    out = {}
+    for n, p in model.named_parameters():
+        if ref and n.rsplit(".", 1)[-1] in ("A", "B", "m"):
+            out[n.rsplit(".", 1)[0] + "." + n.rsplit(".", 1)[-1]] = p.grad
+        elif not ref and ".lora_" in n and p.grad is not None:
+            layer, rest = n.split(".lora_", 1)
+            out[layer + "." + {"A": "A", "B": "B", "magnitude_vector": "m"}[rest.split(".")[0]]] = p.grad
+    return out
+
+
+def _run(model, batch, mode, ref=False):
+    model.zero_grad(set_to_none=True)
+    if mode == "bf16-autocast" and not ref:
+        with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16):
+            out = model(**batch)
+    else:
+        out = model(**batch)
+    out.loss.backward()
+    res = {"logits": out.logits.detach().double()}
+    res.update({k: v.double() for k, v in _adapter_grads(model, ref).items()})
+    return res
+
+
+def _agreement(acc, peft, ref, u):
+    """Rows ``(tensor, e_acc, e_peft, d, floor)`` and the failures of the two criteria."""
+    assert sorted(acc) == sorted(peft) == sorted(ref)
+    rows, failures = [], []
+    for k in sorted(ref):
+        r = ref[k]
+        floor = u * float(r.abs().max())
+        e_acc = float((acc[k] - r).abs().max())
+        e_peft = float((peft[k] - r).abs().max())
+        d = float((acc[k] - peft[k]).abs().max())
+        rows.append((k, e_acc, e_peft, d, floor))
+        if not e_acc <= 2 * e_peft + floor:
+            failures.append(f"{k}: accelerated error {e_acc:.3g} > 2 x PEFT's {e_peft:.3g} + {floor:.3g}")
+        if not d <= 3 * e_peft + floor:
+            failures.append(f"{k}: |accelerated - peft| = {d:.3g} > 3 x {e_peft:.3g} + {floor:.3g}")
+    return rows, failures
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", list(U))
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_accelerated_model_agrees_with_peft(kind, mode, device):
+    pm = _peft(kind).to(device)
+    ref = peft_model_ref64(pm)
+    acc = copy.deepcopy(pm)
+    report = dp.accelerate(acc, verbose=False)
+    assert report.rows and not report.kept, str(report)
+    n_layers = len(report.rows)
+    batch = _batch(kind, device=device)
+    C.reset_dispatch_counts()
+    got = _run(acc, batch, mode)
+    assert sum(C.dispatch_counts().values()) == n_layers  # every DoRA layer went through dora_num's compose
+    want = _run(pm, batch, mode)
+    exact = _run(ref, batch, mode, ref=True)
+    rows, failures = _agreement(got, want, exact, U[mode])
+    assert len(rows) == 1 + 3 * n_layers
+    assert not failures, "\n".join(failures)
+    # the comparison must be able to fail: an adapter effect below the tolerance could not be told from a
+    # wrong or missing adapter (the criterion of tests/ops/test_layer_vs_peft.py)
+    with torch.no_grad(), pm.disable_adapter():
+        base = pm(**{k: v for k, v in batch.items() if k != "labels"}).logits.double()
+    tol = 3 * rows[[r[0] for r in rows].index("logits")][2] + U[mode] * float(exact["logits"].abs().max())
+    assert float((base - exact["logits"]).abs().max()) > tol
+
+
+def test_save_pretrained_is_bitwise_peft_s(tmp_path):
+    """The same PeftModel saved before accelerate, after accelerate and a training step's forward
+    and backward (no update), and after restore: the same bytes.  (The same object each time:
+    PEFT keeps target_modules as a set, whose order a deepcopy may change.)"""
+    pm = _peft("bert")
+    pm.save_pretrained(str(tmp_path / "peft"))
+    dp.accelerate(pm, verbose=False)
+    _run(pm, _batch("bert"), "fp32")
+    pm.save_pretrained(str(tmp_path / "acc"))
+    dp.restore(pm)
+    pm.save_pretrained(str(tmp_path / "restored"))
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        want = (tmp_path / "peft" / f).read_bytes()
+        assert (tmp_path / "acc" / f).read_bytes() == want and (tmp_path / "restored" / f).read_bytes() == want, f
+
+
+def _logits(model, batch):
+    with torch.no_grad():
+        return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+
+
+def test_adapter_switching_disable_merge_and_restore(caplog):
+    pm = _peft("llama", adapters=("default", "other"))
+    acc = copy.deepcopy(pm)
+    report = dp.accelerate(acc, verbose=False)
+    assert len(report.accelerated) == 2 * 14 and not report.kept  # 2 layers x 7 linears, two adapters
+    batch = _batch("llama")
+    for name in ("other", "default"):  # set_adapter: each adapter on its own, held to its fp64 reference
+        pm.set_adapter(name)
+        acc.set_adapter(name)
+        rows, failures = _agreement({"y": _logits(acc, batch).double()}, {"y": _logits(pm, batch).double()},
+                                    {"y": _logits(peft_model_ref64(pm), batch)}, U["fp32"])
+        assert not failures, failures
+    with acc.disable_adapter(), pm.disable_adapter():  # PEFT's own path: bitwise the base model
+        assert torch.equal(_logits(acc, batch), _logits(pm, batch))
+    # two adapters active at once: PEFT stacks them; the layers say so and take PEFT's path (bitwise)
+    acc.base_model.set_adapter(["default", "other"])
+    pm.base_model.set_adapter(["default", "other"])
+    with caplog.at_level(logging.WARNING, logger="dora_num.peft"):
+        assert torch.equal(_logits(acc, batch), _logits(pm, batch))
+    assert "more than one active adapter" in caplog.text
+    acc.base_model.set_adapter("default")
+    pm.base_model.set_adapter("default")
+    # PEFT's merge, unchanged: bitwise PEFT's merged model
+    merged_acc = copy.deepcopy(acc).merge_and_unload()
+    merged_pm = copy.deepcopy(pm).merge_and_unload()
+    assert all(torch.equal(a, b) for a, b in zip(merged_acc.state_dict().values(), merged_pm.state_dict().values()))
+    # restore: PEFT's own variant objects back, nothing of dora_num left on the weights
+    originals = {n: m.lora_variant["default"].original for n, m in acc.named_modules() if dp.is_accelerated(m)}
+    assert dp.restore(acc) == 2 * 14
+    for n, m in acc.named_modules():
+        if n in originals:
+            assert m.lora_variant["default"] is originals[n] and not dp.is_accelerated(m, "other")
+            assert not hasattr(m.get_base_layer().weight, "_dora_num_base_sq")
+    assert torch.equal(_logits(acc, batch), _logits(pm, batch))
+
+
+class _Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.conv = nn.Conv1d(6, 6, 1)
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.lin(self.conv(self.emb(x).transpose(1, 2)).transpose(1, 2))
+
+
+def test_unsupported_layers_keep_peft_s_path_and_are_reported(caplog, capsys):
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    pm = get_peft_model(_Mixed(), LoraConfig(r=2, use_dora=True, target_modules=["emb", "conv", "lin"]))
+    with caplog.at_level(logging.WARNING, logger="dora_num.peft"):
+        report = dp.accelerate(pm)
+    status = {r.name.rsplit(".", 1)[-1]: (r.status, r.reason) for r in report.rows}
+    assert status["lin"][0] == dp.ACCELERATED
+    assert status["emb"] == (dp.KEPT, "Embedding DoRA (lora.Embedding): not supported")
+    assert status["conv"][0] == dp.KEPT and "Conv DoRA (Conv1d)" in status["conv"][1]
+    assert "kept: base_model.model.conv [default]: Conv DoRA" in capsys.readouterr().out
+    assert "emb [default] kept on PEFT's path: Embedding DoRA" in caplog.text
+    assert list(report.to_frame().columns) == ["name", "adapter", "status", "reason"]
+
+    # a quantized integration's layer (bitsandbytes' Linear4bit, HQQ, torchao, ...) is its own subclass
+    # of PEFT's LoraLayer; stand-in: a subclass of lora.Linear (bitsandbytes is not installed here)
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    class Linear4bit(LoraLinear):
+        pass
+
+    q = get_peft_model(_Mixed(), LoraConfig(r=2, use_dora=True, target_modules=["lin"]))
+    q.base_model.model.lin.__class__ = Linear4bit
+    (row,) = dp.accelerate(q, verbose=False).rows
+    assert row.status == dp.KEPT and "Linear4bit is not PEFT's plain lora.Linear (a quantized base" in row.reason
+
+    cfg = tf.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    gpt = get_peft_model(tf.GPT2LMHeadModel(cfg), LoraConfig(r=2, use_dora=True, target_modules=["c_attn"],
+                                                             fan_in_fan_out=True))
+    (row,) = dp.accelerate(gpt, verbose=False).rows
+    assert row.status == dp.KEPT and "fan_in_fan_out=True (base Conv1D" in row.reason
+
+
+def test_dropout_in_training_is_peft_s_semantics():
+    """lora_dropout > 0 in training: PEFT's DoRA takes dropout(x) W^T as the compose's base (and
+    the undropped x W^T + b as the result it adds to).  Same dropout mask in both (same seed);
+    the fp64 reference of that function is ``ref64(xd) - xd W^T + x W^T + b``."""
+    from peft import LoraConfig, get_peft_model
+
+    from dora_num.oracles import _Holder, dora_linear_ref64, peft_dora_params
+
+    torch.manual_seed(3)
+    pm = get_peft_model(_Holder(nn.Linear(40, 24)), LoraConfig(r=4, lora_alpha=8, use_dora=True, lora_dropout=0.3,
+                                                              target_modules=["lin"]))
+    perturb_peft_dora(pm, seed=4)
+    acc = copy.deepcopy(pm)
+    dp.accelerate(acc, verbose=False)
+    pm.train(), acc.train()
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(5))
+    out = {}
+    for name, model in (("peft", pm), ("acc", acc)):
+        torch.manual_seed(9)
+        out[name] = model(x).double()
+    torch.manual_seed(9)
+    lyr = pm.base_model.model.lin
+    xd = lyr.lora_dropout["default"](x).double()
+    assert not torch.equal(xd, x.double())  # the mask is not all ones
+    W, b = lyr.get_base_layer().weight.double(), lyr.get_base_layer().bias.double()
+    A, B, m = (t.detach().double() for t in peft_dora_params(lyr))
+    ref = dora_linear_ref64(xd, W, None, A, B, m, float(lyr.scaling["default"])) - xd @ W.T + x.double() @ W.T + b
+    rows, failures = _agreement({"y": out["acc"]}, {"y": out["peft"]}, {"y": ref}, U["fp32"])
+    assert not failures, failures
+
+
+def test_hf_trainer_trains_the_accelerated_model(tmp_path):
+    from peft import PeftModel
+    from transformers import Trainer, TrainingArguments
+
+    pm = _peft("bert")
+    dp.accelerate(pm, verbose=False)
+    before = {n: p.detach().clone() for n, p in pm.named_parameters() if p.requires_grad}
+    data = [{k: v[i] for k, v in _batch("bert", seed=s).items()} for s in range(2) for i in range(3)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=3,
+                             learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    C.reset_dispatch_counts()
+    Trainer(model=pm, args=args, train_dataset=data).train()
+    assert sum(C.dispatch_counts().values()) > 0
+    assert all(not torch.equal(p.detach(), before[n]) for n, p in pm.named_parameters() if p.requires_grad)
+    pm.save_pretrained(str(tmp_path / "saved"))
+    loaded = PeftModel.from_pretrained(tiny_hf_model("bert"), str(tmp_path / "saved")).eval()
+    dp.accelerate(loaded, verbose=False)
+    pm.eval()
+    batch = _batch("bert", seed=7)
+    assert torch.equal(_logits(loaded, batch), _logits(pm, batch))

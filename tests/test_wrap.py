@@ -1,0 +1,252 @@
+"""``dn.wrap`` (PEFT's target conventions, freezing, counts), the PEFT round trip of a wrapped
+model, ``DoRALinear``'s adapter dtypes and given parameters, and merge / unmerge with the
+fidelity report."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dora_num as dn
+from dora_num.adapters import peft_io
+from dora_num.adapters.peft_io import AdapterError, UnsupportedAdapterError
+from dora_num.oracles import DoRALinearRef64, dora_linear_ref64, peft_dora_linear, peft_dora_params, \
+    perturbed_adapter, set_dora_state, tiny_hf_model
+
+U32, U_BF16 = 2.0**-24, 2.0**-8
+
+
+def _peft_targets(model, **fields):
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(copy.deepcopy(model), LoraConfig(use_dora=True, r=4, **fields))
+    return pm, sorted(n.removeprefix("base_model.model.") for n in pm.base_model.targeted_module_names)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(target_modules=["q_proj", "v_proj"]),
+    dict(target_modules=r".*layers\.1\.mlp\.(up|down)_proj"),
+    dict(target_modules="all-linear"),
+    dict(target_modules="all-linear", exclude_modules=["o_proj"]),
+    dict(target_modules=["q_proj", "lm_head"], modules_to_save=["lm_head"]),
+], ids=["suffixes", "regex", "all-linear", "exclude", "modules_to_save"])
+def test_wrap_targets_freezing_and_counts_are_peft_s(fields, capsys):
+    base = tiny_hf_model("llama")
+    pm, want = _peft_targets(base, **fields)
+    model = dn.wrap(base, r=4, **fields)
+    assert sorted(peft_io.dora_linear_modules(model)) == want
+    counts = dn.trainable_parameters(model)
+    assert counts.trainable == pm.get_nb_trainable_parameters()[0]
+    assert str(counts) in capsys.readouterr().out
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(n.rsplit(".", 1)[-1] in ("lora_A", "lora_B", "magnitude") or n.startswith("lm_head") for n in trainable)
+
+
+def test_wrap_refuses_what_it_cannot_do():
+    import transformers as tf
+
+    with pytest.raises(ValueError, match="match no module"):
+        dn.wrap(tiny_hf_model("llama"), ["nothing"], verbose=False)
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        dn.wrap(tiny_hf_model("llama"), "(", verbose=False)
+    gpt = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+    with pytest.raises(UnsupportedAdapterError, match="c_attn.*Conv1D: unsupported module type"):
+        dn.wrap(gpt, ["c_attn"], verbose=False)
+    model = dn.wrap(tiny_hf_model("llama"), ["q_proj"], verbose=False)
+    with pytest.raises(AdapterError, match="already has DoRALinear"):
+        dn.wrap(model, ["k_proj"], verbose=False)
+
+
+@torch.no_grad()
+def _perturb(model, seed=0):
+    for i, (n, m) in enumerate(sorted(peft_io.dora_linear_modules(model).items())):
+        B, mm = perturbed_adapter(m.base.weight.double().cpu(), m.lora_A.double().cpu(), m.scale, seed=seed + i)
+        m.lora_B.copy_(B)
+        m.magnitude.copy_(mm)
+
+
+def test_wrapped_model_round_trips_through_peft(tmp_path):
+    """Our export loads in PEFT (same logits within the oracle-derived tolerance), and our loader
+    reads it back bitwise (same logits, same file bytes)."""
+    from peft import PeftModel
+
+    model = dn.wrap(tiny_hf_model("bert"), ["query", "value"], r=4, alpha=8, use_rslora=True, lora_dropout=0.1,
+                    modules_to_save=["classifier"], verbose=False)
+    _perturb(model)
+    with torch.no_grad():
+        for p in model.classifier.parameters():
+            p.add_(0.3)
+    model.eval()
+    out = peft_io.export_peft_dora(model, tmp_path / "ours")
+    pm = PeftModel.from_pretrained(tiny_hf_model("bert"), str(out)).eval()
+    assert pm.peft_config["default"].lora_dropout == 0.1 and pm.peft_config["default"].use_rslora
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model).double()
+    for n, m in peft_io.dora_linear_modules(model).items():
+        parent, _, leaf = n.rpartition(".")
+        setattr(ref.get_submodule(parent), leaf,
+                DoRALinearRef64(m.base.weight, m.base.bias, m.lora_A, m.lora_B, m.magnitude, m.scale))
+    with torch.no_grad():
+        y_ours, y_peft, y_ref = model(input_ids=ids).logits, pm(input_ids=ids).logits, ref(input_ids=ids).logits
+    e_ours, e_peft = float((y_ours.double() - y_ref).abs().max()), float((y_peft.double() - y_ref).abs().max())
+    floor = U32 * float(y_ref.abs().max())
+    assert e_ours <= 2 * e_peft + floor and float((y_ours - y_peft).abs().max()) <= 3 * e_peft + floor
+    back = dn.load_adapter(tiny_hf_model("bert"), out).eval()
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, y_ours)
+    again = peft_io.export_peft_dora(back, tmp_path / "again")
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (again / f).read_bytes() == (out / f).read_bytes(), f
+
+
+# --------------------------------------------------------------------------
+# Adapter dtypes and given parameters
+# --------------------------------------------------------------------------
+
+def test_adapters_keep_their_dtypes():
+    lin = nn.Linear(12, 7).to(torch.bfloat16)
+    layer = dn.DoRALinear(copy.deepcopy(lin), 3)
+    assert layer.lora_A.dtype == layer.lora_B.dtype == layer.magnitude.dtype == torch.float32
+    assert dn.DoRALinear(copy.deepcopy(lin), 3, adapter_dtype=None).lora_A.dtype == torch.bfloat16
+    A, B, m = nn.Parameter(torch.randn(3, 12)), nn.Parameter(torch.randn(7, 3)), nn.Parameter(torch.rand(7) + 1)
+    given = dn.DoRALinear(copy.deepcopy(lin), 3, lora_A=A, lora_B=B, magnitude=m)
+    assert given.lora_A is A and given.lora_B is B and given.magnitude is m
+    with pytest.raises(ValueError, match="given together"):
+        dn.DoRALinear(copy.deepcopy(lin), 3, lora_A=A)
+    with pytest.raises(ValueError, match=r"lora_B has shape \(7, 3\); the layer needs \[7, 4\]"):
+        dn.DoRALinear(copy.deepcopy(lin), 4, lora_A=torch.zeros(4, 12), lora_B=B, magnitude=m)
+    with pytest.raises(TypeError, match="adapter_dtype must be one of"):
+        dn.DoRALinear(copy.deepcopy(lin), 3, adapter_dtype=torch.int8)
+
+
+def test_base_out_seam_and_from_peft_share_peft_s_parameters():
+    """``forward(x, base_out=x W^T)`` (no bias) is bitwise ``forward(x)``; with a bias the
+    layer returns ``base_out + delta`` with ``delta`` on ``base_out - b`` (PEFT's arithmetic).
+    ``from_peft`` holds PEFT's very parameter objects and dropout module."""
+    torch.manual_seed(0)
+    lin = nn.Linear(20, 9, bias=False)
+    layer = dn.DoRALinear(lin, 3)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    x = torch.randn(4, 20)
+    assert torch.equal(layer(x, base_out=nn.functional.linear(x, lin.weight)), layer(x))
+    peft_layer = peft_dora_linear(nn.Linear(20, 9), 3, 6.0)
+    ours = dn.DoRALinear.from_peft(peft_layer)
+    A, B, m = peft_dora_params(peft_layer)
+    assert ours.lora_A is A and ours.lora_B is B and ours.magnitude is m
+    assert ours.dropout is peft_layer.lora_dropout["default"] and ours.scale == peft_layer.scaling["default"]
+    base = peft_layer.get_base_layer()
+    assert ours.base is base and not any(p.requires_grad for p in base.parameters())
+    with torch.no_grad():
+        B.normal_(0, 0.1)
+        y = ours(x, base_out=base(x))
+        delta = dn.compose(base(x) - base.bias, nn.functional.linear(nn.functional.linear(x, A), B),
+                           ours.magnitude_scale(), ours.scale)
+    assert torch.equal(y, base(x) + delta)
+    with pytest.raises(TypeError, match="not a PEFT DoRA Linear"):
+        dn.DoRALinear.from_peft(nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-model", "fp32-model-bf16-autocast"])
+def test_fp32_adapters_on_16bit_compute_like_peft(autocast):
+    """fp32 A, B, m with a bf16 W (autocast off: the compose runs in fp32, rounded once), or an
+    fp32 model under bf16 autocast: output and gradients held to PEFT's in the same setting by
+    the oracle criteria (``e_ours <= 2 e_peft + u max|ref|``, ``d <= 3 e_peft + u max|ref|``)."""
+    torch.manual_seed(0)
+    dt = torch.float32 if autocast else torch.bfloat16
+    lin = nn.Linear(48, 40).to(dt)
+    peft_layer = peft_dora_linear(lin, 8, 16.0)
+    ours = dn.DoRALinear.from_linear(copy.deepcopy(lin), 8, 16.0)
+    A = peft_dora_params(peft_layer)[0].detach().clone()
+    assert A.dtype == torch.float32 and ours.lora_A.dtype == torch.float32
+    B, m = perturbed_adapter(lin.weight.double(), A.double(), ours.scale, seed=1)
+    set_dora_state(peft_layer, A, B, m)
+    set_dora_state(ours, A, B, m)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 48, generator=gen).to(dt)
+    D = torch.randn(16, 40, generator=gen).to(dt)
+
+    def run(layer, params):
+        xr = x.clone().requires_grad_(True)
+        for p in params:
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(xr)
+        (y.float() * D.float()).sum().backward()
+        assert y.dtype == torch.bfloat16
+        return [y.detach().double()] + [t.grad.double() for t in (xr, *params)]
+
+    got = run(ours, (ours.lora_A, ours.lora_B, ours.magnitude))
+    want = run(peft_layer, peft_dora_params(peft_layer))
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, A, B, m)]
+    y = dora_linear_ref64(leaves[0], lin.weight.double(), lin.bias.double(), *leaves[1:], ours.scale)
+    (y * D.double()).sum().backward()
+    ref = [y.detach()] + [t.grad for t in leaves]
+    for name, a, b, r in zip(("y", "dx", "dA", "dB", "dm"), got, want, ref):
+        floor = U_BF16 * float(r.abs().max())
+        e_ours, e_peft = float((a - r).abs().max()), float((b - r).abs().max())
+        assert e_ours <= 2 * e_peft + floor, (name, e_ours, e_peft, floor)
+        assert float((a - b).abs().max()) <= 3 * e_peft + floor, name
+
+
+# --------------------------------------------------------------------------
+# Merge
+# --------------------------------------------------------------------------
+
+MERGE_CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+               (torch.float16, torch.float32)]
+MERGE_IDS = ["fp32", "bf16-fp32-adapters", "bf16-bf16-adapters", "fp16-fp32-adapters"]
+
+
+@pytest.mark.parametrize("device,dtype,adapter_dtype",
+                         [("cpu", *c) for c in MERGE_CASES]
+                         + [pytest.param("cuda", *c, marks=pytest.mark.gpu) for c in MERGE_CASES],
+                         ids=[f"cpu-{i}" for i in MERGE_IDS] + [f"cuda-{i}" for i in MERGE_IDS])
+def test_merge_report_within_bound_and_unmerge_is_bitwise(device, dtype, adapter_dtype):
+    """On CUDA the bound takes cuBLAS's reduced-precision reductions and TF32 from torch's flags."""
+    model = tiny_hf_model("llama", dtype=dtype).to(device)
+    dn.wrap(model, "all-linear", r=4, alpha=8, adapter_dtype=adapter_dtype, verbose=False)
+    _perturb(model)
+    mods = peft_io.dora_linear_modules(model)
+    W0 = {n: m.base.weight.detach().clone() for n, m in mods.items()}
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        y_unmerged = model(input_ids=ids).logits
+    report = dn.merge(model, {"input_ids": ids})
+    assert len(report.rows) == len(mods) == 14 and report.within_bound, str(report)
+    assert all(r.probe_rows == 18 for r in report.rows)  # the layers' own inputs in that forward
+    assert all(r.err_merged_vs_unmerged > 0 for r in report.rows) or dtype == torch.float32
+    df = report.to_frame()
+    assert {"rel_err", "rel_bound", "worst_ratio"} <= set(df.columns)
+    with torch.no_grad():
+        for m in mods.values():  # merged forward = the base layer with W'
+            x = torch.randn(3, m.in_features, device=device).to(dtype)
+            assert torch.equal(m(x), nn.functional.linear(x, m.base.weight, m.base.bias))
+        y_merged = model(input_ids=ids).logits
+    assert y_merged.shape == y_unmerged.shape
+    assert dn.unmerge(model) == len(mods)
+    assert all(torch.equal(m.base.weight, W0[n]) for n, m in mods.items())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, y_unmerged)
+
+
+def test_merge_errors():
+    layer = dn.DoRALinear(nn.Linear(8, 5), 2)
+    with pytest.raises(RuntimeError, match="not merged"):
+        layer.unmerge()
+    layer.merge()
+    with pytest.raises(RuntimeError, match="already merged"):
+        layer.merge()
+    with pytest.raises(RuntimeError, match="unmerge"):
+        layer.weight_norm()
+    layer.unmerge()
+    half = dn.DoRALinear(nn.Linear(8, 5).half(), 2)
+    with torch.no_grad():  # g = 1.5 on a row of 6e4: W' = 9e4 > fp16's max 65504
+        half.base.weight[0] = 6e4
+        half.magnitude[0] = 1.5 * float(half.weight_norm()[0])
+    with pytest.raises(ValueError, match="merged weight .* is not finite in float16"):
+        half.merge()
+    assert not half.merged
