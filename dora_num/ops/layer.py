@@ -127,7 +127,9 @@ class DoRALinear(nn.Module):
         lora_B: torch.Tensor | None = None,
         magnitude: torch.Tensor | None = None,
     ):
-        """``adapter_dtype``: dtype of freshly initialised ``A``, ``B``, ``m`` (None: W's dtype).
+        """``adapter_dtype``: dtype of freshly initialised ``A``, ``B``, ``m`` (None: ``A`` and ``B``
+        in W's dtype and ``m`` in float32, the layout of the project's recorded studies: ``m``
+        enters the fp32 ``g`` and is kept fp32 like the norm).
         ``lora_A``, ``lora_B``, ``magnitude``: given adapter tensors, all three or none, used as
         they are (an ``nn.Parameter`` is kept as the same object; dtypes kept; shapes
         ``[rank, in]``, ``[out, rank]``, ``[out]`` on W's device)."""
@@ -145,6 +147,7 @@ class DoRALinear(nn.Module):
         given = [t is not None for t in (lora_A, lora_B, magnitude)]
         if any(given) and not all(given):
             raise ValueError("lora_A, lora_B and magnitude are given together or not at all")
+        m_dtype = torch.float32 if adapter_dtype is None else adapter_dtype
         if adapter_dtype is None:
             adapter_dtype = base.weight.dtype
         if adapter_dtype not in ADAPTER_DTYPES:
@@ -176,7 +179,7 @@ class DoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=adapter_dtype, device=W.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=adapter_dtype, device=W.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self.magnitude = nn.Parameter(self.weight_norm().to(adapter_dtype))
+        self.magnitude = nn.Parameter(self.weight_norm().to(m_dtype))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, alpha: float | None = None, **kwargs) -> "DoRALinear":

@@ -125,7 +125,7 @@ def minilm_layers(model, names: list[str], *, rank: int, alpha: float, use_rslor
     for i, name in enumerate(names):
         lin = copy.deepcopy(modules[name]).to(dtype)
         torch.manual_seed(seed + i)
-        # adapter_dtype=None: A, B, m in W's dtype, as when this study's data was recorded
+        # adapter_dtype=None: A, B in W's dtype and m fp32, as when this study's data was recorded
         dora = DoRALinear.from_linear(lin, rank, alpha, use_rslora=use_rslora, compose_path="eager",
                                       adapter_dtype=None)
         W, A = lin.weight.detach(), dora.lora_A.detach()

@@ -56,7 +56,7 @@ class _Stack:
         for _ in range(cfg.n_layers):
             lin = nn.Linear(cfg.hidden, cfg.hidden, bias=False, device=device, dtype=dt)
             lin.weight.requires_grad_(False)
-            # adapter_dtype=None: A, B, m in W's dtype, the memory model's (and the recorded runs') setting
+            # adapter_dtype=None: A, B in W's dtype and m fp32, the memory model's (and the recorded runs') setting
             lay = DoRALinear.from_linear(lin, cfg.rank, compose_path=cfg.compose, chunk_bytes=cfg.chunk_bytes,
                                          norm=cfg.norm, adapter_dtype=None)
             with torch.no_grad():

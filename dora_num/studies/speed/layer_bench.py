@@ -52,9 +52,9 @@ def bench_layers(shapes, profile_to: Path | None = None) -> list[dict]:
         lin = torch.nn.Linear(d_in, d_out, bias=False, device="cuda", dtype=dt)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(d_out, d_in, device="cuda", generator=gen) / math.sqrt(d_in))
-        # adapter_dtype=dt: bf16 A, B, m, the configuration of the recorded layer benchmark (fp32
-        # adapters, PEFT's default, are the model-level suite's subject)
-        ours = DoRALinear(copy.deepcopy(lin), r, alpha, use_rslora=True, adapter_dtype=dt)
+        # adapter_dtype=None: bf16 A, B and fp32 m, the configuration of the recorded layer benchmark
+        # (fp32 adapters, PEFT's default, are the model-level suite's subject)
+        ours = DoRALinear(copy.deepcopy(lin), r, alpha, use_rslora=True, adapter_dtype=None)
         with torch.no_grad():
             ours.lora_B.copy_((1e-2 * torch.randn(d_out, r, device="cuda", generator=gen)).to(dt))
             ours.magnitude.copy_(ours.weight_norm() * (1 + 1e-3 * torch.randn(d_out, device="cuda", generator=gen)))
