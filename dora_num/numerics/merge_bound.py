@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bounds import _pw, gamma
+from .standard_model import gamma, pw as _pw
 from .formats import FORMATS, get_format
 
 _SAFE = 1.0 + 2.0**-40
