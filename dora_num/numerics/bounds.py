@@ -209,7 +209,8 @@ def gamma(n, u: float):
     return float(out) if out.ndim == 0 else out
 
 
-def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False) -> np.ndarray:
+def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False, split_pieces: int | None = None,
+                        split_format: str = "bf16") -> np.ndarray:
     r"""Bound on ``|factored_row_norm(W, A, B, s) - ||W + sBA||_row|``.
 
     fp32 (``u = 2^-24``), any summation order (so ``gamma_n`` holds for blocked,
@@ -227,6 +228,11 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
       Gram terms (:func:`dora_num.ops.norm._u_product`).  With ``Q = w^2``: ``dQ / Q <= ~ gamma_d kappa`` where
       ``kappa = (base + |2s cross| + s^2 ba) / w^2``: the relative error of ``w``
       grows like ``u d kappa / 2``.
+    - ``split_pieces``: ``U`` and ``G`` from a 16-bit W (format ``split_format``) and an A of
+      another dtype split into that many pieces of W's format
+      (:func:`dora_num.ops.norm.split_mm`); the errors of ``cross`` and ``ba`` are then those
+      of :func:`dora_num.numerics.split_products.split_term_errors` (its module docstring
+      derives them), in place of the ``gamma_{dp+r}`` and ``gamma_{dp+2r}`` terms.
     """
     W, A, B = (np.asarray(x, dtype=np.float64) for x in (W, A, B))
     d, r = W.shape[1], A.shape[0]
@@ -241,10 +247,16 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
     cross = (B * (W @ A.T)).sum(1)
     ba = ((B @ A) ** 2).sum(1)
     dp = 2 * d if tensor_core_products else d  # additions charged to the products U and G
-    d_terms = gamma(d, u) * base + two_s * gamma(dp + r, u) * cross_mag + s_sq * gamma(dp + 2 * r, u) * ba_mag
+    if split_pieces:
+        from .split_products import split_term_errors
+
+        e_c, e_a = split_term_errors(W, A, B, split_pieces, split_format)
+    else:
+        e_c, e_a = gamma(dp + r, u) * cross_mag, gamma(dp + 2 * r, u) * ba_mag
+    d_terms = gamma(d, u) * base + two_s * e_c + s_sq * e_a
     S = base + two_s * cross_mag + s_sq * ba_mag  # >= the magnitudes of the computed terms' sum
-    dQ = d_terms + _pw(u, 2) * (base + d_terms) + ((1 + u) ** 3 - 1) * two_s * (cross_mag * (1 + gamma(dp + r, u))) \
-        + _pw(u, 2) * s_sq * ba_mag * (1 + gamma(dp + 2 * r, u)) + 3e-45  # + two fp32 underflow errors
+    dQ = d_terms + _pw(u, 2) * (base + d_terms) + ((1 + u) ** 3 - 1) * two_s * (cross_mag + e_c) \
+        + _pw(u, 2) * s_sq * (ba_mag + e_a) + 3e-45  # + two fp32 underflow errors
     Q64 = base + two_s * cross + s_sq * ba
     slack = 1e-12 * S  # float64 evaluation of Q (d + r terms, relative error <= (d + 2r) 2^-53 of S)
     Q_lo = np.maximum(Q64 - slack, 0.0)
