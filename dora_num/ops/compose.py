@@ -47,6 +47,7 @@ import logging
 import torch
 
 from ..numerics.formulas import scale_constants
+from . import finite as _finite
 from . import reference as ref
 from .config import COMPOSE_PATHS, OpConfig, get_config
 from .validation import check_compose_args, check_finite, check_scale
@@ -289,7 +290,7 @@ def select_tier(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, path: s
 
 
 def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: float, *, path: str = "auto",
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, return_flag: bool = False):
     """DoRA compose ``delta = (g-1)*base + g*(s*lora)``, autograd-aware.
 
     ``path``: ``"eager"`` (torch reference), ``"fused"`` (Triton kernels) or
@@ -301,9 +302,30 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     and may alias ``base`` or ``lora`` (in-place; contiguous).  Non-contiguous
     inputs are copied to contiguous by the fused tiers.  The switches of
     :mod:`dora_num.ops.config` are read once, here.
+
+    Finiteness of ``g`` without a device sync (:mod:`dora_num.ops.finite`): on CUDA the check
+    follows ``OpConfig.finite_check`` (default ``"deferred"``: a non-finite ``g`` raises
+    :class:`~dora_num.ops.finite.NotFiniteError` at a later call of the operator or at
+    :func:`~dora_num.ops.finite.check_pending`, and this call returns the non-finite
+    result); on the CPU it raises here.  ``return_flag=True`` checks nothing and returns
+    ``(out, bad)``, ``bad`` a 0-dim device bool, true iff ``g`` has a NaN or Inf, for the
+    caller to read when it chooses.
     """
     check_compose_args(base, lora, g)
-    return _compose(base, lora, g, scale, path=path, out=out, config=get_config(), check_g=True)
+    cfg = get_config()
+    if not torch.compiler.is_compiling():
+        _finite.poll()
+    if return_flag:
+        res = _compose(base, lora, g, scale, path=path, out=out, config=cfg, check_g=False)
+        return res, _finite.any_not_finite(g)
+    if torch.compiler.is_compiling():  # the custom op checks g at run time
+        return _compose(base, lora, g, scale, path=path, out=out, config=cfg, check_g=False)
+    watched = _finite.watch(_finite.all_finite(g), "compose: g", cfg.finite_check,
+                            on_fail=lambda: check_finite("g", g.detach()), is_ok=True)
+    res = _compose(base, lora, g, scale, path=path, out=out, config=cfg, check_g=False)
+    if watched is not None:
+        watched.check()
+    return res
 
 
 def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g: bool,

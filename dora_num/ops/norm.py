@@ -355,7 +355,8 @@ def factored_row_norm(
     chunk_bytes: int | None = None,
     base_sq: torch.Tensor | None = None,
     check: bool = True,
-) -> torch.Tensor:
+    return_flag: bool = False,
+):
     """``||W + s*B@A||_row`` in fp32 without forming ``B@A`` or an fp32 copy of W.
 
     ``base = rowsum(W*W)`` (fp32, over column chunks of W under ``chunk_bytes``,
@@ -370,13 +371,33 @@ def factored_row_norm(
     :func:`~dora_num.numerics.bounds.factored_norm_bound`.  ``scale == 0`` skips the
     cross and Gram terms.
 
-    A non-finite result raises ``ValueError`` naming the input at fault (the check
-    costs O(d_out) and a device sync unless it fires; ``check=False`` skips it, for
-    callers that check the final ``g`` once instead).  A zero row gives
-    ``wnorm = 0`` exactly; :func:`magnitude_scale` turns that into a finite ``g``.
-    Where the tail runs: :func:`uses_tail_kernel`.
+    A non-finite result raises ``ValueError`` naming the input at fault.  On CUDA the check
+    needs no device sync (:mod:`dora_num.ops.finite`, ``OpConfig.finite_check``; default
+    ``"deferred"``: it raises at a later call of the operator or at
+    :func:`~dora_num.ops.finite.check_pending`, and this call returns the non-finite norm;
+    ``"sync"`` raises here); on the CPU it raises here.  ``check=False`` skips it, for callers
+    that check the final ``g`` once instead; ``return_flag=True`` returns ``(wnorm, bad)``
+    unchecked, ``bad`` a 0-dim device bool (true iff some ``wnorm`` is not finite).  A zero
+    row gives ``wnorm = 0`` exactly; :func:`magnitude_scale` turns that into a finite ``g``.
+    Where the tail runs: :func:`uses_tail_kernel`.  Products with a 16-bit W and an fp32 A:
+    :func:`split_mm`.
     """
-    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, get_config())
+    from . import finite
+
+    cfg = get_config()
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        finite.poll()
+    if return_flag or compiling or not check or cfg.finite_check in ("sync", "off") or W.device.type != "cuda":
+        immediate = check and not return_flag and cfg.finite_check != "off"
+        wnorm = _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, immediate, cfg)
+        return (wnorm, finite.any_not_finite(wnorm)) if return_flag else wnorm
+    wnorm = _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, False, cfg)
+    watched = finite.watch(finite.all_finite(wnorm), "factored_row_norm", cfg.finite_check, is_ok=True,
+                           on_fail=lambda: _name_norm_fault(W, A, B, base_sq))
+    if watched is not None:
+        watched.check()
+    return wnorm
 
 
 def _check_base_sq(base_sq, d_out: int, device) -> None:
@@ -398,19 +419,24 @@ def _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check: bool, cfg: O
     with torch.no_grad(), _autocast_off(W.device.type):
         wnorm = _factored_core(W, A, B, scale_constants(s_raw), cols, chunk_bytes, base_sq, cfg)[0]
     if check and not torch.compiler.is_compiling() and not bool(torch.isfinite(wnorm).all()):
-        for name, t in (("W", W), ("A", A), ("B", B)):
-            check_finite(name, t)
-        if base_sq is not None:
-            try:
-                check_finite("base_sq", base_sq)
-            except ValueError as e:
-                raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
-                                 "overflowed float32 (exceeds 3.4e38; rescale W)") from None
-        raise ValueError(
-            "factored row norm overflowed float32 (inputs are finite): the squared row norm "
-            "exceeds 3.4e38; rescale W or the adapter"
-        )
+        _name_norm_fault(W, A, B, base_sq)
     return wnorm
+
+
+def _name_norm_fault(W, A, B, base_sq) -> None:
+    """Raise ``ValueError`` naming why a factored norm was not finite (syncs: the error path)."""
+    for name, t in (("W", W), ("A", A), ("B", B)):
+        check_finite(name, t)
+    if base_sq is not None:
+        try:
+            check_finite("base_sq", base_sq)
+        except ValueError as e:
+            raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
+                             "overflowed float32 (exceeds 3.4e38; rescale W)") from None
+    raise ValueError(
+        "factored row norm overflowed float32 (inputs are finite): the squared row norm "
+        "exceeds 3.4e38; rescale W or the adapter"
+    )
 
 
 def _torch_tail_terms(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -558,10 +584,13 @@ def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, get_config())
 
 
-def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig):
+def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, with_den: bool = False):
+    """``(g, bad)``, or with ``with_den`` ``(g, bad, den)``, ``den = max(wnorm, eps)`` the fp32
+    ``[d_out]`` that ``g = m.float() / den`` divides by (None under ``torch.compile``)."""
     if torch.compiler.is_compiling():  # the op checks wnorm at run time (as the flag does in eager)
         wnorm = _weight_norm_cached(W, A, B, scale, chunk_bytes, True, cfg)
-        return magnitude_scale(m, wnorm, check=False), None
+        g = magnitude_scale(m, wnorm, check=False)
+        return (g, None, None) if with_den else (g, None)
     d_out, d_in, _ = check_lora_factors(W, A, B)
     check_tensor("m", m, ndim=1)
     if m.shape[0] != d_out or m.device != W.device:
@@ -574,11 +603,14 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig):
                                          chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
                                          cfg, m=tail_m, eps=eps)
     if den is None:  # the torch tail
-        g = magnitude_scale(m, wnorm, eps=eps, check=False)
-        return g, ~(torch.isfinite(wnorm).all() & torch.isfinite(g.detach()).all())
+        den = torch.clamp_min(wnorm, eps)  # formulas.magnitude_scale's maximum under TorchFP32
+        g = m.float() / den  # and its division: bitwise magnitude_scale(m, wnorm, eps=eps)
+        bad = ~(torch.isfinite(wnorm).all() & torch.isfinite(g.detach()).all())
+        return (g, bad, den) if with_den else (g, bad)
     # den = max(wnorm, eps) is the maximum of formulas.magnitude_scale, taken (exactly) in the
     # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).
-    return m.float() / den, bad
+    g = m.float() / den
+    return (g, bad, den) if with_den else (g, bad)
 
 
 def default_eps(dtype: torch.dtype) -> float:
