@@ -15,6 +15,9 @@ versions, git sha and the copy bandwidth every percentage is taken against):
   without and with the cached ``base_sq`` (the paper's Table 1 shapes).
 - ``layer``: ``DoRALinear`` vs PEFT's DoRA layer (default settings: fp32 adapters;
   and bf16 adapters), forward and forward+backward time and peak memory.
+- ``model``: a Llama-architecture decoder at 8B layer shapes, PEFT's DoRA vs the same adapter
+  on this operator, training/inference time, peak memory, loss/logits agreement
+  (:mod:`dora_num.studies.speed.model_bench`).
 - ``fma``: norm-assembly variants (contraction on/off x tl.sqrt / tl.sqrt_rn /
   PTX sqrt.rn.f32) and compose variants (contraction on/off): bitwise agreement
   with the torch reference, ULP histograms, PTX instruction counts, and a seeded
@@ -670,12 +673,18 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
                       None, checkpoint=ck)
 
     section("compose", compose_section)
+    def model_section():  # section "model": model level vs PEFT (studies/speed/model_bench.py, model_*.csv)
+        from .speed.model_bench import run as run_model
+
+        desc["model"] = run_model(out, smoke=smoke, copy_gbps=copy_gbps)
+
+    section("model", model_section)
     desc["wall_s"] = time.time() - t0
     (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
     _log(f"done in {desc['wall_s']:.0f} s")
 
 
-SECTIONS = ("fma", "tiles", "compose", "norm", "layer")
+SECTIONS = ("fma", "tiles", "compose", "norm", "layer", "model")  # "model": studies/speed/model_bench.py
 
 
 def ingest(src: Path, dest: Path | None = None, only: tuple[str, ...] | None = None) -> list[Path]:
