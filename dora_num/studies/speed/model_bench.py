@@ -601,7 +601,7 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
         fid += ff
         pd.DataFrame(rows).to_csv(out / "model_bench.csv", index=False, lineterminator="\n")
     del base
-    fid += agreement(device, ranks=(ranks[0],) if small else (16, 64))
+    fid += agreement(device, ranks=(ranks[0],) if small else (16, 64), shape=shape if small else SMALL)
     pd.DataFrame(fid).to_csv(out / "model_agreement.csv", index=False, lineterminator="\n")
     pd.DataFrame(probe(device, smoke=smoke, copy_gbps=copy_gbps)).to_csv(out / "model_probe.csv", index=False,
                                                                           lineterminator="\n")

@@ -109,3 +109,38 @@ def test_accelerated_training_step_has_no_sync():
         torch.cuda.set_sync_debug_mode("default")
     check_pending()
     assert torch.isfinite(loss).item()
+
+
+def test_report_tables_plot_and_verdicts(smoke_run):
+    """The notebook's functions on the smoke run, and the verdict logic on hand-made rows:
+    met, out of reach (the same run's floor below the threshold) and missed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from dora_num.studies.speed import model_report as mr
+
+    out, _ = smoke_run
+    data = mr.load_model(out)
+    mt = mr.model_table(data["bench"], data["predictions"])
+    peft_rows = mt[mt.variant == "peft_fp32"]
+    assert (peft_rows.speedup_vs_peft_fp32 == 1.0).all()
+    mr.plot_model(mt)
+    assert set(mr.model_targets(data).verdict) <= {"not_recorded", "met", "out_of_reach", "missed"}
+    assert set(mr.model_targets(None).verdict) == {"not_recorded"}
+    rows = []
+    for v, t_plain, t_ckpt, peak in (("peft_fp32", 100.0, 150.0, 4e9), ("dora_num_fp32", 50.0, 90.0, 2e9),
+                                     ("lora_fp32", 40.0, 60.0, 1.5e9), ("frozen", 30.0, 45.0, 1e9)):
+        for r in (64, 384):
+            rows.append({"variant": v, "rank": r, "checkpointing": False, "mode": "train", "ms": t_plain,
+                         "peak_extra_bytes": peak})
+            rows.append({"variant": v, "rank": r, "checkpointing": True, "mode": "train", "ms": t_ckpt,
+                         "peak_extra_bytes": peak})
+            rows.append({"variant": v, "rank": r, "checkpointing": False, "mode": "infer_cold",
+                         "ms": t_plain / (1.0 if v != "peft_fp32" else 1.5), "peak_extra_bytes": peak})
+            rows.append({"variant": v, "rank": r, "checkpointing": False, "mode": "infer",
+                         "ms": t_plain, "peak_extra_bytes": peak})
+    st = mr.model_targets({"bench": pd.DataFrame(rows), "probe": pd.DataFrame()}).set_index(["target", "shape"])
+    assert st.loc[("model_train_speedup_vs_peft", "r=384"), "verdict"] == "met"  # 2.0 >= 1.8
+    assert st.loc[("model_train_speedup_vs_peft", "r=384 ckpt"), "verdict"] == "missed"  # 1.67, floor 2.5
+    assert st.loc[("model_infer_speedup_vs_peft", "r=384"), "verdict"] == "out_of_reach"  # 1.33; floor 66.7 / 40 = 1.67 < 2
+    assert st.loc[("model_peak_memory_inverse_vs_peft", "r=64 ckpt"), "verdict"] == "met"  # 4 GB / 2 GB >= 1/0.6
