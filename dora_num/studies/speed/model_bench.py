@@ -339,6 +339,8 @@ def bench_rank(shape: Shape, r: int, device: str, *, rounds: int, reps: int, var
             for mode in modes:
                 getattr(run, mode)()
                 _sync(device)
+                for p in run.params:  # the peak then counts this step's gradients in full
+                    p.grad = None
                 peaks[v, mode] = peak_extra(getattr(run, mode), device)
         times = {(v, m): [] for v in runners for m in modes}
         for _ in range(rounds):
