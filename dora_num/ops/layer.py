@@ -158,7 +158,8 @@ class DoRALinear(nn.Module):
                 hit = self.__dict__.get("_norm_cache")
                 if hit is not None and hit[0] == key:
                     return m.float() / hit[1], None
-            g, bad, den = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg, with_den=True)
+            g, bad, den = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg, with_den=True,
+                                                    trusted=True)
             if use_cache and den is not None:
                 self.__dict__["_norm_cache"] = (key, den)
             return g, bad

@@ -205,7 +205,7 @@ def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int) -> tuple[torc
     for p in range(pieces):
         P[p].copy_(R)  # round to nearest even
         if p + 1 < pieces:
-            R = R - P[p].float()  # exact in fp32
+            R = torch.sub(R, P[p])  # fp32 (type promotion upcasts P[p] exactly): exact
     return P, inv
 
 
@@ -214,7 +214,7 @@ def _mm_cpu_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None) -> torch.Tensor:
+def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None) -> torch.Tensor:
     r"""``U = W A^T`` fp32 ``[d_out, r]`` for a 16-bit ``W`` and an ``A`` of any float dtype,
     from tensor-core products only: ``A`` split into ``pieces`` pieces of W's dtype
     (:func:`split_pieces`), one product ``W [P_1; ...; P_p]^T`` with fp32 accumulation and
@@ -225,9 +225,10 @@ def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None) -> torch.Te
     ``|U^ - U| <= gamma_{2 d + p - 1} |W| sum_p |P_p|^T inv + |W| res^T`` (+ underflow;
     :func:`dora_num.numerics.split_products.split_u_error`).  ``mm(a, b)`` (default
     ``torch.mm(a, b, out_dtype=float32)`` on CUDA, fp32 products of the upcast operands
-    elsewhere) is the seam through which the tests emulate a tensor core.
+    elsewhere) is the seam through which the tests emulate a tensor core.  ``split``: the
+    ``(P, inv)`` of :func:`split_pieces` if already computed (shared with :func:`split_gram`).
     """
-    P, inv = split_pieces(A, W.dtype, pieces)
+    P, inv = split_pieces(A, W.dtype, pieces) if split is None else split
     p, r, d = P.shape
     S = P.view(p * r, d)
     if mm is None:
@@ -240,15 +241,15 @@ def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None) -> torch.Te
     return U if inv is None else U.mul_(inv)
 
 
-def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None) -> torch.Tensor:
+def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=None) -> torch.Tensor:
     r"""``G = A A^T`` fp32 ``[r, r]`` from tensor-core products only: with ``S = [P_1; ...; P_p]``
     (:func:`split_pieces` in ``dtype``), ``S S^T`` (fp32 accumulation and output,
     ``[p r, p r]``) and its ``p^2`` blocks summed in fp32 (then scaled by ``inv`` twice).
     ``|G^ - G| <= gamma_{2 d + p^2 - 1} |S~||S~|^T + res |A~|^T + |A~| res^T + res res^T``
     with ``S~ = inv sum_p |P_p|`` and ``A~ = inv sum_p P_p``
     (:func:`dora_num.numerics.split_products.split_gram_error`).  Independent of torch's TF32
-    switches (an fp32 ``A @ A.T`` is not, under ``allow_tf32``).  ``mm``: as :func:`split_mm`."""
-    P, inv = split_pieces(A, dtype, pieces)
+    switches (an fp32 ``A @ A.T`` is not, under ``allow_tf32``).  ``mm``, ``split``: as :func:`split_mm`."""
+    P, inv = split_pieces(A, dtype, pieces) if split is None else split
     p, r, d = P.shape
     S = P.view(p * r, d)
     if mm is None:
@@ -316,7 +317,9 @@ def _products(W: torch.Tensor, A: torch.Tensor, cols: int, cfg: OpConfig) -> tup
     split of A (``cfg.split_pieces`` pieces) where W is 16-bit on CUDA and A is not of W's dtype."""
     split = _split_on(W, A) and _tensor_core_fp32_out(W.dtype)
     if split:
-        return split_mm(W, A, cfg.split_pieces), split_gram(A, W.dtype, cfg.split_pieces)
+        pieces = split_pieces(A, W.dtype, cfg.split_pieces)  # once, for both products
+        return (split_mm(W, A, cfg.split_pieces, split=pieces),
+                split_gram(A, W.dtype, cfg.split_pieces, split=pieces))
     return _u_product(W, A, cols), _gram_fp32(A)
 
 
@@ -584,17 +587,23 @@ def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, get_config())
 
 
-def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, with_den: bool = False):
+def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, with_den: bool = False,
+                              trusted: bool = False):
     """``(g, bad)``, or with ``with_den`` ``(g, bad, den)``, ``den = max(wnorm, eps)`` the fp32
-    ``[d_out]`` that ``g = m.float() / den`` divides by (None under ``torch.compile``)."""
+    ``[d_out]`` that ``g = m.float() / den`` divides by (None under ``torch.compile``).
+    ``trusted``: the caller (:class:`~dora_num.ops.layer.DoRALinear`, which built W, A, B and m
+    and validated them) skips the argument checks but the shapes' consistency."""
     if torch.compiler.is_compiling():  # the op checks wnorm at run time (as the flag does in eager)
         wnorm = _weight_norm_cached(W, A, B, scale, chunk_bytes, True, cfg)
         g = magnitude_scale(m, wnorm, check=False)
         return (g, None, None) if with_den else (g, None)
-    d_out, d_in, _ = check_lora_factors(W, A, B)
-    check_tensor("m", m, ndim=1)
-    if m.shape[0] != d_out or m.device != W.device:
-        raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
+    if trusted and A.shape[1] == W.shape[1] and B.shape == (W.shape[0], A.shape[0]) and m.shape == W.shape[:1]:
+        d_out, d_in = W.shape
+    else:
+        d_out, d_in, _ = check_lora_factors(W, A, B)
+        check_tensor("m", m, ndim=1)
+        if m.shape[0] != d_out or m.device != W.device:
+            raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
     eps = default_eps(m.dtype)
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
     tail_m = m.detach() if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
