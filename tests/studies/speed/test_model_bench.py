@@ -18,6 +18,9 @@ TINY = mb.Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, token
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("model")
     summary = mb.run(out, smoke=True, device="cpu", ranks=(4,), rounds=1, reps=1, shape=TINY)
+    import json
+
+    (out / "device.json").write_text(json.dumps(mb.describe("cpu", True), default=str))
     return out, summary
 
 
@@ -144,3 +147,14 @@ def test_report_tables_plot_and_verdicts(smoke_run):
     assert st.loc[("model_train_speedup_vs_peft", "r=384 ckpt"), "verdict"] == "missed"  # 1.67, floor 2.5
     assert st.loc[("model_infer_speedup_vs_peft", "r=384"), "verdict"] == "out_of_reach"  # 1.33; floor 66.7 / 40 = 1.67 < 2
     assert st.loc[("model_peak_memory_inverse_vs_peft", "r=64 ckpt"), "verdict"] == "met"  # 4 GB / 2 GB >= 1/0.6
+
+
+def test_ingest_copies_the_model_files_with_provenance(smoke_run, tmp_path):
+    import json
+
+    out, _ = smoke_run
+    written = mb.ingest(out, tmp_path)
+    assert sorted(p.name for p in written) == sorted(mb.MODEL_FILES)
+    side = json.loads((tmp_path / "model_bench.csv.provenance.json").read_text())
+    assert side["producer"] and side["sha256"]
+    assert not (tmp_path / "device.json").exists()
