@@ -591,11 +591,12 @@ def predict(shape: Shape, r: int, ckpt: bool, *, tflops: float = 660.0, copy_gbp
 # --------------------------------------------------------------------------
 
 def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps: float | None = None,
-        ranks=None, rounds: int | None = None, reps: int | None = None, shape: Shape | None = None) -> dict:
+        ranks=None, rounds: int | None = None, reps: int | None = None, shape: Shape | None = None,
+        checkpointing=(False, True)) -> dict:
     """The whole section: timings, agreement, probe, predictions; CSVs under ``out``
     (``model_bench.csv``, ``model_agreement.csv``, ``model_probe.csv``, ``model_predictions.csv``).
     Full sizes on CUDA; tiny ones with ``smoke`` or on the CPU (the eager tier).  ``ranks``,
-    ``rounds``, ``reps``, ``shape`` override the defaults (tests)."""
+    ``rounds``, ``reps``, ``shape``, ``checkpointing`` override the defaults (tests)."""
     import pandas as pd
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -612,7 +613,7 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
     rows, fid = [], []
     base = build_base(shape, device)
     for r in ranks:
-        rr, ff = bench_rank(shape, r, device, rounds=rounds, reps=reps, base=base)
+        rr, ff = bench_rank(shape, r, device, rounds=rounds, reps=reps, base=base, checkpointing=checkpointing)
         rows += rr
         fid += ff
         pd.DataFrame(rows).to_csv(out / "model_bench.csv", index=False, lineterminator="\n")

@@ -17,7 +17,7 @@ TINY = mb.Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, token
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("model")
-    summary = mb.run(out, smoke=True, device="cpu", ranks=(4,), rounds=1, reps=1, shape=TINY)
+    summary = mb.run(out, smoke=True, device="cpu", ranks=(4,), rounds=1, reps=1, shape=TINY, checkpointing=(False,))
     import json
 
     (out / "device.json").write_text(json.dumps(mb.describe("cpu", True), default=str))
@@ -28,15 +28,21 @@ def test_smoke_run_writes_tidy_tables(smoke_run):
     out, summary = smoke_run
     bench = pd.read_csv(out / "model_bench.csv")
     assert set(bench.variant) == set(mb.VARIANTS)
-    # no checkpointing: 4 modes; checkpointing: the two training modes
-    assert len(bench) == len(mb.VARIANTS) * (len(mb.MODES) + 2)
+    assert len(bench) == len(mb.VARIANTS) * len(mb.MODES)  # (checkpointing: test below)
     assert (bench.ms > 0).all() and bench.rounds_ms.notna().all()
-    assert set(bench[bench.checkpointing]["mode"]) == {"train", "train_opt"}
     preds = pd.read_csv(out / "model_predictions.csv")
     assert {"rank", "checkpointing", "variant", "predicted_ms"} <= set(preds.columns)
     probe = pd.read_csv(out / "model_probe.csv")
     assert set(probe.what) >= {"dora_linear_fwd_bwd", "lora_linear_fwd_bwd"}
     assert summary["shape"]["hidden"] == TINY.hidden
+
+
+def test_checkpointed_rows_are_the_training_modes():
+    rows, _ = mb.bench_rank(TINY, 4, "cpu", rounds=1, reps=1, variants=("dora_num_fp32", "peft_fp32"),
+                            checkpointing=(True,))
+    assert {(r["variant"], r["mode"]) for r in rows} == {(v, m) for v in ("dora_num_fp32", "peft_fp32")
+                                                         for m in ("train", "train_opt")}
+    assert all(r["checkpointing"] for r in rows)
 
 
 def test_dora_num_is_faithful_and_the_check_can_fail(smoke_run):
