@@ -144,3 +144,31 @@ def test_public_compose_and_norm_queue_no_sync_and_raise_later():
         torch.cuda.set_sync_debug_mode("default")
     with pytest.raises(ValueError, match="g contains non-finite"):
         finite.check_pending()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_compose_writes_the_flag_of_g_in_its_own_pass(device):
+    """The fused forward fills g's finiteness flag (one entry per column block, written by the
+    first row block: no launch of its own); the output is bitwise that of the unflagged kernel."""
+    from dora_num.ops.config import get_config
+    from dora_num.ops.kernels import compose as kc
+
+    if device == "cpu" and not get_config().interpret:
+        pytest.skip("the CPU case runs the kernel under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    base = torch.randn(5, 3000, device=device)
+    lora = torch.randn_like(base)
+    for bad_col, expect_bad in ((None, False), (2999, True), (0, True)):
+        g = 1 + 1e-3 * torch.randn(3000, device=device)
+        if bad_col is not None:
+            g[bad_col] = float("inf") if bad_col else float("nan")
+        n = kc.g_flag_size(3000)
+        assert n > 1
+        flag = torch.full((n,), -1, dtype=torch.int32, device=device)
+        out, _ = kc.compose_fwd(base, lora, g, 0.5, g_flag=flag)
+        assert (flag >= 0).all() and bool(flag.any()) == expect_bad
+        if bad_col is not None:  # the first or the last column block, and only it
+            assert flag.nonzero().flatten().tolist() == [0 if bad_col == 0 else n - 1]
+        ref, _ = kc.compose_fwd(base, lora, g, 0.5)
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+        res, bad = dn.compose(base, lora, g, 0.5, path="fused", return_flag=True)
+        assert bool(bad) == expect_bad
