@@ -219,16 +219,21 @@ def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int) -> tuple[torc
     inv = None
     if dtype == torch.float16:
         e = torch.frexp(R.abs().amax()).exponent  # max|A| < 2^e (0 for A = 0)
-        k = (_FP16_TOP - e).clamp(-_K_LIMIT, _K_LIMIT).float()
-        one = torch.ones((), dtype=torch.float32, device=A.device)
-        R = R * torch.ldexp(one, k)
-        inv = torch.ldexp(one, -k)
+        k = (_FP16_TOP - e).clamp(-_K_LIMIT, _K_LIMIT).to(torch.int32)
+        R = R * _pow2(k)
+        inv = _pow2(-k)
     P = torch.empty((pieces,) + tuple(A.shape), dtype=dtype, device=A.device)
     for p in range(pieces):
         P[p].copy_(R)  # round to nearest even
         if p + 1 < pieces:
             R = torch.sub(R, P[p])  # fp32 (type promotion upcasts P[p] exactly): exact
     return P, inv
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2^k`` as fp32 for an int32 device tensor ``k`` in ``[-126, 127]``, built from its exponent
+    bits (exact; ``torch.ldexp`` goes through ``pow``, which need not be)."""
+    return ((k + 127) << 23).view(torch.float32)
 
 
 def _mm_cpu_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
