@@ -3,10 +3,12 @@
 Public API (DESIGN.md section 4)::
 
     dense_row_norm, factored_row_norm, magnitude_scale,
-    compose_naive, compose_stable, compose, DoRALinear
+    compose_naive, compose_stable, compose, DoRALinear,
+    check_pending (read every deferred finiteness check now: dora_num.ops.finite)
 """
 
 from .ops.compose import compose
+from .ops.finite import NotFiniteError, check_pending
 from .ops.layer import DoRALinear
 from .ops.norm import base_row_norm_sq, dense_row_norm, factored_row_norm, magnitude_scale
 from .ops.reference import compose_naive, compose_stable
@@ -29,6 +31,8 @@ def __getattr__(name):
 
 __all__ = [
     "DoRALinear",
+    "NotFiniteError",
+    "check_pending",
     "base_row_norm_sq",
     "collapse_table",
     "load_peft_dora",
