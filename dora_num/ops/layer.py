@@ -136,9 +136,9 @@ class DoRALinear(nn.Module):
 
     def _g_and_flag(self, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(g, bad)`` without the per-input value checks (their syncs).  ``norm="cached"``:
-        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag`, or
-        None where this ``wnorm`` was checked already (a hit of the norm cache); the other
-        norms give ``bad`` from ``g``.  The forward hands the flag to
+        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (on a
+        hit of the norm cache the flag computed with the cached norm, so every call with a
+        non-finite ``g`` is reported); the other norms give ``bad`` from ``g``.  The forward hands the flag to
         :func:`dora_num.ops.finite.watch`, and on failure the checked path runs and raises
         naming the input at fault.
 
@@ -157,11 +157,11 @@ class DoRALinear(nn.Module):
                        m.data_ptr(), m._version, cfg.key)
                 hit = self.__dict__.get("_norm_cache")
                 if hit is not None and hit[0] == key:
-                    return m.float() / hit[1], None
+                    return m.float() / hit[1], hit[2]  # the flag of the cached norm, checked again
             g, bad, den = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg, with_den=True,
                                                     trusted=True)
             if use_cache and den is not None:
-                self.__dict__["_norm_cache"] = (key, den)
+                self.__dict__["_norm_cache"] = (key, den, bad)
             return g, bad
         g = magnitude_scale(m, self._row_norm(cfg, False), check=False)
         return g, ~torch.isfinite(g.detach()).all()

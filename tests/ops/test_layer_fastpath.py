@@ -183,3 +183,13 @@ def test_gpu_split_products_within_bound_and_no_fp32_copy_of_w(w_dtype):
     tol = torch.from_numpy(factored_norm_bound(W64, A64, B64, s, split_pieces=3, split_format=fmt))
     tol = tol + row_norm_ref64_error_bound(W.cpu(), A.cpu(), B.cpu(), s)
     assert bool(((w.double().cpu() - ref).abs() <= tol).all())
+
+
+def test_a_cached_non_finite_norm_is_reported_at_every_call():
+    layer = _layer()
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        layer.magnitude[2] = float("inf")
+    for _ in range(2):  # the second call hits the cache and is still refused
+        with pytest.raises(ValueError, match="m contains non-finite"):
+            layer(x)
