@@ -9,9 +9,11 @@ Public API (docs/design.md)::
 
 ``dora_num.peft.accelerate(peft_model)`` / ``restore``: a PEFT model's DoRA layers on
 this package's operator (import ``dora_num.peft``).
+    check_pending (read every deferred finiteness check now: dora_num.ops.finite)
 """
 
 from .ops.compose import compose
+from .ops.finite import NotFiniteError, check_pending
 from .ops.layer import DoRALinear
 from .ops.norm import base_row_norm_sq, dense_row_norm, factored_row_norm, magnitude_scale
 from .ops.reference import compose_naive, compose_stable
@@ -41,6 +43,8 @@ def __getattr__(name):
 
 __all__ = [
     "DoRALinear",
+    "NotFiniteError",
+    "check_pending",
     "base_row_norm_sq",
     "check_bounds",
     "collapse_table",

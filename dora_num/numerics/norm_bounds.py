@@ -74,7 +74,8 @@ def _factored_parts(W, A, B, s, tensor_core_products):
                 S_mag=S_mag)
 
 
-def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False) -> np.ndarray:
+def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False, split_pieces: int | None = None,
+                        split_format: str = "bf16") -> np.ndarray:
     r"""Lemma 4: bound on ``|factored_row_norm(W, A, B, s) - ||W + sBA||_row|`` per row.
 
     fp32 (``u = 2^-24``, ``eta = 2^-150``), any summation order (so the ``gamma_n`` hold
@@ -99,6 +100,12 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
       (``torch.mm(..., out_dtype=float32)``): exact products, an accumulator that may
       truncate (``2u`` per addition: ``gamma_{2d}``) and may flush a subnormal partial
       sum to zero (``2^-126`` per addition).
+    - ``split_pieces``: ``U`` and ``G`` from a 16-bit W (format ``split_format``) and an A of
+      another dtype split into that many pieces of W's format
+      (:func:`dora_num.ops.norm.split_mm`); the errors of ``cross`` and ``ba`` are then those
+      of :func:`dora_num.numerics.split_products.split_term_errors` (its module docstring
+      derives them, underflow and flushed partial sums included), in place of the
+      ``gamma_{dp+r}`` and ``gamma_{dp+2r}`` terms above.
 
     ``Q`` is evaluated in float64 (products exact, ``<= d + 2r + 4`` roundings of terms
     bounded by ``S = base + |2s| M_c + s^2 M_a``: ``gamma64_{d+2r+4} S``), taken from below
@@ -109,6 +116,10 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
     ``kappa = (base + |2s cross| + s^2 ba) / Q``.
     """
     P = _factored_parts(W, A, B, s, tensor_core_products)
+    if split_pieces:
+        from .split_products import split_term_errors
+
+        P["e_cross"], P["e_ba"] = split_term_errors(P["W"], P["A"], P["B"], split_pieces, split_format)
     u, eta = U32, ETA32
     two_s, s_sq, ss = P["two_s"], P["s_sq"], P["ss"]
     b_hat = P["base"] + P["e_base"]

@@ -47,6 +47,7 @@ import logging
 import torch
 
 from ..numerics.formulas import scale_constants
+from . import finite as _finite
 from . import reference as ref
 from .config import COMPOSE_PATHS, OpConfig, get_config
 from .validation import check_compose_args, check_finite, check_scale
@@ -101,11 +102,13 @@ def fused_available(device: torch.device, config: OpConfig | None = None) -> boo
 # --------------------------------------------------------------------------
 
 def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, cfg: OpConfig, out=None,
-              add_base: bool = False):
-    """``(delta, inner)``, or ``(base + delta, inner)`` with ``add_base`` (delta rounded first)."""
+              add_base: bool = False, g_flag=None):
+    """``(delta, inner)``, or ``(base + delta, inner)`` with ``add_base`` (delta rounded first).
+    ``g_flag`` (fused only): filled by the kernel with g's finiteness flag
+    (:func:`~dora_num.ops.kernels.compose.compose_fwd`)."""
     if fused:
         res, inner = _kernels().compose_fwd(base, lora, g, s, write_inner=write_inner, out=out, add_base=add_base,
-                                            config=cfg)
+                                            config=cfg, g_flag=g_flag)
         return res, inner
     res = ref.compose_stable_ref(base, lora, g, s)
     if add_base:
@@ -143,18 +146,20 @@ def _bwd_impl(grad, inner, g, s: float, need_dlora: bool, need_dbase: bool, need
 class ComposeFunction(torch.autograd.Function):
     """Stable compose with the contract's explicit backward; ``fused`` picks the Triton kernels.
 
-    ``ComposeFunction.apply(base, lora, g, s, fused=False, add_base=False, config=None)``:
+    ``ComposeFunction.apply(base, lora, g, s, fused=False, add_base=False, config=None, g_flag=None)``:
     ``s`` fp32-exact (:func:`~dora_num.numerics.formulas.scale_constants`), ``config`` the
     :class:`~dora_num.ops.config.OpConfig` of forward and backward (default
-    :func:`~dora_num.ops.config.get_config` when the forward runs).
+    :func:`~dora_num.ops.config.get_config` when the forward runs), ``g_flag`` an int32 buffer the
+    fused forward fills with g's finiteness flag (the public :func:`compose`).
     """
 
     @staticmethod
     def forward(ctx, base, lora, g, s: float, fused: bool = False, add_base: bool = False,
-                config: OpConfig | None = None):
+                config: OpConfig | None = None, g_flag: torch.Tensor | None = None):
         cfg = get_config() if config is None else config
         recompute = fused and cfg.recompute_inner and g.requires_grad
-        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad and not recompute, fused, cfg, add_base=add_base)
+        out, inner = _fwd_impl(base, lora, g, s, g.requires_grad and not recompute, fused, cfg, add_base=add_base,
+                               g_flag=g_flag)
         if recompute:
             ctx.save_for_backward(None, g, base, lora)
         else:
@@ -171,7 +176,7 @@ class ComposeFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         dlora, dbase, dg = _bwd_impl(grad, inner, g, ctx.s, need[1], need[0], need[2], ctx.fused, ctx.cfg,
                                      base, lora, add_grad=ctx.add_base)
-        return dbase, dlora, dg, None, None, None, None
+        return dbase, dlora, dg, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------
@@ -289,7 +294,7 @@ def select_tier(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, path: s
 
 
 def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: float, *, path: str = "auto",
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, return_flag: bool = False):
     """DoRA compose ``delta = (g-1)*base + g*(s*lora)``, autograd-aware.
 
     ``path``: ``"eager"`` (torch reference), ``"fused"`` (Triton kernels) or
@@ -301,13 +306,40 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     and may alias ``base`` or ``lora`` (in-place; contiguous).  Non-contiguous
     inputs are copied to contiguous by the fused tiers.  The switches of
     :mod:`dora_num.ops.config` are read once, here.
+
+    Finiteness of ``g`` without a device sync (:mod:`dora_num.ops.finite`): on CUDA the check
+    follows ``OpConfig.finite_check`` (default ``"deferred"``: a non-finite ``g`` raises
+    :class:`~dora_num.ops.finite.NotFiniteError` at a later call of the operator or at
+    :func:`~dora_num.ops.finite.check_pending`, and this call returns the non-finite
+    result); on the CPU it raises here.  ``return_flag=True`` checks nothing and returns
+    ``(out, bad)``, ``bad`` a 0-dim device bool, true iff ``g`` has a NaN or Inf, for the
+    caller to read when it chooses.
     """
     check_compose_args(base, lora, g)
-    return _compose(base, lora, g, scale, path=path, out=out, config=get_config(), check_g=True)
+    cfg = get_config()
+    if not torch.compiler.is_compiling():
+        _finite.poll()
+    if torch.compiler.is_compiling():  # the custom op checks g at run time
+        res = _compose(base, lora, g, scale, path=path, out=out, config=cfg, check_g=False)
+        return (res, None) if return_flag else res
+    # On the fused tiers the kernel writes g's flag (no launch of its own); else two torch ops.
+    flag = None
+    if (return_flag or cfg.finite_check != "off") and _select_tier(base, lora, g, path, cfg) != "eager":
+        flag = torch.empty(_kernels().g_flag_size(base.shape[-1], cfg), dtype=torch.int32, device=base.device)
+    res = _compose(base, lora, g, scale, path=path, out=out, config=cfg, check_g=False, g_flag=flag)
+    if return_flag:
+        return res, (flag.any() if flag is not None else _finite.any_not_finite(g))
+    if cfg.finite_check != "off":
+        bad, is_ok = (flag, False) if flag is not None else (_finite.all_finite(g), True)
+        watched = _finite.watch(bad, "compose: g", cfg.finite_check, is_ok=is_ok,
+                                on_fail=lambda: check_finite("g", g.detach()))
+        if watched is not None:
+            watched.check()
+    return res
 
 
 def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g: bool,
-             add_base: bool = False) -> torch.Tensor:
+             add_base: bool = False, g_flag: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`compose` without its argument checks, under ``config``, for callers that built
     the arguments themselves (:class:`~dora_num.ops.layer.DoRALinear`).  ``check_g=False``
     also skips the finite check of ``g`` (the layer checks its ``g`` once, itself);
@@ -329,7 +361,8 @@ def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g:
             raise ValueError("out= is for inference only; an input requires a gradient")
         if check_g:
             check_finite("g", g)
-        return _fwd_impl(base, lora, g, s, False, fused, config, out=out, add_base=add_base)[0]
+        return _fwd_impl(base, lora, g, s, False, fused, config, out=out, add_base=add_base,
+                         g_flag=g_flag if fused else None)[0]
     if check_g:
         check_finite("g", g.detach())
-    return ComposeFunction.apply(base, lora, g, s, fused, add_base, config)
+    return ComposeFunction.apply(base, lora, g, s, fused, add_base, config, g_flag if fused else None)

@@ -71,7 +71,8 @@ import torch
 
 COMPOSE_PATHS = ("auto", "eager", "fused")
 NORM_TAIL_MODES = ("auto", "triton", "torch")
-FINITE_CHECKS = ("late", "sync", "off")
+FINITE_CHECKS = ("deferred", "late", "sync", "off")
+SPLIT_PIECES = (2, 3)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -134,12 +135,24 @@ def _check_positive_ints(obj) -> None:
 class OpConfig:
     """One immutable set of operator switches (module docstring for each source).
 
-    ``finite_check`` is how :class:`~dora_num.ops.layer.DoRALinear` checks that ``g`` is
-    finite: ``"late"`` (the default: the norm's device flag is copied to pinned host
-    memory when ``g`` is formed and read once at the end of the forward, no device
-    drain in between), ``"sync"`` (the flag read right after ``g``: the device is
-    drained mid-forward; the A/B baseline of ``"late"``) or ``"off"`` (no check:
-    only for timing what the check costs; a non-finite ``g`` then propagates).
+    ``finite_check`` is how :class:`~dora_num.ops.layer.DoRALinear`, :func:`~dora_num.ops.compose.compose`
+    and :func:`~dora_num.ops.norm.factored_row_norm` check finiteness on a CUDA device
+    (:mod:`dora_num.ops.finite`; on the CPU every mode but ``"off"`` reads the flag at
+    once: there is no device to drain): ``"deferred"`` (the default: the device flag is
+    copied to pinned host memory behind an event and read once that event has completed,
+    at a later public call of this package or at :func:`~dora_num.ops.finite.check_pending`;
+    the error then names the call at fault; no host wait at all), ``"late"`` (read at the
+    end of the call: the host waits for the work queued up to the flag), ``"sync"`` (read
+    right away: the device is drained; the A/B baseline) or ``"off"`` (no check: only for
+    timing what the check costs; a non-finite value then propagates).
+
+    ``split_pieces``: how many 16-bit pieces the factored norm splits an fp32 ``A`` into
+    when W is 16-bit (:func:`~dora_num.ops.norm.split_pieces`): 3 (the default: exact for
+    every ``|A| >= 2^-110``) or 2 (about 17 bits of A; a study variant).
+
+    ``norm_cache``: :class:`~dora_num.ops.layer.DoRALinear` keeps its last ``wnorm`` keyed on
+    the storage and version counter of W, A and B, so the recompute of a checkpointed forward
+    and repeated inference reuse it (bitwise the same value; off: computed every forward).
     """
 
     compose_path: str = "auto"  # what compose(path="auto") resolves to: auto / eager / fused
@@ -151,7 +164,9 @@ class OpConfig:
     norm_tail_tiles: NormTailTiles = field(default_factory=NormTailTiles)
     interpret: bool = False  # Triton runs under TRITON_INTERPRET=1 (CPU); read from the environment
     poison: bool = False  # fill every buffer a kernel launcher allocates with NaN (tests)
-    finite_check: str = "late"  # DoRALinear's check of g: late / sync / off (class docstring)
+    finite_check: str = "deferred"  # finiteness checks on CUDA: deferred / late / sync / off (class docstring)
+    split_pieces: int = 3  # 16-bit pieces of an fp32 A in the factored norm's products (2 or 3)
+    norm_cache: bool = True  # DoRALinear reuses wnorm while W, A, B are unchanged (class docstring)
     key: str = field(init=False, repr=False, compare=False)  # canonical text of the fields above
 
     def __post_init__(self):
@@ -161,7 +176,10 @@ class OpConfig:
             raise ValueError(f"norm_tail must be one of {NORM_TAIL_MODES}, got {self.norm_tail!r}")
         if self.finite_check not in FINITE_CHECKS:
             raise ValueError(f"finite_check must be one of {FINITE_CHECKS}, got {self.finite_check!r}")
-        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison"):
+        if isinstance(self.split_pieces, bool) or self.split_pieces not in SPLIT_PIECES:
+            raise ValueError(f"split_pieces must be one of {SPLIT_PIECES}, got {self.split_pieces!r}")
+        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison",
+                     "norm_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.compose_tiles, ComposeTiles):

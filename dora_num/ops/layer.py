@@ -79,6 +79,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from ..numerics.formulas import scale_constants
+from . import finite as _finite
 from .compose import PATHS, _compose
 from .config import OpConfig, get_config
 from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
@@ -310,14 +311,40 @@ class DoRALinear(nn.Module):
 
     def _g_and_flag(self, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(g, bad)`` without the per-input value checks (their syncs).  ``norm="cached"``:
-        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag`; the
-        other norms give ``bad=None`` (then the flag is computed from ``g``).  The forward
-        reads the flag once, late (:class:`_FiniteCheck`), and on failure the checked path
-        runs and raises naming the input at fault."""
+        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (on a
+        hit of the norm cache the flag computed with the cached norm, so every call with a
+        non-finite ``g`` is reported); the other norms give ``bad`` from ``g``.  The forward hands the flag to
+        :func:`dora_num.ops.finite.watch`, and on failure the checked path runs and raises
+        naming the input at fault.
+
+        The norm cache (``OpConfig.norm_cache``): ``den = max(wnorm, eps)`` is kept with the
+        storage pointers and version counters of W, A, B and m (every in-place update, an
+        optimizer step included, bumps them) and the configuration; while they match, ``g`` is
+        ``m.float() / den`` again, bitwise what the norm would give (it is a deterministic
+        function of those inputs).  So the recompute of a checkpointed forward, and repeated
+        inference with a frozen adapter, skip the norm.  An update through ``.data`` bypasses
+        the version counter: call :meth:`clear_norm_cache` after one."""
+        W, A, B, m = self.base.weight, self.lora_A, self.lora_B, self.magnitude
         if self.norm == "cached":
-            return _magnitude_scale_and_flag(self.base.weight, self.lora_A, self.lora_B, self.scale, self.magnitude,
-                                             self.chunk_bytes, cfg)
-        return magnitude_scale(self.magnitude, self._row_norm(cfg, False), check=False), None
+            use_cache = cfg.norm_cache and not torch.compiler.is_compiling()
+            if use_cache:
+                key = (W.data_ptr(), W._version, A.data_ptr(), A._version, B.data_ptr(), B._version,
+                       m.data_ptr(), m._version, cfg.key)
+                hit = self.__dict__.get("_norm_cache")
+                if hit is not None and hit[0] == key:
+                    return m.float() / hit[1], hit[2]  # the flag of the cached norm, checked again
+            g, bad, den = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg, with_den=True,
+                                                    trusted=True)
+            if use_cache and den is not None:
+                self.__dict__["_norm_cache"] = (key, den, bad)
+            return g, bad
+        g = magnitude_scale(m, self._row_norm(cfg, False), check=False)
+        return g, ~torch.isfinite(g.detach()).all()
+
+    def clear_norm_cache(self) -> None:
+        """Forget the cached ``max(wnorm, eps)`` (:meth:`_g_and_flag`): needed only after W, A, B
+        or m were changed in a way that bypasses their version counters (``.data``)."""
+        self.__dict__.pop("_norm_cache", None)
 
     def _raise_not_finite(self, g_given: bool) -> None:
         if g_given:
@@ -359,28 +386,36 @@ class DoRALinear(nn.Module):
                 base_out: torch.Tensor | None = None) -> torch.Tensor:
         """``y = x W^T + b + delta``; ``g`` given: used as it is instead of the layer's own;
         ``base_out`` given: the base layer's output ``x W^T + b``, not recomputed (module
-        docstring).  Merged: the base layer's forward."""
+        docstring).  Merged: the base layer's forward.
+
+        LoRA products (``x A^T B^T``) follow PEFT: under ``torch.autocast`` they are autocast's
+        (``F.linear`` casts x, A and B to the autocast dtype: bf16 GEMMs with fp32 accumulation,
+        as PEFT's ``lora_B(lora_A(x))``); without autocast x is cast to A's dtype (PEFT's
+        ``_cast_input_dtype``), so fp32 adapters give fp32 products, and the compose and the
+        output add run in the wider dtype and are rounded once to W's dtype (PEFT's
+        ``result.to(torch_result_dtype)``).  Finiteness of ``g``: :mod:`dora_num.ops.finite`
+        (``OpConfig.finite_check``; default ``"deferred"`` on CUDA, no host wait)."""
         if self._unmerged_weight is not None:
             return self.base(x) if base_out is None else base_out
         cfg = get_config()
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            _finite.poll()
         W = self.base.weight
         bias = self.base.bias
         self._check_input(x, W, base_out)
         g_given = g is not None
-        # g first: its flag is then ready long before the forward reads it (the GPU runs
-        # the norm while the host queues the products below)
+        # g first: its flag is then ready long before it is read (the GPU runs the norm while
+        # the host queues the products below)
         if g_given:
             self._check_g(g, W)
-            bad = None
+            bad = ~torch.isfinite(g).all() if not compiling and cfg.finite_check != "off" else None
         else:
             g, bad = self._g_and_flag(cfg)
-        finite = None
-        if not torch.compiler.is_compiling() and cfg.finite_check != "off":
-            finite = _FiniteCheck(g, bad)
-            if cfg.finite_check == "sync":  # the A/B baseline: read now, draining the device
-                if not finite.ok():
-                    self._raise_not_finite(g_given)
-                finite = None
+        watched = None
+        if bad is not None and not compiling and cfg.finite_check != "off":
+            watched = _finite.watch(bad, f"DoRALinear({self.in_features}->{self.out_features}, r={self.rank}): g",
+                                    cfg.finite_check, on_fail=lambda: self._raise_not_finite(g_given))
         x_lora = self.dropout(x)
         A, B = self.lora_A, self.lora_B
         cast = not torch.is_autocast_enabled(x.device.type)  # under autocast F.linear casts
@@ -415,8 +450,8 @@ class DoRALinear(nn.Module):
             out = res + out
         if out.dtype != out_dtype:  # the promoted sum, rounded once to W's dtype
             out = out.to(out_dtype)
-        if finite is not None and not finite.ok():  # every kernel of this forward is queued by now
-            self._raise_not_finite(g_given)
+        if watched is not None:  # "late": every kernel of this forward is queued by now
+            watched.check()
         return out
 
     def extra_repr(self) -> str:
@@ -429,41 +464,3 @@ class DoRALinear(nn.Module):
             f"compose_path={self.compose_path!r}, adapter_dtype={str(self.lora_A.dtype).removeprefix('torch.')}"
             + seams + (", merged" if self.merged else "")
         )
-
-
-class _FiniteCheck:
-    """The finiteness flag of ``g``, started when ``g`` is computed and read at the end of the forward.
-
-    ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag`
-    (None: computed here from ``g``).  On CUDA it is copied to pinned host memory
-    behind an event on ``g``'s device and stream, so reading it waits for the work
-    queued up to ``g`` (the earlier layers included), while this layer's products and
-    compose are already queued behind it: the device is not drained to an empty
-    queue in the middle of the forward, as a ``bool(...)`` right after ``g`` would
-    (``OpConfig.finite_check="sync"``).  At 4096->4096, r=384, 4096 tokens, bf16, the
-    layer's step was bound by the host and an interleaved A/B on the H200 measured
-    1.90 ms per step for this check, 1.90 ms for the sync right after ``g`` and 1.70 ms
-    without a check (``data/gpu/layer_check_ab.log``; at 8192->8192, 2048 tokens: 2.18,
-    2.29, 2.10 ms).  The pinned flag is allocated per call (the host caching allocator
-    makes that cheap), so replicas of a module on other threads do not share it.  On
-    other devices the flag is read directly.  Under ``torch.compile`` the compose
-    custom op checks ``g`` and the norm op ``wnorm``.
-    """
-
-    __slots__ = ("flag", "event")
-
-    def __init__(self, g: torch.Tensor, bad: torch.Tensor | None = None):
-        if bad is None:
-            bad = ~torch.isfinite(g.detach()).all()
-        if g.device.type != "cuda":
-            self.flag, self.event = bad, None
-            return
-        self.flag = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
-        self.flag.copy_(bad, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(g.device))  # the stream the copy was queued on
-
-    def ok(self) -> bool:
-        if self.event is not None:
-            self.event.synchronize()
-        return not bool(self.flag.any())

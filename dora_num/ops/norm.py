@@ -67,11 +67,33 @@ def uses_tail_kernel(device: torch.device, config: OpConfig | None = None) -> bo
     return cfg.norm_tail == "triton" and device.type == "cpu" and cfg.interpret
 
 
+class _AutocastDisabled:
+    """Autocast off for ``device_type`` inside the block, restored after (the one switch the
+    norm needs: its products must not be cast).  0.8 us per enter/exit on the CPU machine
+    against 4.4 us for ``torch.autocast(..., enabled=False)`` (which also saves and restores the
+    autocast dtype and cache state, unchanged here); eager only."""
+
+    __slots__ = ("device_type",)
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def __enter__(self):
+        torch.set_autocast_enabled(self.device_type, False)
+
+    def __exit__(self, *exc):
+        torch.set_autocast_enabled(self.device_type, True)
+        return False
+
+
 def _autocast_off(device_type: str):
-    """``torch.autocast(device_type, enabled=False)`` where autocast is on, else a no-op
-    (constructing an autocast context costs ~10 us of Python on the hot path)."""
+    """Autocast off for ``device_type`` where it is on, else a no-op (constructing a
+    ``torch.autocast`` context costs ~4-10 us of Python on the hot path; while tracing,
+    ``torch.autocast`` itself)."""
     if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
+        if torch.compiler.is_compiling():
+            return torch.autocast(device_type, enabled=False)
+        return _AutocastDisabled(device_type)
     return contextlib.nullcontext()
 
 
@@ -141,6 +163,11 @@ def base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) -> torc
 
 
 _MM_OUT_DTYPE_OK: dict = {}  # (device type, dtype) -> whether torch.mm(..., out_dtype=fp32) runs
+SPLIT_DTYPES = (torch.bfloat16, torch.float16)
+# fp16 pieces: A is scaled by 2^k so that max|A| 2^k lies in [2^14, 2^15) (the first piece then
+# cannot overflow fp16's 65504), k clamped to [-126, 126] so that 2^k and 2^-k are normal fp32.
+_FP16_TOP = 15
+_K_LIMIT = 126
 
 
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -158,7 +185,128 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int) -> torch.Tensor:
+def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""``(P, inv)``: ``A`` (any float dtype, taken as fp32) as a sum of ``pieces`` 16-bit pieces.
+
+    ``P`` is ``[pieces, r, d]`` of ``dtype`` (bf16 or fp16) with, in exact arithmetic,
+    ``A = inv * sum_p P[p] + res`` (``inv`` None means 1).  The pieces are the greedy
+    round-to-nearest split ``P[0] = RN(R_0)``, ``R_{p+1} = R_p - P[p]``, ``P[p] = RN(R_p)``
+    with ``R_0 = A`` (bf16) or ``A 2^k`` (fp16: ``2^k``, a device scalar computed without a
+    sync, puts ``max|A| 2^k`` in ``[2^14, 2^15)``, ``k`` clamped to ``[-126, 126]``;
+    ``inv = 2^-k``).  Every ``R_p`` is exact in fp32 (``R_p - RN(R_p)`` is a multiple of the
+    fp32 quantum of ``A``, at most half a 16-bit ulp of ``R_p``), so the only loss is the
+    last rounding, ``res = inv |R_{pieces-1} - P[-1]|``:
+
+    - bf16 (8-bit significands, fp32's exponent range), 3 pieces: ``|R_2| <= 2^-16 |A|``
+      spans at most 8 significant bits (quantum of A and up), so ``P[2] = R_2`` exactly
+      unless ``R_2`` falls below bf16's normal range: ``res = 0`` for ``|A| >= 2^-110``,
+      ``res <= 2^-134`` (half the bf16 subnormal spacing) otherwise;
+    - bf16, 2 pieces: ``res <= 2^-17 |A| (1 + 2^-8)`` (about 17 bits of A are kept);
+    - fp16 (11 bits; 3 pieces hold 33 >= 24): ``res`` is the underflow of the last
+      scaled pieces below fp16's ``2^-24`` spacing, ``<= inv 2^-25`` per element.
+
+    Magnitudes: ``sum_p |P[p]| <= (1 + 2 u_h + 2 u_h^2) |R_0|`` with ``u_h`` the pieces'
+    unit roundoff (``|P[0]| <= (1+u_h)|R_0|``, ``|R_1| <= u_h |R_0|``, ...).  An fp32 A
+    above bf16's largest finite value (3.39e38) gives an infinite piece (the norm is then not
+    finite and flagged).  :func:`dora_num.numerics.split_products.split_pieces_np` is the
+    exact emulation the bound and the tests use.
+    """
+    if dtype not in SPLIT_DTYPES:
+        raise ValueError(f"split_pieces: dtype must be bfloat16 or float16, got {dtype}")
+    if pieces not in (2, 3):
+        raise ValueError(f"split_pieces: pieces must be 2 or 3, got {pieces!r}")
+    R = A.float()
+    inv = None
+    if dtype == torch.float16:
+        e = torch.frexp(R.abs().amax()).exponent  # max|A| < 2^e (0 for A = 0)
+        k = (_FP16_TOP - e).clamp(-_K_LIMIT, _K_LIMIT).to(torch.int32)
+        R = R * _pow2(k)
+        inv = _pow2(-k)
+    P = torch.empty((pieces,) + tuple(A.shape), dtype=dtype, device=A.device)
+    for p in range(pieces):
+        P[p].copy_(R)  # round to nearest even
+        if p + 1 < pieces:
+            R = torch.sub(R, P[p])  # fp32 (type promotion upcasts P[p] exactly): exact
+    return P, inv
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2^k`` as fp32 for an int32 device tensor ``k`` in ``[-126, 127]``, built from its exponent
+    bits (exact; ``torch.ldexp`` goes through ``pow``, which need not be)."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
+def _mm_cpu_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit operands in fp32 (their products are exact in fp32; CPU and tests)."""
+    return a.float() @ b.float()
+
+
+def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None) -> torch.Tensor:
+    r"""``U = W A^T`` fp32 ``[d_out, r]`` for a 16-bit ``W`` and an ``A`` of any float dtype,
+    from tensor-core products only: ``A`` split into ``pieces`` pieces of W's dtype
+    (:func:`split_pieces`), one product ``W [P_1; ...; P_p]^T`` with fp32 accumulation and
+    fp32 output (``[d_out, p r]``), then the ``p`` column blocks summed in fp32 (and scaled by
+    ``inv``, exact unless the result underflows).  Each product ``W_ji P_p,ki`` is exact in
+    fp32 (8+8 or 11+11 significand bits), so the error is the accumulation (``d_in - 1``
+    additions that may truncate: ``2u`` each) and the ``p - 1`` block additions:
+    ``|U^ - U| <= gamma_{2 d + p - 1} |W| sum_p |P_p|^T inv + |W| res^T`` (+ underflow;
+    :func:`dora_num.numerics.split_products.split_u_error`).  ``mm(a, b)`` (default
+    ``torch.mm(a, b, out_dtype=float32)`` on CUDA, fp32 products of the upcast operands
+    elsewhere) is the seam through which the tests emulate a tensor core.  ``split``: the
+    ``(P, inv)`` of :func:`split_pieces` if already computed (shared with :func:`split_gram`).
+    """
+    P, inv = split_pieces(A, W.dtype, pieces) if split is None else split
+    p, r, d = P.shape
+    S = P.view(p * r, d)
+    if mm is None:
+        Up = _mm_fp32_out(W, S.T)
+        if Up is None:
+            Up = _mm_cpu_fp32(W, S.T)
+    else:
+        Up = mm(W, S.T)
+    U = Up.view(W.shape[0], p, r).sum(dim=1)
+    return U if inv is None else U.mul_(inv)
+
+
+def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=None) -> torch.Tensor:
+    r"""``G = A A^T`` fp32 ``[r, r]`` from tensor-core products only: with ``S = [P_1; ...; P_p]``
+    (:func:`split_pieces` in ``dtype``), ``S S^T`` (fp32 accumulation and output,
+    ``[p r, p r]``) and its ``p^2`` blocks summed in fp32 (then scaled by ``inv`` twice).
+    ``|G^ - G| <= gamma_{2 d + p^2 - 1} |S~||S~|^T + res |A~|^T + |A~| res^T + res res^T``
+    with ``S~ = inv sum_p |P_p|`` and ``A~ = inv sum_p P_p``
+    (:func:`dora_num.numerics.split_products.split_gram_error`).  Independent of torch's TF32
+    switches (an fp32 ``A @ A.T`` is not, under ``allow_tf32``).  ``mm``, ``split``: as :func:`split_mm`."""
+    P, inv = split_pieces(A, dtype, pieces) if split is None else split
+    p, r, d = P.shape
+    S = P.view(p * r, d)
+    if mm is None:
+        Gp = _mm_fp32_out(S, S.T)
+        if Gp is None:
+            Gp = _mm_cpu_fp32(S, S.T)
+    else:
+        Gp = mm(S, S.T)
+    G = Gp.view(p, r, p, r).sum(dim=(0, 2))
+    return G if inv is None else G.mul_(inv).mul_(inv)
+
+
+def _tensor_core_fp32_out(dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(..., out_dtype=float32)`` runs for ``dtype`` on CUDA (probed once, on a
+    one-element product)."""
+    key = ("cuda", dtype)
+    if key not in _MM_OUT_DTYPE_OK:
+        one = torch.ones(1, 1, dtype=dtype, device="cuda")
+        _mm_fp32_out(one, one)
+    return bool(_MM_OUT_DTYPE_OK.get(key))
+
+
+def _split_on(W: torch.Tensor, A: torch.Tensor) -> bool:
+    """Whether the products of the factored norm take the split route: 16-bit W on CUDA (with
+    tensor-core fp32 output) and an A of another dtype (fp32 adapters, as PEFT keeps them)."""
+    return (W.dtype in SPLIT_DTYPES and A.dtype != W.dtype and W.device.type == "cuda"
+            and _MM_OUT_DTYPE_OK.get(("cuda", W.dtype)) is not False)
+
+
+def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int, pieces: int = 3) -> torch.Tensor:
     """``U = W A^T`` fp32 ``[d_out, r]`` without an fp32 copy of W where possible.
 
     - W and A fp32: one fp32 product (no copy).
@@ -169,25 +317,46 @@ def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int) -> torch.Tensor:
       ``|U_hat - U| <= gamma'_{d_in} |W| |A|^T`` with ``gamma'_n = 2nu/(1-2nu)``
       (``2u`` per addition covers an accumulator that truncates instead of
       rounding to nearest, as tensor cores may).  Extra memory: U itself.
-    - otherwise (CPU 16-bit, mixed dtypes): fp32 column chunks of W under the
-      byte budget, accumulated with ``addmm_`` (the previous behaviour).
+    - 16-bit W on CUDA and A of another dtype (fp32 adapters): :func:`split_mm`, ``pieces``
+      tensor-core products (no fp32 copy of W, no fp32 GEMM over W).  Extra memory:
+      ``d_out * pieces * r * 4`` bytes and the pieces of A.
+    - otherwise (CPU 16-bit or mixed dtypes): fp32 column chunks of W under the
+      byte budget, accumulated with ``addmm_`` (fp32 products, ``gamma_{d_in}``).
     """
     d_out = W.shape[0]
     r = A.shape[0]
     if W.dtype == torch.float32 and A.dtype == torch.float32:
         return W @ A.T
-    if W.dtype in (torch.bfloat16, torch.float16) and A.dtype == W.dtype:
+    if W.dtype in SPLIT_DTYPES and A.dtype == W.dtype:
         U = _mm_fp32_out(W, A.T)
         if U is not None:
             return U
+    if _split_on(W, A) and _tensor_core_fp32_out(W.dtype):
+        return split_mm(W, A, pieces)
     U = torch.zeros(d_out, r, dtype=torch.float32, device=W.device)
     for start in range(0, W.shape[1], cols):
         U.addmm_(W[:, start : start + cols].float(), A[:, start : start + cols].float().T)
     return U
 
 
-def _gram_fp32(A: torch.Tensor) -> torch.Tensor:
-    """``G = A A^T`` fp32 ``[r, r]`` (exact products for 16-bit A on CUDA, as :func:`_u_product`)."""
+def _products(W: torch.Tensor, A: torch.Tensor, cols: int, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, G)`` of the factored norm (:func:`_u_product`, :func:`_gram_fp32`): both from the
+    split of A (``cfg.split_pieces`` pieces) where W is 16-bit on CUDA and A is not of W's dtype."""
+    split = _split_on(W, A) and _tensor_core_fp32_out(W.dtype)
+    if split:
+        pieces = split_pieces(A, W.dtype, cfg.split_pieces)  # once, for both products
+        return (split_mm(W, A, cfg.split_pieces, split=pieces),
+                split_gram(A, W.dtype, cfg.split_pieces, split=pieces))
+    return _u_product(W, A, cols), _gram_fp32(A)
+
+
+def _gram_fp32(A: torch.Tensor, W_dtype: torch.dtype | None = None, pieces: int = 3,
+               split: bool = False) -> torch.Tensor:
+    """``G = A A^T`` fp32 ``[r, r]``: exact products for 16-bit A on CUDA (as :func:`_u_product`);
+    with ``split`` (the products of :func:`_u_product` took the split route) :func:`split_gram`
+    in ``W_dtype``; fp32 otherwise."""
+    if split:
+        return split_gram(A, W_dtype, pieces)
     if A.dtype == torch.float32:
         return A @ A.T
     if A.dtype in (torch.bfloat16, torch.float16):
@@ -216,7 +385,8 @@ def factored_row_norm(
     chunk_bytes: int | None = None,
     base_sq: torch.Tensor | None = None,
     check: bool = True,
-) -> torch.Tensor:
+    return_flag: bool = False,
+):
     """``||W + s*B@A||_row`` in fp32 without forming ``B@A`` or an fp32 copy of W.
 
     ``base = rowsum(W*W)`` (fp32, over column chunks of W under ``chunk_bytes``,
@@ -231,13 +401,33 @@ def factored_row_norm(
     :func:`~dora_num.numerics.bounds.factored_norm_bound`.  ``scale == 0`` skips the
     cross and Gram terms.
 
-    A non-finite result raises ``ValueError`` naming the input at fault (the check
-    costs O(d_out) and a device sync unless it fires; ``check=False`` skips it, for
-    callers that check the final ``g`` once instead).  A zero row gives
-    ``wnorm = 0`` exactly; :func:`magnitude_scale` turns that into a finite ``g``.
-    Where the tail runs: :func:`uses_tail_kernel`.
+    A non-finite result raises ``ValueError`` naming the input at fault.  On CUDA the check
+    needs no device sync (:mod:`dora_num.ops.finite`, ``OpConfig.finite_check``; default
+    ``"deferred"``: it raises at a later call of the operator or at
+    :func:`~dora_num.ops.finite.check_pending`, and this call returns the non-finite norm;
+    ``"sync"`` raises here); on the CPU it raises here.  ``check=False`` skips it, for callers
+    that check the final ``g`` once instead; ``return_flag=True`` returns ``(wnorm, bad)``
+    unchecked, ``bad`` a 0-dim device bool (true iff some ``wnorm`` is not finite).  A zero
+    row gives ``wnorm = 0`` exactly; :func:`magnitude_scale` turns that into a finite ``g``.
+    Where the tail runs: :func:`uses_tail_kernel`.  Products with a 16-bit W and an fp32 A:
+    :func:`split_mm`.
     """
-    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, get_config())
+    from . import finite
+
+    cfg = get_config()
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        finite.poll()
+    if return_flag or compiling or not check or cfg.finite_check in ("sync", "off") or W.device.type != "cuda":
+        immediate = check and not return_flag and cfg.finite_check != "off"
+        wnorm = _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, immediate, cfg)
+        return (wnorm, finite.any_not_finite(wnorm)) if return_flag else wnorm
+    wnorm = _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, False, cfg)
+    watched = finite.watch(finite.all_finite(wnorm), "factored_row_norm", cfg.finite_check, is_ok=True,
+                           on_fail=lambda: _name_norm_fault(W, A, B, base_sq))
+    if watched is not None:
+        watched.check()
+    return wnorm
 
 
 def _check_base_sq(base_sq, d_out: int, device) -> None:
@@ -259,19 +449,24 @@ def _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check: bool, cfg: O
     with torch.no_grad(), _autocast_off(W.device.type):
         wnorm = _factored_core(W, A, B, scale_constants(s_raw), cols, chunk_bytes, base_sq, cfg)[0]
     if check and not torch.compiler.is_compiling() and not bool(torch.isfinite(wnorm).all()):
-        for name, t in (("W", W), ("A", A), ("B", B)):
-            check_finite(name, t)
-        if base_sq is not None:
-            try:
-                check_finite("base_sq", base_sq)
-            except ValueError as e:
-                raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
-                                 "overflowed float32 (exceeds 3.4e38; rescale W)") from None
-        raise ValueError(
-            "factored row norm overflowed float32 (inputs are finite): the squared row norm "
-            "exceeds 3.4e38; rescale W or the adapter"
-        )
+        _name_norm_fault(W, A, B, base_sq)
     return wnorm
+
+
+def _name_norm_fault(W, A, B, base_sq) -> None:
+    """Raise ``ValueError`` naming why a factored norm was not finite (syncs: the error path)."""
+    for name, t in (("W", W), ("A", A), ("B", B)):
+        check_finite(name, t)
+    if base_sq is not None:
+        try:
+            check_finite("base_sq", base_sq)
+        except ValueError as e:
+            raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
+                             "overflowed float32 (exceeds 3.4e38; rescale W)") from None
+    raise ValueError(
+        "factored row norm overflowed float32 (inputs are finite): the squared row norm "
+        "exceeds 3.4e38; rescale W or the adapter"
+    )
 
 
 def _torch_tail_terms(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +497,7 @@ def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConf
     if s == 0.0:
         zeros = torch.zeros_like(acc_base)
         return norm_assembly(TorchFP32CorrectSqrt, acc_base, zeros, zeros, 0.0, 0.0), None, None
-    U = _u_product(W, A, cols)
-    G = _gram_fp32(A)
+    U, G = _products(W, A, cols, cfg)
     if uses_tail_kernel(W.device, cfg):
         from .kernels.norm_tail import norm_tail
 
@@ -336,7 +530,8 @@ def factored_terms(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
         if s == 0.0:
             zeros = torch.zeros_like(acc_base)
             return acc_base, zeros, zeros.clone(), 0.0, 0.0
-        cross, ba = _torch_tail_terms(_u_product(W, A, cols), B, _gram_fp32(A))
+        U, G = _products(W, A, cols, get_config())
+        cross, ba = _torch_tail_terms(U, B, G)
     return acc_base, cross, ba, two_s, s_sq
 
 
@@ -426,14 +621,23 @@ def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, get_config())
 
 
-def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig):
+def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, with_den: bool = False,
+                              trusted: bool = False):
+    """``(g, bad)``, or with ``with_den`` ``(g, bad, den)``, ``den = max(wnorm, eps)`` the fp32
+    ``[d_out]`` that ``g = m.float() / den`` divides by (None under ``torch.compile``).
+    ``trusted``: the caller (:class:`~dora_num.ops.layer.DoRALinear`, which built W, A, B and m
+    and validated them) skips the argument checks but the shapes' consistency."""
     if torch.compiler.is_compiling():  # the op checks wnorm at run time (as the flag does in eager)
         wnorm = _weight_norm_cached(W, A, B, scale, chunk_bytes, True, cfg)
-        return magnitude_scale(m, wnorm, check=False), None
-    d_out, d_in, _ = check_lora_factors(W, A, B)
-    check_tensor("m", m, ndim=1)
-    if m.shape[0] != d_out or m.device != W.device:
-        raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
+        g = magnitude_scale(m, wnorm, check=False)
+        return (g, None, None) if with_den else (g, None)
+    if trusted and A.shape[1] == W.shape[1] and B.shape == (W.shape[0], A.shape[0]) and m.shape == W.shape[:1]:
+        d_out, d_in = W.shape
+    else:
+        d_out, d_in, _ = check_lora_factors(W, A, B)
+        check_tensor("m", m, ndim=1)
+        if m.shape[0] != d_out or m.device != W.device:
+            raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
     eps = default_eps(m.dtype)
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
     tail_m = m.detach() if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
@@ -442,11 +646,14 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig):
                                          chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
                                          cfg, m=tail_m, eps=eps)
     if den is None:  # the torch tail
-        g = magnitude_scale(m, wnorm, eps=eps, check=False)
-        return g, ~(torch.isfinite(wnorm).all() & torch.isfinite(g.detach()).all())
+        den = torch.clamp_min(wnorm, eps)  # formulas.magnitude_scale's maximum under TorchFP32
+        g = m.float() / den  # and its division: bitwise magnitude_scale(m, wnorm, eps=eps)
+        bad = ~(torch.isfinite(wnorm).all() & torch.isfinite(g.detach()).all())
+        return (g, bad, den) if with_den else (g, bad)
     # den = max(wnorm, eps) is the maximum of formulas.magnitude_scale, taken (exactly) in the
     # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).
-    return m.float() / den, bad
+    g = m.float() / den
+    return (g, bad, den) if with_den else (g, bad)
 
 
 def default_eps(dtype: torch.dtype) -> float:

@@ -33,6 +33,7 @@ RECORDERS = {
     "compose": Recorder("dora_num.studies.suite", "GPU: compose kernels vs eager and torch.compile (05)"),
     "norm": Recorder("dora_num.studies.suite", "GPU: row-norm time and memory (05)"),
     "layer": Recorder("dora_num.studies.suite", "GPU: DoRALinear vs PEFT's DoRA layer (05)"),
+    "model": Recorder("dora_num.studies.suite", "GPU: a Llama-architecture decoder at 8B layer shapes, PEFT vs this operator (05)"),
     "train-graphs": Recorder("dora_num.studies.speed.train_graphs",
                              "GPU: the training compose on the device alone, under CUDA graphs (05)"),
     "overhead": Recorder("dora_num.studies.speed.overhead", "GPU: host (CPU) cost of the fused tier per call (05)"),

@@ -14,6 +14,8 @@ section    module                                file
 ``norm``   :mod:`dora_num.studies.speed.norm_bench`         ``norm_bench.csv``
 ``layer``  :mod:`dora_num.studies.speed.layer_bench`        ``layer_bench.csv``, ``layer_profile.txt``
 ``compose`` :mod:`dora_num.studies.speed.compose_bench`     ``compose_bench.csv``
+``model``  :mod:`dora_num.studies.speed.model_bench`        ``model_bench.csv``, ``model_agreement.csv``,
+                                                            ``model_probe.csv``, ``model_predictions.csv``
 =========  ====================================  ==========================================
 
 ``dora-num record suite --ingest DIR`` copies a suite folder into ``data/gpu/``
@@ -43,7 +45,7 @@ from .speed.compose_bench import DEFAULT_DOUT, DEFAULT_TOKENS, bench_compose, ti
 from .speed.layer_bench import LAYER_SHAPES, bench_layers
 from .speed.norm_bench import NORM_SHAPES, bench_norms
 
-SECTIONS = ("fma", "tiles", "compose", "norm", "layer")
+SECTIONS = ("fma", "tiles", "compose", "norm", "layer", "model")
 SEED = inputs.SUITE_SEED
 
 
@@ -96,6 +98,13 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
                       None, checkpoint=ck)
 
     section("compose", compose_section)
+
+    def model_section():  # a Llama-architecture decoder at 8B layer shapes vs PEFT
+        from .speed.model_bench import run as run_model  # transformers and peft: imported when it runs
+
+        desc["model"] = run_model(out, smoke=smoke, copy_gbps=copy_gbps)
+
+    section("model", model_section)
     desc["wall_s"] = time.time() - t0
     recorded.write_machine(out, desc)
     log(f"done in {desc['wall_s']:.0f} s")

@@ -183,7 +183,7 @@ def test_forward_with_a_given_g():
             layer(x, g=g2)
 
 
-@pytest.mark.parametrize("mode", ["late", "sync", "off"])
+@pytest.mark.parametrize("mode", ["deferred", "late", "sync", "off"])
 def test_finite_check_modes(mode):
     """``OpConfig.finite_check``: ``late`` and ``sync`` give the same output and both name the
     input at fault; ``off`` does not check (a NaN in A propagates: for timing only)."""
@@ -207,8 +207,8 @@ def test_finite_check_modes(mode):
 @pytest.mark.gpu
 def test_dora_linear_step_has_no_implicit_sync_and_still_names_bad_input():
     """A DoRALinear training step queues its work without a device sync (torch's sync
-    debug mode raises on any implicit one); the finiteness check of g waits on an
-    event instead, and still raises naming the input at fault."""
+    debug mode raises on any implicit one); the finiteness check of g is read later
+    (deferred) or at the end of the call (late), and still raises naming the input at fault."""
     torch.manual_seed(0)
     layer = dn.DoRALinear(torch.nn.Linear(1024, 2048, bias=True).cuda().bfloat16(), 16)
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -221,6 +221,12 @@ def test_dora_linear_step_has_no_implicit_sync_and_still_names_bad_input():
         torch.cuda.set_sync_debug_mode("default")
     with torch.no_grad():
         layer.lora_A[3, 5] = float("nan")
+    from dora_num.ops.finite import check_pending
+
+    layer(x)  # finite_check="deferred": the call returns; its flag is pending
     with pytest.raises(ValueError, match="A contains non-finite"):
-        layer(x)
+        check_pending()
+    with override(finite_check="late"):  # read at the end of the call
+        with pytest.raises(ValueError, match="A contains non-finite"):
+            layer(x)
 

@@ -85,9 +85,10 @@ def new_buffer(shape, dtype, device, poison: bool) -> torch.Tensor:
 
 @triton.jit
 def _compose_fwd_kernel(
-    base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr,
+    base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr, flag_ptr,
     n_rows, n_cols, s,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_INNER: tl.constexpr, ADD_BASE: tl.constexpr,
+    G_FLAG: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -97,6 +98,10 @@ def _compose_fwd_kernel(
     mask = (rows[:, None] < n_rows) & col_mask[None, :]
     offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
     g = tl.load(g_ptr + cols, mask=col_mask, other=1.0)
+    if G_FLAG:  # the finiteness flag of g, one slot per column block (written by the first row block)
+        if pid_m == 0:
+            bad = tl.max(tl.where(col_mask & ~(tl.abs(g) < float("inf")), 1, 0), axis=0)  # NaN: not < inf
+            tl.store(flag_ptr + pid_n, bad)
     base = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     lora = tl.load(lora_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     gm1 = g - 1.0
@@ -229,8 +234,14 @@ def _fwd_blocks(n_cols: int, tiles) -> tuple[int, int]:
 
 def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float, *,
                 write_inner: bool = False, out: torch.Tensor | None = None, add_base: bool = False,
-                fp_fusion: bool = False, return_kernel: bool = False, config: OpConfig | None = None):
+                fp_fusion: bool = False, return_kernel: bool = False, config: OpConfig | None = None,
+                g_flag: torch.Tensor | None = None):
     """Fused stable compose.  Returns ``(out, inner)`` (``inner`` None unless asked).
+
+    ``g_flag``: an int32 device tensor of at least ``ceil(N / block_n)`` entries (:func:`g_flag_size`)
+    that the kernel fills with the finiteness flag of ``g`` (entry ``j`` nonzero iff a ``g`` of
+    column block ``j`` is NaN or Inf), so that the public compose checks ``g`` without launches
+    of its own; with an empty ``base`` it is filled by torch.
 
     ``config`` (default :func:`~dora_num.ops.config.get_config`): the tiles
     (``compose_tiles``) and ``poison`` to launch with.
@@ -267,12 +278,22 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
         kernel = _compose_fwd_kernel[grid](
             base2, lora2, g.contiguous(), out2, inner2 if write_inner else out2,
+            g_flag if g_flag is not None else out2,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n, WRITE_INNER=write_inner, ADD_BASE=add_base,
+            G_FLAG=g_flag is not None,
             num_warps=cfg.compose_tiles.fwd_num_warps, enable_fp_fusion=fp_fusion,
         )
+    elif g_flag is not None:
+        g_flag.copy_((~torch.isfinite(g).all()).to(torch.int32).expand(g_flag.shape))
     res = (out2.view(shape), inner2.view(shape) if write_inner else None)
     return res + (kernel,) if return_kernel else res
+
+
+def g_flag_size(n_cols: int, config: OpConfig | None = None) -> int:
+    """Entries of the ``g_flag`` of :func:`compose_fwd` for ``n_cols`` columns: its column blocks."""
+    cfg = get_config() if config is None else config
+    return triton.cdiv(max(n_cols, 1), _fwd_blocks(n_cols, cfg.compose_tiles)[1])
 
 
 def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor, s: float, *,

@@ -144,6 +144,12 @@ def test_layer_fast_g_is_magnitude_scale_of_its_norm(m_dtype, device, tail_kerne
     assert_bitwise(gm, wm)
 
 
+def _forward_checked(layer, x):
+    """The forward and its finiteness check (read at a later call on CUDA: finite_check="deferred")."""
+    layer(x)
+    dn.check_pending()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_layer_with_tail_kernel_names_bad_input(device, tail_kernel):
     torch.manual_seed(1)
@@ -154,22 +160,22 @@ def test_layer_with_tail_kernel_names_bad_input(device, tail_kernel):
     with torch.no_grad():
         layer.lora_A[1, 3] = float("nan")
     with pytest.raises(ValueError, match="A contains non-finite"):
-        layer(x)
+        _forward_checked(layer, x)
     with torch.no_grad():
         layer.lora_A[1, 3] = 0.0
         layer.magnitude[2] = float("inf")
     with pytest.raises(ValueError, match="m contains non-finite"):
-        layer(x)
+        _forward_checked(layer, x)
     with torch.no_grad():  # finite inputs whose row norm overflows fp32: wnorm = inf, g = 0
         layer.magnitude[2] = 1.0
         layer.base.weight[7] = 1e30
     with pytest.raises(ValueError, match="base_sq contains non-finite .* overflowed float32"):
-        layer(x)
+        _forward_checked(layer, x)
     with torch.no_grad():  # W's own squares fit, W + sBA's do not
         layer.base.weight[7] = 2e18
         layer.lora_B[7] = 1e20
     with pytest.raises(ValueError, match=r"overflowed float32 \(inputs are finite\)"):
-        layer(x)
+        _forward_checked(layer, x)
 
 
 LAYER_CASES = [pytest.param("cpu", 200, 50, 24, torch.float32, 0.05, id="cpu-200x50-r24", marks=DEVICES[0].marks),

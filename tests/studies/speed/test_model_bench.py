@@ -1,0 +1,166 @@
+"""The model-level section (:mod:`dora_num.studies.speed.model_bench`) on the CPU at tiny sizes:
+its files and columns, the adapter shim, the fidelity check (and that it can fail), the
+prediction model's ordering; on the GPU a training step of the accelerated model through the
+public API under ``torch.cuda.set_sync_debug_mode("error")``."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from dora_num.studies.speed import model_bench as mb
+
+TINY = mb.Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, tokens=16, vocab=64)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("model")
+    summary = mb.run(out, smoke=True, device="cpu", ranks=(4,), rounds=1, reps=1, shape=TINY, checkpointing=(False,))
+    import json
+
+    (out / "device.json").write_text(json.dumps(mb.describe("cpu", True), default=str))
+    return out, summary
+
+
+def test_smoke_run_writes_tidy_tables(smoke_run):
+    out, summary = smoke_run
+    bench = pd.read_csv(out / "model_bench.csv")
+    assert set(bench.variant) == set(mb.VARIANTS)
+    assert len(bench) == len(mb.VARIANTS) * len(mb.MODES)  # (checkpointing: test below)
+    assert (bench.ms > 0).all() and bench.rounds_ms.notna().all()
+    preds = pd.read_csv(out / "model_predictions.csv")
+    assert {"rank", "checkpointing", "variant", "predicted_ms"} <= set(preds.columns)
+    probe = pd.read_csv(out / "model_probe.csv")
+    assert set(probe.what) >= {"dora_linear_fwd_bwd", "lora_linear_fwd_bwd"}
+    assert summary["shape"]["hidden"] == TINY.hidden
+
+
+def test_checkpointed_rows_are_the_training_modes():
+    rows, _ = mb.bench_rank(TINY, 4, "cpu", rounds=1, reps=1, variants=("dora_num_fp32", "peft_fp32"),
+                            checkpointing=(True,))
+    assert {(r["variant"], r["mode"]) for r in rows} == {(v, m) for v in ("dora_num_fp32", "peft_fp32")
+                                                         for m in ("train", "train_opt")}
+    assert all(r["checkpointing"] for r in rows)
+
+
+def test_dora_num_is_faithful_and_the_check_can_fail(smoke_run):
+    out, _ = smoke_run
+    fid = pd.read_csv(out / "model_agreement.csv")
+    small = fid[fid.scope == "small_vs_fp64"].set_index("variant")
+    assert bool(small.loc["dora_num_fp32", "faithful"]) and bool(small.loc["dora_num_bf16", "faithful"])
+    assert not bool(small.loc["no_adapter", "faithful"])  # ignoring the adapter is detected
+    full = fid[fid.scope == "full_vs_peft"].set_index("variant")
+    assert full.loc["dora_num_fp32", "logits_rms_rel_err"] < full.loc["frozen", "logits_rms_rel_err"]
+
+
+def test_accelerate_shares_peft_parameters_and_their_dtypes():
+    from dora_num.ops.layer import DoRALinear
+
+    base = mb.build_base(TINY, "cpu")
+    state = mb.adapter_state(base, 4)
+    peft = mb.make_variant("peft_fp32", base, 4, state)
+    ours = mb.make_variant("dora_num_fp32", base, 4, state)
+    layers = [m for m in ours.modules() if isinstance(m, DoRALinear)]
+    assert len(layers) == len(mb.TARGET_MODULES) * TINY.layers
+    assert all(m.lora_A.dtype == torch.float32 and m.magnitude.dtype == torch.float32 for m in layers)
+    assert all(m.base.weight.dtype == torch.bfloat16 for m in layers)
+    trainable = {id(p) for p in ours.parameters() if p.requires_grad}
+    assert {id(m.lora_A) for m in layers} <= trainable and len(trainable) == 3 * len(layers)
+    q = peft.base_model.model.model.layers[0].self_attn.q_proj
+    torch.testing.assert_close(layers[0].lora_B.detach(), q.lora_B["default"].weight.detach(), rtol=0, atol=0)
+
+
+def test_prediction_orders_the_variants():
+    for ckpt in (False, True):
+        p = mb.predict(mb.FULL, 384, ckpt)
+        assert p["frozen"] < p["lora_fp32"] < p["dora_num_fp32"] < p["peft_fp32"]
+    assert mb.predict(mb.FULL, 64, True)["frozen"] > mb.predict(mb.FULL, 64, False)["frozen"]
+
+
+@pytest.mark.gpu
+def test_accelerated_training_step_has_no_sync():
+    """A training step (forward, backward, AdamW) of DoRALinear layers through the public API,
+    fp32 adapters on a bf16 base under autocast, under the sync debug mode's "error"; the
+    deferred finiteness checks then read clean."""
+    import dora_num as dn
+    from dora_num.ops.finite import check_pending
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(dn.DoRALinear(torch.nn.Linear(512, 512, bias=False).cuda().bfloat16(), 16)
+                                 for _ in range(3))
+    for layer in layers:
+        layer.lora_A = torch.nn.Parameter(layer.lora_A.detach().float())
+        layer.lora_B = torch.nn.Parameter(1e-3 * torch.randn(512, 16, device="cuda"))
+        layer.magnitude = torch.nn.Parameter(layer.magnitude.detach().float())
+    opt = torch.optim.AdamW([p for p in layers.parameters() if p.requires_grad], lr=1e-4)
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        h = x
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for layer in layers:
+                h = torch.nn.functional.gelu(layer(h))
+            loss = h.float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_pending()
+    assert torch.isfinite(loss).item()
+
+
+def test_report_tables_plot_and_verdicts(smoke_run):
+    """The notebook's functions on the smoke run, and the verdict logic on hand-made rows:
+    met, out of reach (the same run's floor below the threshold) and missed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from dora_num.studies.speed import model_report as mr
+
+    out, _ = smoke_run
+    data = mr.load_model(out)
+    mt = mr.model_table(data["bench"], data["predictions"])
+    peft_rows = mt[mt.variant == "peft_fp32"]
+    assert (peft_rows.speedup_vs_peft_fp32 == 1.0).all()
+    mr.plot_model(mt)
+    assert set(mr.model_targets(data).verdict) <= {"not_recorded", "met", "out_of_reach", "missed"}
+    assert set(mr.model_targets(None).verdict) == {"not_recorded"}
+    rows = []
+    for v, t_plain, t_ckpt, peak in (("peft_fp32", 100.0, 150.0, 4e9), ("dora_num_fp32", 50.0, 90.0, 2e9),
+                                     ("lora_fp32", 40.0, 60.0, 1.5e9), ("frozen", 30.0, 45.0, 1e9)):
+        for r in (64, 384):
+            rows.append({"variant": v, "rank": r, "checkpointing": False, "mode": "train", "ms": t_plain,
+                         "peak_extra_bytes": peak})
+            rows.append({"variant": v, "rank": r, "checkpointing": True, "mode": "train", "ms": t_ckpt,
+                         "peak_extra_bytes": peak})
+            rows.append({"variant": v, "rank": r, "checkpointing": False, "mode": "infer_cold",
+                         "ms": t_plain / (1.0 if v != "peft_fp32" else 1.5), "peak_extra_bytes": peak})
+            rows.append({"variant": v, "rank": r, "checkpointing": False, "mode": "infer",
+                         "ms": t_plain, "peak_extra_bytes": peak})
+    st = mr.model_targets({"bench": pd.DataFrame(rows), "probe": pd.DataFrame()}).set_index(["target", "shape"])
+    assert st.loc[("model_train_speedup_vs_peft", "r=384"), "verdict"] == "met"  # 2.0 >= 1.8
+    assert st.loc[("model_train_speedup_vs_peft", "r=384 ckpt"), "verdict"] == "missed"  # 1.67, floor 2.5
+    assert st.loc[("model_infer_speedup_vs_peft", "r=384"), "verdict"] == "out_of_reach"  # 1.33; floor 66.7 / 40 = 1.67 < 2
+    assert st.loc[("model_peak_memory_inverse_vs_peft", "r=64 ckpt"), "verdict"] == "met"  # 4 GB / 2 GB >= 1/0.6
+
+
+def test_ingest_copies_the_model_files_with_provenance(smoke_run, tmp_path):
+    import json
+
+    out, _ = smoke_run
+    written = mb.ingest(out, tmp_path)
+    assert sorted(p.name for p in written) == sorted(mb.MODEL_FILES)
+    side = json.loads((tmp_path / "model_bench.csv.provenance.json").read_text())
+    assert side["producer"] and side["sha256"]
+    assert not (tmp_path / "device.json").exists()
