@@ -73,6 +73,7 @@ COMPOSE_PATHS = ("auto", "eager", "fused")
 NORM_TAIL_MODES = ("auto", "triton", "torch")
 FINITE_CHECKS = ("deferred", "late", "sync", "off")
 SPLIT_PIECES = (2, 3)
+NORM_CACHE_MODES = ("recompute", "always", "off")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -150,9 +151,15 @@ class OpConfig:
     when W is 16-bit (:func:`~dora_num.ops.norm.split_pieces`): 3 (the default: exact for
     every ``|A| >= 2^-110``) or 2 (about 17 bits of A; a study variant).
 
-    ``norm_cache``: :class:`~dora_num.ops.layer.DoRALinear` keeps its last ``wnorm`` keyed on
-    the storage and version counter of W, A and B, so the recompute of a checkpointed forward
-    and repeated inference reuse it (bitwise the same value; off: computed every forward).
+    ``norm_cache``: :class:`~dora_num.ops.layer.DoRALinear` keeps its last ``max(wnorm, eps)``
+    keyed on the storage and version counters of W, A, B and m.  ``"recompute"`` (the default)
+    reuses it only inside a backward pass, i.e. for the recompute of an activation-checkpointed
+    forward, where the parameters cannot have changed since the forward that stored it;
+    ``"always"`` also across forward calls while the keys match (repeated inference);
+    ``"off"``: computed every forward.  The reuse is bitwise invisible.  ``"always"`` is not
+    safe while training: an optimizer that writes parameters without bumping their version
+    counters (``torch.optim.AdamW(fused=True)``, HF Trainer's default ``adamw_torch_fused``;
+    writes through ``.data``) leaves the key unchanged, and the cached norm would be stale.
     """
 
     compose_path: str = "auto"  # what compose(path="auto") resolves to: auto / eager / fused
@@ -166,7 +173,7 @@ class OpConfig:
     poison: bool = False  # fill every buffer a kernel launcher allocates with NaN (tests)
     finite_check: str = "deferred"  # finiteness checks on CUDA: deferred / late / sync / off (class docstring)
     split_pieces: int = 3  # 16-bit pieces of an fp32 A in the factored norm's products (2 or 3)
-    norm_cache: bool = True  # DoRALinear reuses wnorm while W, A, B are unchanged (class docstring)
+    norm_cache: str = "recompute"  # DoRALinear reuses its norm: recompute / always / off (class docstring)
     key: str = field(init=False, repr=False, compare=False)  # canonical text of the fields above
 
     def __post_init__(self):
@@ -178,8 +185,9 @@ class OpConfig:
             raise ValueError(f"finite_check must be one of {FINITE_CHECKS}, got {self.finite_check!r}")
         if isinstance(self.split_pieces, bool) or self.split_pieces not in SPLIT_PIECES:
             raise ValueError(f"split_pieces must be one of {SPLIT_PIECES}, got {self.split_pieces!r}")
-        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison",
-                     "norm_cache"):
+        if self.norm_cache not in NORM_CACHE_MODES:
+            raise ValueError(f"norm_cache must be one of {NORM_CACHE_MODES}, got {self.norm_cache!r}")
+        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.compose_tiles, ComposeTiles):

@@ -318,20 +318,25 @@ class DoRALinear(nn.Module):
         naming the input at fault.
 
         The norm cache (``OpConfig.norm_cache``): ``den = max(wnorm, eps)`` is kept with the
-        storage pointers and version counters of W, A, B and m (every in-place update, an
-        optimizer step included, bumps them) and the configuration; while they match, ``g`` is
-        ``m.float() / den`` again, bitwise what the norm would give (it is a deterministic
-        function of those inputs).  So the recompute of a checkpointed forward, and repeated
-        inference with a frozen adapter, skip the norm.  An update through ``.data`` bypasses
-        the version counter: call :meth:`clear_norm_cache` after one."""
+        storage pointers and version counters of W, A, B and m and the configuration; on a hit
+        ``g`` is ``m.float() / den`` again, bitwise what the norm would give (it is a
+        deterministic function of those inputs).  By default (``"recompute"``) a hit counts only
+        inside a backward pass, so the recompute of a checkpointed forward skips the norm while
+        every ordinary forward computes it: an optimizer that does not bump version counters
+        (fused AdamW, the HF Trainer's default) cannot make it stale.  ``"always"`` also reuses
+        it across forwards (repeated inference with a frozen adapter); after an update that
+        bypasses the version counter there, call :meth:`clear_norm_cache`."""
         W, A, B, m = self.base.weight, self.lora_A, self.lora_B, self.magnitude
         if self.norm == "cached":
-            use_cache = cfg.norm_cache and not torch.compiler.is_compiling()
+            use_cache = cfg.norm_cache != "off" and not torch.compiler.is_compiling()
             if use_cache:
                 key = (W.data_ptr(), W._version, A.data_ptr(), A._version, B.data_ptr(), B._version,
                        m.data_ptr(), m._version, cfg.key)
                 hit = self.__dict__.get("_norm_cache")
-                if hit is not None and hit[0] == key:
+                # "recompute": only inside a backward pass (a checkpointed forward's recompute),
+                # where no optimizer step can have run since the forward that stored it
+                reuse = cfg.norm_cache == "always" or torch._C._current_graph_task_id() != -1
+                if reuse and hit is not None and hit[0] == key:
                     return m.float() / hit[1], hit[2]  # the flag of the cached norm, checked again
             g, bad, den = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg, with_den=True,
                                                     trusted=True)

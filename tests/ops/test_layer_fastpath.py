@@ -2,7 +2,7 @@
 the split of A, LoRA products as PEFT computes them), and the GPU's split products.
 
 The cache is checked for what it must not change: outputs and gradients bitwise those of the
-layer with ``OpConfig.norm_cache=False``, before and after an optimizer step (whose in-place
+layer with ``OpConfig.norm_cache="off"``, before and after an optimizer step (whose in-place
 updates bump the version counters the cache is keyed on), with gradient checkpointing (whose
 recompute is the cache's main use), and a miss after any in-place change of W, A, B or m.
 """
@@ -48,18 +48,43 @@ def _step(layer, x, D):
 def test_norm_cache_hits_while_unchanged_and_misses_after_any_in_place_change():
     layer = _layer()
     x = torch.randn(5, 40)
-    layer(x)
-    first = layer.__dict__["_norm_cache"]
-    layer(x)
-    assert layer.__dict__["_norm_cache"] is first  # a hit: nothing recomputed
-    for p in (layer.lora_A, layer.lora_B, layer.magnitude, layer.base.weight):
-        with torch.no_grad():
-            p.mul_(1.0)  # same values, new version
+    with override(norm_cache="always"):
         layer(x)
-        assert layer.__dict__["_norm_cache"] is not first
         first = layer.__dict__["_norm_cache"]
+        layer(x)
+        assert layer.__dict__["_norm_cache"] is first  # a hit: nothing recomputed
+        for p in (layer.lora_A, layer.lora_B, layer.magnitude, layer.base.weight):
+            with torch.no_grad():
+                p.mul_(1.0)  # same values, new version
+            layer(x)
+            assert layer.__dict__["_norm_cache"] is not first
+            first = layer.__dict__["_norm_cache"]
+    layer(x)  # the default ("recompute"): an ordinary forward never reuses it
+    assert layer.__dict__["_norm_cache"] is not first
     layer.clear_norm_cache()
     assert "_norm_cache" not in layer.__dict__
+
+
+def test_norm_cache_by_default_is_not_stale_after_a_fused_optimizer_step():
+    """torch.optim.AdamW(fused=True) (the HF Trainer's default) writes the parameters without
+    bumping their version counters: the default cache ("recompute") must still see the step,
+    while "always" would keep the stale norm (the reason it is not the default)."""
+    for mode, stale in (("recompute", False), ("always", True)):
+        layer = _layer()
+        with torch.no_grad():
+            layer.lora_B.normal_(0, 0.1)
+        opt = torch.optim.AdamW([layer.lora_A, layer.lora_B, layer.magnitude], lr=1e-1, fused=True)
+        x = torch.randn(5, 40)
+        with override(norm_cache=mode):
+            layer(x).square().sum().backward()
+            versions = [p._version for p in (layer.lora_A, layer.lora_B)]
+            opt.step()
+            assert [p._version for p in (layer.lora_A, layer.lora_B)] == versions  # the premise
+            with torch.no_grad():
+                y = layer(x)
+        with override(norm_cache="off"), torch.no_grad():
+            want = layer(x)
+        assert torch.equal(y, want) != stale, mode
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
@@ -83,7 +108,7 @@ def test_norm_cache_is_bitwise_invisible_across_optimizer_steps(checkpointed):
 
     for _ in range(3):
         ya, ga = run(a)
-        with override(norm_cache=False):
+        with override(norm_cache="off"):
             yb, gb = run(b)
         assert_bitwise(ya, yb)
         for u, v in zip(ga, gb):
@@ -99,7 +124,8 @@ def test_norm_cache_is_bitwise_invisible_across_optimizer_steps(checkpointed):
 def test_fp32_adapters_on_a_16_bit_base_follow_peft_autocast_semantics():
     """Under bf16 autocast the LoRA products are autocast's (x, A, B cast to bf16), exactly
     as PEFT's lora_B(lora_A(x)); without autocast x is cast to A's dtype (PEFT's
-    _cast_input_dtype): fp32 products, rounded to the activation dtype for the compose."""
+    _cast_input_dtype): fp32 products, the compose and the output add in fp32, rounded once to
+    W's dtype (PEFT's result.to(torch_result_dtype))."""
     layer = _layer(torch.bfloat16, torch.float32)
     assert layer.lora_A.dtype == torch.float32 and layer.base.weight.dtype == torch.bfloat16
     x = torch.randn(7, 40).bfloat16()
@@ -115,7 +141,8 @@ def test_fp32_adapters_on_a_16_bit_base_follow_peft_autocast_semantics():
         lora32 = Fn.linear(Fn.linear(x.float(), layer.lora_A), layer.lora_B)
         base = Fn.linear(x, layer.base.weight)
     assert lora32.dtype == torch.float32
-    assert_bitwise(y2, base + dn.compose(base, lora32.bfloat16(), g, layer.scale))
+    base32 = base.float()
+    assert_bitwise(y2, (base32 + dn.compose(base32, lora32, g, layer.scale)).bfloat16())
 
 
 def test_fp32_adapter_norm_matches_fp64_on_a_bf16_base():

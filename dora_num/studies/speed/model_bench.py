@@ -8,8 +8,8 @@ heads, vocab 32000), 4 layers, 4096 tokens (one sequence), bf16 weights, bf16 au
 (non-reentrant).  Variants, all on the same base weights and the same adapter values:
 
 - ``peft_fp32``: PEFT's default (``get_peft_model(model, LoraConfig(use_dora=True, ...))``, adapters fp32);
-- ``dora_num_fp32``: that PEFT model accelerated (:func:`accelerate`: this project's ``DoRALinear``
-  on PEFT's own parameters, fp32 A, B, m);
+- ``dora_num_fp32``: that PEFT model accelerated (:func:`dora_num.peft.accelerate`: this project's
+  ``DoRALinear`` on PEFT's own parameters, fp32 A, B, m);
 - ``peft_bf16`` / ``dora_num_bf16``: the same with bf16 adapters (``autocast_adapter_dtype=False``);
 - ``lora_fp32``: plain LoRA (PEFT, fp32 adapters), the cost of the adapter without DoRA;
 - ``frozen``: the base model alone (input embeddings requiring grad, so the backward runs through
@@ -18,7 +18,7 @@ heads, vocab 32000), 4 layers, 4096 tokens (one sequence), bf16 weights, bf16 au
 Modes: ``train`` (forward + backward, optimizer excluded as in the paper; the trainable parameters'
 version counters are bumped before every step, as an optimizer step would, so no variant reuses a
 norm across steps), ``train_opt`` (+ ``AdamW.step`` and ``zero_grad``), ``infer`` (forward under
-``no_grad``, adapters frozen: ``DoRALinear`` reuses its norm), ``infer_cold`` (the norm recomputed
+``no_grad``, adapters frozen: ``DoRALinear`` reuses its norm, ``OpConfig.norm_cache="always"``), ``infer_cold`` (the norm recomputed
 every call, as PEFT does: versions bumped), each with its peak extra memory (allocator peak above the
 memory held before the step).  Timing: CUDA events around each step, ``REPS`` steps per round after
 a warm-up, the variants interleaved within each round (A B C ... A B C ...), ``ROUNDS`` rounds; each
@@ -61,6 +61,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ...ops.config import override
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VARIANTS = ("peft_fp32", "dora_num_fp32", "peft_bf16", "dora_num_bf16", "lora_fp32", "frozen")
@@ -169,41 +171,14 @@ def _load_adapter(pm, state: dict[str, torch.Tensor], use_dora: bool) -> None:
 
 
 def accelerate(peft_model):
-    """Put every PEFT DoRA ``Linear`` of ``peft_model`` on this project's operator, in place.
+    """``dora_num.peft.accelerate`` (quiet), checked to serve every PEFT DoRA projection: the
+    ``dora_num_*`` variants are PEFT's model with every DoRA layer on this project's operator."""
+    from dora_num import peft as dn_peft
 
-    SHIM (model bench only): ``dora_num.peft.accelerate`` replaces this at merge.  Each PEFT
-    ``lora.Linear`` with DoRA is swapped, in its parent module, for a
-    :class:`~dora_num.ops.layer.DoRALinear` on the same frozen ``base_layer`` whose ``lora_A``,
-    ``lora_B`` and ``magnitude`` *are* PEFT's parameter objects (their dtypes kept: fp32 or
-    bf16), with PEFT's scale.  The module tree is no longer PEFT's (no save/merge through PEFT);
-    for timing and fidelity that is all that is needed.  Returns the number of modules swapped.
-    """
-    try:
-        from dora_num import peft as dn_peft  # the real drop-in, once it exists
-    except ImportError:
-        dn_peft = None
-    if dn_peft is not None and hasattr(dn_peft, "accelerate"):
-        return dn_peft.accelerate(peft_model)
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
-    from ...ops.layer import DoRALinear
-
-    swaps = []
-    for name, mod in peft_model.named_modules():
-        if isinstance(mod, LoraLinear) and mod.use_dora.get("default", False):
-            swaps.append((name, mod))
-    for name, mod in swaps:
-        parent = peft_model.get_submodule(name.rsplit(".", 1)[0])
-        r = mod.r["default"]
-        layer = DoRALinear(mod.base_layer, r, float(mod.lora_alpha["default"]),
-                           use_rslora=bool(mod.use_rslora.get("default", False)))
-        layer.lora_A = mod.lora_A["default"].weight
-        layer.lora_B = mod.lora_B["default"].weight
-        layer.magnitude = mod.lora_magnitude_vector["default"].weight
-        if abs(layer.scale - mod.scaling["default"]) > 1e-12 * abs(layer.scale):
-            raise RuntimeError(f"{name}: scale {layer.scale} != PEFT's {mod.scaling['default']}")
-        setattr(parent, name.rsplit(".", 1)[1], layer)
-    return len(swaps)
+    report = dn_peft.accelerate(peft_model, verbose=False)
+    if report.kept:
+        raise RuntimeError(f"accelerate kept {len(report.kept)} layers on PEFT's path: {report.kept[:3]}")
+    return report
 
 
 def make_variant(variant: str, base, r: int, state: dict):
@@ -219,9 +194,9 @@ def make_variant(variant: str, base, r: int, state: dict):
         model = get_peft_model(model, _lora_config(r, use_dora), autocast_adapter_dtype=variant.endswith("fp32"))
         _load_adapter(model, state, use_dora)
         if variant.startswith("dora_num"):
-            swapped = accelerate(model)  # the shim returns a count; dora_num.peft.accelerate its own report
-            if isinstance(swapped, int) and swapped != len(TARGET_MODULES) * base.config.num_hidden_layers:
-                raise RuntimeError(f"accelerate swapped {swapped} projections, expected every one")
+            report = accelerate(model)
+            if len(report.accelerated) != len(TARGET_MODULES) * base.config.num_hidden_layers:
+                raise RuntimeError(f"accelerate served {len(report.accelerated)} projections, expected every one")
     model.train()
     _hf(model).enable_input_require_grads()
     return model
@@ -283,7 +258,9 @@ class Runner:
         return loss
 
     def infer(self):
-        with torch.no_grad(), torch.autocast(self.device, dtype=torch.bfloat16):
+        # the norm reused across calls while the adapter is unchanged (inference only: see
+        # OpConfig.norm_cache; PEFT's default recomputes it, which infer_cold measures)
+        with override(norm_cache="always"), torch.no_grad(), torch.autocast(self.device, dtype=torch.bfloat16):
             return self.model(input_ids=self.ids).logits
 
     def infer_cold(self):
