@@ -8,9 +8,13 @@ charged ``eta``; ``inf`` where an intermediate may overflow fp32; never NaN.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import numpy as np
 
 from . import formulas as F
+from .arithmetic import TorchFP32CorrectSqrt
 from .formats import FORMATS
 from .standard_model import ETA32, TINY32, U32, U64, finite64, gamma, pw, up32
 
@@ -171,36 +175,115 @@ def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
 # A-posteriori: the factored norm's own condition and error, from its fp32 terms.
 # --------------------------------------------------------------------------
 
-def lora_row_magnitudes(B, G, *, d_in: int | None = None, tensor_core_products: bool = False):
+class PosteriorConstants(NamedTuple):
+    """The fp32 constants (Python floats, each exactly an fp32 number) of
+    :func:`lora_row_magnitudes` and :func:`factored_norm_posterior` for one
+    ``(two_s, s_sq, d_in, r, tensor_core_products)``: computed once on the host, and
+    the same values are given to the Triton tail (:mod:`dora_num.ops.kernels.norm_tail`),
+    which evaluates the same sequence of fp32 operations on them."""
+
+    two_s: float  # the kernel's 2s (signed) and s^2
+    s_sq: float
+    ts: float  # |2s|
+    s2: float  # >= the real s^2
+    na_add: float  # ||A_k|| <= sqrt((max(G_kk, 0) + na_add) * na_mul) * na_up
+    na_mul: float
+    na_up: float
+    k_up: float  # 1 / (1 - gamma_{r+4}), rounded up: the lift of a length-r fp32 sum of non-negative terms
+    r_eta: float  # r * 2^-149
+    cb1: float  # (1 + g_b) d eta
+    cb2: float  # 1 / (1 - g_b), rounded up, times (1 + 4u)
+    gb: float  # g_b = gamma_d
+    gc4: float  # g_c (1 + 4u)
+    gc1: float  # 1 + g_c
+    tc: float  # d eta + t  (t = (d - 1) 2^-126 on tensor cores, else 0)
+    gcr: float  # (1 + g_c) r eta
+    ga: float  # g_a
+    ga1: float  # 1 + g_a
+    gar: float  # (1 + g_a) r
+    eta: float  # 2^-149
+    q_s2: float  # u s_sq / (1 - u)
+    q_u2: float  # (1+u)^2 - 1
+    q_u3: float  # (1+u)^3 - 1
+    q_eta: float  # 2 (1+u)^2 eta
+    lift: float  # 1 + 2^-18
+    floor: float  # 2^-144
+    lo: float  # 1 - 2u
+    up1: float  # 1 + u
+    u: float
+
+
+def posterior_constants(two_s: float, s_sq: float, *, d_in: int, r: int,
+                        tensor_core_products: bool = False) -> PosteriorConstants:
+    """The constants of lemma 4' (docs/bounds.md) for the fp32 ``2s``, ``s^2`` of
+    :func:`~dora_num.numerics.formulas.scale_constants`, ``d_in``, ``r`` and the product
+    model (``tensor_core_products``: ``U``, ``G`` from 16-bit inputs on tensor cores).
+    Cached (the operator asks for them on every call)."""
+    return _posterior_constants(float(two_s), float(s_sq), int(d_in), int(r), bool(tensor_core_products))
+
+
+@functools.lru_cache(maxsize=256)
+def _posterior_constants(two_s: float, s_sq: float, d_in: int, r: int,
+                         tensor_core_products: bool) -> PosteriorConstants:
+    u, eta = U32, 2.0**-149  # eta rounded up to an fp32 number
+    d, r = int(d_in), int(r)
+    if d < 1 or r < 0:
+        raise ValueError(f"need d_in >= 1 and r >= 0, got d_in = {d}, r = {r}")
+    dp = 2 * d if tensor_core_products else d
+    g_b, g_c, g_a = (float(gamma(n, u)) for n in (d, dp + r, dp + 2 * r))
+    g_p = float(gamma(dp, u))
+    if not max(g_b, g_c, g_a) < 0.5:
+        raise ValueError(f"d_in = {d}, r = {r} too large for an fp32 bound (gamma >= 1/2)")
+    t_abs = (d - 1) * TINY32 if tensor_core_products else 0.0
+    U = up32
+    ts, sq = abs(float(two_s)), float(s_sq)
+    if float(np.float32(two_s)) != float(two_s) or float(np.float32(sq)) != sq:
+        raise ValueError("two_s and s_sq must be fp32 numbers (dora_num.numerics.formulas.scale_constants)")
+    return PosteriorConstants(
+        two_s=float(two_s), s_sq=sq, ts=ts, s2=U((sq + 2.0**-150) / (1 - u) * (1 + 2 * u)),
+        na_add=U((1 + g_p) * (d * ETA32 + ((d - 1) * TINY32 if tensor_core_products else 0.0)) + 2.0**-149),
+        na_mul=U(1 / (1 - g_p) * (1 + 4 * u)), na_up=U(1 + 2 * u),
+        k_up=U(1 / (1 - float(gamma(r + 4, u)))), r_eta=r * 2.0**-149,
+        cb1=U((1 + g_b) * d * eta), cb2=U(1 / (1 - g_b) * (1 + 4 * u)), gb=U(g_b),
+        gc4=U(g_c * (1 + 4 * u)), gc1=U(1 + g_c), tc=U(d * eta + t_abs), gcr=U((1 + g_c) * r * eta),
+        ga=U(g_a), ga1=U(1 + g_a), gar=U((1 + g_a) * r), eta=eta,
+        q_s2=U(u * sq / (1 - u)), q_u2=U(pw(u, 2)), q_u3=U(pw(u, 3)), q_eta=U(2 * (1 + u) ** 2 * eta),
+        lift=U(1 + 2.0**-18), floor=2.0**-144, lo=float(np.float32(1 - 2 * u)), up1=U(1 + u), u=u)
+
+
+def _sqrt_rn(x):
+    """The correctly rounded fp32 square root on every device (as the Triton tail's ``sqrt_rn``)."""
+    return TorchFP32CorrectSqrt.sqrt(x)
+
+
+def lora_row_magnitudes(B, G, *, d_in: int | None = None, tensor_core_products: bool = False,
+                        constants: PosteriorConstants | None = None):
     r"""``(lora_abs, b_abs)``, fp32 ``[d_out]`` upper bounds, from ``B`` and the computed Gram
     ``G = A A^T`` (what the factored norm's tail holds): ``lora_abs_j >= sum_k |B_jk| ||A_k||``
     and ``b_abs_j >= sum_k |B_jk|``, the magnitudes :func:`factored_norm_posterior` needs.
 
     ``||A_k||^2 = G_kk`` exactly, and the computed ``G^_kk >= G_kk (1 - gamma_dp) - n eta``
     (``dp = d_in``, ``2 d_in`` on tensor cores, plus ``2^-126`` per addition there), so
-    ``||A_k|| <= sqrt((G^_kk + c) / (1 - gamma_dp))``; the fp32 sums of ``r`` non-negative
-    products are then raised by ``1 / (1 - gamma_{r+4})`` and ``r`` underflows.  Cost: two
-    length-``r`` reductions per row.  ``d_in`` defaults to a bound from ``G``'s use:
-    pass it (``A.shape[1]``)."""
+    ``||A_k|| <= sqrt((G^_kk + c) / (1 - gamma_dp))`` (a correctly rounded square root, then
+    raised by ``1 + 2u``); the fp32 sums of ``r`` non-negative products, in any order, are then
+    raised by ``1 / (1 - gamma_{r+4})`` and ``r`` underflows.  Cost: two length-``r``
+    reductions per row.  ``d_in``: the inner dimension of ``G`` (``A.shape[1]``), or the
+    ``constants`` of :func:`posterior_constants`."""
     import torch
 
     B = torch.as_tensor(B).detach().float()
     G = torch.as_tensor(G).detach().float().to(B.device)
-    if d_in is None:
-        raise ValueError("lora_row_magnitudes needs d_in (the inner dimension of G = A A^T)")
     r = B.shape[1]
-    dp = 2 * d_in if tensor_core_products else d_in
-    g = float(gamma(dp, U32))
-    if not g < 0.5:
-        raise ValueError(f"d_in = {d_in} is too large for an fp32 bound (gamma_d >= 1/2)")
-    c_abs = up32((1 + g) * (d_in * ETA32 + ((d_in - 1) * TINY32 if tensor_core_products else 0.0)) + 2.0**-149)
+    if constants is None:
+        if d_in is None:
+            raise ValueError("lora_row_magnitudes needs d_in (the inner dimension of G = A A^T)")
+        constants = posterior_constants(1.0, 0.25, d_in=d_in, r=r, tensor_core_products=tensor_core_products)
+    C = constants
     diag = torch.diagonal(G).clamp_min(0)
-    nA = torch.sqrt((diag + c_abs) * up32(1 / (1 - g) * (1 + 4 * U32)))  # sqrt of an upper bound, rounded
-    nA = nA * up32(1 + 2 * U32)
-    k = up32(1 / (1 - float(gamma(r + 4, U32))))
+    nA = _sqrt_rn((diag + C.na_add) * C.na_mul) * C.na_up
     aB = B.abs()
-    lora_abs = (aB @ nA) * k + r * 2.0**-149
-    b_abs = aB.sum(1) * k
+    lora_abs = (aB @ nA) * C.k_up + C.r_eta
+    b_abs = aB.sum(1) * C.k_up
     return lora_abs, b_abs
 
 
@@ -211,12 +294,13 @@ def factored_norm_posterior(base, cross, ba, two_s: float, s_sq: float, *, d_in:
 
     - ``kappa = (base^ + |2s cross^| + s_sq ba^) / Q^``, the condition of the assembly from
       the computed terms, ``Q^`` the fp32 ``fl(fl(s_sq ba^) + fl(fl(2s cross^) + base^))``
-      of :func:`~dora_num.numerics.formulas.norm_assembly` (``inf`` where ``Q^ <= 0``);
+      of :func:`~dora_num.numerics.formulas.norm_assembly` (``inf`` where ``Q^ <= 0``; 1 where
+      all three terms are 0);
     - ``rel``: a guaranteed bound on ``|w^ - w| / w`` for the computed ``w^ = RN(sqrt(max(Q^, 0)))``
       and the exact ``w = ||W + s BA||_row`` (real ``s^2``), valid although the terms are
       themselves rounded; ``inf`` where no finite bound exists (``Q`` may be 0 within the
-      terms' errors: such a row must be recomputed, e.g. by the dense norm).  ``rel / (1+u)``
-      minus ``u`` also bounds ``|Q^ - Q| / Q``.
+      terms' errors, e.g. a zero row or a row whose squares all underflow: such a row must be
+      recomputed, e.g. by the dense norm).
 
     Inputs: ``base``, ``cross``, ``ba`` as the kernel holds them (fp32 ``[d_out]``),
     ``two_s``, ``s_sq`` its fp32 constants, ``d_in``, ``r``, ``tensor_core_products`` (``U``, ``G``
@@ -233,43 +317,46 @@ def factored_norm_posterior(base, cross, ba, two_s: float, s_sq: float, *, d_in:
     (``g_b = gamma_d``, ``g_c = gamma_{dp+r}``, ``g_a = gamma_{dp+2r}``, ``t = (d-1) 2^-126`` on
     tensor cores), and ``|Q^ - Q| <= dQ = e_b + |2s| e_c + s2 e_a + (u s2 + eta) ba^ +
     ((1+u)^2-1)(base^ + s_sq ba^) + ((1+u)^3-1)|2s cross^| + 2(1+u)^2 eta`` with
-    ``s2 = (s_sq + eta)/(1-u) >= s^2``.  Then ``Q >= Q_lo = Q^ - dQ`` and
-    ``|w^ - w| / w <= (1+u) dQ / Q_lo + u``.  Evaluated in fp32 (about 40 operations on
-    non-negative values, ordered so that the tiny constants multiply last): ``dQ`` is
-    raised by ``1 + 2^-18`` (> ``(1+u)^40``) and by ``2^-144`` (> the underflow of the
-    ~40 products, ``2^-150`` each), ``Q_lo`` lowered by ``1 - 2u``, the quotient raised by ``1 + 2^-18``.
+    ``s2 = (s_sq + eta)/(1-u) >= s^2``.  Then ``Q >= Q_lo = Q^ - dQ > 0`` and ``Q^ >= Q_lo``, so
+    ``|sqrt(Q^) - sqrt(Q)| / sqrt(Q) = |Q^ - Q| / (sqrt(Q^ Q) + Q) <= dQ / (2 Q_lo)``, and with the
+    rounding of the square root ``|w^ - w| / w <= (1+u) dQ / (2 Q_lo) + u``.  Evaluated in fp32
+    (about 40 operations on non-negative values, ordered so that the tiny constants multiply
+    last; the constants of :func:`posterior_constants`): ``dQ`` is raised by ``1 + 2^-18``
+    (> ``(1+u)^40``) and by ``2^-144`` (> the underflow of the ~40 products, ``2^-150`` each),
+    ``Q_lo`` lowered by ``1 - 2u``, the quotient raised by ``1 + 2^-18``.  The Triton tail
+    evaluates the same sequence (bitwise equal given the same terms and magnitudes:
+    ``tests/ops/kernels/test_norm_tail.py``).
     """
     import torch
 
+    C = posterior_constants(two_s, s_sq, d_in=d_in, r=r, tensor_core_products=tensor_core_products)
     base, cross, ba = (torch.as_tensor(x).float() for x in (base, cross, ba))
     lora_abs = torch.as_tensor(lora_abs).float().to(base.device)
     b_abs = torch.as_tensor(b_abs).float().to(base.device)
-    u, eta = U32, 2.0**-149  # eta rounded up to an fp32 number
-    d, r = int(d_in), int(r)
-    dp = 2 * d if tensor_core_products else d
-    g_b, g_c, g_a = (float(gamma(n, u)) for n in (d, dp + r, dp + 2 * r))
-    if not max(g_b, g_c, g_a) < 0.5:
-        raise ValueError(f"d_in = {d}, r = {r} too large for an fp32 bound (gamma >= 1/2)")
-    t_abs = (d - 1) * TINY32 if tensor_core_products else 0.0
-    U = lambda x: up32(x)  # noqa: E731
-    ts, sq = abs(float(two_s)), float(s_sq)
-    s2 = U((sq + 2.0**-150) / (1 - u) * (1 + 2 * u))
-    # Q^ exactly as norm_assembly evaluates it (fp32, no contraction)
-    Qh = (sq * ba) + ((two_s * cross) + base)
-    mag = base.abs() + (ts * cross).abs() + sq * ba.abs()
-    b_up = (base.abs() + U((1 + g_b) * d * eta)) * U(1 / (1 - g_b) * (1 + 4 * u))
-    e_b = b_up * U(g_b) + U((1 + g_b) * d * eta)
-    e_c = torch.sqrt(b_up) * lora_abs * U(g_c * (1 + 4 * u)) \
-        + (b_abs * U(1 + g_c)) * U(d * eta + t_abs) + U((1 + g_c) * r * eta)
-    e_a = (lora_abs * lora_abs) * U(g_a) + ((b_abs * b_abs) * U(1 + g_a)) * U(d * eta + t_abs) \
-        + ((b_abs + 1) * U((1 + g_a) * r)) * eta
-    dQ = e_b + e_c * U(ts) + e_a * s2 + ba.abs() * U(u * sq / (1 - u)) + ba.abs() * eta \
-        + (base.abs() + sq * ba.abs()) * U(pw(u, 2)) + (ts * cross).abs() * U(pw(u, 3)) + U(2 * (1 + u) ** 2 * eta)
-    dQ = dQ * U(1 + 2.0**-18) + 2.0**-144
-    Q_lo = (Qh - dQ) * float(np.float32(1 - 2 * u))
+    return posterior_from_terms(base, cross, ba, lora_abs, b_abs, C)
+
+
+def posterior_from_terms(base, cross, ba, lora_abs, b_abs, C: PosteriorConstants):
+    """``(kappa, rel)`` of :func:`factored_norm_posterior` from fp32 tensors and the constants
+    ``C`` (the sequence the torch tail of :func:`dora_num.ops.norm.factored_row_norm` runs)."""
+    import torch
+
+    ab, aba = base.abs(), ba.abs()
+    Qh = (C.s_sq * ba) + ((C.two_s * cross) + base)
+    tcr = (C.ts * cross).abs()
+    mag = ab + tcr + C.s_sq * aba
+    b_up = (ab + C.cb1) * C.cb2
+    e_b = b_up * C.gb + C.cb1
+    e_c = _sqrt_rn(b_up) * lora_abs * C.gc4 + (b_abs * C.gc1) * C.tc + C.gcr
+    e_a = (lora_abs * lora_abs) * C.ga + ((b_abs * b_abs) * C.ga1) * C.tc + ((b_abs + 1) * C.gar) * C.eta
+    dQ = e_b + e_c * C.ts + e_a * C.s2 + aba * C.q_s2 + aba * C.eta \
+        + (ab + C.s_sq * aba) * C.q_u2 + tcr * C.q_u3 + C.q_eta
+    dQ = dQ * C.lift + C.floor
+    Q_lo = (Qh - dQ) * C.lo
     ok = torch.isfinite(dQ) & torch.isfinite(Qh) & (Q_lo > 0)
     inf = torch.full_like(Qh, float("inf"))
-    rel = torch.where(ok, ((dQ / torch.where(ok, Q_lo, torch.ones_like(Q_lo))) * U(1 + u) + u) * U(1 + 2.0**-18), inf)
+    q = dQ / torch.where(ok, Q_lo, torch.ones_like(Q_lo))
+    rel = torch.where(ok, ((q * 0.5) * C.up1 + C.u) * C.lift, inf)
     pos = torch.isfinite(Qh) & (Qh > 0)
     kappa = torch.where(pos, mag / torch.where(pos, Qh, torch.ones_like(Qh)), inf)
     kappa = torch.where(mag == 0, torch.ones_like(kappa), kappa)
