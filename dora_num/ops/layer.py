@@ -37,6 +37,7 @@ The switches of :mod:`dora_num.ops.config` are read once per forward.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as Fn
@@ -44,8 +45,9 @@ from torch import nn
 
 from .compose import PATHS, _compose
 from .config import OpConfig, get_config
+from .guard import FLAG_NONFINITE, CancellationWarning, check_on_cancellation
 from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
-                   dense_row_norm, magnitude_scale)
+                   dense_row_norm, initial_magnitude, magnitude_scale)
 from .validation import check_tensor
 
 NORMS = ("cached", "factored", "dense")
@@ -64,6 +66,7 @@ class DoRALinear(nn.Module):
         chunk_bytes: int | None = None,
         norm: str = "cached",
         compose_fn=None,
+        on_cancellation: str = "recompute",
     ):
         super().__init__()
         if not isinstance(base, nn.Linear):
@@ -90,12 +93,16 @@ class DoRALinear(nn.Module):
         self.chunk_bytes = chunk_bytes
         self.norm = norm
         self.compose_fn = compose_fn
+        self.on_cancellation = check_on_cancellation(on_cancellation)
+        self._warned_cancellation = False  # on_cancellation="warn": once per layer
+        self._warned_many = False  # the guard recomputing many rows: once per layer
         W = base.weight
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=W.dtype, device=W.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=W.dtype, device=W.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
-        self.magnitude = nn.Parameter(self.weight_norm().clone())
+        # m = the denominator of g from the very norm the forward recomputes: g == 1 exactly at init
+        self.magnitude = nn.Parameter(initial_magnitude(self.weight_norm()))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, alpha: float | None = None, **kwargs) -> "DoRALinear":
@@ -118,10 +125,10 @@ class DoRALinear(nn.Module):
     def _row_norm(self, cfg: OpConfig, check: bool) -> torch.Tensor:
         W, A, B = self.base.weight, self.lora_A, self.lora_B
         if self.norm == "cached":
-            return _weight_norm_cached(W, A, B, self.scale, self.chunk_bytes, check, cfg)
+            return _weight_norm_cached(W, A, B, self.scale, self.chunk_bytes, check, cfg, self.on_cancellation)
         if self.norm == "factored":
             return _factored_row_norm(W.detach(), A.detach(), B.detach(), self.scale, self.chunk_bytes, None,
-                                      check, cfg)
+                                      check, cfg, self.on_cancellation)
         return dense_row_norm(W.detach(), A.detach(), B.detach(), self.scale)
 
     def weight_norm(self) -> torch.Tensor:
@@ -133,16 +140,35 @@ class DoRALinear(nn.Module):
         input raises naming it."""
         return magnitude_scale(self.magnitude, self.weight_norm())
 
-    def _g_and_flag(self, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(g, bad)`` without the per-input value checks (their syncs).  ``norm="cached"``:
-        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag`; the
-        other norms give ``bad=None`` (then the flag is computed from ``g``).  The forward
-        reads the flag once, late (:class:`_FiniteCheck`), and on failure the checked path
-        runs and raises naming the input at fault."""
+    def _g_and_flag(self, cfg: OpConfig):
+        """``(g, bad, pending)`` without the per-input value checks (their syncs).
+        ``norm="cached"``: ``bad`` is the device flag of
+        :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (codes of :mod:`dora_num.ops.guard`)
+        and ``pending`` its cancellation guard (:class:`~dora_num.ops.norm.PendingGuard`); the
+        other norms give ``bad=None`` (then the flag is computed from ``g``) and guard inside the
+        norm (``norm="factored"``: a sync).  The forward reads the flag once, late
+        (:class:`_FiniteCheck`): on a non-finite code the checked path runs and raises naming the
+        input at fault; on the guard's code :meth:`_guarded` recomputes ``g`` and the compose."""
         if self.norm == "cached":
             return _magnitude_scale_and_flag(self.base.weight, self.lora_A, self.lora_B, self.scale, self.magnitude,
-                                             self.chunk_bytes, cfg)
-        return magnitude_scale(self.magnitude, self._row_norm(cfg, False), check=False), None
+                                             self.chunk_bytes, cfg, self.on_cancellation)
+        return magnitude_scale(self.magnitude, self._row_norm(cfg, False), check=False), None, None
+
+    def _guarded_g(self, pending) -> torch.Tensor:
+        """``g`` with the rows the cancellation guard flagged recomputed (or the error/warning of
+        ``on_cancellation``; "warn" warns once per layer)."""
+        where = f"DoRALinear({self.in_features}->{self.out_features}, r={self.rank})"
+        g = pending.g(where=where, warn=not self._warned_cancellation)
+        if self.on_cancellation == "warn":
+            self._warned_cancellation = True
+        n = pending.n_flagged()
+        if n > self.out_features // 8 and not self._warned_many:  # once: the recompute is the slow path
+            self._warned_many = True
+            warnings.warn(f"{where}: the cancellation guard recomputes {n} of {self.out_features} rows in float64 "
+                          "(a device sync and O(rows d_in r) work per forward): the factored norm's guaranteed "
+                          "error bound exceeds 2^-6 on them (strong cancellation, or updates as large as W at a "
+                          "large rank).  on_cancellation='off' skips the guard.", CancellationWarning, stacklevel=3)
+        return g
 
     def _raise_not_finite(self, g_given: bool) -> None:
         if g_given:
@@ -183,20 +209,28 @@ class DoRALinear(nn.Module):
         # the norm while the host queues the products below)
         if g_given:
             self._check_g(g, W)
-            bad = None
+            bad = pending = None
         else:
-            g, bad = self._g_and_flag(cfg)
+            g, bad, pending = self._g_and_flag(cfg)
         finite = None
         if not torch.compiler.is_compiling() and cfg.finite_check != "off":
             finite = _FiniteCheck(g, bad)
             if cfg.finite_check == "sync":  # the A/B baseline: read now, draining the device
                 if not finite.ok():
-                    self._raise_not_finite(g_given)
+                    g = self._flagged(finite, g_given, pending)
                 finite = None
         x_lora = self.dropout(x)
         base = Fn.linear(x, W)
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
         base_c = base if x_lora is x else Fn.linear(x_lora, W)
+        out = self._lora_and_compose(x_lora, base, base_c, g, bias, cfg)
+        if finite is not None and not finite.ok():  # every kernel of this forward is queued by now
+            # the rare path: the guard flagged rows (else this raises): the compose again with
+            # the recomputed g (the lora product too: an inference compose wrote over its buffer)
+            out = self._lora_and_compose(x_lora, base, base_c, self._flagged(finite, g_given, pending), bias, cfg)
+        return out
+
+    def _lora_and_compose(self, x_lora, base, base_c, g, bias, cfg: OpConfig) -> torch.Tensor:
         lora = Fn.linear(Fn.linear(x_lora, self.lora_A), self.lora_B).to(base_c.dtype)
         inference = not (torch.is_grad_enabled()
                          and (base_c.requires_grad or lora.requires_grad or g.requires_grad))
@@ -214,9 +248,14 @@ class DoRALinear(nn.Module):
             out = self.compose_fn(base_c, lora, g, self.scale, path=self.compose_path, out=out_buf)
         if not fold:
             out = (base if bias is None else base + bias.to(base.dtype)) + out
-        if finite is not None and not finite.ok():  # every kernel of this forward is queued by now
-            self._raise_not_finite(g_given)
         return out
+
+    def _flagged(self, finite: "_FiniteCheck", g_given: bool, pending) -> torch.Tensor:
+        """A raised flag: raise naming the input at fault, or (only the cancellation guard's code)
+        the guarded ``g``."""
+        if pending is None or int(finite.flag.max()) >= FLAG_NONFINITE:
+            self._raise_not_finite(g_given)
+        return self._guarded_g(pending)
 
     def extra_repr(self) -> str:
         seams = (f", norm={self.norm!r}" if self.norm != "cached" else "") + (

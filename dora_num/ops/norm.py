@@ -39,13 +39,17 @@ assembles, for studies of the assembly), :func:`magnitude_scale_and_flag` (the l
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
 from ..numerics import formulas
 from ..numerics.arithmetic import TorchFP32, TorchFP32CorrectSqrt
 from ..numerics.formulas import norm_assembly, scale_constants
+from ..numerics.norm_bounds import lora_row_magnitudes, posterior_from_terms
+from . import guard as _guard
 from .config import OpConfig, get_config
+from .guard import check_on_cancellation
 from .validation import check_finite, check_lora_factors, check_scale, check_tensor
 
 CHUNK_ALIGN = 64  # columns; chunk widths are multiples of this (coalesced, tensor-core friendly)
@@ -216,6 +220,7 @@ def factored_row_norm(
     chunk_bytes: int | None = None,
     base_sq: torch.Tensor | None = None,
     check: bool = True,
+    on_cancellation: str = "recompute",
 ) -> torch.Tensor:
     """``||W + s*B@A||_row`` in fp32 without forming ``B@A`` or an fp32 copy of W.
 
@@ -231,13 +236,26 @@ def factored_row_norm(
     :func:`~dora_num.numerics.bounds.factored_norm_bound`.  ``scale == 0`` skips the
     cross and Gram terms.
 
-    A non-finite result raises ``ValueError`` naming the input at fault (the check
-    costs O(d_out) and a device sync unless it fires; ``check=False`` skips it, for
-    callers that check the final ``g`` once instead).  A zero row gives
-    ``wnorm = 0`` exactly; :func:`magnitude_scale` turns that into a finite ``g``.
+    Cancellation guard (:mod:`dora_num.ops.guard`): the tail also evaluates, per row, the
+    assembly's condition and a guaranteed relative error bound of the result (lemma 4' of
+    docs/bounds.md); rows whose bound exceeds ``CANCELLATION_REL = 2^-8`` (the update
+    cancelling the row) are recomputed in float64 from the gathered rows of W and B
+    (``on_cancellation="recompute"``, the default), recomputed with a
+    :class:`~dora_num.ops.guard.CancellationWarning` naming them (``"warn"``), or rejected with
+    a :class:`~dora_num.ops.guard.CancellationError` naming the rows and their ``kappa``
+    (``"raise"``); ``"off"`` returns the bare factored norm.  So every returned row is within
+    ``2^-8`` relative of the exact norm (or, recomputed, within its float64 bound, lemma 5'),
+    except rows reported by a warning (a norm below fp32's normal range).
+
+    A non-finite result raises ``ValueError`` naming the input at fault.  The finiteness
+    check and the guard's decision are one read of a device flag (a sync, O(d_out));
+    ``check=False`` skips the finiteness check (for callers that check the final ``g`` once
+    instead) but not the guard, which needs the read unless ``on_cancellation="off"``.  A zero
+    row gives ``wnorm = 0`` exactly; :func:`magnitude_scale` turns that into a finite ``g``.
     Where the tail runs: :func:`uses_tail_kernel`.
     """
-    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, get_config())
+    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, get_config(),
+                              check_on_cancellation(on_cancellation))
 
 
 def _check_base_sq(base_sq, d_out: int, device) -> None:
@@ -249,68 +267,121 @@ def _check_base_sq(base_sq, d_out: int, device) -> None:
         )
 
 
-def _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check: bool, cfg: OpConfig) -> torch.Tensor:
-    """:func:`factored_row_norm` under the configuration ``cfg``."""
+def _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check: bool, cfg: OpConfig,
+                       on_cancellation: str = "recompute", zero_rows=None) -> torch.Tensor:
+    """:func:`factored_row_norm` under the configuration ``cfg`` (``zero_rows``: the optional
+    cached mask of the exactly zero rows of W, :func:`cached_zero_rows`)."""
     d_out, d_in, r = check_lora_factors(W, A, B)
     s_raw = check_scale(scale)
     cols = chunk_columns(d_out, d_in, chunk_bytes)
     if base_sq is not None:
         _check_base_sq(base_sq, d_out, W.device)
+    consts = scale_constants(s_raw)
+    guard = on_cancellation != "off"
     with torch.no_grad(), _autocast_off(W.device.type):
-        wnorm = _factored_core(W, A, B, scale_constants(s_raw), cols, chunk_bytes, base_sq, cfg)[0]
-    if check and not torch.compiler.is_compiling() and not bool(torch.isfinite(wnorm).all()):
-        for name, t in (("W", W), ("A", A), ("B", B)):
-            check_finite(name, t)
-        if base_sq is not None:
-            try:
-                check_finite("base_sq", base_sq)
-            except ValueError as e:
-                raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
-                                 "overflowed float32 (exceeds 3.4e38; rescale W)") from None
-        raise ValueError(
-            "factored row norm overflowed float32 (inputs are finite): the squared row norm "
-            "exceeds 3.4e38; rescale W or the adapter"
-        )
+        core = _factored_core(W, A, B, consts, cols, chunk_bytes, base_sq, cfg, guard=guard, zero_rows=zero_rows)
+    wnorm = core.wnorm
+    if (check or guard) and not torch.compiler.is_compiling():
+        code = int(_guard.status(wnorm, core.rel, core.flag))  # one sync: finiteness and the guard
+        if check and code >= _guard.FLAG_NONFINITE:
+            _raise_norm_not_finite(W, A, B, base_sq)
+        if guard and code >= _guard.FLAG_CANCELLATION:
+            with torch.no_grad(), _autocast_off(W.device.type):
+                wnorm = _guard.resolve(W, A, B, consts[0], wnorm, core.rel, on_cancellation)
     return wnorm
 
 
-def _torch_tail_terms(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _raise_norm_not_finite(W, A, B, base_sq) -> None:
+    for name, t in (("W", W), ("A", A), ("B", B)):
+        check_finite(name, t)
+    if base_sq is not None:
+        try:
+            check_finite("base_sq", base_sq)
+        except ValueError as e:
+            raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
+                             "overflowed float32 (exceeds 3.4e38; rescale W)") from None
+    raise ValueError(
+        "factored row norm overflowed float32 (inputs are finite): the squared row norm "
+        "exceeds 3.4e38; rescale W or the adapter"
+    )
+
+
+def _torch_tail_terms(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, guard=None):
     """``(cross, ba)`` fp32 ``[d_out]`` of the torch tail: over row blocks of ``B`` (fp32 copies
-    under ``ROW_CHUNK_BYTES``), ``cross = rowsum(B*U)`` and ``ba = rowsum((B G) * B)``."""
+    under ``ROW_CHUNK_BYTES``), ``cross = rowsum(B*U)`` and ``ba = rowsum((B G) * B)``; with the
+    guard's constants also ``(lora_abs, b_abs)`` of
+    :func:`~dora_num.numerics.norm_bounds.lora_row_magnitudes` over the same blocks."""
     d_out, r = B.shape
     cross = torch.empty(d_out, dtype=torch.float32, device=B.device)
     ba = torch.empty(d_out, dtype=torch.float32, device=B.device)
+    mags = None if guard is None else (torch.empty_like(cross), torch.empty_like(cross))
     rows = max(1, ROW_CHUNK_BYTES // (3 * 4 * r))
     for start in range(0, d_out, rows):
         Bc = B[start : start + rows].float()
         cross[start : start + rows] = (Bc * U[start : start + rows]).sum(dim=1)
         ba[start : start + rows] = ((Bc @ G) * Bc).sum(dim=1)
+        if mags is not None:
+            la, bb = lora_row_magnitudes(Bc, G, constants=guard)
+            mags[0][start : start + rows], mags[1][start : start + rows] = la, bb
         del Bc
-    return cross, ba
+    return (cross, ba) if mags is None else (cross, ba, *mags)
 
 
-def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConfig, m=None, eps=None):
-    """``(wnorm, den, bad)`` of the factored norm, unchecked (callers hold no_grad, autocast off).
+class _Core(NamedTuple):
+    """What :func:`_factored_core` computed (fields None where not asked for or not available)."""
 
-    With ``m`` and the tail kernel: ``den = max(wnorm, eps)`` and ``bad``, an int32
-    device flag (one entry per program of the kernel), some entry nonzero iff some
-    ``wnorm`` or ``m / den`` is not finite
-    (:func:`dora_num.ops.kernels.norm_tail.norm_tail`); otherwise both are None.
+    wnorm: torch.Tensor
+    den: torch.Tensor | None  # the tail kernel with m: the denominator of g
+    flag: torch.Tensor | None  # the tail kernel with m or the guard: per-program FLAG_* codes
+    kappa: torch.Tensor | None  # the guard: per-row condition of the assembly
+    rel: torch.Tensor | None  # the guard: per-row guaranteed relative error bound of wnorm
+
+
+def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConfig, m=None, eps=None, *,
+                   guard: bool = True, zero_rows=None) -> _Core:
+    """:class:`_Core` of the factored norm, unchecked and unguarded: the guard's decision is the
+    caller's (callers hold no_grad, autocast off).
+
+    With ``m`` and the tail kernel: ``den`` (``wnorm``, ``eps`` at zero rows) and ``flag``, an
+    int32 device tensor (one entry per program of the kernel; ``FLAG_*`` of
+    :mod:`dora_num.ops.guard`): non-finite ``wnorm`` or ``m / den``, or a row the guard flags
+    (:func:`dora_num.ops.kernels.norm_tail.norm_tail`).  With ``guard``: ``kappa`` and ``rel``
+    per row (lemma 4'), from the tail kernel or the torch tail; ``zero_rows`` (a bool mask of
+    the exactly zero rows of W) certifies the rows whose W and B rows are both zero as exact
+    (``rel = 0``), which the terms alone cannot.
     """
     s, two_s, s_sq = consts
     acc_base = base_row_norm_sq(W, chunk_bytes=chunk_bytes) if base_sq is None else base_sq
+    r = A.shape[0]
+    C = _guard.guard_constants(two_s, s_sq, W, r) if guard else None
     if s == 0.0:
         zeros = torch.zeros_like(acc_base)
-        return norm_assembly(TorchFP32CorrectSqrt, acc_base, zeros, zeros, 0.0, 0.0), None, None
+        wnorm = norm_assembly(TorchFP32CorrectSqrt, acc_base, zeros, zeros, 0.0, 0.0)
+        kappa = rel = None
+        if guard:
+            kappa, rel = posterior_from_terms(acc_base, zeros, zeros, zeros, zeros, C)
+            if zero_rows is not None:
+                rel = torch.where(zero_rows, torch.zeros_like(rel), rel)
+        return _Core(wnorm, None, None, kappa, rel)
     U = _u_product(W, A, cols)
     G = _gram_fp32(A)
     if uses_tail_kernel(W.device, cfg):
         from .kernels.norm_tail import norm_tail
 
-        return norm_tail(U, B, G, acc_base, two_s, s_sq, m=m, eps=eps, config=cfg)
-    cross, ba = _torch_tail_terms(U, B, G)
+        t = norm_tail(U, B, G, acc_base, two_s, s_sq, m=m, eps=eps, guard=C,
+                      rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows, config=cfg)
+        return _Core(t.wnorm, t.den, t.flag, t.kappa, t.rel)
+    terms = _torch_tail_terms(U, B, G, C)
     del U
-    return norm_assembly(TorchFP32CorrectSqrt, acc_base, cross, ba, two_s, s_sq), None, None
+    cross, ba = terms[:2]
+    wnorm = norm_assembly(TorchFP32CorrectSqrt, acc_base, cross, ba, two_s, s_sq)
+    if not guard:
+        return _Core(wnorm, None, None, None, None)
+    lora_abs, b_abs = terms[2:]
+    kappa, rel = posterior_from_terms(acc_base, cross, ba, lora_abs, b_abs, C)
+    if zero_rows is not None:  # W and B rows exactly zero: Q = 0 = Q^ exactly
+        rel = torch.where(zero_rows & (b_abs == 0), torch.zeros_like(rel), rel)
+    return _Core(wnorm, None, None, kappa, rel)
 
 
 def factored_terms(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, *,
@@ -365,97 +436,200 @@ def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) 
     return val
 
 
+_ZERO_ATTR = "_dora_num_zero_rows"
+
+
+def cached_zero_rows(W: torch.Tensor) -> torch.Tensor:
+    """Bool ``[d_out]``: the rows of ``W`` that are exactly zero, cached on ``W`` like
+    :func:`cached_base_row_norm_sq` (same key).  The guard uses it to certify a row whose W and
+    B rows are both zero as exactly 0 (its fp32 terms cannot tell a zero row from one whose
+    squares all underflow), so such rows (padding rows at initialisation) do not reach the
+    recompute path on every forward."""
+    key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device)
+    hit = getattr(W, _ZERO_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        val = (W.detach() == 0).all(dim=1)
+    setattr(W, _ZERO_ATTR, (key, val))
+    return val
+
+
 @torch.library.custom_op("dora_num::weight_norm", mutates_args=())
 def _weight_norm_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
-                    chunk_bytes: int, check: bool, config: str) -> torch.Tensor:
-    """``config``: the :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph."""
+                    chunk_bytes: int, check: bool, config: str, on_cancellation: str) -> torch.Tensor:
+    """``config``: the :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph.  The
+    guard resolves here, at run time (the op reads its flag: a sync, as its finiteness check)."""
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
-    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, OpConfig.from_key(config))
+    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, OpConfig.from_key(config),
+                              on_cancellation, cached_zero_rows(W))
 
 
 @_weight_norm_op.register_fake
-def _(W, A, B, scale, chunk_bytes, check, config):
+def _(W, A, B, scale, chunk_bytes, check, config, on_cancellation):
     return W.new_empty((W.shape[0],), dtype=torch.float32)
 
 
 def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, *,
-                       chunk_bytes: int | None = None, check: bool = True) -> torch.Tensor:
-    """Factored ``||W + sBA||_row`` with the cached ``base_sq`` (detached).
+                       chunk_bytes: int | None = None, check: bool = True,
+                       on_cancellation: str = "recompute") -> torch.Tensor:
+    """Factored ``||W + sBA||_row`` with the cached ``base_sq`` (detached), guarded as
+    :func:`factored_row_norm`.
 
     Eager: the cache lives on ``W`` itself (not on a detached alias, which is a new
     tensor object every call).  Under ``torch.compile``: the custom op
     ``dora_num::weight_norm`` (no graph break), which consults the same cache on
     the tensor it is given at run time.
     """
-    return _weight_norm_cached(W, A, B, scale, chunk_bytes, check, get_config())
+    return _weight_norm_cached(W, A, B, scale, chunk_bytes, check, get_config(), check_on_cancellation(on_cancellation))
 
 
-def _weight_norm_cached(W, A, B, scale, chunk_bytes, check: bool, cfg: OpConfig) -> torch.Tensor:
+def _weight_norm_cached(W, A, B, scale, chunk_bytes, check: bool, cfg: OpConfig,
+                        on_cancellation: str = "recompute") -> torch.Tensor:
     if torch.compiler.is_compiling():
         Wd = W if not W.requires_grad else W.detach()
         cb = resolve_chunk_bytes(W.shape[0], W.shape[1], chunk_bytes)
-        return _weight_norm_op(Wd, A.detach(), B.detach(), float(scale), int(cb), bool(check), cfg.key)
+        return _weight_norm_op(Wd, A.detach(), B.detach(), float(scale), int(cb), bool(check), cfg.key,
+                               on_cancellation)
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
-    return _factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes, base_sq, check, cfg)
+    return _factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes, base_sq, check, cfg,
+                              on_cancellation, cached_zero_rows(W))
 
 
 def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, m: torch.Tensor, *,
-                             chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(g, bad)``: :class:`~dora_num.ops.layer.DoRALinear`'s ``g`` and a finiteness flag,
+                             chunk_bytes: int | None = None,
+                             on_cancellation: str = "recompute") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(g, bad)``: :class:`~dora_num.ops.layer.DoRALinear`'s ``g`` and a device flag,
     without a device sync.
 
-    ``g = m / max(||W + sBA||_row, eps)`` (fp32, differentiable in ``m``; the norm
-    detached, ``base_sq`` cached on W), bitwise the ``g`` of :func:`magnitude_scale`
-    on :func:`weight_norm_cached` given the same ``wnorm``.  ``bad`` is a device tensor,
-    nonzero iff some ``wnorm`` or ``g`` is not finite, for the caller to read once, late
-    (as the layer does; ``bool(bad.any())`` syncs).  ``bad`` is None under
-    ``torch.compile``, where the norm op checks ``wnorm`` and the compose op ``g`` at run
-    time.  No value checks of the inputs (the flag is the check; on failure call
-    :func:`magnitude_scale` on :func:`factored_row_norm` to have the input at fault
-    named).  On CUDA the norm's tail, the clamp and the flag are one Triton launch
-    (:mod:`dora_num.ops.kernels.norm_tail`) and ``g`` one division; where the tail runs:
-    :func:`uses_tail_kernel`.
+    ``g = m / ||W + sBA||_row`` (``m / eps`` on a zero row; fp32, differentiable in ``m``; the
+    norm detached, ``base_sq`` cached on W), bitwise the ``g`` of :func:`magnitude_scale`
+    on the unguarded factored norm.  ``bad`` is an int32 device tensor whose largest entry is a
+    code of :mod:`dora_num.ops.guard`: ``FLAG_NONFINITE`` (2) where some ``wnorm`` or ``g`` is not
+    finite, else ``FLAG_CANCELLATION`` (1) where the cancellation guard flags a row (this ``g``
+    may then be wrong there), else 0; for the caller to read once, late (as the layer does;
+    ``bool(bad.any())`` syncs).  On a nonzero flag call :func:`magnitude_scale` on
+    :func:`factored_row_norm` (``on_cancellation`` as here), which names the input at fault or
+    recomputes, warns about or rejects the flagged rows.  ``bad`` is None under
+    ``torch.compile``, where the norm op checks and guards ``wnorm`` and the compose op ``g`` at
+    run time.  No value checks of the inputs.  On CUDA the norm's tail, the guard, the
+    denominator and the flag are one Triton launch (:mod:`dora_num.ops.kernels.norm_tail`)
+    and ``g`` one division; where the tail runs: :func:`uses_tail_kernel`.
     """
-    return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, get_config())
+    g, bad, _ = _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, get_config(),
+                                          check_on_cancellation(on_cancellation))
+    return g, bad
 
 
-def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig):
-    if torch.compiler.is_compiling():  # the op checks wnorm at run time (as the flag does in eager)
-        wnorm = _weight_norm_cached(W, A, B, scale, chunk_bytes, True, cfg)
-        return magnitude_scale(m, wnorm, check=False), None
+class PendingGuard:
+    """The cancellation guard of one :func:`_magnitude_scale_and_flag` call, to resolve after its
+    flag reads ``FLAG_CANCELLATION`` (the layer does this at its late check): :meth:`g` recomputes
+    the flagged rows (:func:`dora_num.ops.guard.resolve`, a sync) and returns the corrected ``g``."""
+
+    __slots__ = ("W", "A", "B", "s", "core", "m", "eps", "mode")
+
+    def __init__(self, W, A, B, s, core, m, eps, mode):
+        self.W, self.A, self.B, self.s, self.core, self.m, self.eps, self.mode = W, A, B, s, core, m, eps, mode
+
+    def g(self, *, where: str = "factored row norm", warn: bool = True) -> torch.Tensor:
+        c = self.core
+        with torch.no_grad(), _autocast_off(self.W.device.type):
+            wnorm = _guard.resolve(self.W, self.A, self.B, self.s, c.wnorm, c.rel, self.mode,
+                                   where=where, warn=warn)
+        return magnitude_scale(self.m, wnorm, eps=self.eps, check=False)
+
+    def n_flagged(self) -> int:
+        """How many rows the guard flagged (a sync)."""
+        return int((self.core.rel > _guard.CANCELLATION_REL).sum())
+
+
+def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_cancellation: str = "recompute"):
+    """``(g, bad, pending)``: :func:`magnitude_scale_and_flag` and the :class:`PendingGuard` to resolve
+    when ``bad`` reads ``FLAG_CANCELLATION`` (None under ``torch.compile`` or with ``"off"``)."""
+    if torch.compiler.is_compiling():  # the op checks and guards wnorm at run time (as the flag does in eager)
+        wnorm = _weight_norm_cached(W, A, B, scale, chunk_bytes, True, cfg, on_cancellation)
+        return magnitude_scale(m, wnorm, check=False), None, None
     d_out, d_in, _ = check_lora_factors(W, A, B)
     check_tensor("m", m, ndim=1)
     if m.shape[0] != d_out or m.device != W.device:
         raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
     eps = default_eps(m.dtype)
     base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
+    guard = on_cancellation != "off"
     tail_m = m.detach() if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+    consts = scale_constants(check_scale(scale))
+    Wd, Ad, Bd = W.detach(), A.detach(), B.detach()
     with torch.no_grad(), _autocast_off(W.device.type):
-        wnorm, den, bad = _factored_core(W.detach(), A.detach(), B.detach(), scale_constants(check_scale(scale)),
-                                         chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
-                                         cfg, m=tail_m, eps=eps)
-    if den is None:  # the torch tail
-        g = magnitude_scale(m, wnorm, eps=eps, check=False)
-        return g, ~(torch.isfinite(wnorm).all() & torch.isfinite(g.detach()).all())
-    # den = max(wnorm, eps) is the maximum of formulas.magnitude_scale, taken (exactly) in the
+        core = _factored_core(Wd, Ad, Bd, consts, chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
+                              cfg, m=tail_m, eps=eps, guard=guard, zero_rows=cached_zero_rows(W) if guard else None)
+    pending = PendingGuard(Wd, Ad, Bd, consts[0], core, m, eps, on_cancellation) if guard else None
+    if core.den is None:  # the torch tail
+        g = magnitude_scale(m, core.wnorm, eps=eps, check=False)
+        return g, _guard.status(core.wnorm, core.rel, None, g), pending
+    # den = magnitude_denominator(wnorm, eps) of formulas.magnitude_scale, selected (exactly) in the
     # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).
-    return m.float() / den, bad
+    return m.float() / core.den, core.flag, pending
 
 
 def default_eps(dtype: torch.dtype) -> float:
-    """The ``eps`` of :func:`magnitude_scale` for a magnitude of this dtype."""
+    """The ``eps`` of :func:`magnitude_scale` for a magnitude of this dtype (used only at zero rows)."""
     return 1e-6 if dtype in (torch.float16, torch.bfloat16) else 1e-12
+
+
+def initial_magnitude(wnorm: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """DoRA's initial magnitude from the layer's own norm ``wnorm``: the denominator of ``g``
+    (:func:`~dora_num.numerics.formulas.magnitude_denominator`: ``wnorm``, and ``eps`` of
+    ``dtype`` on a zero row), in ``dtype``.  With an fp32 magnitude the forward's
+    ``g = m / d`` is then ``d / d = 1`` exactly on every row (zero rows included: ``eps /
+    eps``), because the forward recomputes the very same ``wnorm`` (same code, device and
+    configuration) and a correctly rounded division of equal nonzero numbers is 1.  (A 16-bit
+    magnitude rounds ``d``: then ``|g - 1| <= u`` of that format.)"""
+    check_tensor("wnorm", wnorm, ndim=1, dtypes=(torch.float32,))
+    with torch.no_grad():
+        return formulas.magnitude_denominator(TorchFP32, wnorm.detach(), default_eps(dtype)).to(dtype)
+
+
+@torch.library.custom_op("dora_num::magnitude_div", mutates_args=())
+def _magnitude_div_op(m: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``m / den`` in fp32 by torch's correctly rounded division, opaque to the compiler:
+    inductor lowers a traced fp32 division to Triton's ``div.full.f32`` on CUDA (not correctly
+    rounded, so ``d / d`` need not be 1), which would break ``g == 1`` at initialisation."""
+    return m.float() / den
+
+
+@_magnitude_div_op.register_fake
+def _(m, den):
+    return torch.empty_like(den, dtype=torch.float32)
+
+
+def _magnitude_div_setup(ctx, inputs, output):
+    m, den = inputs
+    ctx.save_for_backward(den)
+    ctx.m_dtype = m.dtype
+
+
+def _magnitude_div_backward(ctx, grad):
+    (den,) = ctx.saved_tensors
+    return (grad / den).to(ctx.m_dtype), None
+
+
+_magnitude_div_op.register_autograd(_magnitude_div_backward, setup_context=_magnitude_div_setup)
 
 
 def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None = None,
                     check: bool = True) -> torch.Tensor:
-    """``g = m / max(wnorm, eps)`` in fp32 (differentiable in ``m``; ``wnorm`` detached).
+    """``g = m / wnorm`` in fp32, ``m / eps`` where ``wnorm == 0`` (differentiable in ``m``;
+    ``wnorm`` detached): :func:`~dora_num.numerics.formulas.magnitude_scale`.
 
-    ``eps`` defaults by the dtype of ``m``: ``1e-12`` for fp32/fp64 (as
-    ``torch.nn.functional.normalize``), ``1e-6`` for bf16/fp16 magnitudes.  A row
-    with ``wnorm = 0`` (an all-zero row of ``W + sBA``, where PEFT divides by
-    zero) thus gets the finite ``g = m / eps``; at DoRA init such a row has
-    ``m = 0`` and so ``g = 0``.
+    ``eps`` guards only zero rows: every row with a nonzero norm, however small (below ``eps``,
+    subnormal), gets ``m / wnorm`` as DoRA's formula (and PEFT, which has no ``eps``) says.
+    ``eps`` defaults by the dtype of ``m``: ``1e-12`` for fp32/fp64, ``1e-6`` for bf16/fp16
+    magnitudes; a zero row (where PEFT computes ``0/0 = NaN``, or ``m/0 = inf``) gets the finite
+    ``g = m / eps``, and at DoRA's init (:func:`initial_magnitude`: ``m = eps`` there) ``g = 1``.
+    With ``check``: a non-finite ``m``, ``wnorm`` or ``g`` raises ``ValueError`` (``g`` overflows
+    where ``m / wnorm`` exceeds fp32, e.g. a subnormal nonzero norm; the rows are named).
+    Under ``torch.compile`` the division is the custom op ``dora_num::magnitude_div`` (torch's
+    correctly rounded division, as in eager; bitwise the same ``g``).
     """
     check_tensor("m", m, ndim=1)
     check_tensor("wnorm", wnorm, ndim=1, dtypes=(torch.float32, torch.float64))
@@ -467,7 +641,16 @@ def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None =
         eps = default_eps(m.dtype)
     if not (eps > 0):
         raise ValueError(f"eps must be positive, got {eps}")
-    if check and not torch.compiler.is_compiling():  # value checks sync; skipped while tracing
+    w = wnorm.detach().float()
+    if torch.compiler.is_compiling():
+        return _magnitude_div_op(m, formulas.magnitude_denominator(TorchFP32, w, eps))
+    if check:  # value checks sync
         check_finite("m", m.detach())
         check_finite("wnorm", wnorm)
-    return formulas.magnitude_scale(TorchFP32, m.float(), wnorm.detach().float(), eps)
+    g = formulas.magnitude_scale(TorchFP32, m.float(), w, eps)
+    if check and not bool(torch.isfinite(g.detach()).all()):
+        rows = torch.nonzero(~torch.isfinite(g.detach())).flatten()[:8].tolist()
+        raise ValueError(f"g = m / wnorm overflows float32 on rows {rows} (wnorm as small as "
+                         f"{float(w[rows].min()):.3g}, |m| up to {float(m.detach()[rows].abs().max()):.3g}): "
+                         "eps guards zero rows only; rescale W or m")
+    return g
