@@ -1,11 +1,23 @@
 """``DoRALinear``: a frozen ``nn.Linear`` with a DoRA adapter.
 
 ``y = x W^T + b + delta``, ``delta = (g-1) * (x W^T) + g * s * (x A^T B^T)``,
-``g = m / max(||W + s B A||_row, eps)`` with the norm detached (DoRA paper,
-section 4.3; PEFT does the same).  Initialisation follows PEFT's LoRA defaults:
-``A ~ kaiming_uniform(a=sqrt(5))``, ``B = 0``, ``m = ||W||_row`` (fp32), so the
-layer equals the base layer at init and ``g = 1`` up to the rounding of ``m``.
+``g = m / ||W + s B A||_row`` with the norm detached (DoRA paper, section 4.3; PEFT
+does the same; ``m / eps`` only on a zero row).  Initialisation follows PEFT's LoRA
+defaults: ``A ~ kaiming_uniform(a=sqrt(5))``, ``B = 0``, ``m = ||W||_row`` (fp32) computed
+by the layer's own norm (:func:`~dora_num.ops.norm.initial_magnitude`: ``eps`` on a zero
+row), so ``g == 1`` exactly at init on every row, rows with tiny or subnormal norms included,
+and without a bias the layer's output equals the base layer's bit for bit (with a bias and a
+16-bit base the output add rounds ``x W^T`` first: within one rounding of it).  This holds
+when the forward recomputes the norm with the code, device and configuration of the init
+(moving the layer to another device recomputes the norm in another summation order).
 ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+
+``on_cancellation`` (default ``"recompute"``): what the factored norm's cancellation guard does
+with rows it cannot guarantee (:mod:`dora_num.ops.guard`): recompute them in float64,
+``"warn"`` (once per layer), ``"raise"``, or ``"off"``.  The guard's decision joins the late
+finiteness flag of ``g``; when it fires the forward recomputes ``g`` and the compose (the rare
+path, a sync).  Under ``OpConfig.finite_check="off"`` (a timing switch) the flag is not read,
+so the guard does not act either.
 
 The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`); the
 forward takes ``g`` from :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (on CUDA

@@ -15,9 +15,23 @@ relative error of ``wnorm`` grows like ``u kappa``.  The dense norm rounds
 ``W + s(BA)`` elementwise, with errors proportional to ``|W_i|`` rather than to the
 result, and degrades only like ``u sqrt(kappa)`` (derivations and measurements:
 :func:`dora_num.numerics.bounds.factored_norm_bound`, ``dense_norm_bound``,
-notebook 03).  The factored norm loses to the dense one only when ``kappa`` is
-large (the update cancelling the row).
-Realistic adapters have ``||sBA|| << ||W||`` and ``kappa ≈ 1``.
+notebook 03).  The bare factored norm loses to the dense one only when ``kappa`` is
+large (the update cancelling the row), and beyond ``kappa ~ 1/u`` it can return 0 for a
+nonzero row.  Realistic adapters have ``||sBA|| << ||W||`` and ``kappa ≈ 1``.
+
+The cancellation guard (:mod:`dora_num.ops.guard`; lemma 4' of docs/bounds.md) makes the
+factored norm know its own condition: the tail evaluates, per row and from its own fp32 terms,
+``kappa`` and a guaranteed relative error bound ``rel`` (about 40 flops and two length-``r``
+reductions per row, in the Triton tail on CUDA and in the torch tail elsewhere).  Rows with
+``rel > 2^-6`` are recomputed in float64 from the gathered rows of W and B (lemma 5'), or
+reported (``on_cancellation``); the decision is a device flag read where the finiteness flag
+already is, so the layer's fast path does not sync.  Every returned row is then within
+``2^-6`` of the exact norm, or within its float64 bound, or named in a warning.  The zero
+rows of W (with zero B rows) are certified exact by a cached mask (:func:`cached_zero_rows`).
+
+``g`` (:mod:`dora_num.ops.magnitude`, re-exported here): ``m / wnorm``, ``m / eps`` only where
+``wnorm == 0``; DoRA's initial ``m`` is the forward's own denominator, so ``g == 1`` exactly at
+initialisation on every row (:func:`initial_magnitude`).
 
 Memory: ``base`` needs one fp32 chunk of W and its square,
 ``2 * d_out * chunk * 4`` bytes, kept under ``chunk_bytes`` (by default a quarter of
@@ -33,7 +47,8 @@ torch operations over row blocks of ``B`` under ``ROW_CHUNK_BYTES``.
 
 Public pieces besides the norms: :func:`factored_terms` (the fp32 terms the torch tail
 assembles, for studies of the assembly), :func:`magnitude_scale_and_flag` (the layer's
-``g`` with a device flag instead of a sync), :func:`uses_tail_kernel`.
+``g`` with a device flag instead of a sync; :class:`PendingGuard` resolves its guard),
+:func:`uses_tail_kernel`, :func:`cached_zero_rows`.
 """
 
 from __future__ import annotations
@@ -43,13 +58,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..numerics import formulas
-from ..numerics.arithmetic import TorchFP32, TorchFP32CorrectSqrt
+from ..numerics.arithmetic import TorchFP32CorrectSqrt
 from ..numerics.formulas import norm_assembly, scale_constants
 from ..numerics.norm_bounds import lora_row_magnitudes, posterior_from_terms
 from . import guard as _guard
 from .config import OpConfig, get_config
 from .guard import check_on_cancellation
+from .magnitude import default_eps, initial_magnitude, magnitude_scale  # noqa: F401  (public here too)
 from .validation import check_finite, check_lora_factors, check_scale, check_tensor
 
 CHUNK_ALIGN = 64  # columns; chunk widths are multiples of this (coalesced, tensor-core friendly)
@@ -569,88 +584,3 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
     # den = magnitude_denominator(wnorm, eps) of formulas.magnitude_scale, selected (exactly) in the
     # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).
     return m.float() / core.den, core.flag, pending
-
-
-def default_eps(dtype: torch.dtype) -> float:
-    """The ``eps`` of :func:`magnitude_scale` for a magnitude of this dtype (used only at zero rows)."""
-    return 1e-6 if dtype in (torch.float16, torch.bfloat16) else 1e-12
-
-
-def initial_magnitude(wnorm: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """DoRA's initial magnitude from the layer's own norm ``wnorm``: the denominator of ``g``
-    (:func:`~dora_num.numerics.formulas.magnitude_denominator`: ``wnorm``, and ``eps`` of
-    ``dtype`` on a zero row), in ``dtype``.  With an fp32 magnitude the forward's
-    ``g = m / d`` is then ``d / d = 1`` exactly on every row (zero rows included: ``eps /
-    eps``), because the forward recomputes the very same ``wnorm`` (same code, device and
-    configuration) and a correctly rounded division of equal nonzero numbers is 1.  (A 16-bit
-    magnitude rounds ``d``: then ``|g - 1| <= u`` of that format.)"""
-    check_tensor("wnorm", wnorm, ndim=1, dtypes=(torch.float32,))
-    with torch.no_grad():
-        return formulas.magnitude_denominator(TorchFP32, wnorm.detach(), default_eps(dtype)).to(dtype)
-
-
-@torch.library.custom_op("dora_num::magnitude_div", mutates_args=())
-def _magnitude_div_op(m: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``m / den`` in fp32 by torch's correctly rounded division, opaque to the compiler:
-    inductor lowers a traced fp32 division to Triton's ``div.full.f32`` on CUDA (not correctly
-    rounded, so ``d / d`` need not be 1), which would break ``g == 1`` at initialisation."""
-    return m.float() / den
-
-
-@_magnitude_div_op.register_fake
-def _(m, den):
-    return torch.empty_like(den, dtype=torch.float32)
-
-
-def _magnitude_div_setup(ctx, inputs, output):
-    m, den = inputs
-    ctx.save_for_backward(den)
-    ctx.m_dtype = m.dtype
-
-
-def _magnitude_div_backward(ctx, grad):
-    (den,) = ctx.saved_tensors
-    return (grad / den).to(ctx.m_dtype), None
-
-
-_magnitude_div_op.register_autograd(_magnitude_div_backward, setup_context=_magnitude_div_setup)
-
-
-def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None = None,
-                    check: bool = True) -> torch.Tensor:
-    """``g = m / wnorm`` in fp32, ``m / eps`` where ``wnorm == 0`` (differentiable in ``m``;
-    ``wnorm`` detached): :func:`~dora_num.numerics.formulas.magnitude_scale`.
-
-    ``eps`` guards only zero rows: every row with a nonzero norm, however small (below ``eps``,
-    subnormal), gets ``m / wnorm`` as DoRA's formula (and PEFT, which has no ``eps``) says.
-    ``eps`` defaults by the dtype of ``m``: ``1e-12`` for fp32/fp64, ``1e-6`` for bf16/fp16
-    magnitudes; a zero row (where PEFT computes ``0/0 = NaN``, or ``m/0 = inf``) gets the finite
-    ``g = m / eps``, and at DoRA's init (:func:`initial_magnitude`: ``m = eps`` there) ``g = 1``.
-    With ``check``: a non-finite ``m``, ``wnorm`` or ``g`` raises ``ValueError`` (``g`` overflows
-    where ``m / wnorm`` exceeds fp32, e.g. a subnormal nonzero norm; the rows are named).
-    Under ``torch.compile`` the division is the custom op ``dora_num::magnitude_div`` (torch's
-    correctly rounded division, as in eager; bitwise the same ``g``).
-    """
-    check_tensor("m", m, ndim=1)
-    check_tensor("wnorm", wnorm, ndim=1, dtypes=(torch.float32, torch.float64))
-    if m.shape != wnorm.shape:
-        raise ValueError(f"m has shape {tuple(m.shape)} but wnorm has {tuple(wnorm.shape)}")
-    if m.device != wnorm.device:
-        raise ValueError(f"m is on {m.device} but wnorm on {wnorm.device}")
-    if eps is None:
-        eps = default_eps(m.dtype)
-    if not (eps > 0):
-        raise ValueError(f"eps must be positive, got {eps}")
-    w = wnorm.detach().float()
-    if torch.compiler.is_compiling():
-        return _magnitude_div_op(m, formulas.magnitude_denominator(TorchFP32, w, eps))
-    if check:  # value checks sync
-        check_finite("m", m.detach())
-        check_finite("wnorm", wnorm)
-    g = formulas.magnitude_scale(TorchFP32, m.float(), w, eps)
-    if check and not bool(torch.isfinite(g.detach()).all()):
-        rows = torch.nonzero(~torch.isfinite(g.detach())).flatten()[:8].tolist()
-        raise ValueError(f"g = m / wnorm overflows float32 on rows {rows} (wnorm as small as "
-                         f"{float(w[rows].min()):.3g}, |m| up to {float(m.detach()[rows].abs().max()):.3g}): "
-                         "eps guards zero rows only; rescale W or m")
-    return g

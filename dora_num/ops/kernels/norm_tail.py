@@ -53,7 +53,6 @@ import triton.language as tl
 
 from ...numerics.norm_bounds import PosteriorConstants
 from ..config import OpConfig, get_config
-from ..guard import FLAG_CANCELLATION, FLAG_NONFINITE, FLAG_OK  # noqa: F401  (the kernel writes 0, 1, 2)
 from .compose import new_buffer
 from .norm_assembly import assemble
 
@@ -162,7 +161,7 @@ class TailResult(NamedTuple):
 
     wnorm: torch.Tensor  # fp32 [d_out]
     den: torch.Tensor | None  # with m: the denominator of g (wnorm, or eps where wnorm == 0)
-    flag: torch.Tensor | None  # with m or guard: int32 [programs], FLAG_* codes
+    flag: torch.Tensor | None  # with m or guard: int32 [programs], the FLAG_* codes of dora_num.ops.guard
     kappa: torch.Tensor | None  # with guard: fp32 [d_out], the assembly's condition from the terms
     rel: torch.Tensor | None  # with guard: fp32 [d_out], the guaranteed relative error bound of wnorm
 
@@ -180,8 +179,8 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     ``guard``): rows of W known to be exactly zero, whose ``rel`` is 0 where B's row is zero too
     (the norm is then exactly 0).  ``flag`` (with ``m`` or ``guard``): an
     int32 device tensor with one entry per program (``ceil(d_out / block_m)``), each the largest
-    code of its rows: :data:`FLAG_NONFINITE` where ``wnorm`` or ``m / den`` is not finite,
-    else :data:`FLAG_CANCELLATION` where ``rel > rel_max``, else :data:`FLAG_OK`.
+    code of its rows: :data:`~dora_num.ops.guard.FLAG_NONFINITE` (2) where ``wnorm`` or ``m / den`` is not finite,
+    else :data:`~dora_num.ops.guard.FLAG_CANCELLATION` (1) where ``rel > rel_max``, else :data:`~dora_num.ops.guard.FLAG_OK` (0).
 
     ``U`` fp32 ``[d_out, r]``, ``B`` ``[d_out, r]`` (fp32, bf16 or fp16), ``G`` fp32
     ``[r, r]``, ``base_sq`` and ``m`` ``[d_out]`` (``m`` fp32, bf16 or fp16), all on one
