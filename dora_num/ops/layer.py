@@ -14,7 +14,9 @@ when the forward recomputes the norm with the code, device and configuration of 
 
 ``on_cancellation`` (default ``"recompute"``): what the factored norm's cancellation guard does
 with rows it cannot guarantee (:mod:`dora_num.ops.guard`): recompute them in float64,
-``"warn"`` (once per layer), ``"raise"``, or ``"off"``.  The guard's decision joins the late
+``"warn"`` (once per layer), ``"raise"`` (also at construction, where the initial
+magnitude's norm has a row the guard cannot certify: e.g. a row of W with subnormal
+entries), or ``"off"``.  The guard's decision joins the late
 finiteness flag of ``g``; when it fires the forward recomputes ``g`` and the compose (the rare
 path, a sync).  Under ``OpConfig.finite_check="off"`` (a timing switch) the flag is not read,
 so the guard does not act either.

@@ -407,8 +407,9 @@ def factored_terms(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
     ``cross = rowsum(B * W A^T)``, ``ba = rowsum((B A A^T) * B)`` and the fp32 constants
     ``2s``, ``s^2`` of :func:`~dora_num.numerics.formulas.scale_constants`, computed by the
     same code and in the same order as :func:`factored_row_norm` with the torch tail
-    (``OpConfig.norm_tail="torch"``), whose result is
-    ``norm_assembly(TorchFP32CorrectSqrt, *factored_terms(...))`` bit for bit.  (The Triton
+    (``OpConfig.norm_tail="torch"``), whose bare result (``on_cancellation="off"``; the guard
+    changes only the rows it recomputes) is ``norm_assembly(TorchFP32CorrectSqrt,
+    *factored_terms(...))`` bit for bit.  (The Triton
     tail sums ``cross`` and ``ba`` in another order, within the same bound.)  For studies
     of the assembly (notebook 02).  No gradient; inputs are not checked for finiteness.
     """
