@@ -180,7 +180,8 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     (the norm is then exactly 0).  ``flag`` (with ``m`` or ``guard``): an
     int32 device tensor with one entry per program (``ceil(d_out / block_m)``), each the largest
     code of its rows: :data:`~dora_num.ops.guard.FLAG_NONFINITE` (2) where ``wnorm`` or ``m / den`` is not finite,
-    else :data:`~dora_num.ops.guard.FLAG_CANCELLATION` (1) where ``rel > rel_max``, else :data:`~dora_num.ops.guard.FLAG_OK` (0).
+    else :data:`~dora_num.ops.guard.FLAG_CANCELLATION` (1) where ``rel > rel_max``, else
+    :data:`~dora_num.ops.guard.FLAG_OK` (0).
 
     ``U`` fp32 ``[d_out, r]``, ``B`` ``[d_out, r]`` (fp32, bf16 or fp16), ``G`` fp32
     ``[r, r]``, ``base_sq`` and ``m`` ``[d_out]`` (``m`` fp32, bf16 or fp16), all on one

@@ -143,7 +143,8 @@ def run(out: Path, *, smoke: bool = False, git_sha: str | None = None) -> Path:
 def summary(df):
     """Median over rounds of the on/off time ratio per configuration and measurement."""
     r = df[df["variant"] == "ratio_on_over_off"]
-    return r.groupby(["d_out", "d_in", "rank", "ab_dtype", "measure"])["ms"].median().rename("on_over_off").reset_index()
+    keys = ["d_out", "d_in", "rank", "ab_dtype", "measure"]
+    return r.groupby(keys)["ms"].median().rename("on_over_off").reset_index()
 
 
 def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> Path:
@@ -166,7 +167,8 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.guard_cost", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.guard_cost",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="output folder (guard_cost.csv, device.json)")
     ap.add_argument("--smoke", action="store_true", help="small shapes, one round (seconds)")
     ap.add_argument("--ingest", type=Path, metavar="DIR", help="record a --out folder into data/gpu/guard_cost.csv")
