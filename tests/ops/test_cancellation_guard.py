@@ -36,8 +36,11 @@ from dora_num.studies.bounds.sweep import conditioning_inputs
 S_RSLORA = 2 / math.sqrt(7)  # notebook 03's COND_SCALE: s^2 inexact in fp32
 TAILS = [pytest.param("torch", id="torch-tail"),
          pytest.param("triton", id="triton-tail",
-                      marks=pytest.mark.skipif(not get_config().interpret and not torch.cuda.is_available(),
+                      marks=pytest.mark.skipif(not get_config().interpret,
                                                reason="the Triton tail on the CPU needs TRITON_INTERPRET=1"))]
+LAYER_DEVICES = [pytest.param("cpu", t, id=f"cpu-{t}-tail", marks=p.marks) for t, p in (("torch", TAILS[0]),
+                                                                                       ("triton", TAILS[1]))]
+LAYER_DEVICES.append(pytest.param("cuda", "auto", id="cuda-kernel-tail", marks=pytest.mark.gpu))
 
 
 def _t(x):
@@ -190,7 +193,7 @@ def test_modes_recompute_warn_raise_off():
         dn.DoRALinear(torch.nn.Linear(8, 4), 2, on_cancellation="never")
 
 
-def _cancelling_layer(on_cancellation, bias=False, rows=(2, 7)):
+def _cancelling_layer(on_cancellation, bias=False, rows=(2, 7), device="cpu"):
     W, A, B, s = _cancelling(rows=rows)
     lin = torch.nn.Linear(W.shape[1], W.shape[0], bias=bias)
     with torch.no_grad():
@@ -201,18 +204,18 @@ def _cancelling_layer(on_cancellation, bias=False, rows=(2, 7)):
         layer.lora_B.copy_(B)
         layer.scale = s  # the sweep's rsLoRA scale
         layer.magnitude.copy_(torch.from_numpy(_exact_norms(W.numpy(), A.numpy(), B.numpy(), s)).float())
-    return layer
+    return layer.to(device)
 
 
-@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("device,tail", LAYER_DEVICES)
 @pytest.mark.parametrize("finite_check", ["late", "sync"])
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
-def test_layer_guard_on_the_late_flag(tail, finite_check, grad):
+def test_layer_guard_on_the_late_flag(device, tail, finite_check, grad):
     """The layer's g on cancelling rows: the guard's code joins the late finiteness flag; on it the
     layer recomputes g and the compose (inference: the compose wrote over the lora buffer) and
     returns the DoRA output of the recomputed norm, m = the exact norm giving g = 1 to 2^-23."""
-    layer = _cancelling_layer("recompute")
-    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(1))
+    layer = _cancelling_layer("recompute", device=device)
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(1)).to(device)
     with override(norm_tail=tail, finite_check=finite_check), warnings.catch_warnings():
         warnings.simplefilter("error")
         g_fast, bad = magnitude_scale_and_flag(layer.base.weight, layer.lora_A, layer.lora_B, layer.scale,
