@@ -10,6 +10,8 @@ torch tensors, numpy arrays, mpmath numbers, or Python scalars):
 
 ``add(a, b)``, ``sub(a, b)``, ``mul(a, b)``, ``sqrt(a)``, ``maximum(a, b)``
     one operation, one rounding (or none, for an exact arithmetic).
+``zero_to(a, b)``
+    ``b`` where ``a == 0``, else ``a`` (an exact selection; NaN in ``a`` propagates).
 ``muladd(a, b, c)``
     ``a*b + c`` at a place where a compiler *may* contract into an FMA. A
     non-contracting arithmetic rounds twice (mul, then add); a contracting one
@@ -77,6 +79,10 @@ class TorchFP32:
         if isinstance(b, (int, float)):
             return torch.clamp_min(a, b)
         return torch.maximum(a, b)
+
+    @staticmethod
+    def zero_to(a, b):
+        return torch.where(a == 0, b, a)
 
     @staticmethod
     def sqrt(a):

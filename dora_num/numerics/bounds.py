@@ -242,14 +242,14 @@ def assembly_condition(base_sq, cross, ba, s: float) -> np.ndarray:
 
 
 def magnitude_scale_bound(m, wnorm, eps: float, rel_wnorm) -> np.ndarray:
-    r"""Lemma 6: bound on ``|g^ - g|`` for ``g^ = fl32(m / max(w^, eps))`` (fp32, as
+    r"""Lemma 6: bound on ``|g^ - g|`` for ``g^ = fl32(m / d(w^))`` (fp32, as
     :func:`~dora_num.numerics.formulas.magnitude_scale` under ``TorchFP32``) and the exact
-    ``g = m / max(w, eps)``, where ``w^ = wnorm`` is the computed norm and ``w`` the exact
-    one, ``|w^ - w| <= rel_wnorm * w`` (``eps`` taken as its fp32 value, as torch's
-    ``clamp_min`` does).
+    ``g = m / d(w)``, ``d(w) = w`` for ``w > 0`` and ``eps`` (its fp32 value) for ``w = 0``
+    (:func:`~dora_num.numerics.formulas.magnitude_denominator`), where ``w^ = wnorm`` is the
+    computed norm and ``w`` the exact one, ``|w^ - w| <= rel_wnorm * w``.
 
-    ``max(., eps)`` is 1-Lipschitz, so ``max(w^, eps) = max(w, eps)(1 + r)`` with
-    ``|r| <= rel w / max(w, eps) <= rel``; the division adds ``(1 + d)`` and an underflow
+    With ``rel < 1``, ``w^ = 0`` iff ``w = 0`` (then ``d(w^) = d(w) = eps``), else
+    ``d(w^) = d(w)(1 + r)`` with ``|r| <= rel``; the division adds ``(1 + d)`` and an underflow
     ``e``: ``g^ = g (1 + d) / (1 + r) + e``, hence
 
         |g^ - g| <= |g| (u + rel) / (1 - rel) + eta,
@@ -267,7 +267,7 @@ def magnitude_scale_bound(m, wnorm, eps: float, rel_wnorm) -> np.ndarray:
     if not e32 > 0:
         raise ValueError(f"eps must be positive in fp32, got {eps!r}")
     u, eta = U32, ETA32
-    den = np.maximum(wn, e32)
+    den = np.where(wn == 0, e32, wn)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         g_up = np.abs(m) / den / np.where(rel < 1, 1.0 - rel, 1.0) * (1 + 2 * U64)
         E = (g_up * (u + rel) / np.where(rel < 1, 1.0 - rel, 1.0) + eta) * SAFE

@@ -102,6 +102,10 @@ class RoundEach:
     def maximum(self, a, b):
         return np.maximum(_f64(a), _f64(b))
 
+    def zero_to(self, a, b):
+        a = _f64(a)
+        return np.where(a == 0, _f64(b), a)
+
     def sqrt(self, a):
         with np.errstate(invalid="ignore"):
             return round_to(np.sqrt(_f64(a)), self.fmt)

@@ -103,6 +103,7 @@ def exact_bits(*arrays, degree: int, n_terms: int) -> int:
 
 _mp_sqrt = np.frompyfunc(mpmath.sqrt, 1, 1)
 _mp_max = np.frompyfunc(lambda a, b: a if a >= b else b, 2, 1)
+_mp_zero_to = np.frompyfunc(lambda a, b: b if a == 0 else a, 2, 1)
 _mp_from_float = np.frompyfunc(lambda v: mpmath.mpf(float(v)), 1, 1)
 _mp_to_float = np.frompyfunc(float, 1, 1)
 
@@ -157,6 +158,10 @@ class MPArith:
     def maximum(self, a, b):
         b = mpmath.mpf(b) if isinstance(b, (int, float)) else b
         return self._w(lambda: _mp_max(a, b))
+
+    def zero_to(self, a, b):
+        b = mpmath.mpf(b) if isinstance(b, (int, float)) else b
+        return _mp_zero_to(a, b)
 
     def sqrt(self, a):
         return self._w(lambda: _mp_sqrt(a))

@@ -2,7 +2,7 @@
 
 Notation (docs/contract.md): frozen ``W [d_out, d_in]``, ``A [r, d_in]``,
 ``B [d_out, r]``, scale ``s``, magnitude ``m [d_out]``;
-``base = x W^T``, ``lora = x A^T B^T``, ``g = m / max(||W + sBA||_row, eps)``.
+``base = x W^T``, ``lora = x A^T B^T``, ``g = m / ||W + sBA||_row`` (``m / eps`` on a zero row).
 
 Every function takes an arithmetic ``ar`` first (see
 :mod:`dora_num.numerics.arithmetic`) and evaluates a fixed, documented sequence
@@ -117,13 +117,27 @@ def norm_assembly(ar, base_sq, cross, ba, two_s, s_sq):
 # Magnitude scale.
 # --------------------------------------------------------------------------
 
-def magnitude_scale(ar, m, wnorm, eps):
-    """``g = m / max(wnorm, eps)``: one ``maximum`` (exact) and one division.
+def magnitude_denominator(ar, wnorm, eps):
+    """The denominator of ``g``: ``wnorm``, or ``eps`` where ``wnorm == 0`` (an exact selection).
 
-    Error: with ``rel`` the relative error of the norm fed in (``|w^ - w| <= rel w``),
-    ``|g^ - g| <= |g| (u + rel) / (1 - rel) + eta`` for every ``wnorm`` (above or below
-    ``eps``: ``max(., eps)`` is 1-Lipschitz) and every ``m`` (``eta``: the quotient may
-    underflow).  Exact to second order; the first-order ``u + (1+u) rel`` is exceeded
-    by ``~rel^2`` (lemma 6 of docs/bounds.md, :func:`dora_num.numerics.bounds.magnitude_scale_bound`).
+    ``eps`` guards only zero rows (where ``m / wnorm`` is not finite): every row with a nonzero
+    norm, however small, gets ``g = m / wnorm`` as DoRA's formula says.  (A ``max(wnorm, eps)``
+    would give rows below ``eps`` a smaller ``g``, and the layer at initialisation would differ
+    from its base layer there.)  A row whose ``m / wnorm`` overflows (a tiny nonzero norm) gets a
+    non-finite ``g``, which the operator reports instead of replacing."""
+    return ar.zero_to(wnorm, eps)
+
+
+def magnitude_scale(ar, m, wnorm, eps):
+    """``g = m / d`` with ``d`` = :func:`magnitude_denominator` (``wnorm``, ``eps`` at zero rows):
+    one exact selection and one division.
+
+    Error: with ``rel`` the relative error of the norm fed in (``|w^ - w| <= rel w``, ``rel < 1``,
+    so ``w^ = 0`` iff ``w = 0``), ``|g^ - g| <= |g| (u + rel) / (1 - rel) + eta`` for every
+    ``wnorm`` and every ``m`` (``eta``: the quotient may underflow).  Exact to second order; the
+    first-order ``u + (1+u) rel`` is exceeded by ``~rel^2`` (lemma 6 of docs/bounds.md,
+    :func:`dora_num.numerics.bounds.magnitude_scale_bound`).  At initialisation ``m`` is
+    :func:`magnitude_denominator` of the very norm the forward recomputes, so ``g = d / d = 1``
+    exactly (a correctly rounded division of equal nonzero numbers).
     """
-    return ar.div(m, ar.maximum(wnorm, eps))
+    return ar.div(m, magnitude_denominator(ar, wnorm, eps))

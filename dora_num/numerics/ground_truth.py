@@ -215,7 +215,8 @@ def mp_norm_assembly(base_sq, cross, ba, s: float, fmt="fp32") -> Truth:
 
 
 def mp_magnitude_scale(m, wnorm, eps: float, fmt="fp32") -> Truth:
-    """Exact ``g = m / max(wnorm, eps)``, rounded once (the quotient correctly rounded at a
+    """Exact ``g = m / wnorm`` (``m / eps`` where ``wnorm == 0``:
+    :func:`~dora_num.numerics.formulas.magnitude_denominator`), rounded once (the quotient correctly rounded at a
     precision where that is the exact rounding: :func:`~dora_num.numerics.exact.exact_bits`)."""
     m, wnorm = _f64(m, "m"), _f64(wnorm, "wnorm")
     return _mp_eval(lambda ar, mm, w, e: F.magnitude_scale(ar, mm, w, ar.const(e)),

@@ -1,9 +1,10 @@
 r"""Error bounds of the fp32 row norms of ``W + s B A`` (docs/bounds.md, lemmas 4, 4', 5):
 the factored norm a priori (:func:`factored_norm_bound`) and a posteriori from its own
-fp32 terms (:func:`factored_norm_posterior`, what a cancellation guard evaluates, with
-:func:`lora_row_magnitudes`), and the dense norm (:func:`dense_norm_bound`).  Model and
-conventions: :mod:`dora_num.numerics.bounds`; every product is an underflow site and is
-charged ``eta``; ``inf`` where an intermediate may overflow fp32; never NaN.
+fp32 terms (:func:`factored_norm_posterior`, what the cancellation guard evaluates, with
+:func:`lora_row_magnitudes`: :mod:`dora_num.numerics.norm_posterior`, re-exported here), and the
+dense norm (:func:`dense_norm_bound`).  Model and conventions: :mod:`dora_num.numerics.bounds`;
+every product is an underflow site and is charged ``eta``; ``inf`` where an intermediate may
+overflow fp32; never NaN.
 """
 
 from __future__ import annotations
@@ -181,110 +182,6 @@ def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
     return np.where(over, np.inf, E)
 
 
-# --------------------------------------------------------------------------
-# A-posteriori: the factored norm's own condition and error, from its fp32 terms.
-# --------------------------------------------------------------------------
-
-def lora_row_magnitudes(B, G, *, d_in: int | None = None, tensor_core_products: bool = False):
-    r"""``(lora_abs, b_abs)``, fp32 ``[d_out]`` upper bounds, from ``B`` and the computed Gram
-    ``G = A A^T`` (what the factored norm's tail holds): ``lora_abs_j >= sum_k |B_jk| ||A_k||``
-    and ``b_abs_j >= sum_k |B_jk|``, the magnitudes :func:`factored_norm_posterior` needs.
-
-    ``||A_k||^2 = G_kk`` exactly, and the computed ``G^_kk >= G_kk (1 - gamma_dp) - n eta``
-    (``dp = d_in``, ``2 d_in`` on tensor cores, plus ``2^-126`` per addition there), so
-    ``||A_k|| <= sqrt((G^_kk + c) / (1 - gamma_dp))``; the fp32 sums of ``r`` non-negative
-    products are then raised by ``1 / (1 - gamma_{r+4})`` and ``r`` underflows.  Cost: two
-    length-``r`` reductions per row.  ``d_in`` defaults to a bound from ``G``'s use:
-    pass it (``A.shape[1]``)."""
-    import torch
-
-    B = torch.as_tensor(B).detach().float()
-    G = torch.as_tensor(G).detach().float().to(B.device)
-    if d_in is None:
-        raise ValueError("lora_row_magnitudes needs d_in (the inner dimension of G = A A^T)")
-    r = B.shape[1]
-    dp = 2 * d_in if tensor_core_products else d_in
-    g = float(gamma(dp, U32))
-    if not g < 0.5:
-        raise ValueError(f"d_in = {d_in} is too large for an fp32 bound (gamma_d >= 1/2)")
-    c_abs = up32((1 + g) * (d_in * ETA32 + ((d_in - 1) * TINY32 if tensor_core_products else 0.0)) + 2.0**-149)
-    diag = torch.diagonal(G).clamp_min(0)
-    nA = torch.sqrt((diag + c_abs) * up32(1 / (1 - g) * (1 + 4 * U32)))  # sqrt of an upper bound, rounded
-    nA = nA * up32(1 + 2 * U32)
-    k = up32(1 / (1 - float(gamma(r + 4, U32))))
-    aB = B.abs()
-    lora_abs = (aB @ nA) * k + r * 2.0**-149
-    b_abs = aB.sum(1) * k
-    return lora_abs, b_abs
-
-
-def factored_norm_posterior(base, cross, ba, two_s: float, s_sq: float, *, d_in: int, r: int,
-                            lora_abs, b_abs, tensor_core_products: bool = False):
-    r"""Lemma 4' (the cancellation guard's bound): per row, from the factored norm's own
-    fp32 terms, ``(kappa, rel)``, fp32 tensors ``[d_out]``:
-
-    - ``kappa = (base^ + |2s cross^| + s_sq ba^) / Q^``, the condition of the assembly from
-      the computed terms, ``Q^`` the fp32 ``fl(fl(s_sq ba^) + fl(fl(2s cross^) + base^))``
-      of :func:`~dora_num.numerics.formulas.norm_assembly` (``inf`` where ``Q^ <= 0``);
-    - ``rel``: a guaranteed bound on ``|w^ - w| / w`` for the computed ``w^ = RN(sqrt(max(Q^, 0)))``
-      and the exact ``w = ||W + s BA||_row`` (real ``s^2``), valid although the terms are
-      themselves rounded; ``inf`` where no finite bound exists (``Q`` may be 0 within the
-      terms' errors: such a row must be recomputed, e.g. by the dense norm).  ``rel / (1+u)``
-      minus ``u`` also bounds ``|Q^ - Q| / Q``.
-
-    Inputs: ``base``, ``cross``, ``ba`` as the kernel holds them (fp32 ``[d_out]``),
-    ``two_s``, ``s_sq`` its fp32 constants, ``d_in``, ``r``, ``tensor_core_products`` (``U``, ``G``
-    from tensor-core products of 16-bit inputs), and the row magnitudes of
-    :func:`lora_row_magnitudes` (``lora_abs >= sum_k |B_k| ||A_k||``, ``b_abs >= sum_k |B_k|``):
-    the term errors are relative to ``M_c = sum_k |B_k| (|W||A_k|) <= sqrt(base) lora_abs``
-    (Cauchy-Schwarz per k) and ``M_a = || |B||A| ||^2 <= lora_abs^2``, not to ``|cross|`` or
-    ``ba``, which may cancel; without them no bound from the terms alone exists.
-
-    Derivation (docs/bounds.md, lemma 4'): with ``b <= b_up = (base^ + (1+g_b) d eta) /
-    (1 - g_b)``, the a-priori term errors of lemma 4 become
-    ``e_b <= g_b b_up + (1+g_b) d eta``, ``e_c <= g_c sqrt(b_up) lora_abs + (1+g_c)(b_abs (d eta + t)
-    + r eta)``, ``e_a <= g_a lora_abs^2 + (1+g_a)(b_abs^2 (d eta + t) + (b_abs + 1) r eta)``
-    (``g_b = gamma_d``, ``g_c = gamma_{dp+r}``, ``g_a = gamma_{dp+2r}``, ``t = (d-1) 2^-126`` on
-    tensor cores), and ``|Q^ - Q| <= dQ = e_b + |2s| e_c + s2 e_a + (u s2 + eta) ba^ +
-    ((1+u)^2-1)(base^ + s_sq ba^) + ((1+u)^3-1)|2s cross^| + 2(1+u)^2 eta`` with
-    ``s2 = (s_sq + eta)/(1-u) >= s^2``.  Then ``Q >= Q_lo = Q^ - dQ`` and
-    ``|w^ - w| / w <= (1+u) dQ / Q_lo + u``.  Evaluated in fp32 (about 40 operations on
-    non-negative values, ordered so that the tiny constants multiply last): ``dQ`` is
-    raised by ``1 + 2^-18`` (> ``(1+u)^40``) and by ``2^-144`` (> the underflow of the
-    ~40 products, ``2^-150`` each), ``Q_lo`` lowered by ``1 - 2u``, the quotient raised by ``1 + 2^-18``.
-    """
-    import torch
-
-    base, cross, ba = (torch.as_tensor(x).float() for x in (base, cross, ba))
-    lora_abs = torch.as_tensor(lora_abs).float().to(base.device)
-    b_abs = torch.as_tensor(b_abs).float().to(base.device)
-    u, eta = U32, 2.0**-149  # eta rounded up to an fp32 number
-    d, r = int(d_in), int(r)
-    dp = 2 * d if tensor_core_products else d
-    g_b, g_c, g_a = (float(gamma(n, u)) for n in (d, dp + r, dp + 2 * r))
-    if not max(g_b, g_c, g_a) < 0.5:
-        raise ValueError(f"d_in = {d}, r = {r} too large for an fp32 bound (gamma >= 1/2)")
-    t_abs = (d - 1) * TINY32 if tensor_core_products else 0.0
-    U = lambda x: up32(x)  # noqa: E731
-    ts, sq = abs(float(two_s)), float(s_sq)
-    s2 = U((sq + 2.0**-150) / (1 - u) * (1 + 2 * u))
-    # Q^ exactly as norm_assembly evaluates it (fp32, no contraction)
-    Qh = (sq * ba) + ((two_s * cross) + base)
-    mag = base.abs() + (ts * cross).abs() + sq * ba.abs()
-    b_up = (base.abs() + U((1 + g_b) * d * eta)) * U(1 / (1 - g_b) * (1 + 4 * u))
-    e_b = b_up * U(g_b) + U((1 + g_b) * d * eta)
-    e_c = torch.sqrt(b_up) * lora_abs * U(g_c * (1 + 4 * u)) \
-        + (b_abs * U(1 + g_c)) * U(d * eta + t_abs) + U((1 + g_c) * r * eta)
-    e_a = (lora_abs * lora_abs) * U(g_a) + ((b_abs * b_abs) * U(1 + g_a)) * U(d * eta + t_abs) \
-        + ((b_abs + 1) * U((1 + g_a) * r)) * eta
-    dQ = e_b + e_c * U(ts) + e_a * s2 + ba.abs() * U(u * sq / (1 - u)) + ba.abs() * eta \
-        + (base.abs() + sq * ba.abs()) * U(pw(u, 2)) + (ts * cross).abs() * U(pw(u, 3)) + U(2 * (1 + u) ** 2 * eta)
-    dQ = dQ * U(1 + 2.0**-18) + 2.0**-144
-    Q_lo = (Qh - dQ) * float(np.float32(1 - 2 * u))
-    ok = torch.isfinite(dQ) & torch.isfinite(Qh) & (Q_lo > 0)
-    inf = torch.full_like(Qh, float("inf"))
-    rel = torch.where(ok, ((dQ / torch.where(ok, Q_lo, torch.ones_like(Q_lo))) * U(1 + u) + u) * U(1 + 2.0**-18), inf)
-    pos = torch.isfinite(Qh) & (Qh > 0)
-    kappa = torch.where(pos, mag / torch.where(pos, Qh, torch.ones_like(Qh)), inf)
-    kappa = torch.where(mag == 0, torch.ones_like(kappa), kappa)
-    return kappa, rel
+# The a-posteriori bound (lemma 4') lives in its own module; re-exported here.
+from .norm_posterior import (PosteriorConstants, factored_norm_posterior, lora_row_magnitudes,  # noqa: E402,F401
+                             posterior_constants, posterior_from_terms, runtime_constants)

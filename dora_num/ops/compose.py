@@ -332,7 +332,7 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     if cfg.finite_check != "off":
         bad, is_ok = (flag, False) if flag is not None else (_finite.all_finite(g), True)
         watched = _finite.watch(bad, "compose: g", cfg.finite_check, is_ok=is_ok,
-                                on_fail=lambda: check_finite("g", g.detach()))
+                                on_fail=lambda _: check_finite("g", g.detach()))
         if watched is not None:
             watched.check()
     return res

@@ -119,6 +119,10 @@ class NormTailTiles:
     block_m: int = 32  # rows per program (d_out = 4096 -> 128 programs on 132 SMs)
     block_r: int = 64  # columns of B G (and of cross) per step
     block_k: int = 32  # reduction step of B @ G
+    # the guard's float64 recompute of flagged rows: columns of W per step (two [block_m, block_d]
+    # float64 accumulators, 16 registers per thread at 32 x 32 and 4 warps: no more than the
+    # fp32 B @ G tile of the main loop, so the rare path does not raise the kernel's register count)
+    block_d: int = 32
     num_warps: int = 4
 
     def __post_init__(self):

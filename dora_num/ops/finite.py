@@ -61,8 +61,9 @@ def _pending() -> collections.deque:
 
 class Watched:
     """A device flag on its way to the host: ``flag`` (pinned), ``event`` (after the copy),
-    ``what`` (the call, for the message) and ``on_fail`` (called before the generic error;
-    it may raise a more precise one)."""
+    ``what`` (the call, for the message) and ``on_fail`` (called with the host flag when it is
+    set, before the generic error: it may raise a more precise one, or return True when the
+    flag was not an error after all, e.g. a cancellation guard's code that it reports itself)."""
 
     __slots__ = ("flag", "event", "what", "on_fail", "is_ok")
 
@@ -80,12 +81,12 @@ class Watched:
 
     def _read(self) -> None:
         bad = not bool(self.flag.all()) if self.is_ok else bool(self.flag.any())
-        if self.event is not None:
-            _FREE.setdefault((self.flag.numel(), self.flag.dtype), []).append(self.flag)
-        if bad:
-            if self.on_fail is not None:
-                self.on_fail()
-            raise NotFiniteError(f"{self.what} produced non-finite values")
+        try:
+            if bad and (self.on_fail is None or self.on_fail(self.flag) is not True):
+                raise NotFiniteError(f"{self.what} produced non-finite values")
+        finally:
+            if self.event is not None:  # reusable once read (and once on_fail is done with it)
+                _FREE.setdefault((self.flag.numel(), self.flag.dtype), []).append(self.flag)
 
 
 def _copy_to_host(bad: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -102,8 +103,8 @@ def watch(bad: torch.Tensor, what: str, mode: str, on_fail=None, *, is_ok: bool 
     """Check the device flag ``bad`` (any shape; set where a value was not finite) by ``mode``
     (module docstring).  Returns a :class:`Watched` for ``"late"`` (the caller calls
     :meth:`Watched.check` at the end of its call), else None (checked already, registered, or
-    not checked).  ``on_fail()`` runs before the generic :class:`NotFiniteError` and may raise
-    a more precise error.  ``is_ok``: ``bad`` is the opposite flag, set where all is finite
+    not checked).  ``on_fail(host_flag)`` runs before the generic :class:`NotFiniteError` and may
+    raise a more precise error, or return True to mean "handled, no error" (:class:`Watched`).  ``is_ok``: ``bad`` is the opposite flag, set where all is finite
     (:func:`all_finite`: one launch fewer)."""
     if mode == "off":
         return None

@@ -1,16 +1,31 @@
 """``DoRALinear``: a frozen ``nn.Linear`` with a DoRA adapter.
 
 ``y = x W^T + b + delta``, ``delta = (g-1) * (x W^T) + g * s * (x A^T B^T)``,
-``g = m / max(||W + s B A||_row, eps)`` with the norm detached (DoRA paper,
-section 4.3; PEFT does the same).  Initialisation follows PEFT's LoRA defaults:
-``A ~ kaiming_uniform(a=sqrt(5))``, ``B = 0``, ``m = ||W||_row`` (fp32), so the
-layer equals the base layer at init and ``g = 1`` up to the rounding of ``m``.
+``g = m / ||W + s B A||_row`` with the norm detached (DoRA paper, section 4.3; PEFT
+does the same; ``m / eps`` only on a zero row).  Initialisation follows PEFT's LoRA
+defaults: ``A ~ kaiming_uniform(a=sqrt(5))``, ``B = 0``, ``m = ||W||_row`` (fp32) computed
+by the layer's own norm (:func:`~dora_num.ops.norm.initial_magnitude`: ``eps`` on a zero
+row), so ``g == 1`` exactly at init on every row, rows with tiny or subnormal norms included,
+and without a bias the layer's output equals the base layer's bit for bit (with a bias and a
+16-bit base the output add rounds ``x W^T`` first: within one rounding of it).  This holds
+when the forward recomputes the norm with the code, device and configuration of the init
+(moving the layer to another device recomputes the norm in another summation order).
 ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+
+``on_cancellation`` (default ``"recompute"``): what the factored norm's cancellation guard does
+with rows it cannot guarantee (:mod:`dora_num.ops.guard`): recompute them in float64,
+``"warn"`` (once per layer), ``"raise"`` (also at construction, where the initial
+magnitude's norm has a row the guard cannot certify: e.g. a row of W with subnormal
+entries), or ``"off"``.  On CUDA the flagged rows are recomputed inside the norm's tail
+kernel (no sync, no second compose); what is to be reported joins the finiteness flag of ``g``
+(deferred: :mod:`dora_num.ops.finite`).  On the CPU the guard acts at once.  Under
+``OpConfig.finite_check="off"`` (a timing switch) the flag is not read, so nothing is reported
+(the recompute still happens).
 
 The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`); the
 forward takes ``g`` from :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (on CUDA
-the norm's tail, the clamp and a finiteness flag are one Triton launch, the flag read
-once at the end of the forward), and under ``torch.compile`` through the custom op of
+the norm's tail, the guard, the denominator and a flag are one Triton launch, the flag read
+without a sync: :mod:`dora_num.ops.finite`), and under ``torch.compile`` through the custom op of
 :func:`~dora_num.ops.norm.weight_norm_cached`, so the layer compiles with
 ``fullgraph=True``.  ``rowsum(W*W)`` is cached for the frozen W and recomputed when W
 changes (its storage, version counter, shape or dtype).  Without bias and dropout
@@ -73,6 +88,7 @@ The switches of :mod:`dora_num.ops.config` are read once per forward.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as Fn
@@ -82,8 +98,10 @@ from ..numerics.formulas import scale_constants
 from . import finite as _finite
 from .compose import PATHS, _compose
 from .config import OpConfig, get_config
+from . import guard as _guard
+from .guard import CancellationWarning, check_on_cancellation
 from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
-                   dense_row_norm, magnitude_scale)
+                   dense_row_norm, initial_magnitude, magnitude_scale)
 from .validation import check_tensor
 
 NORMS = ("cached", "factored", "dense")
@@ -127,6 +145,7 @@ class DoRALinear(nn.Module):
         lora_A: torch.Tensor | None = None,
         lora_B: torch.Tensor | None = None,
         magnitude: torch.Tensor | None = None,
+        on_cancellation: str = "recompute",
     ):
         """``adapter_dtype``: dtype of freshly initialised ``A``, ``B``, ``m`` (None: ``A`` and ``B``
         in W's dtype and ``m`` in float32, the layout of the project's recorded studies: ``m``
@@ -170,6 +189,9 @@ class DoRALinear(nn.Module):
         self.norm = norm
         self.compose_fn = compose_fn
         self._unmerged_weight: torch.Tensor | None = None  # the original W while merged
+        self.on_cancellation = check_on_cancellation(on_cancellation)
+        self._warned_cancellation = False  # on_cancellation="warn": once per layer
+        self._warned_many = False  # the guard recomputing many rows: once per layer
         W = base.weight
         self.dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
         if all(given):
@@ -180,7 +202,8 @@ class DoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=adapter_dtype, device=W.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=adapter_dtype, device=W.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self.magnitude = nn.Parameter(self.weight_norm().to(m_dtype))
+        # m = the denominator of g from the very norm the forward recomputes: g == 1 exactly at init
+        self.magnitude = nn.Parameter(initial_magnitude(self.weight_norm(), dtype=m_dtype))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, alpha: float | None = None, **kwargs) -> "DoRALinear":
@@ -233,10 +256,10 @@ class DoRALinear(nn.Module):
     def _row_norm(self, cfg: OpConfig, check: bool) -> torch.Tensor:
         W, A, B = self.base.weight, self.lora_A, self.lora_B
         if self.norm == "cached":
-            return _weight_norm_cached(W, A, B, self.scale, self.chunk_bytes, check, cfg)
+            return _weight_norm_cached(W, A, B, self.scale, self.chunk_bytes, check, cfg, self.on_cancellation)
         if self.norm == "factored":
             return _factored_row_norm(W.detach(), A.detach(), B.detach(), self.scale, self.chunk_bytes, None,
-                                      check, cfg)
+                                      check, cfg, self.on_cancellation)
         return dense_row_norm(W.detach(), A.detach(), B.detach(), self.scale)
 
     def weight_norm(self) -> torch.Tensor:
@@ -309,15 +332,17 @@ class DoRALinear(nn.Module):
         self.base.weight.data.copy_(self._unmerged_weight)
         self._unmerged_weight = None
 
-    def _g_and_flag(self, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(g, bad)`` without the per-input value checks (their syncs).  ``norm="cached"``:
-        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (on a
-        hit of the norm cache the flag computed with the cached norm, so every call with a
-        non-finite ``g`` is reported); the other norms give ``bad`` from ``g``.  The forward hands the flag to
-        :func:`dora_num.ops.finite.watch`, and on failure the checked path runs and raises
-        naming the input at fault.
+    def _g_and_flag(self, cfg: OpConfig):
+        """``(g, bad, aux)`` without the per-input value checks (their syncs).  ``norm="cached"``:
+        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (codes
+        and counts of :func:`dora_num.ops.guard.decode`; on a hit of the norm cache the flag
+        computed with the cached norm, so every call with a non-finite ``g`` is reported) and
+        ``aux`` the tail kernel's guard rows (None on the torch tail); the other norms give a bool
+        ``bad`` from ``g`` (their guard acts inside the norm).  The forward hands the flag to
+        :func:`dora_num.ops.finite.watch` (:meth:`_on_flag`): on a non-finite code the checked
+        path runs and raises naming the input at fault; the guard's codes are reported.
 
-        The norm cache (``OpConfig.norm_cache``): ``den = max(wnorm, eps)`` is kept with the
+        The norm cache (``OpConfig.norm_cache``): ``den`` (``wnorm``, ``eps`` on a zero row) is kept with the
         storage pointers and version counters of W, A, B and m and the configuration; on a hit
         ``g`` is ``m.float() / den`` again, bitwise what the norm would give (it is a
         deterministic function of those inputs).  By default (``"recompute"``) a hit counts only
@@ -337,19 +362,44 @@ class DoRALinear(nn.Module):
                 # where no optimizer step can have run since the forward that stored it
                 reuse = cfg.norm_cache == "always" or torch._C._current_graph_task_id() != -1
                 if reuse and hit is not None and hit[0] == key:
-                    return m.float() / hit[1], hit[2]  # the flag of the cached norm, checked again
-            g, bad, den = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg, with_den=True,
-                                                    trusted=True)
+                    return m.float() / hit[1], hit[2], hit[3]  # the flag of the cached norm, read again
+            g, bad, den, aux = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg,
+                                                         self.on_cancellation, trusted=True, where=self._where(),
+                                                         warn=not self._warned_cancellation)
             if use_cache and den is not None:
-                self.__dict__["_norm_cache"] = (key, den, bad)
-            return g, bad
+                self.__dict__["_norm_cache"] = (key, den, bad, aux)
+            return g, bad, aux
         g = magnitude_scale(m, self._row_norm(cfg, False), check=False)
-        return g, ~torch.isfinite(g.detach()).all()
+        return g, ~torch.isfinite(g.detach()).all(), None
 
     def clear_norm_cache(self) -> None:
-        """Forget the cached ``max(wnorm, eps)`` (:meth:`_g_and_flag`): needed only after W, A, B
+        """Forget the cached denominator of ``g`` (:meth:`_g_and_flag`): needed only after W, A, B
         or m were changed in a way that bypasses their version counters (``.data``)."""
         self.__dict__.pop("_norm_cache", None)
+
+    def _where(self) -> str:
+        return f"DoRALinear({self.in_features}->{self.out_features}, r={self.rank})"
+
+    def _on_flag(self, host_flag: torch.Tensor, g_given: bool, aux) -> bool:
+        """A set flag of the forward (:func:`dora_num.ops.finite.watch`): raise naming the input at
+        fault where something is not finite; else report what the cancellation guard did (the values
+        were recomputed already): ``on_cancellation="warn"`` once per layer, ``"raise"``, rows still
+        not certified, and (once) a guard that recomputes more than an eighth of the rows."""
+        code, n = (_guard.FLAG_NONFINITE, 0) if host_flag.dtype == torch.bool else _guard.decode(host_flag)
+        if code >= _guard.FLAG_NONFINITE:
+            self._raise_not_finite(g_given)
+        where = self._where()
+        if n > self.out_features // 8 and not self._warned_many:  # once: the recompute is the slow path
+            self._warned_many = True
+            warnings.warn(f"{where}: the cancellation guard recomputes {n} of {self.out_features} rows in float64 "
+                          "(O(rows d_in r) work per forward): the factored norm's guaranteed error bound exceeds "
+                          "2^-6 on them (strong cancellation, or updates as large as W at a large rank).  "
+                          "on_cancellation='off' skips the guard.", CancellationWarning, stacklevel=2)
+        if aux is not None:
+            _guard.report_kernel(code, aux, self.on_cancellation, where=where, warn=not self._warned_cancellation)
+        if self.on_cancellation == "warn" and code >= _guard.FLAG_CANCELLATION:
+            self._warned_cancellation = True
+        return True
 
     def _raise_not_finite(self, g_given: bool) -> None:
         if g_given:
@@ -415,12 +465,13 @@ class DoRALinear(nn.Module):
         if g_given:
             self._check_g(g, W)
             bad = ~torch.isfinite(g).all() if not compiling and cfg.finite_check != "off" else None
+            aux = None
         else:
-            g, bad = self._g_and_flag(cfg)
+            g, bad, aux = self._g_and_flag(cfg)
         watched = None
         if bad is not None and not compiling and cfg.finite_check != "off":
-            watched = _finite.watch(bad, f"DoRALinear({self.in_features}->{self.out_features}, r={self.rank}): g",
-                                    cfg.finite_check, on_fail=lambda: self._raise_not_finite(g_given))
+            watched = _finite.watch(bad, f"{self._where()}: g", cfg.finite_check,
+                                    on_fail=lambda host: self._on_flag(host, g_given, aux))
         x_lora = self.dropout(x)
         A, B = self.lora_A, self.lora_B
         cast = not torch.is_autocast_enabled(x.device.type)  # under autocast F.linear casts

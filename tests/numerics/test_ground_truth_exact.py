@@ -149,11 +149,12 @@ def test_magnitude_scale_exact_over_a_wide_range():
     rng = np.random.default_rng(3)
     m = round_to(np.exp2(rng.uniform(-149, 127, 300)) * rng.choice([-1, 1], 300), "fp32")
     w = round_to(np.exp2(rng.uniform(-149, 127, 300)), "fp32")
-    w[:20] = 0.0  # below eps: g = m / eps
+    w[:20] = 0.0  # a zero row: g = m / eps (eps guards zero rows only)
+    w[20:40] = round_to(np.exp2(rng.uniform(-149, -60, 20)), "fp32")  # nonzero below eps: g = m / w
     eps = 1e-12
     t = mp_magnitude_scale(m, w, eps, "fp32")
     for i in range(300):
-        q = Fr(m[i]) / max(Fr(w[i]), Fr(eps))
+        q = Fr(m[i]) / (Fr(w[i]) if w[i] != 0 else Fr(eps))
         assert t.value[i] == round_float("fp64", q) and t.rounded[i] == round_float("fp32", q), i
 
 

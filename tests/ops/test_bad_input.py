@@ -196,8 +196,8 @@ def test_layer_input_named(fn, match):
 
 def _zero_rows_layer():
     """W with all-zero rows (PEFT divides 0/0 there). dora_num: the factored norm
-    gives wnorm = 0 exactly, m is initialised to 0, and the eps guard of
-    magnitude_scale gives g = 0/eps = 0: the layer output is finite (= bias)."""
+    gives wnorm = 0 exactly, m is initialised to eps (the denominator of g there), and
+    g = eps/eps = 1: the layer output is finite (= bias) and equals the base layer's."""
     torch.manual_seed(0)
     lin = nn.Linear(D_IN, D_OUT)
     with torch.no_grad():
@@ -208,8 +208,8 @@ def _zero_rows_layer():
     y.sum().backward()
     zero = slice(None, None, 2)
     assert torch.equal(lay.weight_norm()[zero], torch.zeros(D_OUT // 2))
-    assert torch.equal(lay.magnitude.detach()[zero], torch.zeros(D_OUT // 2))
-    assert torch.equal(lay.magnitude_scale().detach()[zero], torch.zeros(D_OUT // 2))
+    assert torch.equal(lay.magnitude.detach()[zero], torch.full((D_OUT // 2,), 1e-12))
+    assert torch.equal(lay.magnitude_scale().detach()[zero], torch.ones(D_OUT // 2))
     assert torch.equal(y.detach()[:, zero], lin.bias.detach()[zero].expand(5, -1))
     for t in (y, x.grad, lay.lora_A.grad, lay.lora_B.grad, lay.magnitude.grad):
         assert torch.isfinite(t).all()

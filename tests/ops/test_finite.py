@@ -64,7 +64,7 @@ def test_poll_reads_only_completed_flags_and_never_waits():
 
 
 def test_check_pending_waits_and_names_the_call_and_its_input():
-    def name_input():
+    def name_input(host_flag):
         raise ValueError("A contains non-finite values (1 NaN, 0 Inf)")
 
     w = finite.Watched(torch.tensor([0, 3], dtype=torch.int32), _Event(), "DoRALinear(4->4, r=2): g", name_input)

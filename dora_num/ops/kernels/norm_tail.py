@@ -1,6 +1,8 @@
 """The tail of the factored row norm in one Triton launch: ``cross``, ``ba``, the
-assembly, and (for :class:`~dora_num.ops.layer.DoRALinear`) ``max(wnorm, eps)`` with
-a finiteness flag of ``g = m / max(wnorm, eps)``.
+assembly, the cancellation guard (per row: the assembly's condition ``kappa``, a
+guaranteed relative error bound ``rel``, and the float64 recompute of the rows it flags),
+and (for :class:`~dora_num.ops.layer.DoRALinear`) the denominator of ``g = m / den`` with one
+device flag for finiteness and the guard.
 
 Given the fp32 ``U = W A^T`` ``[d_out, r]``, ``G = A A^T`` ``[r, r]`` and
 ``base_sq = rowsum(W*W)`` (:mod:`dora_num.ops.norm`), each program takes
@@ -10,47 +12,184 @@ Given the fp32 ``U = W A^T`` ``[d_out, r]``, ``G = A A^T`` ``[r, r]`` and
     BG    = B @ G                    # tl.dot, input_precision="ieee" (fp32 FMA chain)
     ba    = rowsum(BG * B)
     wnorm = assembly(base_sq, cross, ba)   # norm_assembly.assemble, production variant
-    den   = max(wnorm, eps)          # optional, with m:
-    flag[program] = any(!isfinite(wnorm) or !isfinite(m / den))   # div_rn: torch's division
+    # GUARD (lemma 4', docs/bounds.md), from the same loads of B:
+    lora_abs = rowsum(|B| * nA) * k + r eta,  b_abs = rowsum(|B|) * k   # nA_k >= ||A_k|| from diag(G)
+    kappa, rel = posterior(base_sq, cross, ba, lora_abs, b_abs)        # ~40 flops per row
+    # RECOMPUTE (lemma 5'), a branch taken by a program only if one of its rows has rel > rel_max:
+    x = W_j + s (B_j A) in float64 (loads of W and A), wnorm_j = RN32(||x||), rel_out_j = its bound
+    # with m:
+    den   = wnorm, or eps where wnorm == 0   # eps guards zero rows only
+    flag[program] = 4 * (rows flagged by the guard) + the largest code of its rows:
+                    3 if !isfinite(wnorm) or !isfinite(m / den) (div_rn), 2 if a recomputed row
+                    still has rel_out > rel_max, 1 if a row was flagged (and recomputed), else 0
+
+The recompute needs no host: a program whose rows all pass (the fast path) pays one
+reduction of ``BLOCK_M`` flags and a uniform branch; one with a flagged row recomputes its
+flagged rows from ``W`` and ``A`` (``W`` bf16/fp16/fp32 and ``A`` fp32 or 16-bit are exact in
+float64; the products ``B_jk A_ki`` of at most 24-bit significands are exact there), a loop
+over ``d_in`` in blocks of ``BLOCK_D`` and over ``r``, ``O(BLOCK_M d_in r)`` float64
+multiply-adds, and writes the float64 norm rounded once to fp32 in place of the factored value.
+The mathematics and the bound are those of :func:`dora_num.ops.guard.dense_rows_fp64` (the host
+recompute of the torch tail), whose bound (lemma 5') holds for any summation order: the two
+agree within it, not bit for bit.  The flag is read by the host through
+:mod:`dora_num.ops.finite` (deferred by default): the values are right when the call returns,
+and what is to be reported (rows still not certified, ``on_cancellation="warn"``/``"raise"``) is
+reported when the flag is read (:class:`dora_num.ops.guard.GuardReport`).
 
 Why a kernel: the torch sequence it replaces (a cast of ``B``, two products, a
 GEMM, two reductions, two copies, the six operations of the assembly, then the
-clamp, the division and ``isfinite(g).all()``) is ~17 launches of microseconds
-each; at 4096->4096, r=384 the layer's forward+backward was bound by that host
-work (notebook 05).  Here it is one launch, and ``BG`` and the fp32 copy of ``B``
-never exist in memory (extra memory: ``U`` and ``G``, plus 3 x ``d_out`` fp32).
+clamp, the division and ``isfinite(g).all()``, and the guard's ~40 elementwise
+operations) is tens of launches of microseconds each; at 4096->4096, r=384 the
+layer's forward+backward was bound by that host work (notebook 05).  Here it is one
+launch, and ``BG`` and the fp32 copy of ``B`` never exist in memory (extra memory:
+``U`` and ``G``, plus 2 x ``d_out`` fp32 and the flag; with the guard 3 x ``d_out`` more).
+The guard's extra work per row is two length-``r`` reductions beside the ``r^2`` of ``BG``
+and ~40 flops, against the ``d_in r`` products of ``U`` per row: about ``2 / d_in`` of the
+norm's arithmetic (``2.4e-4`` at ``d_in = 8192``).
 
 Numerics.  ``cross`` and ``ba`` are sums in an order other than torch's; the
 bound of :func:`dora_num.numerics.bounds.factored_norm_bound` holds for any
-order (it charges ``gamma_{d+r}`` and ``gamma_{d+2r}``).  The assembly is the
+order (it charges ``gamma_{d+r}`` and ``gamma_{d+2r}``), and so does the guard's
+(``lora_abs`` and ``b_abs`` are raised for a length-``r`` sum in any order).  The assembly is the
 production variant (no contraction: ``enable_fp_fusion=False``; correctly
 rounded ``sqrt_rn``), so given the same ``cross`` and ``ba`` it is bitwise equal
-to :func:`~dora_num.numerics.formulas.norm_assembly` in torch; ``max`` is exact
-and ``div_rn`` is the correctly rounded division torch uses, so ``m / den`` in
-torch is bitwise the ``g`` the flag looked at.
+to :func:`~dora_num.numerics.formulas.norm_assembly` in torch; the guard is the fp32 sequence
+of :func:`~dora_num.numerics.norm_bounds.posterior_from_terms` (``sqrt_rn``, ``div_rn``), bitwise
+equal given the same terms and magnitudes; the denominator is an exact selection and ``div_rn``
+is the correctly rounded division torch uses, so ``m / den`` in torch is bitwise the ``g`` the
+flag looked at.  In the recompute, float64 ``sqrt`` and ``/`` lower to ``sqrt.rn.f64`` and
+``div.rn.f64`` (PTX has no approximate float64 forms) and the final conversion rounds to nearest.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ...numerics.norm_posterior import KERNEL_FIELDS, PosteriorConstants
+from ...numerics.standard_model import U64, gamma
 from ..config import OpConfig, get_config
 from .compose import new_buffer
 from .norm_assembly import assemble
 
+# the order in which the kernel loads the constants (numerics.norm_posterior.KERNEL_FIELDS), then
+# the two float64 constants of the recompute
+_ORDER = ("ts", "s2", "na_add", "na_mul", "na_up", "k_up", "r_eta", "cb1", "cb2", "gb", "gc4", "gc1", "tc", "gcr",
+          "ga", "ga1", "gar", "eta", "q_s2", "q_u2", "q_u3", "q_eta", "lift", "floor", "lo", "up1", "u", "tg", "rc",
+          "rab", "na_res", "na_up2", "tc_inv", "tg_inv2", "na_add_inv2", "rc_inv", "rab_inv", "na_res_inv")
+assert _ORDER == KERNEL_FIELDS, "the kernel's constant layout must follow PosteriorConstants"
+_REC_GAMMA_R, _REC_GAMMA_D = len(_ORDER), len(_ORDER) + 1  # float64 gamma_{r+1}, gamma_{d_in+2} (lemma 5')
+
 
 @triton.jit
-def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_ptr, flag_ptr,
-                      d_out, r, two_s, s_sq, eps,
-                      HAS_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _c(gc_ptr, i: tl.constexpr):
+    """Constant ``i`` of the guard's constants tensor (float64 storage of fp32 numbers: exact)."""
+    return tl.load(gc_ptr + i).to(tl.float32)
+
+
+@triton.jit
+def _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, gb, gc4, gc1, tc, gcr, ga, ga1, gar,
+               eta, q_s2, q_u2, q_u3, q_eta, lift, floor, lo, up1, u, tg, rc, rab, SPLIT: tl.constexpr):
+    """``(kappa, rel)`` of :func:`dora_num.numerics.norm_bounds.posterior_from_terms`: the same
+    fp32 operations in the same order (launched without contraction, correctly rounded sqrt
+    and division), on the constants of :func:`~dora_num.numerics.norm_bounds.posterior_constants`."""
+    ab = tl.abs(base)
+    aba = tl.abs(ba)
+    Qh = (s_sq * ba) + ((two_s * cross) + base)
+    tcr = tl.abs(ts * cross)
+    mag = ab + tcr + s_sq * aba
+    b_up = (ab + cb1) * cb2
+    e_b = b_up * gb + cb1
+    if SPLIT:
+        sb = tl.sqrt_rn(b_up)
+        e_c = (sb * lora_abs) * gc4 + (sb * b_abs) * rc + (b_abs * gc1) * tc + gcr
+        e_a = (lora_abs * lora_abs) * ga + (b_abs * lora_abs) * rab + ((b_abs * b_abs) * ga1) * tg \
+            + ((b_abs + 1.0) * gar) * eta
+    else:
+        e_c = tl.sqrt_rn(b_up) * lora_abs * gc4 + (b_abs * gc1) * tc + gcr
+        e_a = (lora_abs * lora_abs) * ga + ((b_abs * b_abs) * ga1) * tc + ((b_abs + 1.0) * gar) * eta
+    dQ = e_b + e_c * ts + e_a * s2 + aba * q_s2 + aba * eta + (ab + s_sq * aba) * q_u2 + tcr * q_u3 + q_eta
+    dQ = dQ * lift + floor
+    Q_lo = (Qh - dQ) * lo
+    ok = (tl.abs(dQ) < float("inf")) & (tl.abs(Qh) < float("inf")) & (Q_lo > 0.0)
+    q = tl.math.div_rn(dQ, tl.where(ok, Q_lo, 1.0))
+    rel = tl.where(ok, ((q * 0.5) * up1 + u) * lift, float("inf"))
+    pos = (tl.abs(Qh) < float("inf")) & (Qh > 0.0)
+    kappa = tl.where(pos, tl.math.div_rn(mag, tl.where(pos, Qh, 1.0)), float("inf"))
+    kappa = tl.where(mag == 0.0, 1.0, kappa)
+    return kappa, rel, mag
+
+
+@triton.jit
+def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar, stride_ak, d_in, r, s, g_r,
+                    g_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(w64, rel64)`` for the rows ``need`` of this program (zeros elsewhere): lemma 5', the
+    arithmetic of :func:`dora_num.ops.guard.dense_rows_fp64` in float64."""
+    rows64 = rows.to(tl.int64)
+    s64 = tl.cast(s, tl.float64)
+    as64 = tl.abs(s64)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float64)
+    esq = tl.zeros([BLOCK_M], dtype=tl.float64)
+    for c0 in range(0, d_in, BLOCK_D):
+        cols = c0 + tl.arange(0, BLOCK_D)
+        cmask = cols < d_in
+        wv = tl.load(w_ptr + rows64[:, None] * stride_wm + cols[None, :] * stride_wk,
+                     mask=need[:, None] & cmask[None, :], other=0.0).to(tl.float64)
+        bav = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float64)
+        bam = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float64)
+        for k in range(0, r):
+            bk = tl.load(b_ptr + rows64 * r + k, mask=need, other=0.0).to(tl.float64)
+            ak = tl.load(a_ptr + k * stride_ar + cols * stride_ak, mask=cmask, other=0.0).to(tl.float64)
+            bav += bk[:, None] * ak[None, :]  # exact products; the sum rounds (any order: lemma 5')
+            bam += tl.abs(bk)[:, None] * tl.abs(ak)[None, :]
+        x = wv + s64 * bav
+        sumsq += tl.sum(x * x, axis=1)
+        e = g_r * (tl.abs(wv) + as64 * bam)
+        esq += tl.sum(e * e, axis=1)
+    w64 = tl.sqrt(sumsq)  # float64: sqrt.rn.f64
+    en = tl.sqrt(esq) * (1.0 + 2.0**-30)
+    rnd = tl.where(w64 >= 2.0**-126, 2.0**-24 * w64, tl.where(w64 > 0.0, 2.0**-150, 0.0))
+    E = (en + g_d * w64 + rnd) * (1.0 + 2.0**-40)
+    lo = (w64 - en - g_d * w64) * (1.0 - 2.0**-40)
+    rel = tl.where(lo > 0.0, E / tl.where(lo > 0.0, lo, 1.0), float("inf"))
+    rel = tl.where((E == 0.0) & (w64 == 0.0), 0.0, rel)  # an exactly zero row: exact
+    return w64, rel
+
+
+@triton.jit
+def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_ptr, flag_ptr, aux_ptr,
+                      zrow_ptr, gc_ptr, inv_ptr, w_ptr, a_ptr, stride_wm, stride_wk, stride_ar, stride_ak,
+                      d_out, d_in, r, two_s, s_sq, s, eps, rel_max,
+                      HAS_M: tl.constexpr, GUARD: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_INV: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    if GUARD:  # the constants of posterior_constants (KERNEL_FIELDS order; one small device tensor)
+        ts, s2 = _c(gc_ptr, 0), _c(gc_ptr, 1)
+        na_add, na_mul, na_up, k_up, r_eta = _c(gc_ptr, 2), _c(gc_ptr, 3), _c(gc_ptr, 4), _c(gc_ptr, 5), _c(gc_ptr, 6)
+        cb1, cb2, gb = _c(gc_ptr, 7), _c(gc_ptr, 8), _c(gc_ptr, 9)
+        gc4, gc1, tc, gcr = _c(gc_ptr, 10), _c(gc_ptr, 11), _c(gc_ptr, 12), _c(gc_ptr, 13)
+        ga, ga1, gar, eta = _c(gc_ptr, 14), _c(gc_ptr, 15), _c(gc_ptr, 16), _c(gc_ptr, 17)
+        q_s2, q_u2, q_u3, q_eta = _c(gc_ptr, 18), _c(gc_ptr, 19), _c(gc_ptr, 20), _c(gc_ptr, 21)
+        lift, floor, lo, up1, u = _c(gc_ptr, 22), _c(gc_ptr, 23), _c(gc_ptr, 24), _c(gc_ptr, 25), _c(gc_ptr, 26)
+        tg, rc, rab, na_res, na_up2 = _c(gc_ptr, 27), _c(gc_ptr, 28), _c(gc_ptr, 29), _c(gc_ptr, 30), _c(gc_ptr, 31)
+        if HAS_INV:  # fp16 split pieces: the parts that scale with the split's inv (runtime_constants)
+            inv = tl.load(inv_ptr).to(tl.float32)
+            tc = tc + ((_c(gc_ptr, 32) * inv) + 2.0**-149)
+            tg = tg + ((((_c(gc_ptr, 33) * inv) + 2.0**-149) * inv) + 2.0**-149)
+            na_add = na_add + ((((_c(gc_ptr, 34) * inv) + 2.0**-149) * inv) + 2.0**-149)
+            rc = (_c(gc_ptr, 35) * inv) + 2.0**-149
+            rab = (_c(gc_ptr, 36) * inv) + 2.0**-149
+            na_res = (_c(gc_ptr, 37) * inv) + 2.0**-149
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < d_out
     row_off = rows.to(tl.int64)[:, None] * r
     cross = tl.zeros([BLOCK_M], dtype=tl.float32)
     ba = tl.zeros([BLOCK_M], dtype=tl.float32)
+    lora_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    babs_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n0 in range(0, r, BLOCK_R):
         cols = n0 + tl.arange(0, BLOCK_R)
         col_mask = cols < r
@@ -58,6 +197,14 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
         b_n = tl.load(b_ptr + row_off + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u_n = tl.load(u_ptr + row_off + cols[None, :], mask=mask, other=0.0)
         cross += tl.sum(b_n * u_n, axis=1)
+        if GUARD:  # ||A_k|| from the diagonal of G (lora_row_magnitudes), then the two row sums
+            g_nn = tl.load(gram_ptr + cols * r + cols, mask=col_mask, other=0.0)
+            n_a = tl.sqrt_rn((tl.maximum(g_nn, 0.0) + na_add) * na_mul) * na_up
+            if SPLIT:
+                n_a = (n_a + na_res) * na_up2
+            a_n = tl.abs(b_n)
+            lora_acc += tl.sum(a_n * n_a[None, :], axis=1)
+            babs_acc += tl.sum(a_n, axis=1)
         bg = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         for k0 in range(0, r, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -70,62 +217,198 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
         ba += tl.sum(bg * b_n, axis=1)
     base = tl.load(base_ptr + rows, mask=row_mask, other=0.0)
     w = assemble(base, cross, ba, two_s, s_sq, 1)
+    if GUARD:
+        lora_abs = lora_acc * k_up + r_eta
+        b_abs = babs_acc * k_up
+        kappa, rel, mag = _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, gb, gc4, gc1,
+                                     tc, gcr, ga, ga1, gar, eta, q_s2, q_u2, q_u3, q_eta, lift, floor, lo, up1, u,
+                                     tg, rc, rab, SPLIT)
+        if HAS_Z:  # W's row exactly zero and B's too: Q^ = Q = 0 exactly, which the terms alone cannot tell
+            z = tl.load(zrow_ptr + rows, mask=row_mask, other=0).to(tl.int32)
+            rel = tl.where((z != 0) & (b_abs == 0.0), 0.0, rel)
+        flagged = row_mask & (rel > rel_max)
+        rel_out = rel
+        unresolved = tl.zeros([BLOCK_M], dtype=tl.int1)
+        if RECOMPUTE:
+            need = flagged & (tl.abs(w) < float("inf"))  # a non-finite factored norm is an error, not recomputed
+            flagged = need
+            if tl.max(need.to(tl.int32), axis=0) > 0:  # program-uniform: the fast path pays this test only
+                w64, rel64 = _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar,
+                                             stride_ak, d_in, r, s, tl.load(gc_ptr + 38), tl.load(gc_ptr + 39),
+                                             BLOCK_M, BLOCK_D)
+                w = tl.where(need, w64.to(tl.float32), w)
+                rel_out = tl.where(need, rel64.to(tl.float32), rel_out)
+                unresolved = need & (rel64 > rel_max)
+                q64 = w64 * w64  # kappa from the fp32 terms' magnitude and the float64 norm
+                k64 = tl.where(q64 > 0.0, mag.to(tl.float64) / tl.where(q64 > 0.0, q64, 1.0),
+                               tl.where(mag == 0.0, 1.0, float("inf")))
+                kappa = tl.where(need, k64.to(tl.float32), kappa)
+        tl.store(aux_ptr + rows, kappa, mask=row_mask)
+        tl.store(aux_ptr + d_out + rows, rel, mask=row_mask)
+        tl.store(aux_ptr + 2 * d_out + rows, rel_out, mask=row_mask)
     tl.store(wnorm_ptr + rows, w, mask=row_mask)
+    finite = tl.abs(w) < float("inf")  # False for NaN too
     if HAS_M:
-        den = tl.maximum(w, eps, propagate_nan=tl.PropagateNan.ALL)
+        den = tl.where(w == 0.0, eps, w)  # eps guards zero rows only (NaN propagates)
         tl.store(den_ptr + rows, den, mask=row_mask)
         m = tl.load(m_ptr + rows, mask=row_mask, other=1.0).to(tl.float32)
         g = tl.math.div_rn(m, den)
-        finite = (tl.abs(w) < float("inf")) & (tl.abs(g) < float("inf"))  # False for NaN too
-        bad = tl.max(tl.where(row_mask & ~finite, 1, 0), axis=0)
-        tl.store(flag_ptr + tl.program_id(0), bad)  # one slot per program: no zero-fill, no atomics
+        finite = finite & (tl.abs(g) < float("inf"))
+    code = tl.where(finite, 0, 3)
+    if GUARD:
+        code = tl.maximum(code, tl.where(unresolved, 2, tl.where(flagged, 1, 0)))
+        count = tl.sum(tl.where(flagged, 1, 0), axis=0)
+    else:
+        count = 0
+    if HAS_M or GUARD:
+        flag = tl.max(tl.where(row_mask, code, 0), axis=0) + 4 * count
+        tl.store(flag_ptr + tl.program_id(0), flag)  # one slot per program: no zero-fill, no atomics
+
+
+class TailResult(NamedTuple):
+    """What :func:`norm_tail` returns (fields None where not asked for)."""
+
+    wnorm: torch.Tensor  # fp32 [d_out]; with the guard and recompute: flagged rows recomputed in float64
+    den: torch.Tensor | None  # with m: the denominator of g (wnorm, or eps where wnorm == 0)
+    flag: torch.Tensor | None  # with m or guard: int32 [programs], 4 * flagged rows + the largest FLAG_* code
+    aux: torch.Tensor | None  # with guard: fp32 [3, d_out], rows kappa, rel, rel_out (the properties below)
+
+    @property
+    def kappa(self):
+        """The assembly's condition from the fp32 terms (recomputed rows: their magnitude over the
+        float64 norm squared)."""
+        return None if self.aux is None else self.aux[0]
+
+    @property
+    def rel(self):
+        """Lemma 4': the guaranteed relative error bound of the factored value of each row."""
+        return None if self.aux is None else self.aux[1]
+
+    @property
+    def rel_out(self):
+        """The guaranteed relative error bound of the returned ``wnorm``: ``rel``, or on recomputed
+        rows lemma 5' (rounded to fp32)."""
+        return None if self.aux is None else self.aux[2]
 
 
 def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.Tensor,
               two_s: float, s_sq: float, *, m: torch.Tensor | None = None, eps: float | None = None,
-              config: OpConfig | None = None):
-    """``(wnorm, den, flag)``: fp32 ``[d_out]`` row norms, and with ``m``: ``max(wnorm, eps)``
-    and an int32 device flag with one entry per program (``ceil(d_out / block_m)``), some
-    entry nonzero iff some ``wnorm`` or ``m / den`` is not finite (``den`` and ``flag`` are
-    None without ``m``).
+              guard: PosteriorConstants | None = None, rel_max: float | None = None,
+              zero_rows: torch.Tensor | None = None, recompute: tuple | None = None,
+              inv: torch.Tensor | None = None, config: OpConfig | None = None) -> TailResult:
+    """:class:`TailResult` ``(wnorm, den, flag, aux)``: fp32 ``[d_out]`` row norms; with ``m`` the
+    denominator ``den`` of ``g = m / den`` (``wnorm``, or ``eps`` where ``wnorm == 0``: eps guards
+    zero rows only); with ``guard`` (the constants of
+    :func:`~dora_num.numerics.norm_bounds.posterior_constants` for these ``two_s``, ``s_sq``,
+    ``d_in``, ``r`` and product model; ``inv``: the split's run-time scale, a 0-dim fp32 tensor,
+    where the constants need it) the per-row condition ``kappa`` and guaranteed relative error
+    bound ``rel`` of lemma 4' (docs/bounds.md) in ``aux``; ``zero_rows`` (bool ``[d_out]``, with
+    ``guard``): rows of W known to be exactly zero, whose ``rel`` is 0 where B's row is zero too
+    (the norm is then exactly 0); ``recompute = (W, A, s)`` (with ``guard``; ``s`` the fp32
+    scale of :func:`~dora_num.numerics.formulas.scale_constants`): rows with ``rel > rel_max``
+    (and a finite factored value) are recomputed in float64 from ``W`` and ``A`` in the kernel
+    (module docstring), their bound in ``aux[2]`` (``rel_out``).
+
+    ``flag`` (with ``m`` or ``guard``): an int32 device tensor with one entry per program
+    (``ceil(d_out / block_m)``), each ``4 n + c``: ``n`` the rows of the program the guard flagged
+    (recomputed, with ``recompute``) and ``c`` the largest code of its rows,
+    :data:`~dora_num.ops.guard.FLAG_NONFINITE` (3) where ``wnorm`` or ``m / den`` is not finite, else
+    :data:`~dora_num.ops.guard.FLAG_UNRESOLVED` (2) where a recomputed row still has ``rel_out >
+    rel_max``, else :data:`~dora_num.ops.guard.FLAG_CANCELLATION` (1) where a row was flagged, else
+    :data:`~dora_num.ops.guard.FLAG_OK` (0) (:func:`dora_num.ops.guard.decode`).
 
     ``U`` fp32 ``[d_out, r]``, ``B`` ``[d_out, r]`` (fp32, bf16 or fp16), ``G`` fp32
-    ``[r, r]``, ``base_sq`` and ``m`` ``[d_out]`` (``m`` fp32, bf16 or fp16), all on one
-    device; ``two_s``, ``s_sq`` from :func:`~dora_num.numerics.formulas.scale_constants`.
-    No value checks (the flag is the check).  ``config`` (default
-    :func:`~dora_num.ops.config.get_config`): the tiles (``norm_tail_tiles``, whose
-    ``block_m`` is the program count's divisor) and ``poison``.
+    ``[r, r]``, ``base_sq`` and ``m`` ``[d_out]`` (``m`` fp32, bf16 or fp16), ``W`` ``[d_out, d_in]``
+    and ``A`` ``[r, d_in]`` (fp32, bf16 or fp16, any strides), all on one device; ``two_s``,
+    ``s_sq`` from :func:`~dora_num.numerics.formulas.scale_constants`.  No value checks (the flag
+    is the check).  ``config`` (default :func:`~dora_num.ops.config.get_config`): the tiles
+    (``norm_tail_tiles``, whose ``block_m`` is the program count's divisor) and ``poison``.
     """
     d_out, r = B.shape
+    floats = (torch.float32, torch.bfloat16, torch.float16)
     specs = [("U", U, (d_out, r), (torch.float32,)),
-             ("B", B, (d_out, r), (torch.float32, torch.bfloat16, torch.float16)),
+             ("B", B, (d_out, r), floats),
              ("G", G, (r, r), (torch.float32,)),
              ("base_sq", base_sq, (d_out,), (torch.float32,))]
     if m is not None:
-        specs.append(("m", m, (d_out,), (torch.float32, torch.bfloat16, torch.float16)))
+        specs.append(("m", m, (d_out,), floats))
+    if zero_rows is not None:
+        specs.append(("zero_rows", zero_rows, (d_out,), (torch.bool,)))
+    if recompute is not None:
+        W, A, s = recompute
+        specs += [("W", W, (d_out, W.shape[1] if W.dim() == 2 else -1), floats),
+                  ("A", A, (r, W.shape[1] if W.dim() == 2 else -1), floats)]
+    if inv is not None:
+        specs.append(("inv", inv, (), (torch.float32,)))
     for name, t, shape, dtypes in specs:
         if t.dtype not in dtypes or tuple(t.shape) != shape or t.device != B.device:
             raise ValueError(f"norm_tail: {name} must be {shape} of {dtypes} on {B.device}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if m is not None and eps is None:
         raise ValueError("norm_tail: eps is required with m")
+    if guard is not None:
+        if rel_max is None:
+            raise ValueError("norm_tail: rel_max is required with guard")
+        if (guard.two_s, guard.s_sq) != (float(two_s), float(s_sq)):
+            raise ValueError("norm_tail: guard constants were made for other two_s, s_sq")
+        if guard.inv_runtime and inv is None:
+            raise ValueError("norm_tail: these guard constants (fp16 split pieces) need the split's inv")
+    elif recompute is not None:
+        raise ValueError("norm_tail: recompute needs guard")
     cfg = get_config() if config is None else config
     tiles = cfg.norm_tail_tiles
     dev = B.device
-    U, B, G, base_sq = (t.contiguous() for t in (U, B, G, base_sq))
+    U, B, G, base_sq = (t if t.is_contiguous() else t.contiguous() for t in (U, B, G, base_sq))
+    if m is not None and not m.is_contiguous():
+        m = m.contiguous()
     wnorm = new_buffer((d_out,), torch.float32, dev, cfg.poison)
     den = new_buffer((d_out,), torch.float32, dev, cfg.poison) if m is not None else None
     n_programs = triton.cdiv(d_out, tiles.block_m)
-    flag = new_buffer((n_programs,), torch.int32, dev, cfg.poison) if m is not None else None
+    flag = new_buffer((n_programs,), torch.int32, dev, cfg.poison) if m is not None or guard is not None else None
+    aux = new_buffer((3, d_out), torch.float32, dev, cfg.poison) if guard is not None else None
     if d_out:
         block_r = max(16, min(tiles.block_r, triton.next_power_of_2(r)))
         block_k = max(16, min(tiles.block_k, triton.next_power_of_2(r)))
+        if recompute is not None:
+            d_in = W.shape[1]
+            sw, sa = W.stride(), A.stride()
+        else:
+            W = A = wnorm
+            d_in, s, sw, sa = 0, 0.0, (0, 0), (0, 0)
         _norm_tail_kernel[(n_programs,)](
-            U, B, G, base_sq, m.contiguous() if m is not None else base_sq,
-            wnorm, den if m is not None else wnorm, flag if m is not None else wnorm,
-            d_out, r, float(two_s), float(s_sq), float(eps if eps is not None else 0.0),
-            HAS_M=m is not None, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-            num_warps=tiles.num_warps, enable_fp_fusion=False,
+            U, B, G, base_sq, m if m is not None else base_sq,
+            wnorm, den if den is not None else wnorm, flag if flag is not None else wnorm,
+            aux if aux is not None else wnorm, zero_rows if zero_rows is not None else wnorm,
+            _constants_on(guard, d_in, dev), inv if inv is not None else wnorm, W, A, sw[0], sw[1], sa[0], sa[1],
+            d_out, d_in, r, float(two_s), float(s_sq), float(s), float(eps if eps is not None else 0.0),
+            float(rel_max if rel_max is not None else 0.0),
+            HAS_M=m is not None, GUARD=guard is not None, HAS_Z=zero_rows is not None and guard is not None,
+            SPLIT=guard is not None and guard.split, HAS_INV=guard is not None and guard.inv_runtime,
+            RECOMPUTE=recompute is not None, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+            BLOCK_D=tiles.block_d, num_warps=tiles.num_warps, enable_fp_fusion=False,
         )
-    return wnorm, den, flag
+    return TailResult(wnorm, den, flag, aux)
 
+
+_CONSTANTS: dict = {}  # (PosteriorConstants, d_in, device) -> float64 device tensor (_ORDER, then gamma_{r+1}, gamma_{d+2})
+
+
+def _constants_on(guard: PosteriorConstants | None, d_in: int, device) -> torch.Tensor:
+    """The guard's constants as one float64 device tensor (cached: one pointer argument instead of
+    40 floats, whose per-launch argument handling would cost host time on every forward): the fp32
+    numbers of :data:`~dora_num.numerics.norm_posterior.KERNEL_FIELDS` (exact in float64), then the
+    float64 ``gamma_{r+1}``, ``gamma_{d_in+2}`` of the recompute (lemma 5', as
+    :func:`dora_num.ops.guard.dense_rows_fp64`; ``r`` from ``guard.r_eta``)."""
+    key = (guard, d_in, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if guard is None:
+            vals = [0.0] * (len(_ORDER) + 2)
+        else:
+            r = round(guard.r_eta / 2.0**-149)
+            vals = [float(getattr(guard, f)) for f in _ORDER] + [float(gamma(r + 1, U64)), float(gamma(d_in + 2, U64))]
+        t = torch.tensor(vals, dtype=torch.float64, device=device)
+        if len(_CONSTANTS) > 256:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = t
+    return t

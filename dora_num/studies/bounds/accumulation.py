@@ -1,7 +1,7 @@
 r"""How the tensor-core products of the factored norm add up: order, width, rounding (measured).
 
 The factored norm forms ``U = W A^T`` and ``G = A A^T`` from 16-bit ``W``, ``A`` on CUDA with
-``torch.mm(a, b, out_dtype=torch.float32)`` (:func:`dora_num.ops.norm._u_product` makes that
+``torch.mm(a, b, out_dtype=torch.float32)`` (:func:`dora_num.ops.products._u_product` makes that
 call, with ``b`` a transposed view), and its bound
 (:func:`~dora_num.numerics.bounds.factored_norm_bound`, ``tensor_core_products=True``) charges
 ``2u`` per addition, ``d`` additions per product: ``gamma_{2d}``, valid whatever the order,

@@ -149,6 +149,9 @@ class SiteTracer:
     def maximum(self, a, b):
         return Node("max", (self._node(a), self._node(b)))
 
+    def zero_to(self, a, b):
+        return Node("zero_to", (self._node(a), self._node(b)))
+
     def sqrt(self, a):
         return Node("sqrt", (self._node(a),))
 

@@ -1,0 +1,285 @@
+r"""The factored norm's cancellation guard: which rows to trust, and the accurate recompute of the others.
+
+The factored norm assembles ``Q = base + 2s cross + s^2 ba`` from fp32 terms; where the
+update cancels the row (``W ~ -sBA``) the assembly's condition ``kappa = (base + |2s cross| +
+s^2 ba) / Q`` is large and the computed norm loses ``log10(kappa)`` digits, down to returning 0
+for a nonzero row (``g = m / eps``, off by 1e7).  The guard evaluates, per row and from the
+tail's own fp32 terms, ``kappa`` and a *guaranteed* relative error bound ``rel`` of the computed
+norm (lemma 4' of docs/bounds.md: :func:`dora_num.numerics.norm_bounds.factored_norm_posterior`;
+in the Triton tail on CUDA, in the torch tail elsewhere: about 40 flops and two length-``r``
+reductions per row).  Rows with ``rel > CANCELLATION_REL`` are flagged; the flag joins the
+norm's finiteness flag, so deciding costs no device sync on the layer's fast path (the flag is
+read once, late, where the finiteness flag already was).
+
+Threshold: ``CANCELLATION_REL = 2^-6``.  An unflagged row's ``g = m / wnorm`` then has a
+guaranteed relative error ``<= (u + 2^-6)/(1 - 2^-6) < 1.6%`` (lemma 6): ``g`` is right in its
+leading digit with a margin of 30x, while the guarantee's floor on well-conditioned rows, which
+grows with ``d_in``, the rank and the size of the update (the worst case of sums of ``r`` terms:
+lemma 4'), stays below it with room.  Measured (the tensor-core product model, ``||sBA|| =
+rho ||W||`` per row, ``dora_num.oracles.perturbed_adapter``): at ``d_in = 4096`` the largest ``rel``
+is ``7.5e-4`` (``r = 384``, ``rho = 0.05``), ``1.8e-3`` (``rho = 0.1``), ``8.9e-3`` (``rho = 0.3``),
+``4.4e-2`` (``rho = 1``; ``8.0e-3`` at ``r = 64``); at ``d_in = 8192``, ``r = 384``, ``rho = 0.1``:
+``3.4e-3``; ``d_in = 28672``, ``r = 64``, ``rho = 0.05``: ``2.3e-3``; the real MiniLM adapter:
+``5.8e-5``.  So realistic adapters (``rho <= 0.1``) stay 4.6x or more below ``2^-6``; ``2^-8``
+would leave 1.2x at ``d_in = 8192``, ``r = 384``, ``rho = 0.1`` and ``2^-10`` would recompute every
+row there.  Cancellation drives ``rel`` up like ``gamma_d kappa / 2``, so a row is flagged from
+``kappa ~ 2^-5 / gamma_{d_in}`` (about 64 at ``d_in = 8192``), long before its actual error
+(about ``u kappa``) is visible.  Adapters with updates as large as ``W`` itself at ranks of
+hundreds (``rho ~ 1``) exceed the guarantee on every row: they are recomputed on every call
+(correct, but slow: :class:`~dora_num.ops.layer.DoRALinear` warns once when more than an eighth of
+its rows are).
+
+Flagged rows are recomputed accurately, where the tail ran:
+
+- in the Triton tail (CUDA, the default fast path; :mod:`dora_num.ops.kernels.norm_tail`), inside
+  the kernel itself: a program with a flagged row forms ``W_j + s B_j A`` in float64 from the
+  loads of ``W`` and ``A`` and writes its norm rounded once to fp32 in place of the factored
+  value (no extra launch, no host involvement, no sync; a program without one pays a uniform
+  branch).  What must be reported (rows still not certified; ``"warn"`` and ``"raise"``) is a
+  code in the kernel's device flag, read through :mod:`dora_num.ops.finite` like the
+  finiteness flag (deferred by default: at a later call of the operator or at
+  :func:`~dora_num.ops.finite.check_pending`; :class:`GuardReport` names the rows then, from the
+  per-row ``kappa`` and bounds the kernel left on the device);
+- in the torch tail (the CPU, and ``OpConfig.norm_tail="torch"`` on CUDA, the A/B baseline), on
+  the host: :func:`resolve` reads the decision (on CUDA a device sync, accepted on that path),
+  gathers the flagged rows of W and B and recomputes them by :func:`dense_rows_fp64` (memory
+  ``O(flagged rows x d_in)`` plus a float64 column chunk of ``A``); everything is immediate.
+
+Both compute ``x = W_j + s (B_j A)`` in float64 (products of fp32 or 16-bit numbers are exact
+there and no fp32 square underflows) and round its norm once to fp32.  This removes both the
+cancellation (``x`` is formed before squaring, as in the dense norm, but with 53-bit sums) and
+the underflow class (rows whose fp32 squares all underflow, where the fp32 dense norm is no
+better).  Its own error is bounded per row (lemma 5' of docs/bounds.md, which holds for any
+summation order: the kernel and the host agree within it); a row whose bound still exceeds
+``CANCELLATION_REL`` (a norm below fp32's normal range, or ``W + sBA`` cancelling to float64
+roundoff: the *unresolved* rows, :data:`FLAG_UNRESOLVED`) keeps that documented finite result
+and is reported by name (:class:`CancellationWarning`, or the error in ``"raise"``).  An
+exactly zero row (W and B rows zero: the terms cannot certify ``Q = 0``) resolves exactly; the
+operator passes a cached mask of W's zero rows so that such rows are not flagged at all.
+
+``on_cancellation`` (:func:`dora_num.ops.norm.factored_row_norm`, :class:`~dora_num.ops.layer.DoRALinear`):
+
+- ``"recompute"`` (default): recompute flagged rows silently; warn only for rows that stay
+  inaccurate.  Users want a right ``g``: cancellation is a property of their adapter state,
+  not an error, and the recompute costs nothing on the rows that do not need it (it never
+  fires on the real and realistic adapters measured);
+- ``"warn"``: recompute and warn (once per layer, naming the rows and their ``kappa``);
+- ``"raise"``: :class:`CancellationError` naming the rows, their ``kappa`` and ``rel``.  On the
+  Triton tail the values were recomputed already and the error is *deferred*, as non-finite
+  errors are (``OpConfig.finite_check``: raised at the next call of the operator or at
+  :func:`~dora_num.ops.finite.check_pending`, naming the call; ``"late"``/``"sync"`` raise in the
+  call); on the CPU and on the torch tail it is raised in the call, before anything is returned;
+- ``"off"``: no guard (the bare factored norm; studies and the guard's cost benchmark).
+
+Flag codes (the largest wins): :data:`FLAG_OK` 0, :data:`FLAG_CANCELLATION` 1 (rows flagged:
+recomputed, right now), :data:`FLAG_UNRESOLVED` 2, :data:`FLAG_NONFINITE` 3; the kernel's flag
+also counts the flagged rows (:func:`decode`), so the layer's warning about many recomputed rows
+needs no read of the device.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from ..numerics.norm_bounds import PosteriorConstants, posterior_constants
+from ..numerics.standard_model import U32, U64, gamma
+
+ON_CANCELLATION = ("recompute", "warn", "raise", "off")
+CANCELLATION_REL = 2.0**-6  # the guaranteed relative error of wnorm above which a row is recomputed (docstring)
+FLAG_OK, FLAG_CANCELLATION, FLAG_UNRESOLVED, FLAG_NONFINITE = 0, 1, 2, 3  # codes of the norm's flag (largest wins)
+FLAG_COUNT = 4  # the kernel's per-program flag is FLAG_COUNT * (rows flagged) + the largest code (decode)
+_NAMED = 8  # rows named in a message
+
+
+class CancellationWarning(RuntimeWarning):
+    """Rows of the factored norm were recomputed (``on_cancellation="warn"``), or stay inaccurate
+    after the recompute (a documented finite result, reported in every mode)."""
+
+
+class CancellationError(ValueError):
+    """``on_cancellation="raise"`` and the factored norm cannot guarantee some rows."""
+
+
+def check_on_cancellation(mode) -> str:
+    if mode not in ON_CANCELLATION:
+        raise ValueError(f"on_cancellation must be one of {ON_CANCELLATION}, got {mode!r}")
+    return mode
+
+
+def tensor_core_products(W: torch.Tensor) -> bool:
+    """The product model of ``U = W A^T`` and ``G = A A^T`` the guard assumes: on CUDA the
+    tensor-core model (exact products, an accumulator that may truncate and flush subnormal
+    partial sums: ``gamma_{2 d_in}``, lemma 4), which also bounds the fp32 GEMMs there; on the
+    CPU the fp32 model (``gamma_{d_in}``).  (TF32 GEMMs are outside both: the factored norm
+    assumes ``torch.backends.cuda.matmul.allow_tf32`` is off for its fp32 products.)"""
+    return W.device.type == "cuda"
+
+
+def guard_constants(two_s: float, s_sq: float, W: torch.Tensor, r: int, split: int | None = None) -> PosteriorConstants:
+    """The constants of lemma 4' for the factored norm of ``W`` at rank ``r``; ``split``: the piece
+    count where ``U`` and ``G`` came from the split of A into pieces of W's dtype
+    (:func:`dora_num.ops.products.split_mm`)."""
+    fmt = "fp16" if W.dtype == torch.float16 else "bf16"
+    return posterior_constants(two_s, s_sq, d_in=W.shape[1], r=r, tensor_core_products=tensor_core_products(W),
+                               split_pieces=split, split_format=fmt)
+
+
+def status(wnorm: torch.Tensor, rel: torch.Tensor | None, flag: torch.Tensor | None = None,
+           g: torch.Tensor | None = None) -> torch.Tensor:
+    """A 0-d int32 device tensor: the largest ``FLAG_*`` code over all rows (the kernel's
+    per-program ``flag`` if given, else from ``wnorm``, ``g`` and ``rel`` in torch).  No sync."""
+    if flag is not None:
+        return (flag % FLAG_COUNT).max() if flag.numel() else torch.zeros((), dtype=torch.int32, device=wnorm.device)
+    bad = ~torch.isfinite(wnorm).all()
+    if g is not None:
+        bad = bad | ~torch.isfinite(g.detach()).all()
+    code = bad.to(torch.int32) * FLAG_NONFINITE
+    if rel is not None:
+        code = torch.maximum(code, (rel > CANCELLATION_REL).any().to(torch.int32))
+    return code
+
+
+def decode(flag: torch.Tensor) -> tuple[int, int]:
+    """``(code, flagged)`` of a per-program flag of the tail kernel (host or device tensor; a
+    device one is read: a sync): the largest ``FLAG_*`` code and the number of rows the guard
+    flagged (and recomputed, with the kernel's recompute)."""
+    f = flag.to("cpu", torch.int64)
+    if f.numel() == 0:
+        return FLAG_OK, 0
+    return int((f % FLAG_COUNT).max()), int((f // FLAG_COUNT).sum())
+
+
+def report_kernel(code: int, aux: torch.Tensor, mode: str, *, where: str, warn: bool = True) -> None:
+    """What the Triton tail's recompute leaves to be reported, once its flag was read with the
+    largest code ``code`` (< ``FLAG_NONFINITE``): ``aux`` the kernel's ``[3, d_out]`` rows
+    ``kappa``, ``rel`` (lemma 4', of the factored value) and ``rel_out`` (of the returned value).
+    The values were recomputed already; ``"raise"`` raises :class:`CancellationError` for the
+    flagged rows, ``"warn"`` warns naming them (if ``warn``), and rows still above the threshold
+    (``FLAG_UNRESOLVED``) are warned about in every mode.  Reads ``aux`` (a sync: the rare path)."""
+    if code < FLAG_CANCELLATION or mode == "off":
+        return
+    kappa, rel, rel_out = (t.cpu() for t in aux)
+    rows = torch.nonzero(rel > CANCELLATION_REL).flatten()
+    exact = rel_out[rows] == 0
+    if mode == "raise" and not bool(exact.all()):
+        keep = rows[~exact]
+        raise CancellationError(
+            f"{where}: the factored norm cannot guarantee {keep.numel()} row(s): "
+            f"{_rows_text(keep, kappa[keep], rel[keep])} (kappa from the fp32 terms over the recomputed norm; "
+            f"rel = the factored norm's guaranteed relative error bound, above {CANCELLATION_REL:.3g}).  The adapter "
+            "cancels these rows of W (W ~ -s B A).  Pass on_cancellation='recompute' to have them recomputed in "
+            "float64 (the returned values were).")
+    if mode == "warn" and warn:
+        warnings.warn(f"{where}: {rows.numel()} row(s) recomputed in float64 (cancellation): "
+                      f"{_rows_text(rows, kappa[rows], rel[rows])}", CancellationWarning, stacklevel=4)
+    if code >= FLAG_UNRESOLVED:
+        bad = rows[rel_out[rows] > CANCELLATION_REL]
+        warnings.warn(f"{where}: {bad.numel()} row(s) have no accurate fp32 norm even in float64 (the norm is "
+                      f"below fp32's normal range 1.2e-38, or W + sBA cancels to float64 roundoff): rows "
+                      f"{_rows_text(bad, kappa[bad], rel_out[bad])} (rel now: the float64 bound); returned: the "
+                      "float64 norm rounded to fp32", CancellationWarning, stacklevel=4)
+
+
+def dense_rows_fp64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float, rows: torch.Tensor, *,
+                    chunk_bytes: int = 64 * 2**20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""``(w, rel, kappa)`` for the ``k`` rows ``rows``: fp32 ``w = RN32(||W_j + s (B A)_j||)`` with
+    ``x = W_j + s (B_j A)`` formed in float64 (lemma 5', docs/bounds.md), fp32 ``rel`` a guaranteed
+    bound on its relative error (0 for an exactly zero row; ``inf`` where none holds), and the
+    float64 condition ``kappa = (base + |2s cross| + s^2 ba) / w^2`` of the factored assembly
+    (from float64 terms, for messages; ``inf`` where ``w = 0`` and the terms are not).
+
+    Error: the products ``B_jk A_ki`` of fp32 numbers are exact in float64 (48 bits, no
+    underflow above ``2^-298``), so ``|x^_i - x_i| <= e_i = gamma64_{r+1} (|W_i| + |s| (|B||A|)_i)``;
+    ``| ||x^|| - ||x|| | <= ||e||``; the float64 sum of squares and the faithful square root add
+    ``gamma64_{d+2} w64``; the rounding to fp32 ``u32 w64`` (``2^-150`` below ``2^-126``).  With
+    ``E`` their sum (``||e||`` evaluated in float64, raised by ``1 + 2^-30``),
+    ``rel = E / (w64 - ||e|| - gamma64_{d+2} w64)`` where that is positive.  ``A`` is read in
+    float64 column chunks under ``chunk_bytes``; memory ``O(k d_in)``."""
+    k, (r, d_in) = rows.numel(), A.shape
+    dev = W.device
+    if k == 0:
+        z = torch.zeros(0, dtype=torch.float32, device=dev)
+        return z, z.clone(), z.double()
+    sf = float(s)
+    Br = B[rows].double()
+    aBr = Br.abs()
+    sumsq = torch.zeros(k, dtype=torch.float64, device=dev)
+    esq = torch.zeros(k, dtype=torch.float64, device=dev)
+    base = torch.zeros(k, dtype=torch.float64, device=dev)
+    U = torch.zeros(k, r, dtype=torch.float64, device=dev)
+    ba = torch.zeros(k, dtype=torch.float64, device=dev)
+    cols = max(1, min(d_in, chunk_bytes // (8 * (3 * k + 2 * r))))
+    g_r = float(gamma(r + 1, U64))
+    for c0 in range(0, d_in, cols):
+        Ac = A[:, c0:c0 + cols].double()
+        Wc = W[rows, c0:c0 + cols].double()  # gathered per chunk: O(k cols) in memory
+        BAc = Br @ Ac
+        x = Wc + sf * BAc
+        sumsq += (x * x).sum(1)
+        base += (Wc * Wc).sum(1)
+        ba += (BAc * BAc).sum(1)
+        U += Wc @ Ac.T
+        e = g_r * (Wc.abs() + abs(sf) * (aBr @ Ac.abs()))
+        esq += (e * e).sum(1)
+        del Ac, Wc, x, e, BAc
+    w64 = torch.sqrt(sumsq)
+    en = torch.sqrt(esq) * (1 + 2.0**-30)
+    g_d = float(gamma(d_in + 2, U64))
+    w32 = w64.float()
+    rnd = torch.where(w64 >= 2.0**-126, U32 * w64, torch.where(w64 > 0, torch.full_like(w64, 2.0**-150), 0.0 * w64))
+    E = en + g_d * w64 + rnd
+    lo = w64 - en - g_d * w64
+    rel = torch.where(lo > 0, E / torch.where(lo > 0, lo, torch.ones_like(lo)), torch.full_like(E, math.inf))
+    rel = torch.where((E == 0) & (w64 == 0), torch.zeros_like(rel), rel)  # an exactly zero row: exact
+    S = base + abs(2 * sf) * (Br * U).sum(1).abs() + sf * sf * ba
+    kappa = torch.where(w64 > 0, S / torch.where(w64 > 0, w64 * w64, torch.ones_like(w64)),
+                        torch.where(S == 0, torch.ones_like(S), torch.full_like(S, math.inf)))
+    return w32, rel.float(), kappa
+
+
+def _rows_text(rows, kappa, rel) -> str:
+    shown = ", ".join(f"{int(j)} (kappa {float(kp):.3g}, rel {float(rl):.3g})"
+                      for j, kp, rl in zip(rows[:_NAMED], kappa[:_NAMED], rel[:_NAMED]))
+    more = f" and {len(rows) - _NAMED} more" if len(rows) > _NAMED else ""
+    return shown + more
+
+
+def resolve(W, A, B, s: float, wnorm: torch.Tensor, rel: torch.Tensor, mode: str, *,
+            where: str = "factored row norm", warn: bool = True) -> torch.Tensor:
+    """The guarded norm: ``wnorm`` with the rows whose ``rel > CANCELLATION_REL`` recomputed by
+    :func:`dense_rows_fp64` (a new tensor; ``wnorm`` itself where no row is flagged).  Syncs (the
+    rare path).  ``mode``: ``"recompute"``, ``"warn"`` (a :class:`CancellationWarning` naming the
+    rows, if ``warn``) or ``"raise"`` (:class:`CancellationError`, unless every flagged row turns
+    out exact: an all-zero row).  Rows that stay above the threshold after the recompute are
+    reported in every mode (``where`` names the caller in messages)."""
+    rows = torch.nonzero(rel > CANCELLATION_REL).flatten()
+    if rows.numel() == 0:
+        return wnorm
+    w_new, rel_new, kappa64 = dense_rows_fp64(W, A, B, s, rows)
+    kp, rl = kappa64.cpu(), rel[rows].cpu()
+    idx = rows.cpu()
+    exact = (rel_new == 0).cpu()
+    if mode == "raise" and not bool(exact.all()):
+        keep = ~exact
+        raise CancellationError(
+            f"{where}: the factored norm cannot guarantee {int(keep.sum())} row(s): "
+            f"{_rows_text(idx[keep], kp[keep], rl[keep])}"
+            f" (kappa = (base + |2s cross| + s^2 ba) / ||W + sBA||^2, from float64 terms; rel = the factored norm's "
+            "guaranteed relative error bound from its fp32 terms, above "
+            f"{CANCELLATION_REL:.3g}).  The adapter cancels these rows of W (W ~ -s B A).  Pass "
+            "on_cancellation='recompute' to have them recomputed in float64.")
+    out = wnorm.clone()
+    out[rows] = w_new
+    bad = (rel_new > CANCELLATION_REL).cpu()
+    if mode == "warn" and warn:
+        warnings.warn(f"{where}: {len(idx)} row(s) recomputed in float64 (cancellation): "
+                      f"{_rows_text(idx, kp, rl)}", CancellationWarning, stacklevel=3)
+    if bool(bad.any()):
+        warnings.warn(f"{where}: {int(bad.sum())} row(s) have no accurate fp32 norm even in float64 (the norm "
+                      f"is below fp32's normal range 1.2e-38, or W + sBA cancels to float64 roundoff): rows "
+                      f"{_rows_text(idx[bad], kp[bad], rel_new.cpu()[bad])} (rel now: the float64 bound); "
+                      "returned: the float64 norm rounded to fp32", CancellationWarning, stacklevel=3)
+    return out

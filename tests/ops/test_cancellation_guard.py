@@ -1,0 +1,332 @@
+"""The factored norm's cancellation guard (dora_num.ops.guard; lemma 4', 5' of docs/bounds.md).
+
+- On notebook 03's conditioning sweep (``W = -sBA + tau ||sBA|| N``, ``s = 2/sqrt(7)``, tau down to
+  1e-9: kappa up to ~1e16) the guarded factored norm is within the dense fp32 norm's bound
+  (lemma 5) on every row, against certified ground truth (``mp_dense_row_norm``); the bare
+  factored norm (``on_cancellation="off"``) is not, so the check can fail.  Both tails.
+- On the real MiniLM adapter (every row of all 36 modules) and on realistic random adapters
+  (``||sBA|| = rho ||W||``, rho up to 0.1, ranks up to 384) the guard never fires: counted,
+  both product models.
+- The modes: ``"recompute"``, ``"warn"`` (once per layer, naming rows), ``"raise"`` (naming rows
+  and kappa), ``"off"``; the layer's late flag (no sync on the fast path) and its rare path.
+- The float64 recompute of flagged rows and its bound (lemma 5'), underflowing rows, zero rows.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from fractions import Fraction as Fr
+
+import numpy as np
+import pytest
+import torch
+
+import dora_num as dn
+from dora_num.numerics.bounds import dense_norm_bound
+from dora_num.numerics.formulas import scale_constants
+from dora_num.numerics.ground_truth import mp_dense_row_norm
+from dora_num.numerics.norm_bounds import lora_row_magnitudes, posterior_constants, posterior_from_terms
+from dora_num.ops.config import get_config, override
+from dora_num.ops.guard import (CANCELLATION_REL, FLAG_CANCELLATION, CancellationError, CancellationWarning, decode,
+                                dense_rows_fp64)
+from dora_num.ops.norm import factored_terms, magnitude_scale_and_flag
+from dora_num.oracles import measure_cpu_allocations, perturbed_adapter
+from dora_num.studies.inputs import conditioning_rows as conditioning_inputs
+
+S_RSLORA = 2 / math.sqrt(7)  # notebook 03's COND_SCALE: s^2 inexact in fp32
+TAILS = [pytest.param("torch", id="torch-tail"),
+         pytest.param("triton", id="triton-tail",
+                      marks=pytest.mark.skipif(not get_config().interpret,
+                                               reason="the Triton tail on the CPU needs TRITON_INTERPRET=1"))]
+LAYER_DEVICES = [pytest.param("cpu", t, id=f"cpu-{t}-tail", marks=p.marks) for t, p in (("torch", TAILS[0]),
+                                                                                       ("triton", TAILS[1]))]
+LAYER_DEVICES.append(pytest.param("cuda", "auto", id="cuda-kernel-tail", marks=pytest.mark.gpu))
+
+
+def _t(x):
+    return torch.from_numpy(np.asarray(x, dtype=np.float32))
+
+
+def _exact_norms(W, A, B, s) -> np.ndarray:
+    """``||W_j + s (BA)_j||`` (``s = fl32(scale)``) rounded to float64 from exact rationals."""
+    sf = Fr(scale_constants(s)[0])
+    out = []
+    for j in range(W.shape[0]):
+        q = Fr(0)
+        for i in range(W.shape[1]):
+            x = Fr(float(W[j, i])) + sf * sum(Fr(float(B[j, k])) * Fr(float(A[k, i])) for k in range(A.shape[0]))
+            q += x * x
+        out.append(math.sqrt(q.numerator / q.denominator) if q else 0.0)  # float64 of the root: 1e-16 relative
+    return np.array(out)
+
+
+@pytest.mark.parametrize("tail", TAILS)
+def test_guarded_norm_within_the_dense_bound_on_the_conditioning_sweep(tail, record):
+    rows, d_in, r = 96, 256, 8
+    W, A, B, s = conditioning_inputs(rows, d_in, r, seed=0, tau_min=1e-9, scale=S_RSLORA)
+    exact = mp_dense_row_norm(W, A, B, s).value
+    bound_dense = dense_norm_bound(W, A, B, s)
+    with override(norm_tail=tail), warnings.catch_warnings():
+        warnings.simplefilter("error", CancellationWarning)  # no row stays unresolved here
+        guarded = dn.factored_row_norm(_t(W), _t(A), _t(B), s).double().numpy()
+        bare = dn.factored_row_norm(_t(W), _t(A), _t(B), s, on_cancellation="off").double().numpy()
+        dense = dn.dense_row_norm(_t(W), _t(A), _t(B), s).double().numpy()
+    assert np.isfinite(bound_dense).all()
+    err_g, err_b, err_d = (np.abs(x - exact) for x in (guarded, bare, dense))
+    assert (err_d <= bound_dense).all()  # the dense norm itself, for reference
+    assert (err_g <= bound_dense).all(), f"worst guarded err / dense bound {np.max(err_g / bound_dense):.3g}"
+    n_bare = int((err_b > bound_dense).sum())
+    assert n_bare > rows // 2  # the bare factored norm breaks the dense bound here: the check can fail
+    W64, A64, B64 = (np.asarray(t, dtype=np.float64) for t in (W, A, B))
+    kappa = ((W64**2).sum(1) + np.abs(2 * s * (B64 * (W64 @ A64.T)).sum(1)) + s * s * ((B64 @ A64) ** 2).sum(1)) \
+        / exact**2  # the condition (float64 terms: for the report only)
+    changed = guarded != bare  # rows the guard recomputed (in float64): accurate to the fp32 rounding
+    assert changed.any() and bool((err_g[changed] / exact[changed] < 2.0**-20).all())
+    fired = int(changed.sum())
+    record("guard", case=f"conditioning sweep ({tail} tail)", rows=rows, log10_kappa_max=float(np.log10(kappa.max())),
+           ratio_guarded_err_to_dense_bound=float(np.max(err_g / bound_dense)),
+           ratio_bare_err_to_dense_bound=float(np.max(err_b / bound_dense)), bare_rows_beyond_dense_bound=n_bare,
+           rows_changed_by_the_guard=fired,
+           summary=f"conditioning sweep ({tail}): guarded within the dense bound on {rows}/{rows} rows "
+                   f"(worst ratio {np.max(err_g / bound_dense):.3g}); bare factored beyond it on {n_bare} rows")
+
+
+def _fired(W, A, B, s, tensor_core_products: bool) -> tuple[int, float]:
+    """Rows the guard flags, and the largest rel, under the given product model (torch tail terms)."""
+    base, cross, ba, two_s, s_sq = factored_terms(W, A, B, s)
+    C = posterior_constants(two_s, s_sq, d_in=W.shape[1], r=A.shape[0], tensor_core_products=tensor_core_products)
+    Af = A.float()
+    la, bb = lora_row_magnitudes(B, Af @ Af.T, constants=C)  # G as the CPU tail computes it
+    _, rel = posterior_from_terms(base, cross, ba, la, bb, C)
+    return int((rel > CANCELLATION_REL).sum()), float(rel.max())
+
+
+def test_guard_never_fires_on_the_real_minilm_adapter(record):
+    from dora_num.adapters.model import load_base_model
+    from dora_num.repro.paths import COMMITTED_DATA_DIR
+
+    model, _ = load_base_model()
+    states = dn.load_peft_dora(COMMITTED_DATA_DIR / "adapters" / "minilm_dora_r16", model)
+    assert len(states) == 36
+    n_rows = fired = 0
+    worst = 0.0
+    for st in states:
+        for tc in (False, True):  # the CPU's and the CUDA tensor-core product models
+            f, rel = _fired(st.W, st.A, st.B, st.scale, tc)
+            fired += f
+            worst = max(worst, rel)
+        n_rows += st.W.shape[0]
+        # and through the operator (the guarded default): bitwise the bare norm where nothing fires
+        assert torch.equal(dn.factored_row_norm(st.W, st.A, st.B, st.scale),
+                           dn.factored_row_norm(st.W, st.A, st.B, st.scale, on_cancellation="off"))
+    record("guard", case="minilm_dora_r16 (36 modules)", rows=n_rows, fired=fired, rel_max=worst,
+           ratio_rel_max_to_threshold=worst / CANCELLATION_REL,
+           summary=f"MiniLM r16: the guard fired on {fired} of {n_rows} rows (x2 product models); "
+                   f"largest rel {worst:.3g} vs threshold {CANCELLATION_REL:.3g}")
+    assert fired == 0
+
+
+# (d_out, d_in, r, scale, update ratio rho = ||sBA|| / ||W||): realistic adapters, up to the
+# largest update the threshold is set for (docstring of dora_num.ops.guard)
+REALISTIC = {
+    "384x384-r16-rho0.05": (384, 384, 16, 2.0, 0.05),
+    "256x1536-r8-rho0.1": (256, 1536, 8, 2.0, 0.1),
+    "128x4096-r64-rsLoRA-rho0.05": (128, 4096, 64, 192 / math.sqrt(64), 0.05),
+    "128x4096-r384-rsLoRA-rho0.1": (128, 4096, 384, 192 / math.sqrt(384), 0.1),
+    "64x8192-r384-rsLoRA-rho0.05": (64, 8192, 384, 192 / math.sqrt(384), 0.05),
+    "32x14336-r64-rho0.05": (32, 14336, 64, 2.0, 0.05),
+}
+
+
+@pytest.mark.parametrize("case", list(REALISTIC))
+def test_guard_never_fires_on_realistic_rows(case, record):
+    d_out, d_in, r, s, rho = REALISTIC[case]
+    gen = torch.Generator().manual_seed(d_in + r)
+    W = torch.randn(d_out, d_in, generator=gen) / math.sqrt(d_in)
+    A = (torch.rand(r, d_in, generator=gen) * 2 - 1) / math.sqrt(d_in)  # PEFT's kaiming_uniform(a=sqrt(5))
+    B, _ = perturbed_adapter(W, A, s, seed=r, update_ratio=rho)
+    out = {tc: _fired(W, A, B, s, tc) for tc in (False, True)}
+    fired = sum(f for f, _ in out.values())
+    worst = max(rel for _, rel in out.values())
+    record("guard", case=case, rows=d_out, fired=fired, rel_max=worst, ratio_rel_max_to_threshold=worst / CANCELLATION_REL,
+           summary=f"realistic {case}: fired on {fired} of {2 * d_out} rows (2 product models), largest rel {worst:.3g}")
+    assert fired == 0
+    for dtype in (torch.float32, torch.bfloat16):  # and the operator's own decision (CPU: fp32 model)
+        Wd, Ad, Bd = W.to(dtype), A.to(dtype), B.to(dtype)
+        g, bad = magnitude_scale_and_flag(Wd, Ad, Bd, s, torch.ones(d_out))
+        assert int(bad.max()) == 0
+
+
+# ---------------------------------------------------------------------------- the modes
+
+def _cancelling(d_out=48, d_in=64, r=4, rows=(2, 7), tau=1e-7, seed=0):
+    """Random fp32 W, A, B with the given rows of W set to ``-sBA + tau ||sBA|| N``."""
+    gen = torch.Generator().manual_seed(seed)
+    s = scale_constants(S_RSLORA)[0]
+    W = torch.randn(d_out, d_in, generator=gen) / math.sqrt(d_in)
+    A = torch.randn(r, d_in, generator=gen) / math.sqrt(d_in)
+    B = torch.randn(d_out, r, generator=gen)
+    V = s * (B.double() @ A.double())
+    N = torch.randn(d_out, d_in, generator=gen, dtype=torch.float64) / math.sqrt(d_in)
+    for j in rows:
+        W[j] = (-V[j] + tau * V[j].norm() * N[j]).float()
+    return W, A, B, S_RSLORA
+
+
+def test_modes_recompute_warn_raise_off():
+    W, A, B, s = _cancelling()
+    exact = _exact_norms(W.numpy(), A.numpy(), B.numpy(), s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rec = dn.factored_row_norm(W, A, B, s)  # the default: silent, accurate
+    assert float(np.max(np.abs(rec.double().numpy() - exact) / exact)) < 2**-23  # the float64 norm, rounded once
+    bare = dn.factored_row_norm(W, A, B, s, on_cancellation="off")
+    assert float(np.max(np.abs(bare.double().numpy() - exact) / exact)) > 0.5  # wrong in the leading digit
+    with pytest.warns(CancellationWarning, match=r"2 row\(s\) recomputed in float64 .*: 2 \(kappa .*\), 7 \(kappa"):
+        warned = dn.factored_row_norm(W, A, B, s, on_cancellation="warn")
+    assert torch.equal(warned, rec)
+    with pytest.raises(CancellationError, match=r"cannot guarantee 2 row\(s\): 2 \(kappa [0-9.]+e\+1[0-9], rel inf\), 7 "):
+        dn.factored_row_norm(W, A, B, s, on_cancellation="raise")
+    with pytest.raises(ValueError, match="on_cancellation must be one of"):
+        dn.factored_row_norm(W, A, B, s, on_cancellation="ignore")
+    with pytest.raises(ValueError, match="on_cancellation must be one of"):
+        dn.DoRALinear(torch.nn.Linear(8, 4), 2, on_cancellation="never")
+
+
+def _cancelling_layer(on_cancellation, bias=False, rows=(2, 7), device="cpu"):
+    W, A, B, s = _cancelling(rows=rows)
+    lin = torch.nn.Linear(W.shape[1], W.shape[0], bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(W)
+    layer = dn.DoRALinear(lin, A.shape[0], on_cancellation=on_cancellation)
+    with torch.no_grad():
+        layer.lora_A.copy_(A)
+        layer.lora_B.copy_(B)
+        layer.scale = s  # the sweep's rsLoRA scale
+        layer.magnitude.copy_(torch.from_numpy(_exact_norms(W.numpy(), A.numpy(), B.numpy(), s)).float())
+    return layer.to(device)
+
+
+@pytest.mark.parametrize("device,tail", LAYER_DEVICES)
+@pytest.mark.parametrize("finite_check", ["deferred", "late", "sync"])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_layer_guard_recomputes_before_the_compose(device, tail, finite_check, grad):
+    """The layer's g on cancelling rows: the flagged rows are recomputed where the norm is formed
+    (in the Triton tail, or on the host after the torch tail), before the compose runs, so the
+    forward is the DoRA output of the recomputed norm (m = the exact norm: g = 1 to 2^-23) in every
+    finite_check mode, the deferred one included; the flag carries the guard's code and count."""
+    layer = _cancelling_layer("recompute", device=device)
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(1)).to(device)
+    with override(norm_tail=tail, finite_check=finite_check), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g_fast, bad = magnitude_scale_and_flag(layer.base.weight, layer.lora_A, layer.lora_B, layer.scale,
+                                               layer.magnitude)
+        assert decode(bad) == (FLAG_CANCELLATION, 2)  # the guard's code and count, no non-finite value
+        assert float((g_fast.detach()[[2, 7]] - 1).abs().max()) <= 2**-23  # recomputed already (the bare norm: > 0.5)
+        with torch.set_grad_enabled(grad):
+            y = layer(x)
+    g = layer.magnitude_scale().detach().double()
+    assert float((g[[2, 7]] - 1).abs().max()) <= 2**-23  # recomputed: m and wnorm both the exact norm, rounded
+    assert float((g - 1).abs().max()) <= 2 * CANCELLATION_REL  # every row within the guard's guarantee
+    W, A, B = (t.detach().double() for t in (layer.base.weight, layer.lora_A, layer.lora_B))
+    x64, s = x.double(), layer.scale
+    want = x64 @ W.T + (g - 1) * (x64 @ W.T) + g * s * (x64 @ A.T @ B.T)  # with the layer's own (guarded) g
+    # fp32 evaluation of the products and the compose: dot products of d_in and r terms (gamma), 4 roundings
+    n = layer.in_features + layer.rank + 4
+    tol = n * 2.0**-24 / (1 - n * 2.0**-24) * 2 * (x64.abs() @ W.abs().T + g.abs() * s * (x64.abs() @ A.abs().T @ B.abs().T))
+    assert bool(((y.detach().double() - want).abs() <= tol).all())
+    if grad:
+        y.sum().backward()
+        assert torch.isfinite(layer.magnitude.grad).all()
+
+
+def test_layer_warn_once_and_raise():
+    layer = _cancelling_layer("warn")
+    x = torch.randn(3, layer.in_features)
+    with pytest.warns(CancellationWarning, match=r"DoRALinear\(64->48, r=4\): 2 row\(s\) recomputed"):
+        layer(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x)  # once per layer
+    strict = _cancelling_layer("raise")
+    with pytest.raises(CancellationError, match=r"DoRALinear\(64->48, r=4\): .* 2 row\(s\): 2 \(kappa"):
+        strict(x)
+    off = _cancelling_layer("off")
+    assert float((off.magnitude_scale().detach() - 1).abs().max()) > 0.5  # the bare norm: wrong g
+
+
+def test_layer_warns_once_when_the_guard_recomputes_most_rows():
+    layer = _cancelling_layer("recompute", rows=tuple(range(48)))
+    x = torch.randn(3, layer.in_features)
+    with pytest.warns(CancellationWarning, match="recomputes 48 of 48 rows"):
+        layer(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x)
+
+
+def test_zero_rows_are_certified_exact_without_the_recompute():
+    """Zero rows of W with zero B rows (padding rows at init): the cached mask of W's zero rows
+    certifies them, so the layer's flag stays 0 (no rare path); without the mask (a bare call)
+    they are flagged and resolve exactly, silently, also under "raise"."""
+    lin = torch.nn.Linear(40, 10, bias=False)
+    with torch.no_grad():
+        lin.weight[::3] = 0.0
+    layer = dn.DoRALinear(lin, 4, on_cancellation="raise")
+    _, bad = magnitude_scale_and_flag(lin.weight, layer.lora_A, layer.lora_B, layer.scale, layer.magnitude)
+    assert int(bad.max()) == 0
+    w = dn.factored_row_norm(lin.weight.detach(), layer.lora_A.detach(), layer.lora_B.detach(), layer.scale,
+                             on_cancellation="raise")
+    assert torch.equal(w[::3], torch.zeros(4))
+
+
+# ---------------------------------------------------------------------------- the recompute
+
+def test_dense_rows_fp64_within_its_bound_and_underflow_rows(record):
+    """Lemma 5' against exact rationals: cancelling rows (tau down to 1e-9), rows whose fp32 squares
+    all underflow (their norm is still normal, or subnormal in fp32: resolved to the fp32 spacing),
+    a row whose norm is a few fp32 subnormal steps (reported: no accurate fp32 norm exists), a zero row."""
+    W, A, B, s = _cancelling(d_out=10, d_in=48, r=3, rows=(0, 1, 2, 3), tau=1e-9)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        W[4] = torch.randn(48, generator=gen) * 1e-30  # squares 1e-60: all underflow in fp32
+        W[5] = torch.randn(48, generator=gen) * 1e-40  # subnormal entries: the norm is subnormal (7e-40)
+        W[6] = torch.randint(-3, 4, (48,), generator=gen) * 2.0**-149  # a norm of a few 2^-149
+        W[7] = 0.0
+        B[4:8] = 0.0
+    rows = torch.arange(10)
+    w, rel, _ = dense_rows_fp64(W, A, B, scale_constants(s)[0], rows)
+    exact = _exact_norms(W.numpy(), A.numpy(), B.numpy(), s)
+    worst = 0.0
+    for j in range(10):
+        err = abs(float(w[j]) - exact[j])
+        if exact[j] == 0:
+            assert float(w[j]) == 0.0 and float(rel[j]) == 0.0
+            continue
+        assert err <= float(rel[j]) * exact[j] * (1 + 1e-12), (j, err / exact[j], float(rel[j]))
+        worst = max(worst, err / exact[j] / float(rel[j]))
+    assert float(rel[:5].max()) < 2**-20  # accurate: cancellation and underflow are gone
+    assert float(rel[5]) < CANCELLATION_REL < float(rel[6])  # a subnormal norm: the fp32 spacing 2^-149 decides
+    record("guard", case="dense_rows_fp64 (lemma 5')", ratio_err_over_bound=worst)
+    # through the operator: the cancelling and underflowing rows are flagged (rel = inf from the terms)
+    # and recomputed; row 6 is reported by name
+    with pytest.warns(CancellationWarning, match=r"no accurate fp32 norm even in float64 .*rows 6 "):
+        out = dn.factored_row_norm(W, A, B, s)
+    assert torch.equal(out[:7], w[:7])
+
+
+def test_recompute_memory_is_o_of_the_flagged_rows(record):
+    """Flagged rows are gathered: the guard's extra memory (guarded minus bare, measured allocations)
+    does not grow with d_out beyond a few fp32 vectors per row, and is far below a dense [d_out, d_in]."""
+    extra = {}
+    for d_out in (512, 2048):
+        W, A, B, s = _cancelling(d_out=d_out, d_in=1024, r=8, rows=(3, 100, 400))
+        guarded = measure_cpu_allocations(lambda: dn.factored_row_norm(W, A, B, s))
+        bare = measure_cpu_allocations(lambda: dn.factored_row_norm(W, A, B, s, on_cancellation="off"))
+        extra[d_out] = guarded["peak_extra"] - bare["peak_extra"]
+        assert guarded["largest_block"] <= d_out * 1024 * 4 // 8  # the factored norm's own chunk budget
+    assert extra[2048] - extra[512] <= 16 * 4 * (2048 - 512), extra  # per-row vectors (kappa, rel, magnitudes)
+    assert extra[2048] < 2048 * 1024 * 4 // 16, extra
+    record("guard", case="recompute memory (3 flagged rows, d_in 1024)", extra_bytes_512=extra[512],
+           extra_bytes_2048=extra[2048], dense_bytes_2048=2048 * 1024 * 4)
