@@ -630,7 +630,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="output folder (model_*.csv, device.json); with --ingest: the data folder")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, two ranks, two rounds (tests the machinery)")
     ap.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
+    ap.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {ROUNDS}; smoke {SMOKE_ROUNDS})")
+    ap.add_argument("--git-sha", default=None, help="the commit measured (the GPU machine's copy has no .git)")
     args = ap.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     if args.ingest:
         for p in ingest(Path(args.ingest), Path(args.out) if args.out else None):
             print(p)
@@ -641,7 +645,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     desc = describe(device, args.smoke)
-    desc["model"] = run(out, smoke=args.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"))
+    if args.git_sha:
+        desc["git_sha"] = args.git_sha
+    desc["model"] = run(out, smoke=args.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"),
+                        rounds=args.rounds)
     (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
     return 0
 

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The device calls of one GPU recording session, each under the device tool's 10-minute limit
+# (run in the repo root, $OUT given, `.carry/minilm` carried: `dora-num record carry .carry/minilm`).
+#
+#   smoke  every GPU entry point at small sizes, in parallel (exhaustive checks, trained-adapter
+#          runs, model-level suite, GPU suite), and all gpu-marked tests (4 workers); then, alone on
+#          the GPU, the cancellation guard's cost (a timing).                 -> $OUT/session_smoke.tgz
+#   train  the trained-adapter runs of notebook 01 (13 processes, one deadline; the launcher
+#          packs its own output: at most 8 files)                             -> $OUT/part-K.tar, plan.json, ...
+#   bench  the model-level suite (timings: alone on the GPU), then the exhaustive checks with the
+#          time left                                                         -> $OUT/session_bench.tgz
+#
+# Usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench
+# Each job runs under its own timeout and appends "<job> exit <rc> after <s> s" to its log.
+# Here, after a call: tar xzf session_<phase>.tgz -C <dir>, then the ingest commands of the
+# README's "Recording GPU data" section.
+set -u
+: "${OUT:?set OUT}"
+SHA=${DORA_NUM_GIT_SHA:?set DORA_NUM_GIT_SHA to the commit being measured}
+export PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+W=/tmp/dora-num-session
+rm -rf "$W"; mkdir -p "$W/logs"
+nvidia-smi > "$W/logs/nvidia-smi.txt" 2>&1
+t0=$(date +%s)
+job() {  # job NAME TIMEOUT CMD...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" > "$W/logs/$name.log" 2>&1
+  echo "$name exit $? after $(( $(date +%s) - t0 )) s" >> "$W/logs/$name.log"
+}
+pack() {  # pack NAME: everything under $W as one file in $OUT
+  tail -n 3 "$W"/logs/*.log
+  tar czf "$OUT/session_$1.tgz" -C "$W" .
+  ls -la "$OUT"
+}
+case "${1:-}" in
+  smoke)
+    job exhaustive_smoke 240 python3 -m dora_num record exhaustive --out "$W/exhaustive_smoke" --smoke --git-sha "$SHA" &
+    job adapters_smoke 220 python3 -m dora_num record adapters-gpu launch --plan smoke --out "$W/adapters_smoke" \
+      --base .carry/minilm --wall-s 180 --git-sha "$SHA" &
+    job model_smoke 240 python3 -m dora_num.studies.speed.model_bench --out "$W/model_smoke" --smoke --git-sha "$SHA" &
+    job suite_smoke 240 python3 -m dora_num gpu-suite --smoke --only fma compose norm layer --out "$W/suite_smoke" \
+      --git-sha "$SHA" &
+    job pytest 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests &
+    wait
+    job guard 150 python3 -m dora_num.studies.speed.guard_cost --out "$W/guard" --git-sha "$SHA"
+    pack smoke
+    ;;
+  train)
+    job adapters 590 python3 -m dora_num record adapters-gpu launch --out "$OUT" --base .carry/minilm --wall-s 560 \
+      --git-sha "$SHA"
+    cp "$W/logs/adapters.log" "$OUT/adapters_job.log"
+    tail -n 20 "$W/logs/adapters.log"
+    ls -la "$OUT"
+    ;;
+  bench)
+    job model 330 python3 -m dora_num.studies.speed.model_bench --out "$W/model" --rounds "${MODEL_ROUNDS:-3}" \
+      --git-sha "$SHA"
+    left=$(( 570 - ($(date +%s) - t0) ))
+    budget=$(( left - 80 ))
+    [ "$budget" -ge 60 ] || budget=60
+    job exhaustive "$left" python3 -m dora_num record exhaustive --out "$W/exhaustive" --budget-s "$budget" \
+      --git-sha "$SHA"
+    pack bench
+    ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench" >&2; exit 2 ;;
+esac
