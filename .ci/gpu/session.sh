@@ -9,8 +9,11 @@
 #          packs its own output: at most 8 files)                             -> $OUT/part-K.tar, plan.json, ...
 #   bench  the model-level suite (timings: alone on the GPU), then the exhaustive checks with the
 #          time left                                                         -> $OUT/session_bench.tgz
+#   final  at the commit to be resolved: all gpu-marked tests beside the exhaustive checks (a
+#          correctness record: its timings are not claims), then alone on the GPU the guard's cost
+#          and the model-level suite with the time left                      -> $OUT/session_final.tgz
 #
-# Usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench
+# Usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final
 # Each job runs under its own timeout and appends "<job> exit <rc> after <s> s" to its log.
 # Here, after a call: tar xzf session_<phase>.tgz -C <dir>, then the ingest commands of the
 # README's "Recording GPU data" section.
@@ -63,5 +66,16 @@ case "${1:-}" in
       --git-sha "$SHA"
     pack bench
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench" >&2; exit 2 ;;
+  final)
+    job pytest 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests &
+    job exhaustive 300 python3 -m dora_num record exhaustive --out "$W/exhaustive" --budget-s "${EXHAUSTIVE_S:-200}" \
+      --git-sha "$SHA" &
+    wait
+    job guard 150 python3 -m dora_num.studies.speed.guard_cost --out "$W/guard" --git-sha "$SHA"
+    left=$(( 575 - ($(date +%s) - t0) ))
+    job model "$left" python3 -m dora_num.studies.speed.model_bench --out "$W/model" --rounds "${MODEL_ROUNDS:-2}" \
+      --git-sha "$SHA"
+    pack final
+    ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final" >&2; exit 2 ;;
 esac

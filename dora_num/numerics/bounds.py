@@ -104,8 +104,10 @@ def _compose_parts(formula, base, lora, g, s, fmt, variant, g_in):
     dg = np.abs(gp - g)
     L = s * lora  # exact in float64 (24-bit s times a <= 24-bit value)
     aL, ab, ag = np.abs(L), np.abs(base), np.abs(gp)
-    A = np.abs((gp - 1.0) * base) * (1 + U64)  # g'-1 exact in float64; the product rounds at most once
-    T = ag * aL * (1 + U64)  # one float64 rounding (72-bit product), taken from above
+    # g'-1 is exact in float64; the products and every later float64 operation of the bound round
+    # (each by at most 2^-53, relative, on non-negative terms): SAFE in compose_bound covers them all
+    A = np.abs((gp - 1.0) * base)
+    T = ag * aL
     X = np.abs((gp - 1.0) * base + gp * L) + 4 * U64 * (A + T)  # three float64 roundings
     k = ((gp < 0.5) | (gp > 2.0)).astype(np.float64)  # g' - 1 rounds (one more factor)
     if formula == "compose_stable":
@@ -117,7 +119,7 @@ def _compose_parts(formula, base, lora, g, s, fmt, variant, g_in):
             E_pre = ((1 + us) ** k * (1 + u) - 1) * A + c_t * T + (ag * (1 + u) + 2) * eta
         mags = [aL * (1 + us) + eta, T * (1 + u) ** 2 + 2 * eta, A * (1 + u) ** 2 + eta, X + E_pre]
     else:
-        Lb = np.abs(L + base) * (1 + U64)
+        Lb = np.abs(L + base)
         if fma:  # inner = fl(L + b) = (L+b)(1+d1) + e1; pre = g' inner - b
             E_pre = ag * (u * Lb + eta)
         else:  # inner = (L(1+d1)+e1+b)(1+d2); P = g' inner(1+d3)+e3; pre = P - b
@@ -132,7 +134,7 @@ def _compose_parts(formula, base, lora, g, s, fmt, variant, g_in):
     if out_fmt is not None:
         over |= (X + E_w) * (1 + out_fmt.u) >= out_fmt.max
         E = E_w + out_fmt.u * (X + E_w) + out_fmt.min_subnormal / 2
-    dgL = dg * np.abs(L + base) * (1 + U64)
+    dgL = dg * np.abs(L + base)
     Xtrue = (g - 1.0) * base + g * L
     return {"E_pre": E_pre, "E_w": E_w, "E": E, "over": over, "X": X, "Xtrue": Xtrue, "dgL": dgL,
             "out_fmt": out_fmt if out_fmt is not None else w, "final_round_in_w": out_fmt is None}
@@ -359,7 +361,7 @@ def dg_bound(s: float, lora, base, grad, reduction: str, *, block_m: int | None 
         u_p, eta_p, u_s = u32, eta32, u32
     s = F.scale_constants(s)[0]
     sL = np.abs(s * L)  # exact: 24 x 24 bits
-    inner = np.abs(s * L + b) * (1 + U64)
+    inner = np.abs(s * L + b)  # one float64 rounding: within the final 1 + 1e-9, as every other one
     E = u32 * (1 + u32) * sL + u32 * inner + (1 + u32) * eta32
     aD = np.abs(D)
     c = (1 + u_p) * (1 + u_s) ** A - 1

@@ -155,8 +155,8 @@ class OpConfig:
     when W is 16-bit (:func:`~dora_num.ops.norm.split_pieces`): 3 (the default: exact for
     every ``|A| >= 2^-110``) or 2 (about 17 bits of A; a study variant).
 
-    ``norm_cache``: :class:`~dora_num.ops.layer.DoRALinear` keeps its last ``max(wnorm, eps)``
-    keyed on the storage and version counters of W, A, B and m.  ``"recompute"`` (the default)
+    ``norm_cache``: :class:`~dora_num.ops.layer.DoRALinear` keeps its last denominator of ``g``
+    (``wnorm``, ``eps`` on a zero row) keyed on the storage and version counters of W, A, B and m.  ``"recompute"`` (the default)
     reuses it only inside a backward pass, i.e. for the recompute of an activation-checkpointed
     forward, where the parameters cannot have changed since the forward that stored it;
     ``"always"`` also across forward calls while the keys match (repeated inference);

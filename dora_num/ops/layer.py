@@ -269,7 +269,7 @@ class DoRALinear(nn.Module):
         return self._row_norm(get_config(), True)
 
     def magnitude_scale(self) -> torch.Tensor:
-        """``g = m / max(wnorm, eps)`` (fp32, differentiable in m), checked: a non-finite
+        """``g = m / wnorm`` (``m / eps`` on a zero row) (fp32, differentiable in m), checked: a non-finite
         input raises naming it."""
         return magnitude_scale(self.magnitude, self.weight_norm())
 
@@ -405,7 +405,7 @@ class DoRALinear(nn.Module):
         if g_given:
             raise ValueError("the given g contains non-finite values")
         self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
-        raise ValueError("g = m / max(wnorm, eps) contains non-finite values")
+        raise ValueError("g = m / wnorm contains non-finite values")
 
     def _check_input(self, x, W: torch.Tensor, base_out=None) -> None:
         """Metadata checks of ``x`` (and ``base_out``; no device sync): name them instead of a

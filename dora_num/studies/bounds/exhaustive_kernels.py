@@ -204,8 +204,7 @@ def _bound(b, L, aL, ab, Xt, cptr, BASE: tl.constexpr, NAIVE: tl.constexpr, PER_
            FMT: tl.constexpr):
     """:func:`dora_num.numerics.bounds.compose_bound` and :func:`~dora_num.numerics.bounds.compose_ulp_bound`
     of one (formula, arithmetic) (constants at ``cptr + BASE``), transcribed operation for
-    operation from ``_compose_parts`` (same association, float64; ``* (1 + U64)`` there is
-    ``* 1.0``: ``1 + 2^-53`` rounds to 1).  ``Xt = |X|`` with the given ``g``.  Returns
+    operation from ``_compose_parts`` (same association, float64).  ``Xt = |X|`` with the given ``g``.  Returns
     ``(bound, ulp_bound)``."""
     P: tl.constexpr = 8 if FMT == 0 else 11
     EMIN: tl.constexpr = -126 if FMT == 0 else -14
