@@ -15,7 +15,7 @@ factored row norm             :func:`dora_num.factored_row_norm`           ``mp_
 dense row norm                :func:`dora_num.dense_row_norm`              the same                                    ``dense_norm_bound``
 magnitude division            :func:`dora_num.magnitude_scale` of the      ``mp_magnitude_scale`` of the same inputs   ``magnitude_scale_bound`` (lemma 6),
                               factored norm                                                                            the norm taken as exact
-g end to end                  the same ``g``                               ``m / max(||W + sBA||, eps)``, exact norm   ``magnitude_scale_bound`` with the
+g end to end                  the same ``g``                               ``m / ||W + sBA||``, exact norm           ``magnitude_scale_bound`` with the
                                                                                                                        factored norm's bound (below)
 compose stable / naive        :func:`dora_num.compose_stable` / ``_naive``  ``compose_exact`` (double-double + mpmath)  ``compose_bound(..., "fp32")``
 ============================  ===========================================  ==========================================  ====================================
@@ -28,16 +28,16 @@ are fewer): half with the largest condition number ``kappa`` of the factored ass
 drawn at random (seeded); the report says how many.  The compose is checked on every element.
 
 **Division bounds** (:func:`dora_num.numerics.bounds.magnitude_scale_bound`, lemma 6 of
-``docs/bounds.md``: ``|g^ - g| <= |g| (u + rel) / (1 - rel) + eta`` for ``g^ = fl32(m / max(w^, eps))``,
-``g = m / max(w, eps)``, ``|w^ - w| <= rel w``; ``eps`` its fp32 value, as torch's clamp takes it).
-*Magnitude division*: the computed norm fed in, taken as exact (``rel = 0``).  *End to end*:
-``w`` the exact norm and ``w^`` the factored one, ``|w^ - w| <= B`` (``B`` = ``factored_norm_bound``).
-The lemma is applied to ``max(w, eps)`` and ``max(w^, eps)`` (the same ``g`` and ``g^``: ``max`` with
-``eps`` is idempotent), whose distance is at most ``B`` (``max(., eps)`` is 1-Lipschitz), so
-``rel = B / max(w, eps)`` (``inf`` for ``rel >= 1``): rows at or below ``eps``, a zero row
-included, keep a finite bound.  The float64 references add their own rounding: ``2^-52 |g|`` for
-the quotient of the magnitude division, ``4 * 2^-52 |g|`` end to end (the exact norm and the
-quotient each rounded to float64 once).
+``docs/bounds.md``: ``|g^ - g| <= |g| (u + rel) / (1 - rel) + eta`` for ``g^ = fl32(m / d(w^))``,
+``g = m / d(w)``, ``d(w) = w`` for ``w > 0`` and ``eps`` (its fp32 value) for ``w = 0``: eps
+guards zero rows only; ``|w^ - w| <= rel w``).  *Magnitude division*: the computed norm fed in,
+taken as exact (``rel = 0``).  *End to end*: ``w`` the exact norm and ``w^`` the factored one,
+``|w^ - w| <= B`` (``B`` = ``factored_norm_bound``), so ``rel = B / w`` (``inf`` for ``rel >= 1``;
+on an exactly zero row 0 where the factored norm is exactly 0 as well, ``w^ = w``).  Rows with
+tiny nonzero norms (below ``eps``) are divided by their norm, as DoRA's formula says, and keep
+a finite bound wherever the norm's bound is relative.  The float64 references add their own
+rounding: ``2^-52 |g|`` for the quotient of the magnitude division, ``4 * 2^-52 |g|`` end to end
+(the exact norm and the quotient each rounded to float64 once).
 
 **File format** (safetensors; PEFT-style names accepted where they name one tensor each):
 ``W`` [d_out, d_in] (or ``weight``, ``base_layer.weight``), ``A`` [r, d_in] (``lora_A...weight``),
@@ -286,11 +286,12 @@ def check_bounds(W=None, A=None, B=None, m=None, x=None, *, scale: float | None 
     row, ratio = _row("magnitude division", "fp32", how, err, bound, ulp(g_div, "fp32"), where=at_row)
     table.append(row)
     worst += _worst("magnitude division", ratio, err, bound, gc, g_div, at_row, top)
-    den_true = np.maximum(exact_w, e32)
-    g_true = m_r / den_true  # float64 of the exact quotient (exact_w rounded once too): 4 * 2^-52 |g| below
-    rel = b_fact / den_true * (1 + 2.0**-50)  # an upper bound of B / max(w, eps) for the exact w
-    bound = magnitude_scale_bound(m_r, np.maximum(wf_r, e32), e32, np.where(np.isfinite(rel), rel, 1.0)) \
-        + 4 * 2.0**-52 * np.abs(g_true)
+    zero = exact_w == 0
+    g_true = m_r / np.where(zero, e32, exact_w)  # float64 of the exact quotient (exact_w rounded once too): 4 * 2^-52 |g|
+    # rel = B / w for the exact w; on an exactly zero row, 0 where the factored norm is 0 as well (w^ = w)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(zero, np.where(wf_r == 0, 0.0, np.inf), b_fact / np.where(zero, 1.0, exact_w) * (1 + 2.0**-50))
+    bound = magnitude_scale_bound(m_r, wf_r, e32, np.where(np.isfinite(rel), rel, 1.0)) + 4 * 2.0**-52 * np.abs(g_true)
     err = np.abs(gc - g_true)
     row, ratio = _row("g end to end", "fp32", how, err, bound, ulp(g_true, "fp32"), where=at_row)
     table.append(row)

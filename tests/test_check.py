@@ -147,8 +147,8 @@ def test_public_name():
 
 
 def test_rows_below_eps_keep_a_finite_division_bound():
-    """A zero row of W + sBA (norm 0: g = m / eps) and a row below eps: the end-to-end bound of
-    lemma 6 (applied to max(w, eps)) is finite there and holds."""
+    """A zero row of W + sBA (norm 0: g = m / eps) and a row with a nonzero norm below eps (g = m /
+    wnorm: eps guards zero rows only): the end-to-end bound of lemma 6 is finite there and holds."""
     t = _layer()
     t["W"][5] = 0.0
     t["B"][5] = 0.0
