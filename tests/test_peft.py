@@ -1,5 +1,13 @@
 """``dora_num.peft.accelerate``: a PeftModel's DoRA layers on this package's operator, in place.
 
+What differs from PEFT.  With the dense row norm (``accelerate(..., norm="dense")``) the accelerated
+model's logits and its gradients of every A and B are bitwise PEFT's (CPU, fp32), and the gradients
+of m differ only by the order of the ``dg`` sum: the compose, the LoRA products and the wiring are
+PEFT's arithmetic.  With the default factored norm, ``g`` differs from PEFT's by its
+rounding (the factored norm is a little less accurate than PEFT's dense one on these layers: median
+relative error 3.9e-8 against 3.5e-8, CPU, 560 layers), and that difference propagates into every
+tensor.  So the whole-model comparison is one of two realisations of fp32 (or bf16) rounding noise.
+
 Agreement with PEFT (per tensor, normwise; ``ref`` the fp64 model of
 :func:`dora_num.oracles.peft_model_ref64`, ``e_x = max|x - ref|``): the accelerated model is
 no less accurate than PEFT's own up to a factor 2 plus one rounding of the tensor's largest
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 
 import pytest
 import torch
@@ -93,6 +102,30 @@ def _agreement(acc, peft, ref, u):
     return rows, failures
 
 
+POOLED_FACTOR = 1.25  # the geometric mean over the tensors of F_acc / F_peft at most this (module docstring)
+TENSOR_FACTOR = 4.0  # per tensor F_acc <= TENSOR_FACTOR F_peft + u ||ref||_F (F_x = ||x - ref||_F)
+
+
+def _normwise_agreement(acc, peft, ref, u):
+    """Rows ``(tensor, F_acc, F_peft, ||ref||_F)``, the pooled geometric mean of ``F_acc / F_peft``
+    and the failures of the two whole-model criteria (module docstring)."""
+    assert sorted(acc) == sorted(peft) == sorted(ref)
+    rows, failures, logs = [], [], []
+    for k in sorted(ref):
+        r = ref[k]
+        f_acc, f_peft, f_ref = (float((acc[k] - r).norm()), float((peft[k] - r).norm()), float(r.norm()))
+        rows.append((k, f_acc, f_peft, f_ref))
+        if not f_acc <= TENSOR_FACTOR * f_peft + u * f_ref:
+            failures.append(f"{k}: accelerated error ||.||_F {f_acc:.3g} > {TENSOR_FACTOR} x PEFT's {f_peft:.3g} "
+                            f"+ {u * f_ref:.3g}")
+        if f_peft > 0 and f_acc > 0:  # (PEFT exact and the accelerated model not: criterion 2 judges it)
+            logs.append(math.log(f_acc / f_peft))
+    pooled = math.exp(sum(logs) / len(logs)) if logs else 1.0
+    if not pooled <= POOLED_FACTOR:
+        failures.append(f"pooled: geometric mean of F_acc / F_peft over {len(logs)} tensors {pooled:.3f} > {POOLED_FACTOR}")
+    return rows, pooled, failures
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -121,6 +154,30 @@ def test_accelerated_model_agrees_with_peft(kind, mode, device):
         base = pm(**{k: v for k, v in batch.items() if k != "labels"}).logits.double()
     tol = 3 * rows[[r[0] for r in rows].index("logits")][2] + U[mode] * float(exact["logits"].abs().max())
     assert float((base - exact["logits"]).abs().max()) > tol
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_with_the_dense_norm_the_accelerated_model_is_peft_s_arithmetic(kind):
+    """fp32, ``accelerate(norm="dense")`` (PEFT's norm): the logits and the gradients of every A and B
+    are bitwise PEFT's, the gradients of m as accurate as PEFT's (they differ by the order of the
+    ``dg`` sum): what differs with the default norm is g, nothing else (module docstring).  Not
+    under autocast: there PEFT's own norm is bf16 (``lora_B(lora_A(eye))`` is an autocast product,
+    and W and the norm are cast to the activations' dtype), dora_num's fp32."""
+    mode = "fp32"
+    pm = _peft(kind)
+    acc = copy.deepcopy(pm)
+    dp.accelerate(acc, verbose=False, norm="dense")
+    batch = _batch(kind)
+    got, want = _run(acc, batch, mode), _run(pm, batch, mode)
+    exact = _run(peft_model_ref64(pm), batch, mode, ref=True)
+    assert sorted(got) == sorted(want)
+    not_bitwise = [k for k in got if not k.endswith(".m") and not torch.equal(got[k], want[k])]
+    assert not not_bitwise, not_bitwise
+    rows, _, failures = _normwise_agreement({k: v for k, v in got.items() if k.endswith(".m")},
+                                            {k: v for k, v in want.items() if k.endswith(".m")},
+                                            {k: v for k, v in exact.items() if k.endswith(".m")}, U[mode])
+    assert not failures, failures
+    assert any(not torch.equal(got[k], want[k]) for k, *_ in rows)  # dg's order does differ
 
 
 def test_save_pretrained_is_bitwise_peft_s(tmp_path):
