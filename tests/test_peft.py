@@ -1,19 +1,42 @@
 """``dora_num.peft.accelerate``: a PeftModel's DoRA layers on this package's operator, in place.
 
-Agreement with PEFT (per tensor, normwise; ``ref`` the fp64 model of
-:func:`dora_num.oracles.peft_model_ref64`, ``e_x = max|x - ref|``): the accelerated model is
-no less accurate than PEFT's own up to a factor 2 plus one rounding of the tensor's largest
-entry in the run's precision (``u = 2^-24``, or ``2^-8`` under bf16 autocast), and the two
-are then within ``3 e_peft + u max|ref|`` of each other (the criteria of
-``tests/ops/test_layer_vs_peft.py``).  Checked for the logits and for the gradient of the
-loss with respect to every A, B and m, on a tiny Llama (all linears) and a MiniLM-like BERT
-(classifier head in ``modules_to_save``), in fp32 and under bf16 autocast with fp32 adapters.
+What differs from PEFT.  With the dense row norm (``accelerate(..., norm="dense")``) the accelerated
+model's logits and its gradients of every A and B are bitwise PEFT's (CPU, fp32), and the gradients
+of m differ only by the order of the ``dg`` sum: the compose, the LoRA products and the wiring are
+PEFT's arithmetic.  With the default factored norm, ``g`` differs from PEFT's by its
+rounding (the factored norm is a little less accurate than PEFT's dense one on these layers: median
+relative error 3.9e-8 against 3.5e-8, CPU, 560 layers), and that difference propagates into every
+tensor.  So the whole-model comparison is one of two realisations of fp32 (or bf16) rounding noise.
+
+Agreement with PEFT, whole model (``ref`` the fp64 model of :func:`dora_num.oracles.peft_model_ref64`,
+``F_x = ||x - ref||_F`` per tensor; the logits and the gradient of the loss with respect to every A,
+B and m; a tiny Llama (all linears) and a MiniLM-like BERT (classifier head in ``modules_to_save``),
+in fp32 and under bf16 autocast with fp32 adapters; ``u = 2^-24``, or ``2^-8`` under autocast):
+
+1. pooled: the geometric mean over the tensors of ``F_acc / F_peft`` is at most 1.25 (no less
+   accurate than PEFT on average, to a quarter);
+2. per tensor: ``F_acc <= 4 F_peft + u ||ref||_F`` (no tensor two bits worse than PEFT's).
+
+Why these.  The per-entry maximum ``max|x - ref|`` of one run is an extreme order statistic of
+noise, and its ratio between two runs is not a test: ``e_acc <= 2 e_peft + u max|ref|`` failed in
+15 of 100 seeds (Llama, fp32) and 43 of 100 (BERT, fp32) on CPU, and the same criterion with PEFT
+and the accelerated model swapped failed as often (15 and 37): it fails on noise, either way round.
+Normwise errors aggregate the tensor's entries; the mean over a run's ~40 tensors aggregates
+further.  Null (400 runs: both models, both modes, seeds 0-99, CPU): per-run geometric means in
+[0.870, 1.143], per-tensor ``(F_acc - u ||ref||_F) / F_peft`` at most 3.13.  Power: ``m`` scaled by
+``1 + 4u`` in the accelerated model (a 4-unit error of ``g``) raises the pooled mean to 1.83-8.37
+in every run of every case (the negative control below); a 2-unit one (fp32) to 1.20-1.77.  The
+per-tensor check is for gross defects (a 16-bit or TF32 step, a lost term): below two bits one
+tensor of one run cannot be told from PEFT's.  The systematic part measured over the 400 runs:
++0.9% (Llama) and +1.1% (BERT) in fp32 (3-4 standard errors; the factored norm), none under
+autocast, and none with the dense norm (-0.04% +- 0.07% and -0.07% +- 0.10%).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 
 import pytest
 import torch
@@ -93,6 +116,30 @@ def _agreement(acc, peft, ref, u):
     return rows, failures
 
 
+POOLED_FACTOR = 1.25  # the geometric mean over the tensors of F_acc / F_peft at most this (module docstring)
+TENSOR_FACTOR = 4.0  # per tensor F_acc <= TENSOR_FACTOR F_peft + u ||ref||_F (F_x = ||x - ref||_F)
+
+
+def _normwise_agreement(acc, peft, ref, u):
+    """Rows ``(tensor, F_acc, F_peft, ||ref||_F)``, the pooled geometric mean of ``F_acc / F_peft``
+    and the failures of the two whole-model criteria (module docstring)."""
+    assert sorted(acc) == sorted(peft) == sorted(ref)
+    rows, failures, logs = [], [], []
+    for k in sorted(ref):
+        r = ref[k]
+        f_acc, f_peft, f_ref = (float((acc[k] - r).norm()), float((peft[k] - r).norm()), float(r.norm()))
+        rows.append((k, f_acc, f_peft, f_ref))
+        if not f_acc <= TENSOR_FACTOR * f_peft + u * f_ref:
+            failures.append(f"{k}: accelerated error ||.||_F {f_acc:.3g} > {TENSOR_FACTOR} x PEFT's {f_peft:.3g} "
+                            f"+ {u * f_ref:.3g}")
+        if f_peft > 0 and f_acc > 0:  # (PEFT exact and the accelerated model not: criterion 2 judges it)
+            logs.append(math.log(f_acc / f_peft))
+    pooled = math.exp(sum(logs) / len(logs)) if logs else 1.0
+    if not pooled <= POOLED_FACTOR:
+        failures.append(f"pooled: geometric mean of F_acc / F_peft over {len(logs)} tensors {pooled:.3f} > {POOLED_FACTOR}")
+    return rows, pooled, failures
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -112,15 +159,46 @@ def test_accelerated_model_agrees_with_peft(kind, mode, device):
     assert sum(C.dispatch_counts().values()) == n_layers  # every DoRA layer went through dora_num's compose
     want = _run(pm, batch, mode)
     exact = _run(ref, batch, mode, ref=True)
-    rows, failures = _agreement(got, want, exact, U[mode])
+    rows, pooled, failures = _normwise_agreement(got, want, exact, U[mode])
     assert len(rows) == 1 + 3 * n_layers
     assert not failures, "\n".join(failures)
     # the comparison must be able to fail: an adapter effect below the tolerance could not be told from a
-    # wrong or missing adapter (the criterion of tests/ops/test_layer_vs_peft.py)
+    # wrong or missing adapter, ...
     with torch.no_grad(), pm.disable_adapter():
         base = pm(**{k: v for k, v in batch.items() if k != "labels"}).logits.double()
-    tol = 3 * rows[[r[0] for r in rows].index("logits")][2] + U[mode] * float(exact["logits"].abs().max())
-    assert float((base - exact["logits"]).abs().max()) > tol
+    f_peft_logits = rows[[r[0] for r in rows].index("logits")][2]
+    assert float((base - exact["logits"]).norm()) > TENSOR_FACTOR * f_peft_logits + U[mode] * float(exact["logits"].norm())
+    # ... and g wrong by 4 units of the run's precision (m scaled by 1 + 4u) fails the pooled criterion
+    with torch.no_grad():
+        for n, p in acc.named_parameters():
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 4 * U[mode])
+    _, biased, _ = _normwise_agreement(_run(acc, batch, mode), want, exact, U[mode])
+    assert biased > POOLED_FACTOR, (pooled, biased)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_with_the_dense_norm_the_accelerated_model_is_peft_s_arithmetic(kind):
+    """fp32, ``accelerate(norm="dense")`` (PEFT's norm): the logits and the gradients of every A and B
+    are bitwise PEFT's, the gradients of m as accurate as PEFT's (they differ by the order of the
+    ``dg`` sum): what differs with the default norm is g, nothing else (module docstring).  Not
+    under autocast: there PEFT's own norm is bf16 (``lora_B(lora_A(eye))`` is an autocast product,
+    and W and the norm are cast to the activations' dtype), dora_num's fp32."""
+    mode = "fp32"
+    pm = _peft(kind)
+    acc = copy.deepcopy(pm)
+    dp.accelerate(acc, verbose=False, norm="dense")
+    batch = _batch(kind)
+    got, want = _run(acc, batch, mode), _run(pm, batch, mode)
+    exact = _run(peft_model_ref64(pm), batch, mode, ref=True)
+    assert sorted(got) == sorted(want)
+    not_bitwise = [k for k in got if not k.endswith(".m") and not torch.equal(got[k], want[k])]
+    assert not not_bitwise, not_bitwise
+    rows, _, failures = _normwise_agreement({k: v for k, v in got.items() if k.endswith(".m")},
+                                            {k: v for k, v in want.items() if k.endswith(".m")},
+                                            {k: v for k, v in exact.items() if k.endswith(".m")}, U[mode])
+    assert not failures, failures
+    assert any(not torch.equal(got[k], want[k]) for k, *_ in rows)  # dg's order does differ
 
 
 def test_save_pretrained_is_bitwise_peft_s(tmp_path):

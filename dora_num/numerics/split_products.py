@@ -61,6 +61,28 @@ accumulation).  The third piece costs half as much tensor-core work again on ``U
 two pieces' flops; ``U`` is ``2 d_out d_in r`` per piece, small beside the layer's own GEMMs
 at ``r << tokens``).  Hence three pieces by default (``OpConfig.split_pieces``), two kept as
 the measured alternative (``tests/ops/test_split_products.py::test_two_pieces_measured_against_three``).
+
+That comparison is one of the split's error against the accumulation's, and it holds only where
+the first dominates.  The error of ``U`` from ``p`` pieces is ``W (A - A~_p)^T`` (the split's own,
+exact from the inputs) plus ``U^ - W A~_p^T`` (the accumulation's); three pieces are the more
+accurate where the two-piece split error is well above the accumulation error the hardware
+commits.  For bf16 it is, by a margin that shrinks with ``d`` on a truncating accumulator (CPU,
+d_out = 256, r = 16, A with all 24 bits random: split 2.2e-6 against accumulation 2.9e-7 at
+d = 256, 7x; 2.2e-6 against 1.6e-6 at d = 1024, 1.3x; 20-30x when rounded to nearest).  For fp16
+it is not: two fp16 pieces keep ``A`` to within one fp32 unit, ``res <= max(ulp32(A), inv 2^-25)``
+(the second piece leaves at most one unit of the first one's remainder, or the underflow below
+fp16's spacing; nothing for values of at most 23 significant bits), so
+``|W| res^T <= 2u |W||A|^T + inv 2^-25 |W| 1`` sits below the accumulation's ``gamma_{2d}``.
+Measured (CPU, d_out = 512, r = 16, fp16 W, A with all 24 bits random, d = 256): the two-piece
+split's median relative error of ``U`` 4.0e-8 against an accumulation of 1.7e-7 (rounded to
+nearest) or 3.6e-6 (truncating); on the H200 at d = 1024, on inputs of 23 bits (two pieces
+exact, the products the same sum), 1.1930e-6 (two pieces) against 1.1939e-6 (three): which one
+is smaller is the GEMM's accumulation order for ``2r`` or ``3r`` columns, not the split.  With
+fp16 the third piece buys exactness in fp16's normal range at 1.5x the products' flops, not a
+measurable accuracy.  Both variants are held to their own bounds (``split_u_error`` /
+``split_gram_error`` with ``pieces``); the comparison is tested where its condition can be
+checked (``tests/ops/test_layer_fastpath.py::test_gpu_third_piece_pays_where_the_two_piece_split_dominates``,
+``tests/ops/test_split_products.py::test_two_fp16_pieces_keep_fp32_values_to_one_unit``).
 """
 
 from __future__ import annotations

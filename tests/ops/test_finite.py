@@ -121,11 +121,17 @@ def test_return_flag_checks_nothing_and_returns_the_flag():
 @pytest.mark.gpu
 def test_public_compose_and_norm_queue_no_sync_and_raise_later():
     """On CUDA, compose and factored_row_norm run under the sync debug mode's "error"; a
-    non-finite g is reported by the next call (or check_pending), naming g."""
+    non-finite g is queued, not read, and reported by the next public call once the device got
+    there (and only once: check_pending then finds nothing), naming g.  The bad g is made before
+    the debug mode is entered (writing a Python scalar into a device tensor is itself a host-to-
+    device copy that syncs); the mode's reach is checked on that very write (a control)."""
     dev = "cuda"
     base = torch.randn(512, 1024, device=dev, dtype=torch.bfloat16)
     lora = torch.randn_like(base)
     g = 1 + 1e-3 * torch.randn(1024, device=dev)
+    g_bad = g.clone()
+    g_bad[7] = float("nan")
+    probe = g.clone()
     W = torch.randn(1024, 256, device=dev, dtype=torch.bfloat16)
     A, B = torch.randn(16, 256, device=dev), 1e-2 * torch.randn(1024, 16, device=dev)
     dn.compose(base, lora, g, 0.5, path="fused")
@@ -134,16 +140,19 @@ def test_public_compose_and_norm_queue_no_sync_and_raise_later():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        with pytest.raises(RuntimeError, match="synchronizing"):  # control: the mode sees a sync
+            probe[7] = float("nan")
         for _ in range(3):
             dn.compose(base, lora, g, 0.5, path="fused")
             dn.factored_row_norm(W, A, B, 0.5)
-        g_bad = g.clone()
-        g_bad[7] = float("nan")
         dn.compose(base, lora, g_bad, 0.5, path="fused")  # returns; the flag is pending
+        assert finite.pending_count() >= 1
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # the device got there: the next call's poll reads the flag
     with pytest.raises(ValueError, match="g contains non-finite"):
-        finite.check_pending()
+        dn.factored_row_norm(W, A, B, 0.5)
+    finite.check_pending()  # reported once
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

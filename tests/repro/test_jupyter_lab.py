@@ -27,7 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-import websocket  # websocket-client: a declared dependency of jupyter_server (jupyterlab)
+
+# websocket-client: the test extra (and a dependency of jupyter_server)
+websocket = pytest.importorskip("websocket", reason="websocket-client not installed (notebook tooling, absent on the GPU image)")
 
 import dora_num
 from dora_num.repro.paths import NOTEBOOKS_DIR, REPO_ROOT

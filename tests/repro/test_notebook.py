@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import nbformat
 import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (notebook tooling, absent on the GPU image)")
 
 from dora_num.repro import notebook as N
 from dora_num.repro import paths

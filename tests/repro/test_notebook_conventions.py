@@ -3,9 +3,10 @@ its type and help; notebooks name the project kernel."""
 
 import ast
 
-import nbformat
-import papermill
 import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (notebook tooling, absent on the GPU image)")
+papermill = pytest.importorskip("papermill", reason="papermill not installed (notebook tooling, absent on the GPU image)")
 
 from dora_num.repro.kernel import KERNELSPEC
 from dora_num.repro.runner import list_notebooks

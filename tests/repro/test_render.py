@@ -1,8 +1,11 @@
 """Executed notebooks rendered to Markdown: figures linked to the committed files,
 tables kept, run-dependent noise (stderr, progress widgets, colour codes) dropped."""
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (notebook tooling, absent on the GPU image)")
+
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output  # noqa: E402
 
 from dora_num.repro.render import render_notebook
 

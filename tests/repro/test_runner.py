@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (notebook tooling, absent on the GPU image)")
 
 from dora_num.repro import paths
 from dora_num.repro.kernel import KERNELSPEC
