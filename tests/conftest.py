@@ -76,3 +76,17 @@ class Regimes:
 def regimes() -> Regimes:
     """The input fixture of every test that needs generated inputs (:class:`Regimes`)."""
     return Regimes()
+
+
+@pytest.fixture(autouse=True)
+def _no_deferred_flag_leaks():
+    """A deferred finiteness flag (CUDA) left unread by a test would be raised in the next one: read
+    them at teardown, and fail the test that left a set one (naming it), so errors stay attributed."""
+    yield
+    from dora_num.ops import finite
+
+    if finite.pending_count():
+        try:
+            finite.check_pending()
+        except ValueError as e:
+            pytest.fail(f"this test left a deferred non-finite flag unread: {e}")

@@ -227,6 +227,9 @@ def build_model(cfg: TrainConfig, base_path=None, *, compose_fn: Callable | None
     (``compose_fn``: :attr:`TrainHooks.compose_fn`)."""
     model, tok = load_base_model(base_path)
     names = inject_dora(model, cfg, compose_fn=compose_fn)
+    model.to(cfg.device)
+    for n in names:  # m from the norm on the training device: g == 1 exactly at step 0 there
+        model.get_submodule(n).reset_magnitude()
     if cfg.backend == "peft":
         base, _ = load_base_model(base_path)
         peft_model = peft_dora_model(base, cfg, names)

@@ -97,7 +97,7 @@ from torch import nn
 from ..numerics.formulas import scale_constants
 from . import finite as _finite
 from .compose import PATHS, _compose
-from .config import OpConfig, get_config
+from .config import OpConfig, get_config, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
 from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
@@ -268,6 +268,15 @@ class DoRALinear(nn.Module):
             raise RuntimeError("the layer is merged (W holds g * (W + sBA)): unmerge() first")
         return self._row_norm(get_config(), True)
 
+    @torch.no_grad()
+    def reset_magnitude(self) -> None:
+        """Set ``m`` (in place, keeping its dtype) to DoRA's initial value from the layer's own norm
+        on its current device (:func:`~dora_num.ops.norm.initial_magnitude`), so that ``g == 1``
+        exactly there (fp32 ``m``).  For a layer built on one device and trained on another (the
+        norm's summation order differs between devices: ``g`` would be ``1 +- 1`` ulp on some rows).
+        With ``B = 0`` (a fresh adapter) this is ``||W||_row``."""
+        self.magnitude.copy_(initial_magnitude(self.weight_norm(), dtype=self.magnitude.dtype))
+
     def magnitude_scale(self) -> torch.Tensor:
         """``g = m / wnorm`` (``m / eps`` on a zero row) (fp32, differentiable in m), checked: a non-finite
         input raises naming it."""
@@ -404,7 +413,8 @@ class DoRALinear(nn.Module):
     def _raise_not_finite(self, g_given: bool) -> None:
         if g_given:
             raise ValueError("the given g contains non-finite values")
-        self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
+        with override(finite_check="sync"):  # the error path: the norm's own check reads its flag now
+            self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
         raise ValueError("g = m / wnorm contains non-finite values")
 
     def _check_input(self, x, W: torch.Tensor, base_out=None) -> None:

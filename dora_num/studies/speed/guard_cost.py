@@ -62,6 +62,16 @@ def _inputs(d_out, d_in, r, ab_dtype, device="cuda", seed=0):
     return W, A.to(dt).contiguous(), B.to(dt).contiguous(), s, m
 
 
+def _noinline(fn):
+    """``fn()`` with the tail kernel's recompute as a called device function (``NormTailTiles``)."""
+    import dataclasses
+
+    from ...ops.config import get_config, override
+
+    with override(norm_tail_tiles=dataclasses.replace(get_config().norm_tail_tiles, recompute_noinline=True)):
+        return fn()
+
+
 def prepare(d_out: int, d_in: int, r: int, ab_dtype: str, device: str = "cuda"):
     """``(fns, info)``: the three measurements' guard-on and guard-off callables for one
     configuration, and the checks made before timing (``info["checks_ok"]``: the guard fires on no
@@ -84,6 +94,15 @@ def prepare(d_out: int, d_in: int, r: int, ab_dtype: str, device: str = "cuda"):
         "tail": {"on": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps, guard=C,
                                          rel_max=CANCELLATION_REL, recompute=(W, A, s32)),
                  "off": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps)},
+        # the same kernel with the guard but without the recompute branch, and with the recompute as
+        # a called function: what the branch itself costs, and whether inlining it is the cost
+        "tail_guard_only": {"on": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps, guard=C,
+                                                    rel_max=CANCELLATION_REL),
+                            "off": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps)},
+        "tail_noinline": {"on": lambda: _noinline(lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps,
+                                                                    guard=C, rel_max=CANCELLATION_REL,
+                                                                    recompute=(W, A, s32))),
+                          "off": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps)},
         "layer_g": {"on": lambda: magnitude_scale_and_flag(W, A, B, s, m, on_cancellation="recompute"),
                     "off": lambda: magnitude_scale_and_flag(W, A, B, s, m, on_cancellation="off")},
         "public": {"on": lambda: factored_row_norm(W, A, B, s, base_sq=base_sq, on_cancellation="recompute"),
