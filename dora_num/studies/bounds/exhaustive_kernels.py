@@ -297,10 +297,7 @@ def _stats(c_bits, ref_bits, in_fin, H, rho, B, U, well, err_up, idx, FMT: tl.co
     same_inf = c_bits == ref_bits
     cls = tl.where(r_fin, tl.where(c_fin, cls, 12), tl.where(same_inf, 10, 11))
     cls = tl.where(in_fin, cls, 13)
-    if FMT == 0:
-        c = (c_bits << 16).to(tl.float32, bitcast=True).to(tl.float64)
-    else:
-        c = c_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float64)
+    c = _decode(c_bits, FMT).to(tl.float64)  # exact
     err = (tl.abs(c - H) + tl.abs(rho)) * err_up
     bfin = B < float("inf")
     viol = in_fin & bfin & ((~c_fin) | (~r_fin) | (err > B))
