@@ -1,14 +1,16 @@
 """Session-wide measurement records for tests that report a number (tightness, rates).
 
-``records(prefix)`` returns a ``record`` fixture and a terminal-summary hook: tests add
-rows with ``record(topic, **row)``; at the end of the session each topic is written to
-``build/test-reports/<prefix>_<topic>.json`` (git-ignored) and printed.
+``records(prefix, title)`` returns a ``record`` fixture and a terminal-summary hook: tests
+add rows with ``record(topic, **row)``; at the end of the session each topic is written to
+``build/test-reports/<prefix>_<topic>.json`` (git-ignored) and summarised under ``title``
+(by default every row; ``summarise(topic, rows, path)`` returns the lines instead).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from typing import Callable
 
 import pytest
 
@@ -23,7 +25,16 @@ def _finite(v):
     return v
 
 
-def records(prefix: str, title: str):
+def every_row(topic: str, rows: list[dict], path) -> list[str]:
+    """The default summary: the topic's file, then each row."""
+    lines = [f"{topic}: {len(rows)} rows -> {path.relative_to(REPO_ROOT)}"]
+    for r in rows:
+        lines.append("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in r.items()))
+    return lines
+
+
+def records(prefix: str, title: str, summarise: Callable[[str, list[dict], object], list[str]] = every_row):
     store: dict[str, list[dict]] = {}
     lines: list[str] = []
 
@@ -39,10 +50,7 @@ def records(prefix: str, title: str):
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(rows, indent=1))
             tmp.replace(path)
-            lines.append(f"{topic}: {len(rows)} rows -> {path.relative_to(REPO_ROOT)}")
-            for r in rows:
-                lines.append("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                              for k, v in r.items()))
+            lines.extend(summarise(topic, rows, path))
 
     def pytest_terminal_summary(terminalreporter):
         if lines:

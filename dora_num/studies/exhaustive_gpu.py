@@ -27,8 +27,6 @@ machine's description from ``device.json``; a ``--smoke`` run is refused).
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -130,12 +128,7 @@ def record(args) -> int:
     if not args.out:
         print(f"{PRODUCER}: --out DIR is required", file=sys.stderr)
         return 2
-    sha = args.git_sha or os.environ.get("DORA_NUM_GIT_SHA")
-    if sha is None:
-        try:
-            sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sha = None
+    sha = recorded.measured_git_sha(args.git_sha)
     desc = run(args.out, sections=tuple(args.only or SECTIONS), smoke=args.smoke, budget_s=args.budget_s, git_sha=sha)
     return 1 if desc.get("failed_sections") else 0
 

@@ -29,7 +29,9 @@ and ``repro`` imports nothing of the studies); this module re-exports them.
 from __future__ import annotations
 
 import json
+import os
 import platform
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +41,8 @@ import pandas as pd
 from ..repro.paths import RecordedDataMissing, committed_data, missing, require
 from ..repro.provenance import device_info, read_provenance, save_dataframe, save_json, versions, write_artifact
 
-__all__ = ["RecordedData", "RecordedDataMissing", "describe_machine", "ingest", "missing", "read_machine",
-           "record_command", "require"]
+__all__ = ["RecordedData", "RecordedDataMissing", "checkout_git_sha", "describe_machine", "ingest", "measured_git_sha",
+           "missing", "read_machine", "record_command", "require"]
 
 
 def record_command(name: str, *, where: str = "the H200", out: str = "DIR", extra: str = "") -> str:
@@ -69,6 +71,22 @@ class RecordedData:
 # --------------------------------------------------------------------------
 # The measuring machine
 # --------------------------------------------------------------------------
+
+def checkout_git_sha() -> str | None:
+    """``git rev-parse HEAD`` in the current directory; None where there is no checkout (the
+    GPU machine's copy of the tree has no ``.git``) or no git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def measured_git_sha(explicit: str | None = None) -> str | None:
+    """The commit a recorder measures: ``explicit`` (its ``--git-sha``), else the environment's
+    ``DORA_NUM_GIT_SHA`` (set by the ``.ci/gpu`` scripts), else :func:`checkout_git_sha`."""
+    sha = explicit or os.environ.get("DORA_NUM_GIT_SHA")
+    return checkout_git_sha() if sha is None else sha
+
 
 def describe_machine(git_sha: str | None = None, **fields) -> dict:
     """What a recorder writes as ``device.json``: the device (GPU name, capability,

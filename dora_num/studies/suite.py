@@ -26,8 +26,6 @@ section    module                                file
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -148,12 +146,7 @@ def record(args) -> int:
     if not args.out:
         print("gpu-suite: --out DIR is required", file=sys.stderr)
         return 2
-    sha = args.git_sha or os.environ.get("DORA_NUM_GIT_SHA")
-    if sha is None:
-        try:
-            sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sha = None
+    sha = recorded.measured_git_sha(args.git_sha)
     sections = tuple(getattr(args, "only", None) or args.sections)
     run_suite(Path(args.out), sections=sections, smoke=args.smoke, git_sha=sha)
     return 0

@@ -4,45 +4,18 @@ Tests that measure something the lead reports (largest error/tolerance ratio of
 the PEFT oracle, factored-norm memory) add rows with ``record(topic, **row)``.
 At the end of the session each topic is written to
 ``build/test-reports/foundation_<topic>.json`` (git-ignored) and summarised in
-the terminal output.
+the terminal output (tests/_report.py): the largest of every ``ratio*`` column
+and the rows' ``summary`` texts.
 """
 
 from __future__ import annotations
 
-import json
-import math
-
-import pytest
+from _report import records
 
 from dora_num.repro.paths import REPO_ROOT
 
-REPORT_DIR = REPO_ROOT / "build" / "test-reports"
-_RECORDS: dict[str, list[dict]] = {}
-_SUMMARIES: dict[str, str] = {}
 
-
-def _finite(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
-
-
-@pytest.fixture(scope="session")
-def record():
-    def add(topic: str, **row):
-        _RECORDS.setdefault(topic, []).append({k: _finite(v) for k, v in row.items()})
-
-    yield add
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    for topic, rows in _RECORDS.items():
-        path = REPORT_DIR / f"foundation_{topic}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
-        tmp.replace(path)
-        _SUMMARIES[topic] = _summarise(topic, rows, path)
-
-
-def _summarise(topic: str, rows: list[dict], path) -> str:
+def _summarise(topic: str, rows: list[dict], path) -> list[str]:
     ratio_keys = sorted({k for r in rows for k in r if k.startswith("ratio")})
     parts = [f"{topic}: {len(rows)} rows -> {path.relative_to(REPO_ROOT)}"]
     for k in ratio_keys:
@@ -54,11 +27,7 @@ def _summarise(topic: str, rows: list[dict], path) -> str:
     for r in rows:
         if "summary" in r:
             parts.append(f"  {r['summary']}")
-    return "\n".join(parts)
+    return parts
 
 
-def pytest_terminal_summary(terminalreporter):
-    if _SUMMARIES:
-        terminalreporter.section("foundation measurements")
-        for text in _SUMMARIES.values():
-            terminalreporter.write_line(text)
+record, pytest_terminal_summary = records("foundation", "foundation measurements", summarise=_summarise)

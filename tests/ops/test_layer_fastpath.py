@@ -186,6 +186,7 @@ def test_gpu_split_products_within_bound_and_no_fp32_copy_of_w(w_dtype):
     from dora_num.ops.norm import _products, chunk_columns
     from dora_num.ops.config import get_config
     from dora_num.oracles import row_norm_ref64, row_norm_ref64_error_bound
+    from dora_num.studies.bench import peak_extra_bytes
 
     d_out, d_in, r = 512, 1024, 16
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -205,11 +206,7 @@ def test_gpu_split_products_within_bound_and_no_fp32_copy_of_w(w_dtype):
         assert (eU <= split_u_error(W64, A64, pieces, fmt) + slack).all()
         assert (eG <= split_gram_error(A64, pieces, fmt) + 1e-15 * d_in * (np.abs(A64) @ np.abs(A64).T)).all()
     base_sq = dn.base_row_norm_sq(W)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    w = dn.factored_row_norm(W, A, B, s, base_sq=base_sq)
-    peak = torch.cuda.max_memory_allocated() - before
+    peak, w = peak_extra_bytes(lambda: dn.factored_row_norm(W, A, B, s, base_sq=base_sq))
     model = 3 * r * d_in * 2 + 3 * r * d_in * 4 + d_out * 3 * r * 4 * 2 + 9 * r * r * 4 * 2 + 16 * d_out * 4
     assert peak <= model, f"peak extra {peak} B above the split's model {model} B"
     assert peak < d_out * 256 * 4  # not even a 256-column fp32 chunk of W

@@ -239,6 +239,7 @@ def test_factored_norm_tensor_core_within_bound_and_small():
     memory within the memory model (U + G + a few [d_out] vectors: the tail kernel keeps B @ G
     and B's fp32 copy in registers) and <= 1/15 of the dense fp32 norm's."""
     from dora_num.ops.products import _u_product
+    from dora_num.studies.bench import peak_extra_bytes
 
     d_out, d_in, r = 8192, 8192, 384
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -253,11 +254,8 @@ def test_factored_norm_tensor_core_within_bound_and_small():
     gamma_tc = 2 * d_in * 2.0**-24 / (1 - 2 * d_in * 2.0**-24)  # the accumulator may truncate (_u_product)
     assert bool(((U.double() - U64).abs() <= gamma_tc * (W.double().abs() @ A.double().abs().T)).all())
     base_sq = dn.base_row_norm_sq(W)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    w = dn.factored_row_norm(W, A, B, s, base_sq=base_sq)  # guarded (the default): kappa, rel in the tail
-    peak = torch.cuda.max_memory_allocated() - before
+    # guarded (the default): kappa, rel in the tail
+    peak, w = peak_extra_bytes(lambda: dn.factored_row_norm(W, A, B, s, base_sq=base_sq))
     dense_bytes = 3 * d_out * d_in * 4  # dense fp32 norm: B@A, W.float(), their sum (measured 805 MB)
     model = d_out * r * 4 + r * r * 4 + 4 * d_out * 4
     assert peak <= model, f"peak extra {peak} B above the model's {model} B"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -34,15 +33,11 @@ websocket = pytest.importorskip("websocket", reason="websocket-client not instal
 import dora_num
 from dora_num.repro.paths import NOTEBOOKS_DIR, REPO_ROOT
 
+from . import lab
+
 KERNEL_NAME = "dora-num"
 START_TIMEOUT_S = 90  # server start on a loaded 2-core CI machine
 KERNEL_TIMEOUT_S = 90  # kernel start + `import dora_num` (imports torch)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Api:
@@ -103,23 +98,12 @@ def _run_on_kernel(url: str, code: str, timeout: float) -> tuple[str, dict]:
 
 
 def test_jupyter_lab_lists_notebooks_and_runs_project_kernel(tmp_path):
-    jupyter = Path(sys.executable).parent / "jupyter"
-    if not jupyter.exists():
-        pytest.fail(f"{jupyter} missing: JupyterLab is a project dependency (make venv)")
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ)
-    # isolate from the user's Jupyter config/runtime; kernelspecs still come from sys.prefix
-    env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               JUPYTER_DATA_DIR=str(tmp_path / "data"), JUPYTER_PLATFORM_DIRS="1")
-    cmd = [str(jupyter), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={REPO_ROOT}",
-           "--LabApp.extension_manager=readonly"]  # no PyPI look-ups from the extension manager
-    if hasattr(os, "geteuid") and os.geteuid() == 0:  # CI runs as root
-        cmd.append("--allow-root")
+    if not lab.jupyter().exists():
+        pytest.fail(f"{lab.jupyter()} missing: JupyterLab is a project dependency (make venv)")
+    port, token = lab.free_port(), secrets.token_hex(16)
     log = open(tmp_path / "server.log", "w+b")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            cwd=tmp_path)
+    proc = subprocess.Popen(lab.lab_command(port, token, REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=lab.lab_env(tmp_path), cwd=tmp_path)
     api = _Api(port, token)
     kernel_id = None
     try:
@@ -199,12 +183,7 @@ def test_jupyter_lab_lists_notebooks_and_runs_project_kernel(tmp_path):
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+                lab.stop(proc, wait_s=10)
         log.close()
     assert proc.returncode is not None
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -28,6 +26,8 @@ from pathlib import Path
 import pytest
 
 from dora_num.repro.paths import NOTEBOOKS_DIR
+
+from . import lab
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 NOTEBOOK = "00_overview.ipynb"
@@ -68,12 +68,6 @@ def browser_ready():
         pytest.fail(f"selenium missing (a test dependency in pyproject.toml): {e}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_http(url: str, proc, deadline: float, log: Path) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -88,16 +82,6 @@ def _wait_http(url: str, proc, deadline: float, log: Path) -> None:
     pytest.fail(f"jupyter lab did not answer at {url}")
 
 
-def _stop(proc) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 @pytest.mark.slow
 def test_notebook_00_runs_in_jupyterlab_and_renders_a_figure(browser_ready, tmp_path):
     from selenium import webdriver
@@ -109,15 +93,9 @@ def test_notebook_00_runs_in_jupyterlab_and_renders_a_figure(browser_ready, tmp_
     root = tmp_path / "root"
     (root / "notebooks").mkdir(parents=True)
     shutil.copy(NOTEBOOKS_DIR / NOTEBOOK, root / "notebooks" / NOTEBOOK)
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "DORA_NUM_OUTPUT_ROOT": str(tmp_path / "artifacts"),
-           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "JUPYTER_DATA_DIR": str(tmp_path / "data"), "JUPYTER_PLATFORM_DIRS": "1"}
-    cmd = [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-           "--LabApp.extension_manager=readonly"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-root")
+    port, token = lab.free_port(), secrets.token_hex(16)
+    env = lab.lab_env(tmp_path, DORA_NUM_OUTPUT_ROOT=str(tmp_path / "artifacts"))
+    cmd = lab.lab_command(port, token, root)
     log = tmp_path / "server.log"
     t0 = time.monotonic()
     with open(log, "wb") as out:
@@ -165,4 +143,4 @@ def test_notebook_00_runs_in_jupyterlab_and_renders_a_figure(browser_ready, tmp_
     finally:
         if driver is not None:
             driver.quit()
-        _stop(proc)
+        lab.stop(proc)

@@ -11,7 +11,8 @@ bf16: the fp32 pattern is ``bits << 16``.  fp16: ``bits`` bitcast to fp16 and wi
 (exact everywhere, the interpreter included).  Non-finite inputs (exponent field all
 ones) are counted in their own class and measured no further: the contract refuses them.
 
-**Rounding to the format** (:func:`_round_f32`, :func:`_round_f64`), integer only.  A
+**Rounding to the format** (:func:`_round_f32`, :func:`_round_f64`, both through
+:func:`_unpack`, :func:`_quantize` and :func:`_pattern`), integer only.  A
 finite binary value ``v = M 2^E`` (``M`` the significand as an integer) lies in the
 binade ``e = floor(log2 |v|)``; the format's quantum there is ``2^qe``,
 ``qe = max(e, emin) - p + 1`` (unbounded above).  With ``k = qe - E`` low bits to drop,
@@ -129,28 +130,60 @@ def _decode(bits, FMT: tl.constexpr):
 
 
 @triton.jit
-def _round_f32(x, FMT: tl.constexpr):
-    """fp32 -> nearest-even pattern of the format (int32; overflow -> inf, NaN -> NaN)."""
+def _unpack(bits, W: tl.constexpr, F: tl.constexpr):
+    """The fields of a ``W``-bit IEEE binary pattern with ``F`` fraction bits (integers of its
+    width): sign bit, exponent field, fraction field, and the finite value's ``M`` and ``e``
+    with ``|v| = M 2^(e - F)`` (``e`` the source's emin for its subnormals)."""
+    BIAS: tl.constexpr = (1 << (W - F - 2)) - 1
+    sign = (bits >> (W - 1)) & 1
+    ab = bits & ((1 << (W - 1)) - 1)
+    ef = ab >> F
+    fr = ab & ((1 << F) - 1)
+    M = tl.where(ef == 0, fr, fr | (1 << F))
+    e = tl.where(ef == 0, 1 - BIAS, ef - BIAS)
+    return sign, ef, fr, M, e
+
+
+@triton.jit
+def _quantize(M, e, F: tl.constexpr, KMAX: tl.constexpr, FMT: tl.constexpr):
+    """The finite ``|v| = M 2^(e - F)`` (``e = floor(log2 |v|)``, or the source's emin for its
+    subnormals) on the format's grid (module docstring, "Rounding to the format"): its quantum
+    exponent ``qe``, the kept significand ``keep = M >> k``, the dropped bits ``rem`` and half
+    of their weight ``half``; at most ``KMAX`` bits are dropped (beyond, everything rounds to 0
+    alike).  Integers of ``M``'s width."""
+    P: tl.constexpr = 8 if FMT == 0 else 11
+    EMIN: tl.constexpr = -126 if FMT == 0 else -14
+    qe = tl.maximum(e, EMIN) - P + 1
+    k = tl.minimum(qe - (e - F), KMAX)
+    one = tl.full(k.shape, 1, M.dtype)
+    keep = M >> k
+    rem = M & ((one << k) - 1)
+    half = one << (k - 1)
+    return qe, keep, rem, half
+
+
+@triton.jit
+def _pattern(qe, keep, up, FMT: tl.constexpr):
+    """The format's magnitude pattern of ``keep`` (rounded up by one where ``up``) at quantum
+    exponent ``qe``, for every binade at once; at or beyond infinity's pattern: infinity."""
     P: tl.constexpr = 8 if FMT == 0 else 11
     EMIN: tl.constexpr = -126 if FMT == 0 else -14
     EXPB: tl.constexpr = 8 if FMT == 0 else 5
     INF: tl.constexpr = ((1 << EXPB) - 1) << (P - 1)
-    xb = x.to(tl.int32, bitcast=True)
-    sign = (xb >> 31) & 1
-    ab = xb & 0x7FFFFFFF
-    ef = ab >> 23
-    fr = ab & 0x7FFFFF
-    M = tl.where(ef == 0, fr, fr | 0x800000)
-    e = tl.where(ef == 0, -126, ef - 127)  # v = M * 2^(e - 23)
-    qe = tl.maximum(e, EMIN) - P + 1
-    k = tl.minimum(qe - (e - 23), 25)  # >= 24 - P; beyond 25 everything rounds to 0 alike
-    one = tl.full(k.shape, 1, tl.int32)
-    keep = M >> k
-    rem = M & ((one << k) - 1)
-    half = one << (k - 1)
+    mag = ((qe - (EMIN - P + 1)) << (P - 1)) + keep + up.to(keep.dtype)
+    return tl.minimum(mag, INF)
+
+
+@triton.jit
+def _round_f32(x, FMT: tl.constexpr):
+    """fp32 -> nearest-even pattern of the format (int32; overflow -> inf, NaN -> NaN)."""
+    P: tl.constexpr = 8 if FMT == 0 else 11
+    EXPB: tl.constexpr = 8 if FMT == 0 else 5
+    INF: tl.constexpr = ((1 << EXPB) - 1) << (P - 1)
+    sign, ef, fr, M, e = _unpack(x.to(tl.int32, bitcast=True), 32, 23)  # v = M * 2^(e - 23)
+    qe, keep, rem, half = _quantize(M, e, 23, 25, FMT)  # k >= 24 - P
     up = (rem > half) | ((rem == half) & ((keep & 1) == 1))
-    mag = ((qe - (EMIN - P + 1)) << (P - 1)) + keep + up.to(tl.int32)
-    mag = tl.minimum(mag, INF)
+    mag = _pattern(qe, keep, up, FMT)
     mag = tl.where(ef == 255, tl.where(fr != 0, INF | (1 << (P - 2)), INF), mag)
     return (sign << 15) | mag
 
@@ -160,28 +193,12 @@ def _round_f64(h, rho, FMT: tl.constexpr):
     """Nearest-even pattern of the format for the exact value ``X = h + (X - h)`` where
     ``sign(rho) = sign(X - h)`` and no fp64 number lies strictly between ``X`` and ``h``
     (module docstring).  ``h`` finite fp64."""
-    P: tl.constexpr = 8 if FMT == 0 else 11
-    EMIN: tl.constexpr = -126 if FMT == 0 else -14
-    EXPB: tl.constexpr = 8 if FMT == 0 else 5
-    INF: tl.constexpr = ((1 << EXPB) - 1) << (P - 1)
-    hb = h.to(tl.int64, bitcast=True)
-    sign = (hb >> 63) & 1
-    ab = hb & 0x7FFFFFFFFFFFFFFF
-    ef = ab >> 52
-    fr = ab & 0xFFFFFFFFFFFFF
-    M = tl.where(ef == 0, fr, fr | 0x10000000000000)
-    e = tl.where(ef == 0, -1022, ef - 1023)  # h = M * 2^(e - 52)
-    qe = tl.maximum(e, EMIN) - P + 1
-    k = tl.minimum(qe - (e - 52), 54)
-    one = tl.full(k.shape, 1, tl.int64)
-    keep = M >> k
-    rem = M & ((one << k) - 1)
-    half = one << (k - 1)
+    sign, ef, fr, M, e = _unpack(h.to(tl.int64, bitcast=True), 64, 52)  # h = M * 2^(e - 52)
+    qe, keep, rem, half = _quantize(M, e, 52, 54, FMT)
     away = tl.where(sign == 1, rho < 0, rho > 0)  # X lies beyond h, away from zero
     toward = tl.where(sign == 1, rho > 0, rho < 0)
     up = (rem > half) | ((rem == half) & (away | ((~toward) & ((keep & 1) == 1))))
-    mag = ((qe - (EMIN - P + 1)) << (P - 1)) + keep + up.to(tl.int64)
-    mag = tl.minimum(mag, INF)
+    mag = _pattern(qe, keep, up, FMT)
     return ((sign << 15) | mag).to(tl.int32)
 
 
@@ -279,10 +296,7 @@ def _stats(c_bits, ref_bits, in_fin, H, rho, B, U, well, err_up, idx, FMT: tl.co
     same_inf = c_bits == ref_bits
     cls = tl.where(r_fin, tl.where(c_fin, cls, 12), tl.where(same_inf, 10, 11))
     cls = tl.where(in_fin, cls, 13)
-    if FMT == 0:
-        c = (c_bits << 16).to(tl.float32, bitcast=True).to(tl.float64)
-    else:
-        c = c_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float64)
+    c = _decode(c_bits, FMT).to(tl.float64)  # exact
     err = (tl.abs(c - H) + tl.abs(rho)) * err_up
     bfin = B < float("inf")
     viol = in_fin & bfin & ((~c_fin) | (~r_fin) | (err > B))

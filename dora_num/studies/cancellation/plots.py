@@ -109,6 +109,17 @@ def trained_bf16_by_module_type_over_training(collapse: pd.DataFrame):
     return g.figure
 
 
+def _g_zones(ax, label: str):
+    """Each 16-bit format's zones on a histogram of ``g - 1``: shaded the paper's symmetric
+    zone ``|g - 1| < eps/2`` (legend ``label.format(fmt=...)``), solid lines the ends of the
+    exact zone (the ``g`` that round to 1: half the spacing below / above one)."""
+    for fmt, color in (("bf16", "C0"), ("fp16", "C1")):
+        f = get_format(fmt)
+        ax.axvspan(-f.eps / 2, f.eps / 2, color=color, alpha=0.12, label=label.format(fmt=fmt))
+        for x in (-f.spacing_below_one / 2, f.spacing_above_one / 2):
+            ax.axvline(x, color=color, lw=1.2)
+
+
 def trained_g_histogram(g_final: dict, final_steps: dict, runs=("r16_lr0.001", "r128_lr0.0001")):
     """Every row of ``g - 1`` at the final step of ``runs`` (those recorded; else the first run), with
     each format's zones: shaded the paper's symmetric zone, solid lines the exact zone's ends."""
@@ -116,11 +127,7 @@ def trained_g_histogram(g_final: dict, final_steps: dict, runs=("r16_lr0.001", "
     fig, axes = plt.subplots(1, len(want), figsize=(6 * len(want), 3.4), squeeze=False)
     for ax, run in zip(axes[0], want):
         ax.hist(np.concatenate(list(g_final[run].values())) - 1, bins=200, color="0.4")
-        for fmt, color in (("bf16", "C0"), ("fp16", "C1")):
-            f = get_format(fmt)
-            ax.axvspan(-f.eps / 2, f.eps / 2, color=color, alpha=0.12, label=f"{fmt}: |g-1| < eps/2")
-            for x in (-f.spacing_below_one / 2, f.spacing_above_one / 2):
-                ax.axvline(x, color=color, lw=1.2)
+        _g_zones(ax, "{fmt}: |g-1| < eps/2")
         ax.set(xlabel="g - 1", ylabel="rows", title=f"{run}, step {final_steps[run]}")
         ax.legend(fontsize=7)
     return fig
@@ -203,11 +210,7 @@ def g_histogram_r16(runs: dict, run: str):
     gvals = np.concatenate(list(runs[run]["g"][max(runs[run]["g"])].values()))
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.hist(gvals - 1, bins=200, color="0.4")
-    for fmt, color in (("bf16", "C0"), ("fp16", "C1")):
-        f = get_format(fmt)
-        ax.axvspan(-f.eps / 2, f.eps / 2, color=color, alpha=0.12, label=f"{fmt} paper zone |g-1| < eps/2")
-        for x in (-f.spacing_below_one / 2, f.spacing_above_one / 2):
-            ax.axvline(x, color=color, lw=1.2)
+    _g_zones(ax, "{fmt} paper zone |g-1| < eps/2")
     ax.set(xlabel="g - 1", ylabel="count", title=f"g of {run} (CPU) at its last step (solid lines: exact zone ends)")
     ax.legend(fontsize=8)
     return fig

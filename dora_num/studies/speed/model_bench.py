@@ -656,12 +656,9 @@ def main(argv: list[str] | None = None) -> int:
 def describe(device: str, smoke: bool) -> dict:
     """The standalone run's ``device.json`` (the suite writes its own): device, versions, git sha,
     and on CUDA the copy bandwidth of this run."""
-    import subprocess
+    from ..recorded import checkout_git_sha
 
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = None
+    sha = checkout_git_sha()
     desc = {"standalone": True, "argv": sys.argv, "smoke": smoke, "sections": ["model"]}
     if device == "cuda":
         from ..bench import copy_bandwidth

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .report import target_row
+
 # Model level, from Zelenin & Zhuravlyova, "Scaling DoRA: High-Rank Adaptation via Factored Norms
 # and Fused Kernels", arXiv:2603.22276v1 (2026): six 8-32B VLMs, r = 384, bf16, against PEFT.
 PAPER_MODEL = {"train": (1.46, 1.87), "infer": (1.5, 2.0), "peak_vram_lower_gb": 6.7}
@@ -93,16 +95,8 @@ def model_targets(data: dict | None) -> pd.DataFrame:
     rows = []
 
     def add(target, shape, measured, threshold, floor, note=""):
-        if measured is None or measured != measured:
-            verdict = "not_recorded"
-        elif measured >= threshold:
-            verdict = "met"
-        elif floor is not None and floor < threshold:
-            verdict = "out_of_reach"
-        else:
-            verdict = "missed"
-        rows.append({"target": target, "shape": shape, "measured": measured, "threshold": threshold,
-                     "best_possible": floor, "verdict": verdict, "note": note})
+        recorded = measured is not None and measured == measured  # NaN: ms() found no row
+        rows.append(target_row(target, shape, measured, threshold, floor, note, recorded=recorded))
 
     if data is None:
         for name, r, ckpt, mode, thr in SPEED_TARGETS:

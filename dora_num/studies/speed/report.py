@@ -165,20 +165,32 @@ def _row(compose, dtype, tokens, d_out, op, impl):
     return t.iloc[0]
 
 
+def target_row(target: str, shape: str, measured, threshold: float, floor, note: str = "", *,
+               recorded: bool = True) -> dict:
+    """One row of a targets table (notebook 05's, this module's and
+    :func:`~dora_num.studies.speed.model_report.model_targets`): the verdict is ``met`` when
+    ``measured >= threshold``, else ``out_of_reach`` where the floor (``best_possible``, the
+    best value the same run allows; None: no floor) lies below the threshold, else ``missed``;
+    ``not_recorded`` when ``recorded`` is false (``measured`` is then not compared)."""
+    if not recorded:
+        verdict = "not_recorded"
+    elif measured >= threshold:
+        verdict = "met"
+    elif floor is not None and floor < threshold:
+        verdict = "out_of_reach"
+    else:
+        verdict = "missed"
+    return {"target": target, "shape": shape, "measured": measured, "threshold": threshold,
+            "best_possible": floor, "verdict": verdict, "note": note}
+
+
 def target_status(data: dict) -> pd.DataFrame:
     """One row per (target, shape): measured value, threshold, the floor, verdict."""
     c, copy = data["compose"], data["copy_gbps"]
     rows = []
 
     def add(target, shape, measured, threshold, floor, note=""):
-        if measured >= threshold:
-            verdict = "met"
-        elif floor is not None and floor < threshold:
-            verdict = "out_of_reach"
-        else:
-            verdict = "missed"
-        rows.append({"target": target, "shape": shape, "measured": measured, "threshold": threshold,
-                     "best_possible": floor, "verdict": verdict, "note": note})
+        rows.append(target_row(target, shape, measured, threshold, floor, note))
 
     for tokens, d_out in TARGET_SHAPES:
         shape = f"{tokens}x{d_out} bf16"
