@@ -12,8 +12,10 @@
 #   final  at the commit to be resolved: all gpu-marked tests beside the exhaustive checks (a
 #          correctness record: its timings are not claims), then alone on the GPU the guard's cost
 #          and the model-level suite with the time left                      -> $OUT/session_final.tgz
+#   verify the gpu-marked tests of $VERIFY_TESTS (default: all), then the guard's cost
+#                                                                            -> $OUT/session_verify.tgz
 #
-# Usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final
+# Usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|verify
 # Each job runs under its own timeout and appends "<job> exit <rc> after <s> s" to its log.
 # Here, after a call: tar xzf session_<phase>.tgz -C <dir>, then the ingest commands of the
 # README's "Recording GPU data" section.
@@ -77,5 +79,10 @@ case "${1:-}" in
       --git-sha "$SHA"
     pack final
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final" >&2; exit 2 ;;
+  verify)  # after fixes: the gpu-marked tests of the named files (VERIFY_TESTS), then the guard's cost alone
+    job pytest 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 ${VERIFY_TESTS:-tests}
+    job guard 420 python3 -m dora_num.studies.speed.guard_cost --out "$W/guard" --git-sha "$SHA"
+    pack verify
+    ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|verify" >&2; exit 2 ;;
 esac
