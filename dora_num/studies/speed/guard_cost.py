@@ -94,15 +94,10 @@ def prepare(d_out: int, d_in: int, r: int, ab_dtype: str, device: str = "cuda"):
         "tail": {"on": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps, guard=C,
                                          rel_max=CANCELLATION_REL, recompute=(W, A, s32)),
                  "off": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps)},
-        # the same kernel with the guard but without the recompute branch, and with the recompute as
-        # a called function: what the branch itself costs, and whether inlining it is the cost
+        # the same kernel with the guard but without the recompute branch: what the branch itself costs
         "tail_guard_only": {"on": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps, guard=C,
                                                     rel_max=CANCELLATION_REL),
                             "off": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps)},
-        "tail_noinline": {"on": lambda: _noinline(lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps,
-                                                                    guard=C, rel_max=CANCELLATION_REL,
-                                                                    recompute=(W, A, s32))),
-                          "off": lambda: norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=eps)},
         "layer_g": {"on": lambda: magnitude_scale_and_flag(W, A, B, s, m, on_cancellation="recompute"),
                     "off": lambda: magnitude_scale_and_flag(W, A, B, s, m, on_cancellation="off")},
         "public": {"on": lambda: factored_row_norm(W, A, B, s, base_sq=base_sq, on_cancellation="recompute"),
