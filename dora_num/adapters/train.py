@@ -218,7 +218,7 @@ def perturb_magnitudes_one_ulp(tensors: dict[str, tuple], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for n in sorted(tensors):
         m = tensors[n][3]
-        sign = torch.randint(0, 2, m.shape, generator=gen).to(m.dtype) * 2 - 1
+        sign = torch.randint(0, 2, m.shape, generator=gen).to(m.device, m.dtype) * 2 - 1  # CPU draws: device-free
         m.copy_(torch.nextafter(m, sign * float("inf")))
 
 

@@ -137,7 +137,11 @@ def test_init_under_torch_compile(device):
         x = torch.randn(16, D_IN, device=device).to(dtype)
         compiled = torch.compile(layer, fullgraph=True)
         with torch.no_grad():
-            _assert_same_bits(compiled(x), lin(x))
+            g = layer.magnitude_scale()
+            assert bool((g == 1).all())  # the layer's own g (eager) is 1 exactly: m is its denominator
+            # the compiled layer adds nothing to its own base product: against the compiled base layer (the
+            # H200 measured one element in 640 of inductor's bf16 x W^T differ from eager cuBLAS's)
+            _assert_same_bits(compiled(x), torch.compile(lin, fullgraph=True)(x))
         y = compiled(x.clone().requires_grad_(True))
         y.float().square().sum().backward()
         assert torch.isfinite(layer.magnitude.grad).all()
