@@ -230,14 +230,14 @@ def dense_rows_fp64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
     g_d = float(gamma(d_in + 2, U64))
     w32 = w64.float()
     rnd = torch.where(w64 >= 2.0**-126, U32 * w64, torch.where(w64 > 0, torch.full_like(w64, 2.0**-150), 0.0 * w64))
-    E = en + g_d * w64 + rnd
-    lo = w64 - en - g_d * w64
+    E = (en + g_d * w64 + rnd) * (1 + 2.0**-40)  # the bound's own float64 roundings (a few, on non-negative terms)
+    lo = (w64 - en - g_d * w64) * (1 - 2.0**-40)
     rel = torch.where(lo > 0, E / torch.where(lo > 0, lo, torch.ones_like(lo)), torch.full_like(E, math.inf))
     rel = torch.where((E == 0) & (w64 == 0), torch.zeros_like(rel), rel)  # an exactly zero row: exact
     S = base + abs(2 * sf) * (Br * U).sum(1).abs() + sf * sf * ba
     kappa = torch.where(w64 > 0, S / torch.where(w64 > 0, w64 * w64, torch.ones_like(w64)),
                         torch.where(S == 0, torch.ones_like(S), torch.full_like(S, math.inf)))
-    return w32, rel.float(), kappa
+    return w32, (rel * (1 + 2.0**-23)).float(), kappa  # raised before rounding to fp32: still an upper bound
 
 
 def _rows_text(rows, kappa, rel) -> str:

@@ -47,7 +47,7 @@ torch operations over row blocks of ``B`` under ``ROW_CHUNK_BYTES``.
 
 Public pieces besides the norms: :func:`factored_terms` (the fp32 terms the torch tail
 assembles, for studies of the assembly), :func:`magnitude_scale_and_flag` (the layer's
-``g`` with a device flag instead of a sync; :class:`PendingGuard` resolves its guard),
+``g`` with a device flag instead of a sync),
 :func:`uses_tail_kernel`, :func:`cached_zero_rows`.
 """
 

@@ -244,8 +244,8 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
                     w64, rel64 = _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar,
                                                  stride_ak, d_in, r, s, g_r, g_d, BLOCK_M, BLOCK_D)
                 w = tl.where(need, w64.to(tl.float32), w)
-                rel_out = tl.where(need, rel64.to(tl.float32), rel_out)
-                unresolved = need & (rel64 > rel_max)
+                rel_out = tl.where(need, (rel64 * (1.0 + 2.0**-23)).to(tl.float32), rel_out)  # rounded: still a bound
+                unresolved = need & (rel64 * (1.0 + 2.0**-23) > rel_max)
                 q64 = w64 * w64  # kappa from the fp32 terms' magnitude and the float64 norm
                 k64 = tl.where(q64 > 0.0, mag.to(tl.float64) / tl.where(q64 > 0.0, q64, 1.0),
                                tl.where(mag == 0.0, 1.0, float("inf")))
