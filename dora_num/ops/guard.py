@@ -156,31 +156,53 @@ def report_kernel(code: int, aux: torch.Tensor, mode: str, *, where: str, warn: 
     """What the Triton tail's recompute leaves to be reported, once its flag was read with the
     largest code ``code`` (< ``FLAG_NONFINITE``): ``aux`` the kernel's ``[3, d_out]`` rows
     ``kappa``, ``rel`` (lemma 4', of the factored value) and ``rel_out`` (of the returned value).
-    The values were recomputed already; ``"raise"`` raises :class:`CancellationError` for the
-    flagged rows, ``"warn"`` warns naming them (if ``warn``), and rows still above the threshold
-    (``FLAG_UNRESOLVED``) are warned about in every mode.  Reads ``aux`` (a sync: the rare path)."""
+    The values were recomputed already; the reports are those of :func:`resolve` (:func:`_report`).
+    Reads ``aux`` (a sync: the rare path)."""
     if code < FLAG_CANCELLATION or mode == "off":
         return
     kappa, rel, rel_out = (t.cpu() for t in aux)
     rows = torch.nonzero(rel > CANCELLATION_REL).flatten()
-    exact = rel_out[rows] == 0
-    if mode == "raise" and not bool(exact.all()):
-        keep = rows[~exact]
+    _report(where, mode, warn, rows, kappa[rows], rel[rows], rel_out[rows], stacklevel=5)
+
+
+CANCELLING_KAPPA = 2.0  # a flagged row with kappa above this cancels; at or below it, its fp32 terms underflowed
+
+
+def _report(where: str, mode: str, warn: bool, idx, kappa, rel, rel_out, stacklevel: int) -> None:
+    """The reports of the flagged rows ``idx`` (host tensors: their ``kappa``, the factored value's bound
+    ``rel`` and the returned value's ``rel_out``).  A flagged row either cancels (``kappa >
+    CANCELLING_KAPPA``: the adapter nearly cancels the row of W) or has fp32 terms that underflow (a
+    tiny norm, ``kappa`` about 1: nothing to do with the adapter); both were recomputed.  ``"raise"``:
+    :class:`CancellationError` for the cancelling rows that are not exactly zero and for the rows still
+    not certified; ``"warn"`` (if ``warn``): a :class:`CancellationWarning` naming every recomputed row
+    and its cause; rows still above the threshold after the recompute are warned about in every mode."""
+    exact = rel_out == 0
+    cancelling = (kappa > CANCELLING_KAPPA) & ~exact
+    bad = rel_out > CANCELLATION_REL
+    if mode == "raise" and bool((cancelling | bad).any()):
+        keep = cancelling | bad
         raise CancellationError(
-            f"{where}: the factored norm cannot guarantee {keep.numel()} row(s): "
-            f"{_rows_text(keep, kappa[keep], rel[keep])} (kappa from the fp32 terms over the recomputed norm; "
-            f"rel = the factored norm's guaranteed relative error bound, above {CANCELLATION_REL:.3g}).  The adapter "
-            "cancels these rows of W (W ~ -s B A).  Pass on_cancellation='recompute' to have them recomputed in "
-            "float64 (the returned values were).")
+            f"{where}: the factored norm cannot guarantee {int(keep.sum())} row(s): "
+            f"{_rows_text(idx[keep], kappa[keep], rel[keep])}"
+            f" (kappa = (base + |2s cross| + s^2 ba) / ||W + sBA||^2; rel = the factored norm's guaranteed relative "
+            f"error bound from its fp32 terms, above {CANCELLATION_REL:.3g}).  The adapter cancels these rows of W "
+            "(W ~ -s B A).  Pass on_cancellation='recompute' to have them recomputed in float64.")
     if mode == "warn" and warn:
-        warnings.warn(f"{where}: {rows.numel()} row(s) recomputed in float64 (cancellation): "
-                      f"{_rows_text(rows, kappa[rows], rel[rows])}", CancellationWarning, stacklevel=4)
-    if code >= FLAG_UNRESOLVED:
-        bad = rows[rel_out[rows] > CANCELLATION_REL]
-        warnings.warn(f"{where}: {bad.numel()} row(s) have no accurate fp32 norm even in float64 (the norm is "
-                      f"below fp32's normal range 1.2e-38, or W + sBA cancels to float64 roundoff): rows "
-                      f"{_rows_text(bad, kappa[bad], rel_out[bad])} (rel now: the float64 bound); returned: the "
-                      "float64 norm rounded to fp32", CancellationWarning, stacklevel=4)
+        parts = []
+        if bool(cancelling.any()):
+            parts.append(f"cancellation: {_rows_text(idx[cancelling], kappa[cancelling], rel[cancelling])}")
+        under = ~cancelling & ~exact
+        if bool(under.any()):
+            parts.append("fp32 terms underflowing (a tiny norm, no cancellation): "
+                         f"{_rows_text(idx[under], kappa[under], rel[under])}")
+        if parts:
+            warnings.warn(f"{where}: {int((~exact).sum())} row(s) recomputed in float64 ({'; '.join(parts)})",
+                          CancellationWarning, stacklevel=stacklevel)
+    if bool(bad.any()):
+        warnings.warn(f"{where}: {int(bad.sum())} row(s) have no accurate fp32 norm even in float64 (the norm "
+                      f"is below fp32's normal range 1.2e-38, or W + sBA cancels to float64 roundoff): rows "
+                      f"{_rows_text(idx[bad], kappa[bad], rel_out[bad])} (rel now: the float64 bound); "
+                      "returned: the float64 norm rounded to fp32", CancellationWarning, stacklevel=stacklevel)
 
 
 def dense_rows_fp64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float, rows: torch.Tensor, *,
@@ -252,34 +274,14 @@ def resolve(W, A, B, s: float, wnorm: torch.Tensor, rel: torch.Tensor, mode: str
     """The guarded norm: ``wnorm`` with the rows whose ``rel > CANCELLATION_REL`` recomputed by
     :func:`dense_rows_fp64` (a new tensor; ``wnorm`` itself where no row is flagged).  Syncs (the
     rare path).  ``mode``: ``"recompute"``, ``"warn"`` (a :class:`CancellationWarning` naming the
-    rows, if ``warn``) or ``"raise"`` (:class:`CancellationError`, unless every flagged row turns
-    out exact: an all-zero row).  Rows that stay above the threshold after the recompute are
+    rows, if ``warn``) or ``"raise"`` (:class:`CancellationError` for rows that cancel or stay
+    uncertified: :func:`_report`).  Rows that stay above the threshold after the recompute are
     reported in every mode (``where`` names the caller in messages)."""
     rows = torch.nonzero(rel > CANCELLATION_REL).flatten()
     if rows.numel() == 0:
         return wnorm
     w_new, rel_new, kappa64 = dense_rows_fp64(W, A, B, s, rows)
-    kp, rl = kappa64.cpu(), rel[rows].cpu()
-    idx = rows.cpu()
-    exact = (rel_new == 0).cpu()
-    if mode == "raise" and not bool(exact.all()):
-        keep = ~exact
-        raise CancellationError(
-            f"{where}: the factored norm cannot guarantee {int(keep.sum())} row(s): "
-            f"{_rows_text(idx[keep], kp[keep], rl[keep])}"
-            f" (kappa = (base + |2s cross| + s^2 ba) / ||W + sBA||^2, from float64 terms; rel = the factored norm's "
-            "guaranteed relative error bound from its fp32 terms, above "
-            f"{CANCELLATION_REL:.3g}).  The adapter cancels these rows of W (W ~ -s B A).  Pass "
-            "on_cancellation='recompute' to have them recomputed in float64.")
+    _report(where, mode, warn, rows.cpu(), kappa64.float().cpu(), rel[rows].cpu(), rel_new.cpu(), stacklevel=4)
     out = wnorm.clone()
     out[rows] = w_new
-    bad = (rel_new > CANCELLATION_REL).cpu()
-    if mode == "warn" and warn:
-        warnings.warn(f"{where}: {len(idx)} row(s) recomputed in float64 (cancellation): "
-                      f"{_rows_text(idx, kp, rl)}", CancellationWarning, stacklevel=3)
-    if bool(bad.any()):
-        warnings.warn(f"{where}: {int(bad.sum())} row(s) have no accurate fp32 norm even in float64 (the norm "
-                      f"is below fp32's normal range 1.2e-38, or W + sBA cancels to float64 roundoff): rows "
-                      f"{_rows_text(idx[bad], kp[bad], rel_new.cpu()[bad])} (rel now: the float64 bound); "
-                      "returned: the float64 norm rounded to fp32", CancellationWarning, stacklevel=3)
     return out

@@ -96,6 +96,11 @@ def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None =
     g = formulas.magnitude_scale(TorchFP32, m.float(), w, eps)
     if check and not bool(torch.isfinite(g.detach()).all()):
         rows = torch.nonzero(~torch.isfinite(g.detach())).flatten()[:8].tolist()
+        zero = [j for j in rows if float(w[j]) == 0.0]
+        if zero:
+            raise ValueError(f"g = m / eps overflows float32 on the zero rows {zero} of W + sBA (eps = {eps:.3g}, "
+                             f"|m| up to {float(m.detach()[zero].abs().max()):.3g}): m is too large for the eps of "
+                             "a zero row; pass a larger eps or rescale m")
         raise ValueError(f"g = m / wnorm overflows float32 on rows {rows} (wnorm as small as "
                          f"{float(w[rows].min()):.3g}, |m| up to {float(m.detach()[rows].abs().max()):.3g}): "
                          "eps guards zero rows only; rescale W or m")

@@ -123,7 +123,7 @@ def dense_row_norm(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
 
     The PEFT-style reference, evaluated in fp32 (PEFT itself works in the weight
     dtype).  Costs ``d_out * d_in * 4`` bytes (twice, with the product).  Checks
-    all inputs for NaN/Inf.  No gradient.
+    all inputs for NaN/Inf, and raises ``ValueError`` where the fp32 result overflows.  No gradient.
     """
     check_lora_factors(W, A, B)
     s = check_scale(scale)
@@ -131,7 +131,12 @@ def dense_row_norm(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
         check_finite(name, t)
     with torch.no_grad(), torch.autocast(W.device.type, enabled=False):
         dense = W.float() + s * (B.float() @ A.float())
-        return torch.linalg.vector_norm(dense, dim=1)
+        out = torch.linalg.vector_norm(dense, dim=1)
+    if not bool(torch.isfinite(out).all()):
+        rows = torch.nonzero(~torch.isfinite(out)).flatten()[:8].tolist()
+        raise ValueError(f"dense row norm overflowed float32 on rows {rows} (inputs are finite): W + sBA or its "
+                         "squared row norm exceeds 3.4e38; rescale W or the adapter")
+    return out
 
 
 def resolve_chunk_bytes(d_out: int, d_in: int, chunk_bytes: int | None) -> int:

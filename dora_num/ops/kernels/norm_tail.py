@@ -249,6 +249,7 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
                 q64 = w64 * w64  # kappa from the fp32 terms' magnitude and the float64 norm
                 k64 = tl.where(q64 > 0.0, mag.to(tl.float64) / tl.where(q64 > 0.0, q64, 1.0),
                                tl.where(mag == 0.0, 1.0, float("inf")))
+                k64 = tl.maximum(k64, 1.0)  # kappa >= 1 (fp32 terms that underflowed to 0 give mag = 0)
                 kappa = tl.where(need, k64.to(tl.float32), kappa)
         tl.store(aux_ptr + rows, kappa, mask=row_mask)
         tl.store(aux_ptr + d_out + rows, rel, mask=row_mask)
