@@ -1,24 +1,24 @@
-"""Notebook 01 (cancellation at g≈1): collapse fractions and compose error on real adapters.
+"""Notebook 01 (cancellation at g≈1): compose error on real activations, and the paper's benchmark.
 
-Two questions:
+The collapse fractions of trained adapters (the H200 record) are :mod:`.trained`'s; this module holds
 
-1. **How often does g≈1 collapse?**  For every training run (ranks 8-128, two
-   learning rates, several steps), the fraction of g inside the paper's symmetric
-   zone ``|g-1| < eps/2`` and the fraction that actually rounds to 1 (the exact,
-   asymmetric zone), per format; the value-level absorption ``fl(g*x) == x`` on
-   real MiniLM base activations ``x W^T`` (of the base model: the adapter changes
-   the inputs of later layers only slightly, and g alone is stored per run).
-2. **What does the stable form save?**  The compose evaluated by the emulated
+1. **What does the stable form save?**  The compose evaluated by the emulated
    arithmetics of :mod:`dora_num.numerics.emulate` (per-op rounding in the storage
    format; fp32 intermediates with one final rounding; fp32 with g held in the
    storage format) against the correctly rounded exact result
    (:func:`dora_num.numerics.ground_truth.compose_exact`) on the same stored
-   inputs: real ``base = x W^T`` and ``lora = x A^T B^T`` of the committed r=16
-   adapter, with ``|g-1|`` swept across the format's spacing boundaries.  Errors
-   in ULPs of the output format, and as a fraction of the ``(g-1)*base`` term.
+   inputs: real ``base = x W^T`` and ``lora = x A^T B^T`` of the committed trained
+   r=16 adapter (:data:`COMPOSE_ADAPTER`, on the base weights it was trained on),
+   with ``|g-1|`` swept across the format's spacing boundaries and with the adapter's
+   own ``g``.  Errors in ULPs of the output format, and as a fraction of the
+   ``(g-1)*base`` term.
+2. The paper's benchmark (random N(0,1) inputs, bf16, max absolute error against the
+   fp64 stable formula on the fp64 inputs), reproduced by :func:`paper_benchmark`.
 
-The paper's benchmark (random N(0,1) inputs, bf16, max absolute error against the
-fp64 stable formula on the fp64 inputs) is reproduced by :func:`paper_benchmark`.
+The early CPU runs (``dora-num record adapters``: 50 steps at batch 16, the start of training) are not
+committed any more: the H200 record captures the same early steps (10, 30, 100) at the realistic batch, and
+its r=16 export replaced the early r=16 adapter as the compose study's input.  Their PEFT agreement runs
+(:data:`AGREEMENT`, fp32, 20 steps) stay: the CPU complement of the H200 cross-check.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 
-from ...adapters.collapse import FORMATS, POOLED, collapse_table
 from ...adapters.corpus import load_corpus
 from ...adapters.model import load_base_model, tokenize
 from ...adapters.peft_io import load_peft_dora
@@ -40,13 +39,8 @@ from ...ops.norm import factored_row_norm, magnitude_scale
 from ...repro.paths import committed_data
 from ...repro.provenance import read_provenance
 from .. import recorded
-from .train_adapters import ADAPTER_DIR, EXPORT, LRS, RANKS, load_g_npz, run_name
+from .gpu_training import CROSSCHECK
 
-# The paper's reported numbers (docs/paper.md; Qwen2-VL-7B, r=128, 326 modules, 1.77M g values).
-PAPER_COLLAPSE = pd.DataFrame([
-    {"source": "paper: Qwen2-VL-7B r=128", "format": "bf16", "frac_symmetric_zone": 1.00, "g_std": 0.0015},
-    {"source": "paper: Qwen2-VL-7B r=128", "format": "fp16", "frac_symmetric_zone": 0.20, "g_std": 0.0015},
-])
 PAPER_G_VALUES = (0.9, 0.99, 0.999, 0.9999, 1.0, 1.0001, 1.001, 1.01, 1.1)
 PAPER_PEAK = {"naive": 2.342e-2, "stable": 7.81e-3, "ratio": 3.0}  # [2048, 8192], bf16, g = 1
 
@@ -56,97 +50,61 @@ VARIANT_LABEL = {("per_op", "fp32"): "per-op in format (g in format)", ("fp32", 
 
 
 # ----------------------------------------------------------------------------
-# The recorded data notebook 01 reads
+# The recorded data notebook 01 reads (besides the H200 record, trained.TRAINED)
 # ----------------------------------------------------------------------------
 
-_RUNS = [run_name(r, lr) for r in RANKS for lr in LRS]
-ADAPTERS = recorded.RecordedData(
-    files=(tuple(f"adapters/runs/{run}{suffix}" for run in _RUNS for suffix in (".npz", "_history.csv", "_evals.csv"))
-           + ("adapters/agreement.csv", f"adapters/{ADAPTER_DIR}/adapter_config.json",
-              f"adapters/{ADAPTER_DIR}/adapter_model.safetensors")),
-    how_to_record=("dora-num record adapters (CPU, tens of minutes on 2 cores; writes data/adapters/ itself: "
-                   f"{len(_RUNS)} runs, the agreement runs and the r={EXPORT[0]} adapter)"))
+AGREEMENT = recorded.RecordedData(
+    files=("adapters/agreement.csv",),
+    how_to_record="dora-num record adapters --agreement-only (CPU, a few minutes on 2 cores; writes data/adapters/)")
+# The compose study's adapter: the H200 record's r = 16, lr 1e-3 export (the cross-check configuration), with
+# the manifest that names the base weights it was trained on.
+COMPOSE_RUN = f"r{CROSSCHECK[0]}_lr{CROSSCHECK[1]:g}"
+COMPOSE_ADAPTER = recorded.RecordedData(
+    files=tuple(f"adapters/trained/{f}" for f in (f"exported/{COMPOSE_RUN}/adapter_config.json",
+                                                  f"exported/{COMPOSE_RUN}/adapter_model.safetensors",
+                                                  "manifest.json")),
+    how_to_record="dora-num record adapters-gpu (H200; see trained.RECORD_COMMAND)")
 PAPER_SHAPE = recorded.RecordedData(
     files=("01_cancellation_at_g1/paper_benchmark_g1_paper_shape.csv",),
     how_to_record="run notebook 01 with RECOMPUTE_PAPER_SHAPE=True (about 3 minutes on 2 cores)")
 
 
 # ----------------------------------------------------------------------------
-# 1. Collapse on the recorded training runs.
+# 1. Real activations of a trained adapter.
 # ----------------------------------------------------------------------------
 
-def load_runs(root=None, only=()) -> dict[str, dict]:
-    """``{run: {"rank", "lr", "g": {step: {module: g (float64)}}}}`` from ``data/adapters/runs/*.npz``
-    (the runs named in ``only``; all of them if it is empty)."""
-    root = committed_data("adapters", "runs") if root is None else root
-    have = {p.stem: p for p in sorted(root.glob("r*_lr*.npz"))}
-    unknown = sorted(set(only) - set(have))
-    if unknown:
-        raise ValueError(f"runs {unknown} are not recorded in {root} (have {sorted(have)})")
-    out = {}
-    for p in (have[n] for n in sorted(have) if not only or n in only):
-        rank, lr = p.stem.split("_lr")
-        g = {s: {n: 1.0 + v.astype(np.float64) for n, v in mods.items()} for s, mods in load_g_npz(p).items()}
-        out[p.stem] = {"rank": int(rank[1:]), "lr": float(lr), "g": g}
-    if not out:
-        recorded.require([root / f"{run}.npz" for run in _RUNS], ADAPTERS.how_to_record)
-    return out
+def compose_adapter() -> tuple:
+    """``(adapter folder, base record)`` of :data:`COMPOSE_ADAPTER`: the committed export and the
+    manifest's ``base`` (what :func:`.trained_record.resolve_base` rebuilds and checks)."""
+    import json
+
+    cfg, _, manifest = COMPOSE_ADAPTER.require()
+    return cfg.parent, json.loads(manifest.read_text())["base"]
 
 
-def training_tables(root=None) -> tuple[pd.DataFrame, pd.DataFrame, list]:
-    """The early runs' evaluations and per-step history (``data/adapters/runs/*_{evals,history}.csv``)
-    and the files they came from."""
-    root = committed_data("adapters", "runs") if root is None else root
-    ev, hi = sorted(root.glob("*_evals.csv")), sorted(root.glob("*_history.csv"))
-    if not ev or not hi:
-        recorded.require([root / f"{run}_evals.csv" for run in _RUNS], ADAPTERS.how_to_record)
-    return (pd.concat(map(pd.read_csv, ev), ignore_index=True), pd.concat(map(pd.read_csv, hi), ignore_index=True),
-            ev + hi)
-
-
-def training_summary(evals: pd.DataFrame, hist: pd.DataFrame) -> pd.DataFrame:
-    """Per early run: rank, lr, final step, validation MRR@10 and loss against the base model (step 0),
-    first and last training loss (mean of the last 5 steps), median CPU seconds per step."""
-    base_mrr = float(evals.loc[evals["step"] == 0, "mrr10"].iloc[0])
-    final = evals[evals["step"] > 0].rename(columns={"mrr10": "mrr10_final", "val_loss": "val_loss_final"})
-    speed = hist[hist["step"] > 1].groupby("run")["seconds"].median().rename("s_per_step_median")
-    first_last = hist.groupby("run")["loss"].agg(loss_first="first", loss_last=lambda s: s.tail(5).mean())
-    out = (final.set_index("run")[["rank", "lr_peak", "step", "mrr10_final", "val_loss_final"]]
-           .join(first_last).join(speed).reset_index().assign(mrr10_base=base_mrr))
-    out["mrr10_gain"] = out["mrr10_final"] - out["mrr10_base"]
-    return out
-
-
-def collapse_over_training(runs: dict, formats=FORMATS, activations: dict | None = None,
-                           steps: str = "all") -> pd.DataFrame:
-    """Tidy collapse table per run x step x format (pooled over modules; per module with ``module``)."""
-    frames = []
-    for name, run in runs.items():
-        picked = sorted(run["g"]) if steps == "all" else [max(run["g"])]
-        for step in picked:
-            df = collapse_table(run["g"][step], formats, activations=activations)
-            frames.append(df.assign(run=name, rank=run["rank"], lr=run["lr"], step=step))
-    return pd.concat(frames, ignore_index=True)
-
-
-def pooled(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["module"] == POOLED].reset_index(drop=True)
-
-
-# ----------------------------------------------------------------------------
-# 2. Real activations of the r=16 adapter.
-# ----------------------------------------------------------------------------
-
-def real_compose_inputs(adapter_dir=None, modules=None, *, n_texts: int = 16, max_rows: int | None = 64, seed: int = 0,
-                        with_g: bool = False):
+def real_compose_inputs(adapter_dir=None, modules=None, *, base_dir=None, n_texts: int = 16,
+                        max_rows: int | None = 64, seed: int = 0, with_g: bool = False):
     """``{module: (base, lora, s)}``: fp32 ``x W^T`` and ``x A^T B^T`` on real text (base MiniLM inputs x).
 
-    ``max_rows``: a seeded sample of that many token rows per module; ``None``: every
-    token of the ``n_texts`` validation summaries (padding dropped).  ``with_g``: the
-    tuples are ``(base, lora, s, g)`` with the adapter's own fp32 ``g = m / ||W + sBA||_row``
-    (factored norm, as ``DoRALinear`` forms it), one per output row."""
-    adapter_dir = committed_data("adapters", "minilm_dora_r16") if adapter_dir is None else adapter_dir
-    model, tok = load_base_model()
+    ``adapter_dir``: a PEFT DoRA adapter on ``base_dir`` (default: the packaged MiniLM); without it, the
+    committed trained adapter (:data:`COMPOSE_ADAPTER`) on the base weights it was trained on (rebuilt in a
+    temporary folder and checked against the fingerprint the runs recorded).  ``max_rows``: a seeded sample of
+    that many token rows per module; ``None``: every token of the ``n_texts`` validation summaries (padding
+    dropped).  ``with_g``: the tuples are ``(base, lora, s, g)`` with the adapter's own fp32
+    ``g = m / ||W + sBA||_row`` (factored norm, as ``DoRALinear`` forms it), one per output row."""
+    if adapter_dir is None:
+        import tempfile
+        from pathlib import Path
+
+        from .trained_record import resolve_base
+
+        if base_dir is not None:
+            raise ValueError("base_dir is for a given adapter_dir; the committed adapter's base is its record's")
+        adapter_dir, base = compose_adapter()
+        with tempfile.TemporaryDirectory(prefix="dora-num-01-base-") as tmp:
+            model, tok = load_base_model(resolve_base(base, Path(tmp)))
+    else:
+        model, tok = load_base_model(base_dir)
     states = {s.name: s for s in load_peft_dora(adapter_dir, model)}
     names = sorted(states) if modules is None else list(modules)
     texts = [p["summary"] for p in load_corpus(split="validation")[:n_texts]]
@@ -248,6 +206,72 @@ def compose_error_sweep(inputs: dict, g_values: np.ndarray, formats=("bf16", "fp
     return df
 
 
+def error_by_cancellation(inputs: dict, g_values, formats=("bf16", "fp16"), *, min_n: int = 100) -> pd.DataFrame:
+    """Per format, formula (fp32 intermediates, one final rounding: the contract's arithmetic) and power-of-two
+    bin of ``rho = |base| / |X|`` (``X`` the exact compose on the stored inputs; ``X = 0`` left out): elements,
+    mean and max ULP error against the correctly rounded result, elements beyond 1 ulp.
+
+    ``rho`` is the naive form's own cancellation ratio: ``g (s lora + base) - base`` rounds (in fp32) terms of
+    size ``|base|`` before they cancel down to ``X``, so its rounding error in ulps of ``X`` grows like
+    ``rho 2^(p-23)`` and can reach half an ulp once ``rho`` is about ``2^(22-p)``.  The stable form rounds
+    ``(g-1) base`` and ``g s lora`` instead (its condition is ``kappa_c``).  ``|g-1|`` sets ``rho`` only where
+    ``s lora`` is negligible against ``(g-1) base`` (an adapter early in training: ``rho ~ 1/|g-1|``).  Bins with
+    fewer than ``min_n`` elements are marked ``sparse``."""
+    fp32 = VARIANT_LABEL[("fp32", "fp32")]
+    acc: dict[tuple, list] = {}
+    for fname in formats:
+        fmt = get_format(fname)
+        for base, lora, s, *_ in inputs.values():
+            b, l = round_to(base, fmt), round_to(lora, fmt)
+            ok = np.isfinite(b) & np.isfinite(l)
+            b, l = b[ok].ravel(), l[ok].ravel()
+            for g in g_values:
+                gg = np.full_like(b, g)
+                truth = compose_exact(b, l, gg, s, fmt)
+                nz = truth.value != 0
+                k = np.floor(np.log2(np.abs(b[nz]) / np.abs(truth.value[nz]) + np.finfo(float).tiny)).astype(int)
+                k = np.maximum(k, -1)  # rho < 1/2 in one bin
+                for formula in ("compose_naive", "compose_stable"):
+                    out = emulate(formula, {"base": b, "lora": l, "g": gg, "s": s}, fmt, "fp32")
+                    e = np.abs(ulp_distance(out, truth.rounded, fmt))[nz].astype(np.float64)
+                    for kk in np.unique(k):
+                        sel = e[k == kk]
+                        a = acc.setdefault((fmt.name, formula, int(kk)), [0, 0.0, 0.0, 0])
+                        a[0] += sel.size
+                        a[1] += float(sel.sum())
+                        a[2] = max(a[2], float(sel.max()))
+                        a[3] += int((sel > 1).sum())
+    rows = [{"format": f, "formula": fo, "variant": fp32, "log2_rho": k, "n": n, "ulp_mean": tot / n, "ulp_max": mx,
+             "n_gt1": gt1} for (f, fo, k), (n, tot, mx, gt1) in sorted(acc.items())]
+    df = pd.DataFrame(rows)
+    df["sparse"] = df["n"] < min_n
+    return df
+
+
+def cancellation_headline(tab: pd.DataFrame) -> dict:
+    """From :func:`error_by_cancellation`, per format: Spearman of the naive form's mean ULP error against
+    ``log2 rho`` over the bins that are not sparse, its mean error in the smallest and largest fifth of those
+    bins, the smallest ``rho`` bin where it is beyond 1 ulp (against the predicted ``2^(22-p)``), and the
+    stable form's worst error."""
+    from ...numerics.bounds import one_ulp_condition
+
+    out = {}
+    for fmt, sub in tab[~tab["sparse"]].groupby("format"):
+        nv = sub[sub["formula"] == "compose_naive"].sort_values("log2_rho")
+        lo, hi = nv["log2_rho"].quantile(0.2), nv["log2_rho"].quantile(0.8)
+        every = tab[tab["format"] == fmt]  # sparse bins included
+        naive, stable = every[every["formula"] == "compose_naive"], every[every["formula"] == "compose_stable"]
+        beyond = naive[naive["n_gt1"] > 0]
+        out[fmt] = {"bins": int(len(nv)),
+                    "spearman_log2rho_vs_mean_ulp": float(spearmanr(nv["log2_rho"], nv["ulp_mean"]).statistic),
+                    "naive_mean_ulp_smallest_fifth": float(nv[nv["log2_rho"] <= lo]["ulp_mean"].mean()),
+                    "naive_mean_ulp_largest_fifth": float(nv[nv["log2_rho"] >= hi]["ulp_mean"].mean()),
+                    "naive_first_bin_beyond_1ulp_log2rho": int(beyond["log2_rho"].min()) if len(beyond) else None,
+                    "predicted_log2rho": float(np.log2(one_ulp_condition(fmt))),
+                    "stable_ulp_max": float(stable["ulp_max"].max()), "naive_ulp_max": float(naive["ulp_max"].max())}
+    return out
+
+
 def error_by_gm1(sweep: pd.DataFrame) -> pd.DataFrame:
     """The sweep (g = 1 left out) averaged per format x formula x variant x side of 1 x
     ``|g-1|``: ``ulp_mean`` and ``term_lost_median``."""
@@ -258,7 +282,7 @@ def error_by_gm1(sweep: pd.DataFrame) -> pd.DataFrame:
 
 
 # ----------------------------------------------------------------------------
-# 3. The paper's benchmark.
+# 2. The paper's benchmark.
 # ----------------------------------------------------------------------------
 
 def recorded_paper_benchmark(shape) -> pd.DataFrame:

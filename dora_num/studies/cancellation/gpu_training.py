@@ -4,6 +4,7 @@
                                         [--device auto|cuda|cpu] [--runs NAME ...] [--git-sha SHA]
     dora-num record adapters-gpu plan [--plan full|smoke] [--wall-s 540]
     dora-num record adapters-gpu ingest FILES_DIR --dest data/adapters/trained --git-sha SHA [--keep DIR] [--replace]
+                                        [--note TEXT ...]
 
 (``python -m dora_num.studies.cancellation.gpu_training ...`` and, where nothing is installed, as on the
 GPU machine, ``python3 -m dora_num record adapters-gpu ...`` are the same command.)
@@ -536,6 +537,9 @@ def build_parser(prog: str = f"dora-num record {RECORDER_NAME}", name: str = REC
     q.add_argument("--git-sha", default=None, help="the commit the device ran")
     q.add_argument("--keep", default=None, help="also unpack everything (the full record) into this folder")
     q.add_argument("--replace", action="store_true", help="overwrite a --dest that already holds a record")
+    q.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="what a reader of the record must know that its files do not say (repeatable; kept in "
+                        "manifest.json and every sidecar)")
     return p
 
 
@@ -544,7 +548,8 @@ def record(a) -> int:
     if a.cmd == "ingest":
         from .trained_record import ingest
 
-        for path in ingest(Path(a.files), Path(a.dest), git_sha=a.git_sha, keep=a.keep, replace=a.replace):
+        for path in ingest(Path(a.files), Path(a.dest), git_sha=a.git_sha, keep=a.keep, replace=a.replace,
+                           notes=a.note):
             print(path)
         return 0
     from . import gpu_launch as L  # (the launcher imports this module)

@@ -3,8 +3,8 @@ notebook saves it as, each taking the notebook's tidy tables and returning a
 matplotlib figure (every notebook's figures live in its study folder's ``plots.py``).
 
 ``trained_*``: the adapters trained on the H200 (:mod:`.trained`'s tables; step 0 is
-drawn at 1 on the log axes); the early CPU runs (:mod:`.analysis`); the compose error
-and the paper's benchmark."""
+drawn at 1 on the log axes); the CPU agreement runs; the compose error and the paper's
+benchmark (:mod:`.analysis`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import seaborn as sns
 
 from ...adapters.collapse import POOLED
 from ...numerics.formats import get_format
-from .analysis import pooled
 from .trained import CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES, PAPER_ADAPTER
 
 _MEASURE = {"frac_rounds_to_one": "exact: fl(g) = 1", "frac_symmetric_zone": "paper: |g-1| < eps/2",
@@ -162,7 +161,7 @@ def trained_crosscheck(crosscheck: pd.DataFrame):
 
 
 # ----------------------------------------------------------------------------
-# The early CPU runs (50 steps)
+# The CPU agreement runs (fp32, 20 steps)
 # ----------------------------------------------------------------------------
 
 
@@ -174,44 +173,6 @@ def agreement_peft_vs_doralinear(agreement: pd.DataFrame):
             label="|L_ours(m + 1 ulp) - L_ours|  (baseline)")
     ax.set(xlabel="step", ylabel="|delta loss|", title="loss agreement, PEFT vs DoRALinear (CPU)")
     ax.set_yscale("symlog", linthresh=1e-8)
-    ax.legend(fontsize=8)
-    return fig
-
-
-def training_loss(hist: pd.DataFrame):
-    """The contrastive loss of every training run (rolling mean of 5 steps)."""
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    h = hist.assign(loss_smooth=hist.groupby("run")["loss"].transform(lambda s: s.rolling(5, min_periods=1).mean()))
-    sns.lineplot(data=h, x="step", y="loss_smooth", hue="rank", style="lr_peak", palette="viridis", ax=ax)
-    ax.set(ylabel="contrastive loss (rolling mean of 5)", title="early training: DoRA fine-tuning of MiniLM (CPU)")
-    return fig
-
-
-def collapse_over_training(over: pd.DataFrame, paper: pd.DataFrame):
-    """Fraction of g collapsing to 1 per step, both zone definitions, beside the paper's fraction."""
-    po = pooled(over).melt(id_vars=["run", "rank", "lr", "step", "format"],
-                           value_vars=["frac_symmetric_zone", "frac_rounds_to_one"], var_name="definition",
-                           value_name="fraction")
-    po["definition"] = po["definition"].map({"frac_symmetric_zone": "paper: |g-1| < eps/2",
-                                             "frac_rounds_to_one": "exact: fl(g) = 1"})
-    g = sns.relplot(data=po, x="step", y="fraction", hue="rank", style="definition", col="format", row="lr",
-                    kind="line", marker="o", palette="viridis", height=2.6, aspect=1.1, facet_kws={"sharey": True})
-    for (lr, fmt), ax in g.axes_dict.items():
-        if fmt in ("bf16", "fp16"):
-            ax.axhline(float(paper.loc[paper["format"] == fmt, "frac_symmetric_zone"].iloc[0]), color="k", lw=0.8,
-                       ls=":")
-    g.figure.suptitle("early training (CPU, 50 steps): fraction of g collapsing to 1 (dotted: the paper's "
-                      "Qwen2-VL-7B r=128 zone fraction)", y=1.02)
-    return g.figure
-
-
-def g_histogram_r16(runs: dict, run: str):
-    """Histogram of ``g - 1`` of ``run`` at its last step, with both zones' ends."""
-    gvals = np.concatenate(list(runs[run]["g"][max(runs[run]["g"])].values()))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.hist(gvals - 1, bins=200, color="0.4")
-    _g_zones(ax, "{fmt} paper zone |g-1| < eps/2")
-    ax.set(xlabel="g - 1", ylabel="count", title=f"g of {run} (CPU) at its last step (solid lines: exact zone ends)")
     ax.legend(fontsize=8)
     return fig
 
@@ -233,6 +194,26 @@ def compose_ulp_error_vs_gm1(agg: pd.DataFrame):
         ax.axvline(f.eps / 2, color="0.5", lw=0.8, ls=":")
     g.set_axis_labels("|g - 1|", "mean |error| (ulps of the output)")
     g.figure.suptitle("compose error vs |g-1| (dashed: exact zone end; dotted: the paper's eps/2)", y=1.02)
+    return g.figure
+
+
+def compose_ulp_error_vs_rho(canc: pd.DataFrame):
+    """Mean ULP error of both forms (fp32 intermediates) against the naive form's cancellation ratio
+    ``|base| / |X|`` (:func:`~dora_num.studies.cancellation.analysis.error_by_cancellation`), with the predicted
+    ratio ``2^(22-p)`` beyond which the naive form's fp32 rounding can reach half an ulp of the result."""
+    from ...numerics.bounds import one_ulp_condition
+
+    c = canc[~canc["sparse"]].assign(rho=lambda d: 2.0 ** (d["log2_rho"] + 0.5))
+    g = sns.relplot(data=c, x="rho", y="ulp_mean", hue="formula", col="format", kind="line", marker="o", height=3,
+                    aspect=1.3)
+    for fmt, ax in g.axes_dict.items():
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1e-4)
+        ax.set_ylim(bottom=0)
+        ax.axvline(one_ulp_condition(fmt), color="k", lw=0.8, ls="--")
+    g.set_axis_labels("|base| / |X|  (power-of-two bins)", "mean |error| (ulps of the output)")
+    g.figure.suptitle("compose error vs the naive form's cancellation ratio, fp32 intermediates "
+                      "(dashed: 2^(22-p))", y=1.03)
     return g.figure
 
 

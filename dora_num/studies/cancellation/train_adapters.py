@@ -1,6 +1,8 @@
 """Train the early-training DoRA adapters of notebook 01 (CPU, 50 steps, a few minutes per run).
 
-The trained adapters (H200, until MRR@10 plateaus) come from :mod:`.gpu_training`.
+The trained adapters (H200, until MRR@10 plateaus) come from :mod:`.gpu_training`; their early captures
+(steps 10-300, batch 64) replaced the grid below in notebook 01, and only the agreement runs
+(``agreement.csv``) are committed: the grid and its export are written when asked for, not read by any notebook.
 
     dora-num record adapters                 # the full grid + agreement runs
     dora-num record adapters --ranks 16 --lrs 1e-3

@@ -188,6 +188,50 @@ def paper_beside(tr: Trained) -> pd.DataFrame:
     return pd.DataFrame(rows)[cols]
 
 
+def normal_zone_fraction(std: float, fmt, mean: float = 1.0) -> float:
+    """The fraction of ``g ~ N(mean, std^2)`` inside the paper's symmetric zone ``|g - 1| < eps/2`` of
+    ``fmt``: what a fraction would be if ``g`` were normal with that spread (a prediction from ``std`` alone)."""
+    from scipy.stats import norm
+
+    from ...numerics.formats import get_format
+
+    h = get_format(fmt).eps / 2
+    return float(norm.cdf(1 + h, mean, std) - norm.cdf(1 - h, mean, std))
+
+
+def paper_markdown(tr: Trained) -> str:
+    """The paper's adapter beside ours, in words, from the numbers: how much of each fraction std(g) alone
+    predicts (a normal g of that spread), for the paper's std and for ours, and where our runs sit."""
+    f = final_pivot(tr)
+    c = tr.collapse[tr.collapse["final"] & (tr.collapse["group"] == POOLED)].set_index(["run", "format"])
+    std_runs = tr.outcome[tr.outcome["variant"] == "standard"]
+    ps = PAPER_ADAPTER["g_std"]
+    pred = {fmt: normal_zone_fraction(ps, fmt) for fmt in ("bf16", "fp16")}
+    lines = [f"**The paper's fractions follow from its spread.** A normal $g$ with the paper's std {ps:g} would have "
+             f"{pred['bf16']:.1%} of its values in the bf16 symmetric zone and {pred['fp16']:.1%} in fp16's; the paper "
+             f"reports {PAPER_ADAPTER['bf16_frac_symmetric_zone']:.0%} and {PAPER_ADAPTER['fp16_frac_symmetric_zone']:.0%}."]
+    rows, above = [], 0
+    for r in std_runs.sort_values(["lr", "rank"]).itertuples():
+        b, h = c.loc[(r.run, "bf16")], c.loc[(r.run, "fp16")]
+        above += bool(b.frac_symmetric_zone > normal_zone_fraction(b.g_std, "bf16", b.g_mean))
+        rows.append(f"| r={r.rank}, lr {r.lr:g} | {r.steps} | {b.g_std:.2e} | {b.frac_symmetric_zone:.1%} | "
+                    f"{normal_zone_fraction(b.g_std, 'bf16', b.g_mean):.1%} | {h.frac_symmetric_zone:.1%} | "
+                    f"{normal_zone_fraction(h.g_std, 'fp16', h.g_mean):.1%} |")
+    lines.append("**Ours, at the final step** (standard runs; *normal*: the fraction a normal $g$ with the run's "
+                 "mean and std would have):\n\n| run | steps | std(g) | bf16 sym. | bf16 normal | fp16 sym. | "
+                 "fp16 normal |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+    lines.append(f"In {above} of {len(rows)} runs more of $g$ lies in the bf16 zone than a normal of the same std would "
+                 "put there: $g$ is more concentrated near 1 than a normal, with heavier tails carrying the std. The "
+                 "std is still the first-order predictor, for the paper's adapter as for ours.")
+    s = f[(f["format"] == "bf16") & (f["variant"] == "standard")]
+    closest = s.iloc[(s["g_std"] - ps).abs().argmin()]
+    lines.append(f"Our spreads run from {s['g_std'].min():.2e} to {s['g_std'].max():.2e}: {s['g_std'].min() / ps:.1f} to "
+                 f"{s['g_std'].max() / ps:.0f} times the paper's. The closest, r={closest['rank']}, lr "
+                 f"{closest['lr']:g} (std {closest['g_std']:.2e}, {closest['steps']} steps), has "
+                 f"{closest['frac_symmetric_zone']:.1%} of $g$ in the bf16 symmetric zone.")
+    return "\n\n".join(lines)
+
+
 def smoke_record(folder, *, log=print) -> Path:
     """A tiny live CPU record (the cross-check trio, a few steps, :data:`~.gpu_training.SMOKE_NOTEBOOK`)
     recorded in this process and ingested into ``folder/trained``: notebook 01's SMOKE input."""
@@ -200,8 +244,6 @@ def smoke_record(folder, *, log=print) -> Path:
     return folder / "trained"
 
 
-EARLY_ADAPTER = ("adapters", "minilm_dora_r16")  # CPU, 50 steps; its recorded g: data/adapters/runs/r16_lr0.001.npz
-EARLY_RUN = "r16_lr0.001"
 U64 = 2.0**-53
 
 
@@ -241,57 +283,46 @@ def _rel(p: Path) -> str:
         return str(Path(p).resolve())
 
 
-def exported_tables(tr: Trained, work=None, *, n_texts=None, max_rows=None, formats=FORMATS,
-                    include_early: bool = True) -> pd.DataFrame:
-    """Per exported adapter (the record's, and the early CPU one): its collapse table as ``dora-num collapse``
-    prints it (per module and pooled), from the recorded ``g`` of the state that was exported, with
-    ``g_abs_error_bound`` (the recorded g's error against the exact g) and ``n_near_zone_end`` (rows within
-    twice that of a zone end: where a count could differ from another correct float64 evaluation).
-    ``n_texts``/``max_rows``: the activations (``None`` or 0: ``dora-num collapse``'s defaults).  ``work``:
-    where the bf16-rounded base is rebuilt when the runs used it (45 MB; default: a temporary folder)."""
+def exported_tables(tr: Trained, work=None, *, n_texts=None, max_rows=None, formats=FORMATS) -> pd.DataFrame:
+    """Per exported adapter of the record: its collapse table as ``dora-num collapse`` prints it (per module
+    and pooled), from the recorded ``g`` of the state that was exported, with ``g_abs_error_bound`` (the
+    recorded g's error against the exact g) and ``n_near_zone_end`` (rows within twice that of a zone end:
+    where a count could differ from another correct float64 evaluation).  ``n_texts``/``max_rows``: the
+    activations (``None`` or 0: ``dora-num collapse``'s defaults).  ``work``: where the bf16-rounded base is
+    rebuilt when the runs used it (45 MB; default: a temporary folder)."""
     if work is None:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="dora-num-01-") as tmp:
-            return exported_tables(tr, Path(tmp), n_texts=n_texts, max_rows=max_rows, formats=formats,
-                                   include_early=include_early)
-    from ...adapters.model import minilm_path
+            return exported_tables(tr, Path(tmp), n_texts=n_texts, max_rows=max_rows, formats=formats)
     from ...adapters.peft_io import read_config
-    from ...repro.paths import committed_data
-    from .analysis import load_runs
 
-    cache: dict[str, dict] = {}
-
-    def acts(base_dir: Path) -> dict:
-        key = str(base_dir)
-        if key not in cache:
-            cache[key] = activations_for(base_dir, n_texts=n_texts, max_rows=max_rows)
-        return cache[key]
-
-    frames = []
     exp = tr.exported()
-    if exp:
-        base_dir = base_for_record(tr, work)
-        for name, d in exp.items():
-            r = read_config(d)["r"]
-            with np.load(d / "final_capture.npz", allow_pickle=False) as z:
-                off, mods = z["offsets"], [str(n) for n in z["modules"]]
-                gall = z["m"].astype(np.float64) / z["wnorm64"]
-            g = {n: gall[off[j]:off[j + 1]] for j, n in enumerate(mods)}
-            b = {n: float64_g_bound(v, r) for n, v in g.items()}
-            frames.append(_table_with_margins(g, b, acts(base_dir), formats).assign(
-                adapter=_rel(d), base=tr.manifest["base"]["kind"], g_source="recorded capture: m / wnorm64 (float64)"))
-    early_dir = committed_data(*EARLY_ADAPTER)
-    if include_early and early_dir.is_dir():
-        run = load_runs()[EARLY_RUN]
-        g = run["g"][max(run["g"])]
-        r = read_config(early_dir)["r"]
-        # g - 1 stored in float32: half an ulp of g - 1, 2^-24 |g - 1|, on top of the float64 evaluation
-        b = {n: float64_g_bound(v, r) + np.abs(v - 1.0) * 2.0**-24 for n, v in g.items()}
-        frames.append(_table_with_margins(g, b, acts(minilm_path()), formats).assign(
-            adapter=_rel(early_dir), base="packaged", g_source="recorded g - 1 (float32) of m / float64 norm"))
+    if not exp:
+        raise ValueError(f"the record in {tr.folder} has no exported adapter")
+    acts = activations_for(base_for_record(tr, work), n_texts=n_texts, max_rows=max_rows)
+    frames = []
+    for name, d in exp.items():
+        r = read_config(d)["r"]
+        with np.load(d / "final_capture.npz", allow_pickle=False) as z:
+            off, mods = z["offsets"], [str(n) for n in z["modules"]]
+            gall = z["m"].astype(np.float64) / z["wnorm64"]
+        g = {n: gall[off[j]:off[j + 1]] for j, n in enumerate(mods)}
+        b = {n: float64_g_bound(v, r) for n, v in g.items()}
+        frames.append(_table_with_margins(g, b, acts, formats).assign(
+            adapter=_rel(d), base=tr.manifest["base"]["kind"], g_source="recorded capture: m / wnorm64 (float64)"))
     df = pd.concat(frames, ignore_index=True)
     return df[["adapter", "base", "g_source"] + [c for c in df.columns if c not in ("adapter", "base", "g_source")]]
+
+
+def step0(tr: Trained) -> pd.DataFrame:
+    """The state at step 0 per run (``manifest.json: step0``, :func:`.trained_record.step0_table`): where the
+    layer's ``g`` was not exactly 1 at init, and by how much."""
+    if "step0" not in tr.manifest:
+        raise ValueError(f"{tr.folder / 'manifest.json'} has no step0 table: re-ingest the record")
+    cols = ["run", "role", "rows", "rows_m_ne_wnorm", "m_minus_wnorm_ulps", "rows_layer_g_ne_1", "layer_g_minus_1_min",
+            "layer_g_minus_1_max", "params_abs_g_minus_1_max"]
+    return pd.DataFrame(tr.manifest["step0"])[cols]
 
 
 def headline(tr: Trained) -> dict:
@@ -307,4 +338,21 @@ def headline(tr: Trained) -> dict:
         "crosscheck": {k: v for k, v in tr.manifest["crosscheck"].items() if k != "criterion"},
         "final_bf16_exact_zone": {f"{r.variant} r={r.rank} lr={r.lr:g}": r.frac_rounds_to_one
                                   for r in fin[fin["format"] == "bf16"].itertuples()},
+        "final_bf16_symmetric_zone": {f"{r.variant} r={r.rank} lr={r.lr:g}": r.frac_symmetric_zone
+                                      for r in fin[fin["format"] == "bf16"].itertuples()},
+        "final_g_std": {f"{r.variant} r={r.rank} lr={r.lr:g}": r.g_std
+                        for r in fin[fin["format"] == "bf16"].itertuples()},
+        "mrr10_base_best": {r.run: [r.mrr10_base, r.mrr10_best] for r in o.itertuples()},
+        "step0": _step0_summary(tr),
     }
+
+
+def _step0_summary(tr: Trained) -> dict:
+    """The ``DoRALinear`` runs' (grid) step-0 state: the most rows whose layer g is not 1, and its range."""
+    if "step0" not in tr.manifest:
+        return {}
+    s = step0(tr)
+    s = s[s["role"] == "grid"]
+    return {"rows": int(s["rows"].max()), "rows_layer_g_ne_1_max": int(s["rows_layer_g_ne_1"].max()),
+            "layer_g_minus_1_min": float(s["layer_g_minus_1_min"].min()),
+            "layer_g_minus_1_max": float(s["layer_g_minus_1_max"].max())}

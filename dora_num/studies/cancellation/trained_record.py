@@ -8,8 +8,9 @@ vocabulary (the GPU machine's device, ``measured_at_git_sha``, ``measured_versio
 
 ====================================  ========================================================================
 ``manifest.json``                     plan, configuration, prediction, per run: why and where it stopped,
-                                      MRR@10 base/best/final, time per step; the cross-check verdict; what
-                                      is committed and what is left out
+                                      MRR@10 base/best/final, time per step; the cross-check verdict; the
+                                      state at step 0 (``step0``, :func:`step0_table`); notes given at
+                                      ingest (``notes``); what is committed and what is left out
 ``evals.csv``                         run, step, mrr10, val_loss (every evaluation)
 ``history_windows.csv``               per run and 50-step window: loss mean/min/max, gradient norm, seconds
 ``collapse.csv.gz``                   per run x capture step x module type (+ pooled) x format: the
@@ -31,6 +32,11 @@ parameters, what ``dora-num collapse`` computes from an exported file, and withi
 ``g_final.npz`` it is stored as float32 ``g - 1`` (relative error ``2^-24`` of ``g - 1``, ~1e-10 absolute);
 :func:`ingest` checks that every zone count computed from that form equals the one from the full
 precision record (``manifest.json: compact_certified``).
+
+**Step 0** (:func:`step0_table`): with ``B = 0`` the exact ``g`` is ``m / ||W||``, and ``g = 1`` exactly when
+``m`` equals the norm the forward divides by.  Whether it does is a property of the commit that ran, not of
+DoRA: the table counts, per run, the rows where the captured ``m`` differs from the layer's own ``wnorm`` (and
+by how many fp32 ulps), and the range of the layer's ``fl32(m / wnorm) - 1``.
 
 **Cross-check** (:data:`CROSSCHECK_CRITERION`, stated before the device run): the r = 16, lr 1e-3
 configuration ran three times with the same init, batch order and dropout stream: ``DoRALinear``, PEFT's
@@ -399,6 +405,45 @@ def compact_differences(runs: dict[str, RawRun], formats=FORMATS) -> list[dict]:
     return bad
 
 
+ULP_BINS = 3  # step0_table: m - wnorm distances up to this many ulps counted one by one
+
+
+def _ulps_apart(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Signed distance ``a - b`` in fp32 ulps, for positive finite float32 ``a``, ``b`` (their bit patterns
+    are then ordered like their values)."""
+    a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
+    if not (np.isfinite(a).all() and np.isfinite(b).all() and (a > 0).all() and (b > 0).all()):
+        raise ValueError("ulp distances are defined here for positive finite float32 values only")
+    return a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64)
+
+
+def step0_table(runs: dict[str, RawRun]) -> pd.DataFrame:
+    """Per run, its capture at step 0: rows, rows where ``m != wnorm`` (the layer's own fp32 norm: what its
+    forward divides by), ``m - wnorm`` in fp32 ulps (``m_minus_wnorm_ulps``: ``{ulps: rows}``, each distance up to
+    :data:`ULP_BINS` on its own, larger ones in two bins; empty bins left out), rows where the
+    layer's ``g = fl32(m / wnorm)`` is not 1, its ``g - 1`` range, and ``max |m / wnorm64 - 1|`` (the
+    parameters' g in float64).  For the PEFT twin ``wnorm`` is PEFT's norm (bf16 where its input is bf16);
+    the ulp twin's ``m`` is moved by one ulp on purpose."""
+    rows = []
+    for name, r in sorted(runs.items()):
+        c = r.captures
+        if 0 not in c.steps.tolist():
+            continue
+        i = c.row(0)
+        m, wn = c.m[i], c.wnorm[i]
+        d = _ulps_apart(m, wn)
+        gl = (m / wn).astype(np.float64) - 1.0  # IEEE fp32 quotient, as the layer forms it
+        hist = {f"<-{ULP_BINS}": int((d < -ULP_BINS).sum())}
+        hist |= {str(k): int((d == k).sum()) for k in range(-ULP_BINS, ULP_BINS + 1)}
+        hist[f">{ULP_BINS}"] = int((d > ULP_BINS).sum())
+        rows.append({"run": name, "role": r.info["role"], "rows": int(m.size), "rows_m_ne_wnorm": int((d != 0).sum()),
+                     "m_minus_wnorm_ulps": {k: v for k, v in hist.items() if v},
+                     "rows_layer_g_ne_1": int((gl != 0).sum()), "layer_g_minus_1_min": float(gl.min()),
+                     "layer_g_minus_1_max": float(gl.max()),
+                     "params_abs_g_minus_1_max": float(np.abs(m.astype(np.float64) / c.wnorm64[i] - 1.0).max())})
+    return pd.DataFrame(rows)
+
+
 # --------------------------------------------------------------------------
 # Ingest
 # --------------------------------------------------------------------------
@@ -414,12 +459,14 @@ def _brief(info: dict) -> dict:
 
 
 def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_texts: int | None = None,
-           max_rows: int | None = None, replace: bool = False, log=print) -> list[Path]:
+           max_rows: int | None = None, replace: bool = False, notes=(), log=print) -> list[Path]:
     """Unpack a launch (``files``: ``plan.json`` + ``part-K.tar``), check it, and write the committed
     record into ``dest`` (module docstring); with ``keep``, the full record stays unpacked there.
     ``n_texts``/``max_rows``: the absorption activations (default: ``dora-num collapse``'s).  A ``dest``
     that already holds files is refused unless ``replace`` (then it is emptied first: no stale file of
-    an earlier record survives beside the new one)."""
+    an earlier record survives beside the new one).  ``notes``: what a reader of the record must know
+    that the files do not say (e.g. a property of the commit that ran), kept in ``manifest.json`` and in
+    every sidecar."""
     import io
     import shutil
 
@@ -451,6 +498,8 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
         verdict = crosscheck_verdict(cross, bf16_input_types(rec.runs))
         diffs = compact_differences(rec.runs)
         outcome = outcome_table(rec.runs)
+        step0 = step0_table(rec.runs)
+        notes = [str(n) for n in notes]
         artifacts = {
             "evals.csv": pd.concat([r.evals.assign(run=n) for n, r in sorted(rec.runs.items())])[
                 ["run", "step", "mrr10", "val_loss", "seconds"]],
@@ -483,6 +532,7 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
                           for k, v in rec.plan["processes"].items()},
             "missing_runs": rec.missing, "runs": {n: _brief(r.info) for n, r in sorted(rec.runs.items())},
             "outcome": outcome.to_dict(orient="records"), "crosscheck": verdict,
+            "step0": step0.to_dict(orient="records"), "notes": notes,
             "compact_certified": not diffs, "compact_differences": diffs[:50],
             "exported": exported, "base": first.info["base"], "git_sha": sha,
             "absorption_activations": {"n_texts": n_texts, "max_rows": max_rows, "dtype": "float64",
@@ -499,7 +549,8 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
         return recorded.ingest(artifacts, dest, machine=recorded.machine_from_sidecar(first.folder / "run.json"),
                                producer=f"{RECORDER} ingest (a launch of {__package__}.gpu_training)",
                                git_sha=sha, params=rec.plan["config"], seed=rec.plan["config"]["seed"],
-                               extra={"plan": rec.plan["plan_name"]}, sources=[files], inputs=parts,
+                               extra={"plan": rec.plan["plan_name"], **({"notes": notes} if notes else {})},
+                               sources=[files], inputs=parts,
                                float_formats={"evals.csv": "%.9g", "history_windows.csv": "%.9g"})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -114,6 +114,31 @@ def test_crosscheck_ratios_and_verdict():
     assert (lay["ratio"] > T.CROSSCHECK_FACTOR).all()  # the bf16 norm: excluded from the layer verdict by design
 
 
+def test_step0_table_counts_ulps_between_m_and_the_layer_norm():
+    """Rows where m is k fp32 ulps from the layer's norm, counted per k (beyond ULP_BINS in two bins), against
+    values built with np.nextafter; the layer's g = fl32(m / wnorm) - 1 range; the float64 g of the parameters."""
+    names = ["encoder.layer.0.attention.self.query"]
+    rng = np.random.default_rng(4)
+    wn = (1.0 + rng.random(384)).astype(np.float32)
+    m = wn.copy()
+    up = np.float32(np.inf)
+    moves = {1: range(0, 10), 2: range(10, 13), -1: range(13, 20), 7: range(20, 22), -5: range(22, 23)}
+    for k, rows in moves.items():
+        for _ in range(abs(k)):
+            m[list(rows)] = np.nextafter(m[list(rows)], up if k > 0 else np.float32(0))
+    caps = {0: {"m": {names[0]: m}, "wnorm": {names[0]: wn}, "wnorm64": {names[0]: wn.astype(np.float64)}},
+            5: {"m": {names[0]: m}, "wnorm": {names[0]: wn}, "wnorm64": {names[0]: wn.astype(np.float64)}}}
+    t = R.step0_table({"a": _raw("grid", "a", caps)})
+    row = t.iloc[0]
+    assert row["rows"] == 384 and row["rows_m_ne_wnorm"] == 23 and row["rows_layer_g_ne_1"] == 23
+    assert row["m_minus_wnorm_ulps"] == {"<-3": 1, "-1": 7, "0": 361, "1": 10, "2": 3, ">3": 2}
+    g = (m / wn).astype(np.float64) - 1
+    assert row["layer_g_minus_1_min"] == g.min() < 0 < g.max() == row["layer_g_minus_1_max"]
+    assert row["params_abs_g_minus_1_max"] == np.abs(m.astype(np.float64) / wn - 1).max()
+    with pytest.raises(ValueError, match="positive finite"):
+        R._ulps_apart(np.array([0.0], dtype=np.float32), np.array([1.0], dtype=np.float32))
+
+
 def test_crosscheck_needs_the_trio():
     assert R.crosscheck_table({}).empty and R.crosscheck_verdict(pd.DataFrame()) == {
         "criterion": R.CROSSCHECK_CRITERION, "ran": False}
@@ -182,6 +207,9 @@ def test_smoke_record_is_complete_and_labelled(smoke):
     assert T.check_final_against_record(tr).empty
     n_caps = {r.name: len(r.captures.steps) for r in smoke.raw.runs.values()}
     assert len(tr.collapse) == sum(n_caps.values()) * (len(T.MODULE_TYPES) + 1) * len(FORMATS)
+    s0 = T.step0(tr).set_index("role")  # on one device m is the forward's own norm: g = 1 exactly at step 0
+    assert s0.loc["grid", "rows_m_ne_wnorm"] == 0 and s0.loc["grid", "rows_layer_g_ne_1"] == 0
+    assert s0.loc["ulp_twin", "rows_m_ne_wnorm"] == s0.loc["ulp_twin", "rows"]
     for r in smoke.raw.runs.values():
         assert r.captures.steps[0] == 0 and r.captures.steps[-1] == r.final_step
         assert r.info["g_is_quotient"] is (None if r.info["role"] == "peft_twin" else True)
@@ -208,17 +236,26 @@ def test_smoke_ingest_writes_the_recorded_data_vocabulary(smoke):
 
 def test_notebook_01_requires_what_it_asks_for():
     """Notebook 01's ``requires`` (what the runner checks before a full run) is exactly the data sets it asks
-    ``ctx.recorded`` for: the H200 record, the early CPU runs, the paper-shape benchmark."""
+    ``ctx.recorded`` for: the H200 record, its export for the compose study, the CPU agreement runs, the
+    paper-shape benchmark, the exhaustive fp8 compose record."""
     import json
 
+    from dora_num.studies.bounds import exhaustive_report as X
     from dora_num.studies.cancellation import analysis as C
 
+    asked = {"T.TRAINED": T.TRAINED, "C.COMPOSE_ADAPTER": C.COMPOSE_ADAPTER, "C.AGREEMENT": C.AGREEMENT,
+             "C.PAPER_SHAPE": C.PAPER_SHAPE, "X.RECORDED_FP8": X.RECORDED_FP8}
     book = json.loads((REPO_ROOT / "notebooks" / "01_cancellation_at_g1.ipynb").read_text())
-    want = {f"data/{f}" for d in (T.TRAINED, C.ADAPTERS, C.PAPER_SHAPE) for f in d.files}
+    want = {f"data/{f}" for d in asked.values() for f in d.files}
     assert sorted(book["metadata"]["dora_num"]["requires"]) == sorted(want)
     code = "\n".join("".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code")
-    for spec in ("T.TRAINED", "C.ADAPTERS", "C.PAPER_SHAPE"):
+    for spec in asked:
         assert f"ctx.recorded({spec}" in code, spec
+    # and nothing else: every ctx.recorded(...) call names one of these (X.RECORDED_GPU is optional, required=False)
+    import re
+
+    called = set(re.findall(r"ctx\.recorded\(([\w.]+)", code))
+    assert called - set(asked) <= {"X.RECORDED_GPU"}, called
 
 
 @pytest.mark.slow
@@ -275,7 +312,7 @@ def test_smoke_export_loads_in_ours_and_peft(smoke):
 def test_smoke_collapse_cli_matches_the_recorded_table(smoke, tmp_path):
     """The same check as for committed adapters, on the SMOKE export: ``dora-num collapse`` on the file
     against the table from the recorded capture."""
-    table = T.exported_tables(smoke.tr, tmp_path, include_early=False)
+    table = T.exported_tables(smoke.tr, tmp_path)
     (adapter,) = table["adapter"].unique()
     assert_cli_matches(Path(adapter), table[table["adapter"] == adapter], tmp_path)
 
@@ -288,10 +325,9 @@ NOTEBOOK_TABLE = committed_data("01_cancellation_at_g1", "exported_adapters_coll
 
 
 def committed_adapters() -> list[Path]:
-    found = [committed_data(*T.EARLY_ADAPTER)]
+    """Every exported adapter committed with the H200 record."""
     exp = committed_data(*T.RECORDED_DIR, "exported")
-    found += sorted(p for p in exp.iterdir() if (p / "adapter_config.json").is_file()) if exp.is_dir() else []
-    return [p for p in found if (p / "adapter_config.json").is_file()]
+    return sorted(p for p in exp.iterdir() if (p / "adapter_config.json").is_file()) if exp.is_dir() else []
 
 
 def assert_cli_matches(adapter: Path, table: pd.DataFrame, tmp: Path) -> None:
