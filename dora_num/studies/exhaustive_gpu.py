@@ -8,7 +8,7 @@ Sections (``--only``), in this order, each writing under DIR:
   ``tl.sqrt_rn`` and inline PTX ``sqrt.rn.f32`` (:mod:`dora_num.studies.fma.census_kernels`):
   ``sqrt_census_gpu_counts.csv``, ``sqrt_census_gpu_chunks.csv``, ``sqrt_census_gpu_timing.csv``.
 - ``accumulation``: the tensor-core accumulation probe of ``torch.mm(..., out_dtype=float32)``
-  (:mod:`dora_num.studies.bounds.accumulation`): ``accumulation_probe.json``,
+  (:mod:`dora_num.studies.bounds.accumulation`): ``accumulation_probe.json.gz``,
   ``accumulation_findings.json``.
 - ``compose``: every exhaustive 16-bit compose configuration
   (:mod:`dora_num.studies.bounds.exhaustive`): ``compose_exhaustive.csv`` (rewritten after each

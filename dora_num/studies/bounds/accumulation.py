@@ -36,6 +36,7 @@ recover its parameters.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -350,14 +351,14 @@ def bound_factor(findings: dict) -> dict:
 
 SHAPES = (("U", 4096, 384), ("G", 384, 384))  # (product, M rows per call, N) as in the factored norm
 K_VALUES = (384, 4096)
-PROBE_FILE = "accumulation_probe.json"
+PROBE_FILE = "accumulation_probe.json.gz"  # gzip (mtime 0): the raw outputs are 2.3 MB of JSON
 RECORDED = recorded.RecordedData(files=(f"gpu/exhaustive/{PROBE_FILE}",),
                                  how_to_record=recorded.record_command("exhaustive", extra="--only accumulation"))
 
 
 def run_gpu(out_dir, *, smoke: bool = False, log=print) -> list[dict]:
     """Probe ``torch.mm(a, b, out_dtype=torch.float32)`` on CUDA for every format x shape x K
-    and write ``accumulation_probe.json`` (raw outputs) and ``accumulation_findings.json``."""
+    and write ``accumulation_probe.json.gz`` (raw outputs) and ``accumulation_findings.json``."""
     from pathlib import Path
 
     import torch
@@ -376,7 +377,7 @@ def run_gpu(out_dir, *, smoke: bool = False, log=print) -> list[dict]:
                 recs.append(rec)
                 f = analyze(rec)
                 log(f"[accumulation] {fmt} {shape[0]} K={K}: {f}")
-    (out_dir / PROBE_FILE).write_text(json.dumps(recs) + "\n")
+    (out_dir / PROBE_FILE).write_bytes(gzip.compress((json.dumps(recs) + "\n").encode(), mtime=0))
     findings = [{**analyze(r), "bound": bound_factor(analyze(r))} for r in recs]
     (out_dir / "accumulation_findings.json").write_text(json.dumps(findings, indent=1, default=str) + "\n")
     return findings
@@ -392,13 +393,13 @@ __all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca
 
 
 def load_record(folder=None) -> list[dict]:
-    """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json``, or in ``folder``);
+    """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json.gz``, or in ``folder``);
     :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
     from pathlib import Path
 
     path = RECORDED.require()[0] if folder is None else recorded.require([Path(folder) / PROBE_FILE],
                                                                          RECORDED.how_to_record)[0]
-    return json.loads(path.read_text())
+    return json.loads(gzip.decompress(path.read_bytes()))
 
 
 def findings_table(records: list[dict]):
