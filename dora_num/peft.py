@@ -239,6 +239,29 @@ def restore(peft_model: nn.Module) -> int:
     return n
 
 
+def clear_caches(model: nn.Module) -> int:
+    """Drop every cache this package keeps for ``model`` (the cached ``rowsum(W*W)`` and zero-row
+    mask on each base weight, each accelerated layer's cached norm); returns the number of weights
+    cleared.  Needed only after a base weight or an adapter was changed in a way autograd's version
+    counter does not see (``weight.data.mul_(...)``, ``weight.data = ...``: the caches are keyed on
+    the storage address and the version counter, and an assignment through ``.data`` can reuse the
+    address).  In-place updates of the parameters themselves (optimizers, ``with torch.no_grad():
+    W.mul_(...)``) and PEFT's merge/unmerge through :func:`restore` need no call."""
+    n = 0
+    for _, mod, adapter in _dora_layers(model):
+        current = mod.lora_variant.get(adapter)
+        if isinstance(current, DoRAKernelVariant):
+            current.layer.clear_norm_cache()
+    for m in model.modules():
+        if isinstance(m, DoRALinear):
+            m.clear_norm_cache()
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor):
+            clear_base_sq_cache(w)
+            n += 1
+    return n
+
+
 def is_accelerated(module: nn.Module, adapter: str = "default") -> bool:
     """Whether adapter ``adapter`` of the PEFT layer ``module`` runs on this package's operator."""
     return isinstance(getattr(module, "lora_variant", {}).get(adapter), DoRAKernelVariant)

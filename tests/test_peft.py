@@ -356,3 +356,24 @@ def test_hf_trainer_trains_the_accelerated_model(tmp_path):
     pm.eval()
     batch = _batch("bert", seed=7)
     assert torch.equal(_logits(loaded, batch), _logits(pm, batch))
+
+
+def test_clear_caches_after_a_write_through_data():
+    """A base weight changed through ``.data`` (no version bump; a reviewer measured logits off by 1.6e-2
+    after ``W.data.mul_(3)``) is seen after ``clear_caches``; without it the cache is stale (the documented
+    limitation, checked so that the test would notice if it were lifted)."""
+    pm = _peft("llama")
+    acc = copy.deepcopy(pm)
+    dp.accelerate(acc, verbose=False)
+    batch = _batch("llama")
+    with torch.no_grad():
+        acc(**batch)  # fills the caches
+        for m in (pm, acc):
+            m.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.data.mul_(3.0)
+        want = pm(**batch).logits
+        stale = acc(**batch).logits
+        assert dp.clear_caches(acc) > 0
+        fresh = acc(**batch).logits
+    tol = 2.0**-24 * 64 * float(want.abs().max())
+    assert float((fresh - want).abs().max()) <= tol
+    assert float((stale - want).abs().max()) > tol

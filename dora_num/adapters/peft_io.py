@@ -271,6 +271,15 @@ def _check_groups(groups: dict, source: str) -> None:
         if B.shape[1] != A.shape[0] or m.shape[0] != B.shape[0]:
             raise AdapterError(f"{source}: module {name!r}: shape mismatch: A {tuple(A.shape)}, B {tuple(B.shape)}, "
                                f"magnitude {tuple(m.shape)} (need A [r, d_in], B [d_out, r], magnitude [d_out])")
+        names = {"A": "lora_A.weight", "B": "lora_B.weight", "m": "lora_magnitude_vector"}
+        for part, t in (("A", A), ("B", B), ("m", m)):
+            key = f"{_PREFIX}{name}.{names[part]}"
+            if not t.is_floating_point():
+                raise AdapterError(f"{source}: {key} has dtype {t.dtype}; adapter tensors must be floating point")
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                raise AdapterError(f"{source}: {key} contains non-finite values ({int(torch.isnan(t).sum())} NaN, "
+                                   f"{int(torch.isinf(t).sum())} Inf)")
 
 
 # ----------------------------------------------------------------------------

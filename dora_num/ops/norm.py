@@ -468,7 +468,10 @@ def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) 
     """``rowsum(W*W)`` (fp32), cached on the tensor ``W`` itself.
 
     The cache key is W's storage pointer, version counter (bumped by every
-    in-place write), shape, dtype and device: any change recomputes.  Keeping
+    in-place write through autograd), shape, dtype and device: such changes recompute.
+    A write through ``W.data`` (``W.data.mul_(...)``, ``W.data = other``) bumps no version
+    counter, and the new storage can reuse the old address: after one, call
+    :func:`clear_base_sq_cache` (:func:`dora_num.peft.clear_caches` for a whole model).  Keeping
     the cache on the tensor object means it dies with W and is shared by every
     module that wraps the same frozen weight.
     """

@@ -150,6 +150,13 @@ CASES = {
                         "cannot read .* as safetensors"),
     "no_dora_keys": (lambda a: save_file({"x": torch.zeros(2)}, str(a / "adapter_model.safetensors")),
                      "no lora_A/lora_B/lora_magnitude_vector keys"),
+    "nan_in_A": (lambda a: _edit_weights(a, lambda t: t["base_model.model.encoder.up.lora_A.weight"].view(-1).__setitem__(
+        3, float("nan"))), r"encoder\.up\.lora_A\.weight contains non-finite values \(1 NaN, 0 Inf\)"),
+    "inf_in_magnitude": (lambda a: _edit_weights(a, lambda t: t["base_model.model.encoder.q.lora_magnitude_vector"].view(
+        -1).__setitem__(0, float("inf"))), r"encoder\.q\.lora_magnitude_vector contains non-finite values \(0 NaN, 1 Inf\)"),
+    "integer_magnitude": (lambda a: _edit_weights(a, lambda t: t.__setitem__(
+        "base_model.model.encoder.q.lora_magnitude_vector", torch.ones(D_HID, dtype=torch.int32))),
+        "lora_magnitude_vector has dtype torch.int32; adapter tensors must be floating point"),
 }
 
 
