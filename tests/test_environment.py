@@ -1,6 +1,7 @@
 """The lock: requirements.lock pins every dependency of pyproject.toml exactly, with hashes;
 environment.yml (conda users) is generated from it and says the same."""
 
+import pytest
 import tomllib
 
 import yaml
@@ -65,3 +66,16 @@ def test_makefile_installs_from_the_lock_with_hashes():
     make = (REPO_ROOT / "Makefile").read_text()
     assert "--require-hashes -r $(LOCK)" in make
     assert "--no-deps" in make and "lock:" in make
+
+
+def test_committed_data_and_figures_fit_the_budget():
+    """The repository stays lean: everything committed under data/ and figures/ together under 15 MB
+    (10^6 bytes; the recorded GPU data is summarised, raw records are regenerated, README says how)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "data", "figures"], cwd=REPO_ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    total = sum((REPO_ROOT / f).stat().st_size for f in files if (REPO_ROOT / f).exists())
+    assert total < 15_000_000, f"data + figures = {total / 1e6:.2f} MB, over the 15 MB budget"
