@@ -1,9 +1,9 @@
 """The lock: requirements.lock pins every dependency of pyproject.toml exactly, with hashes;
 environment.yml (conda users) is generated from it and says the same."""
 
-import pytest
 import tomllib
 
+import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
