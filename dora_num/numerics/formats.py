@@ -22,7 +22,7 @@ rounding.  Overflow follows IEEE 754 for the formats with an infinity: a value
 whose rounding with an unbounded exponent exceeds ``max`` becomes ``±inf``.
 
 fp8 e4m3fn has no infinity, and the libraries disagree on what overflow gives
-(measured, torch 2.13 CPU and ml_dtypes 0.6.0, ``tests/numerics/test_formats.py``):
+(measured, torch 2.13 CPU and ml_dtypes 0.6.0 and 0.7.0, ``tests/numerics/test_formats.py``):
 
 - torch (``x.to(torch.float8_e4m3fn)``, from fp32, fp64, bf16 and fp16) **saturates**:
   every finite ``|x| > 448`` (464, 480, 1e4 alike) and ``±inf`` become ``±448``;
@@ -44,10 +44,11 @@ measured, torch 2.13); from float32 it is one correct rounding.  The project onl
 converts fp32 results (the contract), so this never bites it; ``round_to`` rounds the
 float64 value once.
 
-Why not ``x.astype(ml_dtypes.bfloat16)``: ml_dtypes 0.6.0 converts float64 to
-bf16 and fp8 *through float32* (double rounding): ``1 + 2^-8 + 2^-40`` becomes
-1 instead of ``1 + 2^-7``.  It is exact from float32 inputs, and the tests
-check both facts.  ml_dtypes (and numpy for fp16/fp32) still provide the bit
+Why not ``x.astype(ml_dtypes.bfloat16)``: ml_dtypes 0.6.0 converted float64 to
+bf16 and fp8 *through float32* (double rounding): ``1 + 2^-8 + 2^-40`` became
+1 instead of ``1 + 2^-7``; 0.7.0 (the locked version) rounds float64 once.  Both are
+exact from float32 inputs; the tests check these facts for the installed version, so
+``round_to`` does not depend on which one is installed.  ml_dtypes (and numpy for fp16/fp32) still provide the bit
 layouts used by :func:`ulp_distance`.
 """
 

@@ -18,7 +18,7 @@ def test_prepare_checks_pass_on_the_benchmarked_adapter(ab_dtype):
         fns, info = gc.prepare(64, 256, 16, ab_dtype, device="cpu")
     assert info["checks_ok"] and info["rows_fired"] == 0, info
     assert info["rel_err_fp64"] < 1e-5 and info["rel_bound_max"] < 2.0**-6
-    assert set(fns) == {"tail", "tail_guard_only", "tail_noinline", "layer_g", "public"} and all(set(v) == {"on", "off"} for v in fns.values())
+    assert set(fns) == {"tail", "tail_guard_only", "layer_g", "public"} and all(set(v) == {"on", "off"} for v in fns.values())
 
 
 def test_summary_and_ingest(tmp_path):
