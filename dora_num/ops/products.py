@@ -94,6 +94,15 @@ def _mm_cpu_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def _mm32(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
+    """``a @ b`` of 16-bit operands with fp32 output: ``mm`` if given (the tests' tensor-core
+    emulation), else the tensor-core product (:func:`_mm_fp32_out`), else fp32 products."""
+    if mm is not None:
+        return mm(a, b)
+    out = _mm_fp32_out(a, b)
+    return _mm_cpu_fp32(a, b) if out is None else out
+
+
 def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None) -> torch.Tensor:
     r"""``U = W A^T`` fp32 ``[d_out, r]`` for a 16-bit ``W`` and an ``A`` of any float dtype,
     from tensor-core products only: ``A`` split into ``pieces`` pieces of W's dtype
@@ -111,13 +120,7 @@ def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None)
     P, inv = split_pieces(A, W.dtype, pieces) if split is None else split
     p, r, d = P.shape
     S = P.view(p * r, d)
-    if mm is None:
-        Up = _mm_fp32_out(W, S.T)
-        if Up is None:
-            Up = _mm_cpu_fp32(W, S.T)
-    else:
-        Up = mm(W, S.T)
-    U = Up.view(W.shape[0], p, r).sum(dim=1)
+    U = _mm32(W, S.T, mm).view(W.shape[0], p, r).sum(dim=1)
     return U if inv is None else U.mul_(inv)
 
 
@@ -132,13 +135,7 @@ def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=
     P, inv = split_pieces(A, dtype, pieces) if split is None else split
     p, r, d = P.shape
     S = P.view(p * r, d)
-    if mm is None:
-        Gp = _mm_fp32_out(S, S.T)
-        if Gp is None:
-            Gp = _mm_cpu_fp32(S, S.T)
-    else:
-        Gp = mm(S, S.T)
-    G = Gp.view(p, r, p, r).sum(dim=(0, 2))
+    G = _mm32(S, S.T, mm).view(p, r, p, r).sum(dim=(0, 2))
     return G if inv is None else G.mul_(inv).mul_(inv)
 
 
