@@ -201,6 +201,10 @@ def analyse_adapter(adapter_dir: str | os.PathLike, base_dir: str | os.PathLike 
             base_dir = Path(named)
         elif named.endswith("all-MiniLM-L6-v2"):
             base_dir = minilm_path()
+        elif "all-MiniLM-L6-v2" in named and "bf16-rounded" in named:  # the H200 runs' base (notebook 01)
+            raise ValueError(f"{adapter_dir} was trained on the bf16-rounded copy of all-MiniLM-L6-v2, not on the "
+                             "packaged fp32 model (its g would differ): write the copy with `dora-num record carry "
+                             "DIR` (45 MB, seconds) and pass --base DIR")
         else:
             raise ValueError(f"base model of {adapter_dir} is {named!r}, not a folder on disk: pass --base MODEL_DIR")
     model = tok = None

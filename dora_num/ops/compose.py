@@ -277,8 +277,9 @@ def _select_tier(base, lora, g, path: str, cfg: OpConfig) -> str:
         return "eager"
     if path == "fused":
         if not fused_available(base.device, cfg):
-            raise RuntimeError(f"path='fused' needs a CUDA device (or TRITON_INTERPRET=1 on CPU); "
-                               f"base is on {base.device}")
+            raise RuntimeError(f"path='fused' needs a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests: the "
+                               "interpreter truncates bf16 casts, so bf16 results differ from the GPU's by up to "
+                               f"1 ulp; docs/platform.md); base is on {base.device}")
         return "fused_training" if training else "fused_forward"
     if base.device.type != "cuda" or not fused_available(base.device, cfg):
         return "eager"
