@@ -124,20 +124,13 @@ class NormTailTiles:
     # fp32 B @ G tile of the main loop, so the rare path does not raise the kernel's register count)
     block_d: int = 32
     num_warps: int = 4
-    # the recompute as a called (not inlined) device function: its registers then do not count
-    # against the main loop's (studies/speed/guard_cost.py measures both)
-    recompute_noinline: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.recompute_noinline, bool):
-            raise ValueError(f"NormTailTiles.recompute_noinline must be a bool, got {self.recompute_noinline!r}")
         _check_positive_ints(self)
 
 
 def _check_positive_ints(obj) -> None:
     for f in dataclasses.fields(obj):
-        if f.type in (bool, "bool"):
-            continue
         v = getattr(obj, f.name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive int, got {v!r}")

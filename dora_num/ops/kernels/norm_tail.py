@@ -123,7 +123,8 @@ def _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, 
     return kappa, rel, mag
 
 
-def _recompute_rows_fn(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar, stride_ak, d_in, r, s, g_r,
+@triton.jit
+def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar, stride_ak, d_in, r, s, g_r,
                     g_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """``(w64, rel64)`` for the rows ``need`` of this program (zeros elsewhere): lemma 5', the
     arithmetic of :func:`dora_num.ops.guard.dense_rows_fp64` in float64."""
@@ -158,16 +159,12 @@ def _recompute_rows_fn(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, st
     return w64, rel
 
 
-_recompute_rows = triton.jit(_recompute_rows_fn)
-_recompute_rows_noinline = triton.jit(_recompute_rows_fn, noinline=True)  # NormTailTiles.recompute_noinline
-
-
 @triton.jit
 def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_ptr, flag_ptr, aux_ptr,
                       zrow_ptr, gc_ptr, inv_ptr, w_ptr, a_ptr, stride_wm, stride_wk, stride_ar, stride_ak,
                       d_out, d_in, r, two_s, s_sq, s, eps, rel_max,
                       HAS_M: tl.constexpr, GUARD: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_INV: tl.constexpr, RECOMPUTE: tl.constexpr, NOINLINE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_INV: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     if GUARD:  # the constants of posterior_constants (KERNEL_FIELDS order; one small device tensor)
         ts, s2 = _c(gc_ptr, 0), _c(gc_ptr, 1)
@@ -237,12 +234,8 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
             flagged = need
             if tl.max(need.to(tl.int32), axis=0) > 0:  # program-uniform: the fast path pays this test only
                 g_r, g_d = tl.load(gc_ptr + 38), tl.load(gc_ptr + 39)
-                if NOINLINE:
-                    w64, rel64 = _recompute_rows_noinline(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk,
-                                                          stride_ar, stride_ak, d_in, r, s, g_r, g_d, BLOCK_M, BLOCK_D)
-                else:
-                    w64, rel64 = _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar,
-                                                 stride_ak, d_in, r, s, g_r, g_d, BLOCK_M, BLOCK_D)
+                w64, rel64 = _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar,
+                                             stride_ak, d_in, r, s, g_r, g_d, BLOCK_M, BLOCK_D)
                 w = tl.where(need, w64.to(tl.float32), w)
                 rel_out = tl.where(need, (rel64 * (1.0 + 2.0**-23)).to(tl.float32), rel_out)  # rounded: still a bound
                 unresolved = need & (rel64 * (1.0 + 2.0**-23) > rel_max)
@@ -392,7 +385,7 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
             float(rel_max if rel_max is not None else 0.0),
             HAS_M=m is not None, GUARD=guard is not None, HAS_Z=zero_rows is not None and guard is not None,
             SPLIT=guard is not None and guard.split, HAS_INV=guard is not None and guard.inv_runtime,
-            RECOMPUTE=recompute is not None, NOINLINE=tiles.recompute_noinline, BLOCK_M=tiles.block_m,
+            RECOMPUTE=recompute is not None, BLOCK_M=tiles.block_m,
             BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=tiles.block_d, num_warps=tiles.num_warps, enable_fp_fusion=False,
         )
     return TailResult(wnorm, den, flag, aux)

@@ -62,16 +62,6 @@ def _inputs(d_out, d_in, r, ab_dtype, device="cuda", seed=0):
     return W, A.to(dt).contiguous(), B.to(dt).contiguous(), s, m
 
 
-def _noinline(fn):
-    """``fn()`` with the tail kernel's recompute as a called device function (``NormTailTiles``)."""
-    import dataclasses
-
-    from ...ops.config import get_config, override
-
-    with override(norm_tail_tiles=dataclasses.replace(get_config().norm_tail_tiles, recompute_noinline=True)):
-        return fn()
-
-
 def prepare(d_out: int, d_in: int, r: int, ab_dtype: str, device: str = "cuda"):
     """``(fns, info)``: the three measurements' guard-on and guard-off callables for one
     configuration, and the checks made before timing (``info["checks_ok"]``: the guard fires on no
