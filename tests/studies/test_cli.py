@@ -46,11 +46,14 @@ def test_record_is_a_subcommand_and_lists_the_recorders(capsys):
 
 
 @pytest.mark.parametrize("module", list(MODULE_MAINS))
-def test_module_entry_points_delegate_to_the_recorder(module, monkeypatch):
-    calls = []
-    monkeypatch.setattr(cli, "run", lambda name, argv=None, **kw: calls.append((name, argv)) or 0)
-    assert importlib.import_module(module).main(["--help"]) == 0
-    assert calls == [(MODULE_MAINS[module], ["--help"])]
+def test_module_entry_points_delegate_to_the_recorder(module, capsys):
+    """``python -m <module> --help`` is the recorder's own help (``dora-num record NAME``), through cli.run."""
+    try:
+        rc = importlib.import_module(module).main(["--help"])
+    except SystemExit as e:
+        rc = e.code
+    assert rc in (0, None)
+    assert f"dora-num record {MODULE_MAINS[module]}" in capsys.readouterr().out
 
 
 def test_python_m_help_runs_in_a_fresh_process(tmp_path):

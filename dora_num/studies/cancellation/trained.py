@@ -101,7 +101,7 @@ def base_for_record(tr: Trained, workdir) -> Path:
 # --------------------------------------------------------------------------
 
 STOP_REASONS = ("plateau", "max_steps", "deadline", "signal", "diverged")  # or "error: ..." (gpu_training.run_one)
-# The paper's real adapter (PAPER.md): Qwen2-VL-7B, r = 128, 326 modules, 1.77M g values; task, learning
+# The paper's real adapter (docs/paper.md): Qwen2-VL-7B, r = 128, 326 modules, 1.77M g values; task, learning
 # rate and steps not stated (the paper's own training recipe, for its Qwen3.5-9B convergence runs: r = 384,
 # rsLoRA, lr 1e-5 cosine, 2000 steps).
 PAPER_ADAPTER = {"source": "paper: Qwen2-VL-7B, r=128", "model_params": "7B", "modules": 326, "n_g": 1_770_000,
