@@ -130,8 +130,8 @@ class NotebookContext:
         prov.setdefault("producer", f"notebooks/{self.name}.ipynb")
         return prov
 
-    def save_figure(self, fig, name: str, **prov):
-        return save_figure(fig, self.name, name, **self._prov(prov))
+    def save_figure(self, fig, name: str, *, formats=("png",), **prov):
+        return save_figure(fig, self.name, name, formats=formats, **self._prov(prov))
 
     def save_table(self, df, filename: str, **prov):
         return save_dataframe(df, self.data_dir / filename, **self._prov(prov))
