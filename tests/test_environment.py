@@ -70,12 +70,13 @@ def test_makefile_installs_from_the_lock_with_hashes():
 
 def test_committed_data_and_figures_fit_the_budget():
     """The repository stays lean: everything committed under data/ and figures/ together under 15 MB
-    (10^6 bytes; the recorded GPU data is summarised, raw records are regenerated, README says how)."""
+    (10^6 bytes, counted in 4 KiB disk blocks as ``du`` does: hundreds of small sidecars cost a block each;
+    the recorded GPU data is summarised, raw records are regenerated, README says how)."""
     import subprocess
 
     files = subprocess.run(["git", "ls-files", "data", "figures"], cwd=REPO_ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
     if not files:
         pytest.skip("not a git checkout")
-    total = sum((REPO_ROOT / f).stat().st_size for f in files if (REPO_ROOT / f).exists())
+    total = sum(-(-(REPO_ROOT / f).stat().st_size // 4096) * 4096 for f in files if (REPO_ROOT / f).exists())
     assert total < 15_000_000, f"data + figures = {total / 1e6:.2f} MB, over the 15 MB budget"
