@@ -13,6 +13,7 @@ import torch.nn.functional as Fn
 
 from dora_num.ops import layer as L
 from dora_num.ops.compose import compose
+from dora_num.ops.kernels import compose as _kc
 from dora_num.ops.norm import magnitude_scale_and_flag
 from dora_num.studies.speed.overhead import cprofile_top
 
@@ -20,6 +21,8 @@ torch.manual_seed(0)
 d, r, T = 512, 16, 64
 dt = torch.bfloat16
 layer = L.DoRALinear(torch.nn.Linear(d, d, bias=False, device="cuda", dtype=dt), r, 32.0, compose_path="fused")
+import sys
+SORT = sys.argv[1] if len(sys.argv) > 1 else "tottime"
 with torch.no_grad():
     layer.lora_B.normal_(0, 1e-2)
 x = torch.randn(T, d, device="cuda", dtype=dt, requires_grad=True)
@@ -33,16 +36,31 @@ def g_and_flag():
 
 g = g_and_flag()[0].detach()
 base = Fn.linear(x.detach(), layer.base.weight)
-lora = Fn.linear(Fn.linear(x.detach(), layer.lora_A.detach()), layer.lora_B.detach())
+with torch.autocast("cuda", dtype=dt):
+    lora = Fn.linear(Fn.linear(x.detach(), layer.lora_A.detach()), layer.lora_B.detach())
 bl, ll, gl = (t.clone().requires_grad_(True) for t in (base, lora, g))
+
+def _nograd():
+    with torch.no_grad(), torch.autocast("cuda", dtype=dt):
+        layer(x)
+
+
+def _fwd_bwd():
+    with torch.autocast("cuda", dtype=dt):
+        y = layer(x)
+    y.backward(D)
+
 
 pieces = {
     "compose() training fwd": lambda: compose(bl, ll, gl, layer.scale, path="fused"),
+    "compose() inference fwd": lambda: compose(base, lora, g, layer.scale, path="fused"),
     "magnitude_scale_and_flag": g_and_flag,
-    "layer fwd+bwd": lambda: layer(x).backward(D),
+    "compose_bwd (kernel wrapper)": lambda: _kc.compose_bwd(D, None, g, layer.scale, base=base, lora=lora),
+    "layer fwd (no grad)": lambda: _nograd(),
+    "layer fwd+bwd": lambda: _fwd_bwd(),
 }
 for name, fn in pieces.items():
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    print(f"===== {name} =====\n" + cprofile_top(fn, calls=500, lines=28), flush=True)
+    print(f"===== {name} =====\n" + cprofile_top(fn, calls=500, lines=45, sort=SORT), flush=True)

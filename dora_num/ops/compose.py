@@ -271,8 +271,13 @@ def _resolve_path(path: str, cfg: OpConfig) -> str:
 
 
 def _select_tier(base, lora, g, path: str, cfg: OpConfig) -> str:
-    path = _resolve_path(path, cfg)
     training = torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad)
+    return _tier(base, path, cfg, training)
+
+
+def _tier(base, path: str, cfg: OpConfig, training: bool) -> str:
+    """The tier for ``base``'s shape and device, for a call that records a gradient or not."""
+    path = _resolve_path(path, cfg)
     if path == "eager":
         return "eager"
     if path == "fused":
@@ -325,9 +330,10 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
         return (res, None) if return_flag else res
     # On the fused tiers the kernel writes g's flag (no launch of its own); else two torch ops.
     flag = None
-    if (return_flag or cfg.finite_check != "off") and _select_tier(base, lora, g, path, cfg) != "eager":
+    tier = _select_tier(base, lora, g, path, cfg)
+    if (return_flag or cfg.finite_check != "off") and tier != "eager":
         flag = torch.empty(_kernels().g_flag_size(base.shape[-1], cfg), dtype=torch.int32, device=base.device)
-    res = _compose(base, lora, g, scale, path=path, out=out, config=cfg, check_g=False, g_flag=flag)
+    res = _compose(base, lora, g, scale, path=path, out=out, config=cfg, check_g=False, g_flag=flag, tier=tier)
     if return_flag:
         return res, (flag.any() if flag is not None else _finite.any_not_finite(g))
     if cfg.finite_check != "off":
@@ -340,14 +346,17 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
 
 
 def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g: bool,
-             add_base: bool = False, g_flag: torch.Tensor | None = None) -> torch.Tensor:
+             add_base: bool = False, g_flag: torch.Tensor | None = None, tier: str | None = None) -> torch.Tensor:
     """:func:`compose` without its argument checks, under ``config``, for callers that built
     the arguments themselves (:class:`~dora_num.ops.layer.DoRALinear`).  ``check_g=False``
     also skips the finite check of ``g`` (the layer checks its ``g`` once, itself);
     ``add_base`` returns ``base + delta``, bitwise torch's add of the two tensors, from the
-    same pass (the layer's output add)."""
+    same pass (the layer's output add).  ``tier``: :func:`_select_tier`'s, if the caller has it.
+    A call that records no gradient runs the forward without the autograd Function (the same
+    operations; its host cost is what a small compose is bound by)."""
     s, _, _ = scale_constants(check_scale(scale))
-    tier = _select_tier(base, lora, g, path, config)
+    if tier is None:
+        tier = _select_tier(base, lora, g, path, config)
     fused = tier != "eager"
     if torch.compiler.is_compiling():  # tier fixed at trace time; counters and logs are eager-only
         res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused, config.key)[0]
@@ -366,4 +375,13 @@ def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g:
                          g_flag=g_flag if fused else None)[0]
     if check_g:
         check_finite("g", g.detach())
+    if not (torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad)):
+        return _fwd_impl(base, lora, g, s, False, fused, config, add_base=add_base, g_flag=g_flag if fused else None)[0]
     return ComposeFunction.apply(base, lora, g, s, fused, add_base, config, g_flag if fused else None)
+
+
+def count_tier(tier: str, base: torch.Tensor) -> None:
+    """Count a call of ``tier`` (:func:`dispatch_counts`) made outside :func:`_compose`
+    (:class:`~dora_num.ops.lora_compose.LoraComposeFunction`)."""
+    _COUNTS[tier] += 1
+    _log.debug("compose: tier=%s shape=%s dtype=%s", tier, tuple(base.shape), base.dtype)

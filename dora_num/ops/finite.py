@@ -65,10 +65,11 @@ class Watched:
     set, before the generic error: it may raise a more precise one, or return True when the
     flag was not an error after all, e.g. a cancellation guard's code that it reports itself)."""
 
-    __slots__ = ("flag", "event", "what", "on_fail", "is_ok")
+    __slots__ = ("flag", "event", "what", "on_fail", "is_ok", "clean")
 
     def __init__(self, flag, event, what, on_fail, is_ok=False):
         self.flag, self.event, self.what, self.on_fail, self.is_ok = flag, event, what, on_fail, is_ok
+        self.clean = False  # read, and nothing was set (a caller that reuses the checked value may skip it)
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -81,6 +82,7 @@ class Watched:
 
     def _read(self) -> None:
         bad = not bool(self.flag.all()) if self.is_ok else bool(self.flag.any())
+        self.clean = not bad
         try:
             if bad and (self.on_fail is None or self.on_fail(self.flag) is not True):
                 raise NotFiniteError(f"{self.what} produced non-finite values")
@@ -99,18 +101,23 @@ def _copy_to_host(bad: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     return host, event
 
 
-def watch(bad: torch.Tensor, what: str, mode: str, on_fail=None, *, is_ok: bool = False) -> Watched | None:
+def watch(bad: torch.Tensor, what: str, mode: str, on_fail=None, *, is_ok: bool = False,
+          handle: bool = False) -> Watched | None:
     """Check the device flag ``bad`` (any shape; set where a value was not finite) by ``mode``
     (module docstring).  Returns a :class:`Watched` for ``"late"`` (the caller calls
     :meth:`Watched.check` at the end of its call), else None (checked already, registered, or
-    not checked).  ``on_fail(host_flag)`` runs before the generic :class:`NotFiniteError` and may
-    raise a more precise error, or return True to mean "handled, no error" (:class:`Watched`).  ``is_ok``: ``bad`` is the opposite flag, set where all is finite
-    (:func:`all_finite`: one launch fewer)."""
+    not checked); with ``handle`` the :class:`Watched` in every mode that made one (its ``clean``
+    turns true once it was read and nothing was set: a caller reusing the checked value may then
+    skip checking it again).  ``on_fail(host_flag)`` runs before the generic
+    :class:`NotFiniteError` and may raise a more precise error, or return True to mean "handled,
+    no error" (:class:`Watched`).  ``is_ok``: ``bad`` is the opposite flag, set where all is
+    finite (:func:`all_finite`: one launch fewer)."""
     if mode == "off":
         return None
     if bad.device.type != "cuda" or mode == "sync":
-        Watched(bad, None, what, on_fail, is_ok)._read()
-        return None
+        w = Watched(bad, None, what, on_fail, is_ok)
+        w._read()
+        return w if handle else None
     if torch.cuda.is_current_stream_capturing():
         return None
     host, event = _copy_to_host(bad.detach())
@@ -118,7 +125,7 @@ def watch(bad: torch.Tensor, what: str, mode: str, on_fail=None, *, is_ok: bool 
     if mode == "late":
         return w
     register(w)
-    return None
+    return w if handle else None
 
 
 def register(w: Watched) -> None:

@@ -96,13 +96,14 @@ from torch import nn
 
 from ..numerics.formulas import scale_constants
 from . import finite as _finite
-from .compose import PATHS, _compose
+from .compose import PATHS, _compose, _tier, count_tier
 from .config import OpConfig, get_config, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
 from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
                    dense_row_norm, initial_magnitude, magnitude_scale)
-from .validation import check_tensor
+from .lora_compose import LoraComposeFunction, lora_dtype
+from .validation import check_scale, check_tensor
 
 NORMS = ("cached", "factored", "dense")
 ADAPTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -342,7 +343,7 @@ class DoRALinear(nn.Module):
         self._unmerged_weight = None
 
     def _g_and_flag(self, cfg: OpConfig):
-        """``(g, bad, aux)`` without the per-input value checks (their syncs).  ``norm="cached"``:
+        """``(g, bad, aux, slot)`` without the per-input value checks (their syncs).  ``norm="cached"``:
         ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (codes
         and counts of :func:`dora_num.ops.guard.decode`; on a hit of the norm cache the flag
         computed with the cached norm, so every call with a non-finite ``g`` is reported) and
@@ -354,7 +355,9 @@ class DoRALinear(nn.Module):
         The norm cache (``OpConfig.norm_cache``): ``den`` (``wnorm``, ``eps`` on a zero row) is kept with the
         storage pointers and version counters of W, A, B and m and the configuration; on a hit
         ``g`` is ``m.float() / den`` again, bitwise what the norm would give (it is a
-        deterministic function of those inputs).  By default (``"recompute"``) a hit counts only
+        deterministic function of those inputs), and ``bad`` None once the flag of that norm was
+        read clean (``slot``: a one-element list where the forward keeps the
+        :class:`~dora_num.ops.finite.Watched` of the flag; None without the cache).  By default (``"recompute"``) a hit counts only
         inside a backward pass, so the recompute of a checkpointed forward skips the norm while
         every ordinary forward computes it: an optimizer that does not bump version counters
         (fused AdamW, the HF Trainer's default) cannot make it stale.  ``"always"`` also reuses
@@ -371,15 +374,20 @@ class DoRALinear(nn.Module):
                 # where no optimizer step can have run since the forward that stored it
                 reuse = cfg.norm_cache == "always" or torch._C._current_graph_task_id() != -1
                 if reuse and hit is not None and hit[0] == key:
-                    return m.float() / hit[1], hit[2], hit[3]  # the flag of the cached norm, read again
+                    # the flag of the cached norm, read again unless it was read clean already (g is
+                    # then bitwise the g that was checked: the same m over the same den)
+                    checked = hit[4][0] is not None and hit[4][0].clean
+                    return m.float() / hit[1], None if checked else hit[2], hit[3], hit[4]
             g, bad, den, aux = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg,
                                                          self.on_cancellation, trusted=True, where=self._where(),
                                                          warn=not self._warned_cancellation)
             if use_cache and den is not None:
-                self.__dict__["_norm_cache"] = (key, den, bad, aux)
-            return g, bad, aux
+                slot = [None]  # the forward's Watched of this flag (forward)
+                self.__dict__["_norm_cache"] = (key, den, bad, aux, slot)
+                return g, bad, aux, slot
+            return g, bad, aux, None
         g = magnitude_scale(m, self._row_norm(cfg, False), check=False)
-        return g, ~torch.isfinite(g.detach()).all(), None
+        return g, ~torch.isfinite(g.detach()).all(), None, None
 
     def clear_norm_cache(self) -> None:
         """Forget the cached denominator of ``g`` (:meth:`_g_and_flag`): needed only after W, A, B
@@ -477,11 +485,13 @@ class DoRALinear(nn.Module):
             bad = ~torch.isfinite(g).all() if not compiling and cfg.finite_check != "off" else None
             aux = None
         else:
-            g, bad, aux = self._g_and_flag(cfg)
+            g, bad, aux, slot = self._g_and_flag(cfg)
         watched = None
         if bad is not None and not compiling and cfg.finite_check != "off":
-            watched = _finite.watch(bad, f"{self._where()}: g", cfg.finite_check,
+            watched = _finite.watch(bad, f"{self._where()}: g", cfg.finite_check, handle=True,
                                     on_fail=lambda host: self._on_flag(host, g_given, aux))
+            if not g_given and slot is not None:
+                slot[0] = watched
         x_lora = self.dropout(x)
         A, B = self.lora_A, self.lora_B
         cast = not torch.is_autocast_enabled(x.device.type)  # under autocast F.linear casts
@@ -491,6 +501,36 @@ class DoRALinear(nn.Module):
             base = base_out if bias is None else base_out - bias.to(base_out.dtype)
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
         separate = x_lora is not x
+        cdt = None
+        if (cfg.one_node and self.compose_fn is None and not separate and not compiling and torch.is_grad_enabled()
+                and (x.requires_grad or A.requires_grad or B.requires_grad or g.requires_grad or base.requires_grad)):
+            cdt = lora_dtype(x, A, B, base)  # the LoRA products and the compose as one autograd node
+        if cdt is not None:
+            out = self._lora_compose(base, x, g, cdt, bias, base_out, cfg)
+        else:
+            out = self._unfused(x, x_lora, W, bias, base, base_out, g, separate, cast, cfg)
+        if watched is not None and cfg.finite_check == "late":  # every kernel of this forward is queued by now
+            watched.check()
+        return out
+
+    def _lora_compose(self, base, x, g, cdt, bias, base_out, cfg: OpConfig) -> torch.Tensor:
+        """The training forward through :class:`~dora_num.ops.lora_compose.LoraComposeFunction`
+        (one autograd node for the LoRA products and the compose; bitwise :meth:`_unfused`)."""
+        fold = cfg.fold_output_add and bias is None
+        tier = _tier(base, self.compose_path, cfg, True)
+        count_tier(tier, base)
+        s = scale_constants(check_scale(self.scale))[0]
+        out = LoraComposeFunction.apply(base, x, self.lora_A, self.lora_B, g, s, cdt, tier != "eager", fold, cfg)
+        if not fold:
+            res = base_out if base_out is not None else (base if bias is None else base + bias.to(base.dtype))
+            out = res + out
+        return out
+
+    def _unfused(self, x, x_lora, W, bias, base, base_out, g, separate: bool, cast: bool,
+                 cfg: OpConfig) -> torch.Tensor:
+        """The forward's LoRA products, compose and output add, one torch operation at a time
+        (inference, dropout, promotion to wider adapters, the ``compose_fn`` seam, ``torch.compile``)."""
+        A, B = self.lora_A, self.lora_B
         base_c = Fn.linear(_as_dtype(x_lora, W.dtype, cast), W) if separate else base
         lora = Fn.linear(_as_dtype(Fn.linear(_as_dtype(x_lora, A.dtype, cast), A), B.dtype, cast), B)
         out_dtype = base_c.dtype
@@ -516,8 +556,6 @@ class DoRALinear(nn.Module):
             out = res + out
         if out.dtype != out_dtype:  # the promoted sum, rounded once to W's dtype
             out = out.to(out_dtype)
-        if watched is not None:  # "late": every kernel of this forward is queued by now
-            watched.check()
         return out
 
     def extra_repr(self) -> str:
