@@ -379,9 +379,3 @@ def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g:
         return _fwd_impl(base, lora, g, s, False, fused, config, add_base=add_base, g_flag=g_flag if fused else None)[0]
     return ComposeFunction.apply(base, lora, g, s, fused, add_base, config, g_flag if fused else None)
 
-
-def count_tier(tier: str, base: torch.Tensor) -> None:
-    """Count a call of ``tier`` (:func:`dispatch_counts`) made outside :func:`_compose`
-    (:class:`~dora_num.ops.lora_compose.LoraComposeFunction`)."""
-    _COUNTS[tier] += 1
-    _log.debug("compose: tier=%s shape=%s dtype=%s", tier, tuple(base.shape), base.dtype)

@@ -164,11 +164,6 @@ class OpConfig:
     safe while training: an optimizer that writes parameters without bumping their version
     counters (``torch.optim.AdamW(fused=True)``, HF Trainer's default ``adamw_torch_fused``;
     writes through ``.data``) leaves the key unchanged, and the cached norm would be stale.
-
-    ``one_node``: a training forward of :class:`~dora_num.ops.layer.DoRALinear` records its LoRA
-    products and compose as one autograd node (:mod:`dora_num.ops.lora_compose`; bitwise the
-    same results, less host time per backward); ``False`` records them one operation at a time
-    (the A/B baseline).
     """
 
     compose_path: str = "auto"  # what compose(path="auto") resolves to: auto / eager / fused
@@ -183,7 +178,6 @@ class OpConfig:
     finite_check: str = "deferred"  # finiteness checks on CUDA: deferred / late / sync / off (class docstring)
     split_pieces: int = 3  # 16-bit pieces of an fp32 A in the factored norm's products (2 or 3)
     norm_cache: str = "recompute"  # DoRALinear reuses its norm: recompute / always / off (class docstring)
-    one_node: bool = True  # DoRALinear training: LoRA products + compose as one autograd node (bitwise the same)
     key: str = field(init=False, repr=False, compare=False)  # canonical text of the fields above
 
     def __post_init__(self):
@@ -197,7 +191,7 @@ class OpConfig:
             raise ValueError(f"split_pieces must be one of {SPLIT_PIECES}, got {self.split_pieces!r}")
         if self.norm_cache not in NORM_CACHE_MODES:
             raise ValueError(f"norm_cache must be one of {NORM_CACHE_MODES}, got {self.norm_cache!r}")
-        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison", "one_node"):
+        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.compose_tiles, ComposeTiles):
@@ -289,6 +283,11 @@ def get_config() -> OpConfig:
     return _default
 
 
+def has_override() -> bool:
+    """Whether this thread is inside an :func:`override` block."""
+    return getattr(_local, "config", None) is not None
+
+
 def reload() -> OpConfig:
     """Build the process default from the environment again (e.g. after changing a
     variable in a running session) and return it.  An :func:`override` in force is a
@@ -306,7 +305,9 @@ def override(**changes) -> Iterator[OpConfig]:
     ``with override(norm_tail="torch", fold_output_add=False): ...``.  Unknown
     names raise ``TypeError``; invalid values raise as :class:`OpConfig` does.
     Nested overrides compose; each is undone on exit, also on an exception.  The
-    change is seen by this thread only.  ``interpret`` cannot be changed (Triton
+    change is seen by this thread only (the backward of a CUDA tensor runs on the autograd
+    engine's thread: a checkpointed :class:`~dora_num.ops.layer.DoRALinear` forward's recompute
+    there takes the configuration of that layer's last forward).  ``interpret`` cannot be changed (Triton
     fixes it when it is imported).
     """
     if "interpret" in changes and changes["interpret"] != get_config().interpret:

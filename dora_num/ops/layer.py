@@ -96,14 +96,13 @@ from torch import nn
 
 from ..numerics.formulas import scale_constants
 from . import finite as _finite
-from .compose import PATHS, _compose, _tier, count_tier
-from .config import OpConfig, get_config, override
+from .compose import PATHS, _compose
+from .config import OpConfig, get_config, has_override, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
 from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
                    dense_row_norm, initial_magnitude, magnitude_scale)
-from .lora_compose import LoraComposeFunction, lora_dtype
-from .validation import check_scale, check_tensor
+from .validation import check_tensor
 
 NORMS = ("cached", "factored", "dense")
 ADAPTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -474,6 +473,13 @@ class DoRALinear(nn.Module):
         compiling = torch.compiler.is_compiling()
         if not compiling:
             _finite.poll()
+            # a checkpointed forward's recompute runs in the backward, on CUDA on the autograd
+            # engine's thread, which does not see an override of the forward's thread: it takes
+            # the configuration of this layer's last forward (else it could save other tensors)
+            if torch._C._current_graph_task_id() == -1:
+                self.__dict__["_forward_cfg"] = cfg
+            elif not has_override():
+                cfg = self.__dict__.get("_forward_cfg", cfg)
         W = self.base.weight
         bias = self.base.bias
         self._check_input(x, W, base_out)
@@ -501,35 +507,14 @@ class DoRALinear(nn.Module):
             base = base_out if bias is None else base_out - bias.to(base_out.dtype)
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
         separate = x_lora is not x
-        cdt = None
-        if (cfg.one_node and self.compose_fn is None and not separate and not compiling and torch.is_grad_enabled()
-                and (x.requires_grad or A.requires_grad or B.requires_grad or g.requires_grad or base.requires_grad)):
-            cdt = lora_dtype(x, A, B, base)  # the LoRA products and the compose as one autograd node
-        if cdt is not None:
-            out = self._lora_compose(base, x, g, cdt, bias, base_out, cfg)
-        else:
-            out = self._unfused(x, x_lora, W, bias, base, base_out, g, separate, cast, cfg)
+        out = self._lora_and_compose(x, x_lora, W, bias, base, base_out, g, separate, cast, cfg)
         if watched is not None and cfg.finite_check == "late":  # every kernel of this forward is queued by now
             watched.check()
         return out
 
-    def _lora_compose(self, base, x, g, cdt, bias, base_out, cfg: OpConfig) -> torch.Tensor:
-        """The training forward through :class:`~dora_num.ops.lora_compose.LoraComposeFunction`
-        (one autograd node for the LoRA products and the compose; bitwise :meth:`_unfused`)."""
-        fold = cfg.fold_output_add and bias is None
-        tier = _tier(base, self.compose_path, cfg, True)
-        count_tier(tier, base)
-        s = scale_constants(check_scale(self.scale))[0]
-        out = LoraComposeFunction.apply(base, x, self.lora_A, self.lora_B, g, s, cdt, tier != "eager", fold, cfg)
-        if not fold:
-            res = base_out if base_out is not None else (base if bias is None else base + bias.to(base.dtype))
-            out = res + out
-        return out
-
-    def _unfused(self, x, x_lora, W, bias, base, base_out, g, separate: bool, cast: bool,
-                 cfg: OpConfig) -> torch.Tensor:
-        """The forward's LoRA products, compose and output add, one torch operation at a time
-        (inference, dropout, promotion to wider adapters, the ``compose_fn`` seam, ``torch.compile``)."""
+    def _lora_and_compose(self, x, x_lora, W, bias, base, base_out, g, separate: bool, cast: bool,
+                          cfg: OpConfig) -> torch.Tensor:
+        """The forward's LoRA products, compose and output add (module docstring for the dtypes)."""
         A, B = self.lora_A, self.lora_B
         base_c = Fn.linear(_as_dtype(x_lora, W.dtype, cast), W) if separate else base
         lora = Fn.linear(_as_dtype(Fn.linear(_as_dtype(x_lora, A.dtype, cast), A), B.dtype, cast), B)
