@@ -91,6 +91,24 @@ class Watched:
                 _FREE.setdefault((self.flag.numel(), self.flag.dtype), []).append(self.flag)
 
 
+class Checked:
+    """Where a caller keeps the :class:`Watched` of a value it may reuse (``watched``; None before
+    it is set): ``clean`` once that flag was read and nothing was set.  A copy or a pickle of it
+    (of the module that holds it) forgets the flag: the copy's first reuse is checked again."""
+
+    __slots__ = ("watched",)
+
+    def __init__(self):
+        self.watched = None
+
+    @property
+    def clean(self) -> bool:
+        return self.watched is not None and self.watched.clean
+
+    def __reduce__(self):
+        return (Checked, ())
+
+
 def _copy_to_host(bad: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     free = _FREE.get((bad.numel(), bad.dtype))
     host = free.pop() if free else torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)

@@ -355,7 +355,7 @@ class DoRALinear(nn.Module):
         storage pointers and version counters of W, A, B and m and the configuration; on a hit
         ``g`` is ``m.float() / den`` again, bitwise what the norm would give (it is a
         deterministic function of those inputs), and ``bad`` None once the flag of that norm was
-        read clean (``slot``: a one-element list where the forward keeps the
+        read clean (``slot``: the :class:`~dora_num.ops.finite.Checked` where the forward keeps the
         :class:`~dora_num.ops.finite.Watched` of the flag; None without the cache).  By default (``"recompute"``) a hit counts only
         inside a backward pass, so the recompute of a checkpointed forward skips the norm while
         every ordinary forward computes it: an optimizer that does not bump version counters
@@ -375,13 +375,13 @@ class DoRALinear(nn.Module):
                 if reuse and hit is not None and hit[0] == key:
                     # the flag of the cached norm, read again unless it was read clean already (g is
                     # then bitwise the g that was checked: the same m over the same den)
-                    checked = hit[4][0] is not None and hit[4][0].clean
+                    checked = hit[4].clean
                     return m.float() / hit[1], None if checked else hit[2], hit[3], hit[4]
             g, bad, den, aux = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg,
                                                          self.on_cancellation, trusted=True, where=self._where(),
                                                          warn=not self._warned_cancellation, graph_owner=self)
             if use_cache and den is not None:
-                slot = [None]  # the forward's Watched of this flag (forward)
+                slot = _finite.Checked()  # the forward's Watched of this flag (forward)
                 self.__dict__["_norm_cache"] = (key, den, bad, aux, slot)
                 return g, bad, aux, slot
             return g, bad, aux, None
@@ -497,7 +497,7 @@ class DoRALinear(nn.Module):
             watched = _finite.watch(bad, f"{self._where()}: g", cfg.finite_check, handle=True,
                                     on_fail=lambda host: self._on_flag(host, g_given, aux))
             if not g_given and slot is not None:
-                slot[0] = watched
+                slot.watched = watched
         x_lora = self.dropout(x)
         A, B = self.lora_A, self.lora_B
         cast = not torch.is_autocast_enabled(x.device.type)  # under autocast F.linear casts

@@ -605,12 +605,11 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
     guard = on_cancellation != "off"
     tail_m = m.detach() if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
     consts = scale_constants(check_scale(scale))
-    Wd, Ad, Bd = W.detach(), A.detach(), B.detach()
     zero_rows = cached_zero_rows(W) if guard else None
 
     def core_of():
         with torch.no_grad(), _autocast_off(W.device.type):
-            return _factored_core(Wd, Ad, Bd, consts, chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
+            return _factored_core(W.detach(), A.detach(), B.detach(), consts, chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
                                   cfg, m=tail_m, eps=eps, guard=guard, zero_rows=zero_rows)
 
     if (graph_owner is not None and cfg.norm_graph and W.device.type == "cuda" and tail_m is not None
@@ -634,7 +633,8 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
         code = int(_guard.status(wnorm, core.rel))
         if _guard.FLAG_CANCELLATION <= code < _guard.FLAG_NONFINITE:
             with torch.no_grad(), _autocast_off(W.device.type):
-                wnorm = _guard.resolve(Wd, Ad, Bd, consts[0], wnorm, core.rel, on_cancellation, where=where, warn=warn)
+                wnorm = _guard.resolve(W.detach(), A.detach(), B.detach(), consts[0], wnorm, core.rel,
+                                       on_cancellation, where=where, warn=warn)
     with torch.no_grad():
         den = formulas.magnitude_denominator(TorchFP32, wnorm.detach(), eps)
     g = m.float() / den  # bitwise magnitude_scale(m, wnorm, eps=eps)

@@ -41,7 +41,7 @@ MAX_CAPTURES = 4
 
 _STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # owner -> _State (not in its __dict__:
 # a CUDA graph cannot be copied or pickled with the module)
-_POOLS: dict = {}  # device index -> the shared graph memory pool
+_POOLS: dict = {}  # device index -> (the shared graph memory pool's handle, the graph that keeps it alive)
 _POOL_BYTES: collections.Counter = collections.Counter()  # device index -> bytes reserved by captures
 
 
@@ -94,16 +94,39 @@ def run(owner, key: tuple, compute):
     return tuple(t.clone() if t is not None else None for t in st.out)
 
 
+def _pool(device: int):
+    """The device's shared pool, kept alive by a one-op graph of its own: a pool whose last graph is
+    freed (a layer's graph replaced after its key changed) is released by the allocator, and a
+    capture into a released pool's id fails an internal assertion of torch's caching allocator."""
+    entry = _POOLS.get(device)
+    if entry is None:
+        handle = torch.cuda.graph_pool_handle()
+        keeper = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            keeper.capture_begin(pool=handle, capture_error_mode="thread_local")
+            torch.zeros(1, device="cuda").add_(1)
+            keeper.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        entry = _POOLS[device] = (handle, keeper)
+    return entry[0]
+
+
 def _capture(st: _State, key: tuple, compute) -> bool:
     device = torch.cuda.current_device()
-    pool = _POOLS.get(device)
-    if pool is None:
-        pool = _POOLS[device] = torch.cuda.graph_pool_handle()
     current = torch.cuda.current_stream()
+    before = torch.cuda.memory_reserved(device)
+    try:
+        pool = _pool(device)
+    except Exception as e:  # noqa: BLE001 - as a failed capture below
+        st.off = True
+        warnings.warn(f"no CUDA graph pool for the factored norm ({type(e).__name__}: {e}); this layer computes "
+                      "it eagerly", RuntimeWarning, stacklevel=4)
+        return False
     side = torch.cuda.Stream()
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
-    before = torch.cuda.memory_reserved(device)
     try:
         with torch.cuda.stream(side):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")

@@ -70,3 +70,18 @@ def test_cached_norm_flag_read_once_cuda():
         with pytest.raises(ValueError):
             finite.check_pending()
     assert torch.equal(y0, y1)
+
+
+def test_layer_with_a_reused_norm_copies_and_pickles():
+    """The norm cache keeps where its flag's check is (a CUDA event on CUDA): a copy or a pickle of
+    the layer forgets it and checks its first reuse again."""
+    import copy
+    import pickle
+
+    layer = _layer()
+    x = torch.randn(3, D_IN, dtype=torch.bfloat16)
+    with override(norm_cache="always"), torch.no_grad():
+        y = layer(x)
+        layer(x)
+        for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            assert torch.equal(other(x), y)
