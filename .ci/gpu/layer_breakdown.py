@@ -117,10 +117,6 @@ for (d_in, d_out) in shapes:
                     y = lin(x)
                 y.backward(D)
 
-            def fwd_bwd_unfused():
-                with override(one_node=False):
-                    fwd_bwd()
-
             def fwd_cached():
                 with override(norm_cache="always"):
                     fwd()
@@ -128,7 +124,7 @@ for (d_in, d_out) in shapes:
             if QUICK:
                 pieces = {k: pieces[k] for k in ("g_and_flag", "compose_fused_fwd", "calib_torch_add")}
             pieces.update({"layer_fwd": fwd, "layer_fwd_norm_cached": fwd_cached, "layer_fwd_bwd": fwd_bwd,
-                           "layer_fwd_bwd_unfused": fwd_bwd_unfused, "lora_fwd_bwd": lora_fwd_bwd,
+                           "lora_fwd_bwd": lora_fwd_bwd,
                            "linear_fwd_bwd": linear_fwd_bwd})
             for name, fn in pieces.items():
                 try:

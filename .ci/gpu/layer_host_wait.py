@@ -3,7 +3,7 @@
 ``PYTHONPATH=. python3 .ci/gpu/layer_host_wait.py``: 4096->4096, r=64, 4096 tokens, bf16 W, fp32
 adapters, bf16 autocast: wall time against process CPU time (all threads) per step, for queues of
 5 and 20 steps, under configurations that remove one piece at a time (the finiteness check, the
-norm's CUDA graph, the norm's recompute), and nn.Linear + LoRA, interleaved rounds.
+norm's recompute), and nn.Linear + LoRA, interleaved rounds.
 """
 import statistics
 import time
@@ -58,7 +58,6 @@ def in_config(fn, kw):
 
 variants = {
     "dora": in_config(dora, {}),
-    "dora, norm eager": in_config(dora, dict(norm_graph=False)),
     "dora, norm reused": in_config(dora, dict(norm_cache="always")),
     "dora, no finite check": in_config(dora, dict(finite_check="off")),
     "lora": lora,

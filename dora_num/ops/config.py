@@ -164,11 +164,6 @@ class OpConfig:
     safe while training: an optimizer that writes parameters without bumping their version
     counters (``torch.optim.AdamW(fused=True)``, HF Trainer's default ``adamw_torch_fused``;
     writes through ``.data``) leaves the key unchanged, and the cached norm would be stale.
-
-    ``norm_graph``: on CUDA, :class:`~dora_num.ops.layer.DoRALinear` replays its factored norm as a
-    CUDA graph (:mod:`dora_num.ops.norm_graph`: one launch instead of about twenty host calls; the
-    same kernels, bitwise the same values; a shared memory pool per device, reported by
-    :func:`~dora_num.ops.norm_graph.pool_bytes`); ``False``: eager (the A/B baseline).
     """
 
     compose_path: str = "auto"  # what compose(path="auto") resolves to: auto / eager / fused
@@ -183,7 +178,6 @@ class OpConfig:
     finite_check: str = "deferred"  # finiteness checks on CUDA: deferred / late / sync / off (class docstring)
     split_pieces: int = 3  # 16-bit pieces of an fp32 A in the factored norm's products (2 or 3)
     norm_cache: str = "recompute"  # DoRALinear reuses its norm: recompute / always / off (class docstring)
-    norm_graph: bool = True  # DoRALinear on CUDA: the factored norm replayed as a CUDA graph (bitwise the same)
     key: str = field(init=False, repr=False, compare=False)  # canonical text of the fields above
 
     def __post_init__(self):
@@ -197,7 +191,7 @@ class OpConfig:
             raise ValueError(f"split_pieces must be one of {SPLIT_PIECES}, got {self.split_pieces!r}")
         if self.norm_cache not in NORM_CACHE_MODES:
             raise ValueError(f"norm_cache must be one of {NORM_CACHE_MODES}, got {self.norm_cache!r}")
-        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison", "norm_graph"):
+        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.compose_tiles, ComposeTiles):

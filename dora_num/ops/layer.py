@@ -379,7 +379,7 @@ class DoRALinear(nn.Module):
                     return m.float() / hit[1], None if checked else hit[2], hit[3], hit[4]
             g, bad, den, aux = _magnitude_scale_and_flag(W, A, B, self.scale, m, self.chunk_bytes, cfg,
                                                          self.on_cancellation, trusted=True, where=self._where(),
-                                                         warn=not self._warned_cancellation, graph_owner=self)
+                                                         warn=not self._warned_cancellation)
             if use_cache and den is not None:
                 slot = _finite.Checked()  # the forward's Watched of this flag (forward)
                 self.__dict__["_norm_cache"] = (key, den, bad, aux, slot)

@@ -579,17 +579,14 @@ def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
 
 
 def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_cancellation: str = "recompute",
-                              trusted: bool = False, where: str = "factored row norm", warn: bool = True,
-                              graph_owner=None):
+                              trusted: bool = False, where: str = "factored row norm", warn: bool = True):
     """``(g, bad, den, aux)``: :func:`magnitude_scale_and_flag`, the fp32 ``[d_out]`` ``den`` that
     ``g = m.float() / den`` divides by (``wnorm``, ``eps`` at zero rows; the norm cache keeps it) and
     the tail kernel's ``[3, d_out]`` guard rows (:func:`dora_num.ops.guard.report_kernel`; None on
     the torch tail, where the guard acted already).  ``den``, ``bad`` and ``aux`` are None under
     ``torch.compile``.  ``trusted``: the caller (:class:`~dora_num.ops.layer.DoRALinear`, which
     built W, A, B and m and validated them) skips the argument checks but the shapes' consistency.
-    ``where``, ``warn``: the torch tail's guard messages (:func:`dora_num.ops.guard.resolve`).
-    ``graph_owner`` (the layer): the tail kernel's route is replayed as that owner's CUDA graph
-    where :mod:`dora_num.ops.norm_graph` allows (``OpConfig.norm_graph``; bitwise the same)."""
+    ``where``, ``warn``: the torch tail's guard messages (:func:`dora_num.ops.guard.resolve`)."""
     if torch.compiler.is_compiling():  # the op checks and guards wnorm at run time (as the flag does in eager)
         wnorm = _weight_norm_cached(W, A, B, scale, chunk_bytes, True, cfg, on_cancellation)
         return magnitude_scale(m, wnorm, check=False), None, None, None
@@ -605,25 +602,10 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
     guard = on_cancellation != "off"
     tail_m = m.detach() if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
     consts = scale_constants(check_scale(scale))
-    zero_rows = cached_zero_rows(W) if guard else None
-
-    def core_of():
-        with torch.no_grad(), _autocast_off(W.device.type):
-            return _factored_core(W.detach(), A.detach(), B.detach(), consts, chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq,
-                                  cfg, m=tail_m, eps=eps, guard=guard, zero_rows=zero_rows)
-
-    if (graph_owner is not None and cfg.norm_graph and W.device.type == "cuda" and tail_m is not None
-            and consts[0] != 0.0 and uses_tail_kernel(W.device, cfg) and not torch.cuda.is_current_stream_capturing()):
-        from . import norm_graph
-
-        key = (norm_graph.tensor_key(W), norm_graph.tensor_key(A), norm_graph.tensor_key(B),
-               norm_graph.tensor_key(m), base_sq.data_ptr(), zero_rows.data_ptr() if guard else None,
-               consts, chunk_bytes, on_cancellation, cfg.key)
-        out = norm_graph.run(graph_owner, key, lambda: (lambda c: (c.den, c.flag, c.aux))(core_of()))
-        if out is not None:
-            den, flag, aux = out
-            return m.float() / den, flag, den, aux
-    core = core_of()
+    with torch.no_grad(), _autocast_off(W.device.type):
+        core = _factored_core(W.detach(), A.detach(), B.detach(), consts, chunk_columns(d_out, d_in, chunk_bytes),
+                              chunk_bytes, base_sq, cfg, m=tail_m, eps=eps, guard=guard,
+                              zero_rows=cached_zero_rows(W) if guard else None)
     if core.den is not None:
         # den = magnitude_denominator(wnorm, eps) of formulas.magnitude_scale, selected (exactly) in the
         # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).

@@ -62,7 +62,6 @@ from pathlib import Path
 
 import torch
 
-from ...ops import norm_graph
 from ...ops.config import override
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -320,17 +319,13 @@ def bench_rank(shape: Shape, r: int, device: str, *, rounds: int, reps: int, var
             set_checkpointing(run.model, ckpt)
         modes = MODES if not ckpt else ("train", "train_opt")  # inference does not checkpoint
         peaks = {}
-        for v, run in runners.items():  # warm-up (Triton compiles, caches, the norm's CUDA graphs) and peaks
+        for v, run in runners.items():  # warm-up (Triton compiles, caches) and peaks
             for mode in modes:
-                for _ in range(2):  # DoRALinear captures its norm's graph at the second call
-                    getattr(run, mode)()
+                getattr(run, mode)()
                 _sync(device)
                 for p in run.params:  # the peak then counts this step's gradients in full
                     p.grad = None
-                # + the memory the norm's CUDA graphs hold (their shared pool: reserved, not counted
-                # by the allocator's peak once captured); counted in full for every dora_num row
-                pool = norm_graph.pool_bytes() if device == "cuda" and v.startswith("dora_num") else 0
-                peaks[v, mode] = (peak_extra(getattr(run, mode), device) + pool, pool)
+                peaks[v, mode] = peak_extra(getattr(run, mode), device)
         times = {(v, m): [] for v in runners for m in modes}
         for _ in range(rounds):
             for v, run in runners.items():
@@ -340,8 +335,7 @@ def bench_rank(shape: Shape, r: int, device: str, *, rounds: int, reps: int, var
             rows.append({"variant": v, "rank": r, "checkpointing": ckpt, "mode": mode,
                          "ms": statistics.median(per_round), "ms_min_round": min(per_round),
                          "ms_max_round": max(per_round), "rounds_ms": ";".join(f"{t:.4f}" for t in per_round),
-                         "reps_per_round": reps, "peak_extra_bytes": peaks[v, mode][0],
-                         "graph_pool_bytes": peaks[v, mode][1], "tokens": shape.tokens,
+                         "reps_per_round": reps, "peak_extra_bytes": peaks[v, mode], "tokens": shape.tokens,
                          "layers": shape.layers, "hidden": shape.hidden, "intermediate": shape.intermediate,
                          "device": device})
         _log(f"r={r} checkpointing={ckpt}: " + ", ".join(
