@@ -140,7 +140,10 @@ def build_parser(prog: str, name: str = "suite") -> argparse.ArgumentParser:
 
 def record(args) -> int:
     if args.ingest:
-        for p in ingest(Path(args.ingest), Path(args.out) if args.out else None, git_sha=args.git_sha):
+        only = None
+        if tuple(args.sections) == ("model",):  # a model-only run: its files, not the suite's device.json
+            from .speed.model_bench import MODEL_FILES as only
+        for p in ingest(Path(args.ingest), Path(args.out) if args.out else None, only=only, git_sha=args.git_sha):
             print(p)
         return 0
     if not args.out:

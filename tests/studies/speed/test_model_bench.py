@@ -170,3 +170,15 @@ def test_ingest_copies_the_model_files_with_provenance(smoke_run, tmp_path):
     side = json.loads((tmp_path / "model_bench.csv.provenance.json").read_text())
     assert side["producer"] and side["sha256"]
     assert not (tmp_path / "device.json").exists()
+
+
+def test_record_model_ingest_leaves_the_suites_device_json(smoke_run, tmp_path):
+    """``dora-num record model --ingest DIR`` writes the model files only: ``data/gpu/device.json``
+    is the suite's, whose copy bandwidth the other sections' percentages are taken against."""
+    from dora_num.studies.cli import run
+
+    out, _ = smoke_run
+    (tmp_path / "device.json").write_text('{"suite": true}\n')
+    assert run("model", ["--ingest", str(out), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "device.json").read_text() == '{"suite": true}\n'
+    assert all((tmp_path / f).exists() for f in mb.MODEL_FILES)
