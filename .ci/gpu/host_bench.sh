@@ -3,8 +3,9 @@
 # (run in the repo root, $OUT given, DORA_NUM_GIT_SHA the commit measured).
 #   1. .ci/gpu/layer_host_wait.py          -> $OUT/layer_host.log   (interleaved A/B of the host cost per step)
 #   2. the model-level suite, MODEL_ROUNDS -> $OUT/model/model_*.csv, device.json
-# Here: python -m dora_num.studies.speed.model_bench --ingest <OUT>/model, and
-#       dora-num record diagnostic <OUT>/layer_host.log (README "Recording GPU data").
+# Here: dora-num record model --ingest <OUT>/model --git-sha <sha> (-> data/gpu/model_*.csv), and the log
+#       through dora_num.studies.recorded.ingest({"layer_host.log": <OUT>/layer_host.log}, data/gpu, machine=
+#       recorded.read_machine(<OUT>/model), producer=..., git_sha=<sha>) (a sidecar beside it).
 set -u
 : "${OUT:?set OUT}"
 SHA=${DORA_NUM_GIT_SHA:?set DORA_NUM_GIT_SHA to the commit being measured}
