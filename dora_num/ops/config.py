@@ -307,8 +307,8 @@ def override(**changes) -> Iterator[OpConfig]:
     Nested overrides compose; each is undone on exit, also on an exception.  The
     change is seen by this thread only (the backward of a CUDA tensor runs on the autograd
     engine's thread: a checkpointed :class:`~dora_num.ops.layer.DoRALinear` forward's recompute
-    there takes the configuration of that layer's last forward).  ``interpret`` cannot be changed (Triton
-    fixes it when it is imported).
+    there takes the configuration of that layer's last forward).  ``interpret`` cannot be
+    changed (Triton fixes it when it is imported).
     """
     if "interpret" in changes and changes["interpret"] != get_config().interpret:
         raise ValueError("interpret follows TRITON_INTERPRET, which Triton reads once at import; "

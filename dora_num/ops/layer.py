@@ -356,9 +356,9 @@ class DoRALinear(nn.Module):
         ``g`` is ``m.float() / den`` again, bitwise what the norm would give (it is a
         deterministic function of those inputs), and ``bad`` None once the flag of that norm was
         read clean (``slot``: the :class:`~dora_num.ops.finite.Checked` where the forward keeps the
-        :class:`~dora_num.ops.finite.Watched` of the flag; None without the cache).  By default (``"recompute"``) a hit counts only
-        inside a backward pass, so the recompute of a checkpointed forward skips the norm while
-        every ordinary forward computes it: an optimizer that does not bump version counters
+        :class:`~dora_num.ops.finite.Watched` of the flag; None without the cache).  By default
+        (``"recompute"``) a hit counts only inside a backward pass, so the recompute of a
+        checkpointed forward skips the norm while every ordinary forward computes it: an optimizer that does not bump version counters
         (fused AdamW, the HF Trainer's default) cannot make it stale.  ``"always"`` also reuses
         it across forwards (repeated inference with a frozen adapter); after an update that
         bypasses the version counter there, call :meth:`clear_norm_cache`."""
@@ -381,7 +381,7 @@ class DoRALinear(nn.Module):
                                                          self.on_cancellation, trusted=True, where=self._where(),
                                                          warn=not self._warned_cancellation)
             if use_cache and den is not None:
-                slot = _finite.Checked()  # the forward's Watched of this flag (forward)
+                slot = _finite.Checked()  # where the forward keeps the Watched of this flag
                 self.__dict__["_norm_cache"] = (key, den, bad, aux, slot)
                 return g, bad, aux, slot
             return g, bad, aux, None
@@ -499,7 +499,6 @@ class DoRALinear(nn.Module):
             if not g_given and slot is not None:
                 slot.watched = watched
         x_lora = self.dropout(x)
-        A, B = self.lora_A, self.lora_B
         cast = not torch.is_autocast_enabled(x.device.type)  # under autocast F.linear casts
         if base_out is None:
             base = Fn.linear(x, W)
