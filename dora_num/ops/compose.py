@@ -375,7 +375,10 @@ def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g:
                          g_flag=g_flag if fused else None)[0]
     if check_g:
         check_finite("g", g.detach())
-    if not (torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad)):
+    # nothing records a gradient (and no forward-mode AD level is open, where the Function's
+    # missing jvp is an error to raise, not a tangent to drop): the forward without the Function
+    if (not (torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad))
+            and torch.autograd.forward_ad._current_level < 0):
         return _fwd_impl(base, lora, g, s, False, fused, config, add_base=add_base,
                          g_flag=g_flag if fused else None)[0]
     return ComposeFunction.apply(base, lora, g, s, fused, add_base, config, g_flag if fused else None)

@@ -283,11 +283,6 @@ def get_config() -> OpConfig:
     return _default
 
 
-def has_override() -> bool:
-    """Whether this thread is inside an :func:`override` block."""
-    return getattr(_local, "config", None) is not None
-
-
 def reload() -> OpConfig:
     """Build the process default from the environment again (e.g. after changing a
     variable in a running session) and return it.  An :func:`override` in force is a
@@ -305,10 +300,15 @@ def override(**changes) -> Iterator[OpConfig]:
     ``with override(norm_tail="torch", fold_output_add=False): ...``.  Unknown
     names raise ``TypeError``; invalid values raise as :class:`OpConfig` does.
     Nested overrides compose; each is undone on exit, also on an exception.  The
-    change is seen by this thread only (the backward of a CUDA tensor runs on the autograd
-    engine's thread: a checkpointed :class:`~dora_num.ops.layer.DoRALinear` forward's recompute
-    there takes the configuration of that layer's last forward).  ``interpret`` cannot be
-    changed (Triton fixes it when it is imported).
+    change is seen by this thread only.  The backward of CUDA tensors runs on the autograd
+    engine's thread; the operators' backward keeps its forward's configuration, and an eager
+    :class:`~dora_num.ops.layer.DoRALinear` forward run inside a backward (the recompute of an
+    activation-checkpointed forward) takes the configuration of that layer's last forward outside
+    a backward: a forward of the same layer in between under another configuration, or a compiled
+    layer's recompute (traced again under the configuration of the backward's thread), can still
+    record other operations than the forward it replays (``torch.utils.checkpoint`` then raises
+    ``CheckpointError``; its ``context_fn`` can enter the same override for the recompute).
+    ``interpret`` cannot be changed (Triton fixes it when it is imported).
     """
     if "interpret" in changes and changes["interpret"] != get_config().interpret:
         raise ValueError("interpret follows TRITON_INTERPRET, which Triton reads once at import; "

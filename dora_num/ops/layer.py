@@ -97,7 +97,7 @@ from torch import nn
 from ..numerics.formulas import scale_constants
 from . import finite as _finite
 from .compose import PATHS, _compose
-from .config import OpConfig, get_config, has_override, override
+from .config import OpConfig, get_config, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
 from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
@@ -473,12 +473,13 @@ class DoRALinear(nn.Module):
         compiling = torch.compiler.is_compiling()
         if not compiling:
             _finite.poll()
-            # a checkpointed forward's recompute runs in the backward, on CUDA on the autograd
-            # engine's thread, which does not see an override of the forward's thread: it takes
-            # the configuration of this layer's last forward (else it could save other tensors)
+            # a checkpointed forward's recompute runs in the backward (on CUDA on the autograd
+            # engine's thread, which does not see an override of the forward's thread): it takes
+            # the configuration of this layer's last forward outside a backward, else it could
+            # record other operations and save other tensors than the forward it replays
             if torch._C._current_graph_task_id() == -1:
                 self.__dict__["_forward_cfg"] = cfg
-            elif not has_override():
+            else:
                 cfg = self.__dict__.get("_forward_cfg", cfg)
         W = self.base.weight
         bias = self.base.bias
@@ -507,8 +508,8 @@ class DoRALinear(nn.Module):
         # PEFT semantics with active dropout: the compose sees x_lora in both terms.
         separate = x_lora is not x
         out = self._lora_and_compose(x, x_lora, W, bias, base, base_out, g, separate, cast, cfg)
-        if watched is not None and cfg.finite_check == "late":  # every kernel of this forward is queued by now
-            watched.check()
+        if watched is not None and watched.event is not None and cfg.finite_check == "late":
+            watched.check()  # every kernel of this forward is queued by now (on the CPU it was read already)
         return out
 
     def _lora_and_compose(self, x, x_lora, W, bias, base, base_out, g, separate: bool, cast: bool,

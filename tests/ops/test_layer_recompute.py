@@ -51,6 +51,34 @@ def test_checkpoint_recompute_on_another_thread_keeps_the_forward_config(changes
         assert torch.equal(u, v)
 
 
+def test_checkpoint_recompute_under_another_override_keeps_the_forward_config():
+    """A backward run under another override than its forward's (here on the forward's own thread):
+    the recompute still replays the forward's configuration."""
+    layer = _layer()
+    x = torch.randn(2, 5, D_IN, dtype=torch.bfloat16, requires_grad=True)
+    with override(compose_path="fused"), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = checkpoint(layer, x, use_reentrant=False)
+        y_ref = layer(x)
+    ref = torch.autograd.grad(y_ref.float().sum(), [layer.lora_A, layer.lora_B, x])
+    with override(finite_check="sync"):
+        y.float().sum().backward()
+    for u, v in zip([layer.lora_A.grad, layer.lora_B.grad, x.grad], ref):
+        assert torch.equal(u, v)
+
+
+def test_compose_under_forward_mode_ad_is_not_silent():
+    """Under forward-mode AD with nothing recording a gradient, compose does not drop the tangent:
+    the eager tier's reference gives it, the fused tier (no jvp) raises."""
+    import torch.autograd.forward_ad as fwAD
+
+    base, lora, t = (torch.randn(4, 8) for _ in range(3))
+    g = 1 + 0.01 * torch.randn(8)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(base, t)
+        with pytest.raises(RuntimeError, match="jvp"):
+            dn.compose(dual, lora, g, 0.5, path="fused")
+
+
 @pytest.mark.gpu
 def test_cached_norm_flag_read_once_cuda():
     """A reused norm (norm_cache="always") whose flag was read clean is not watched again: no new
@@ -85,3 +113,20 @@ def test_layer_with_a_reused_norm_copies_and_pickles():
         layer(x)
         for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
             assert torch.equal(other(x), y)
+
+
+def test_reused_norm_is_not_watched_again_once_clean():
+    """CPU: the flag of a reused norm read clean is not watched again (the cache entry keeps the
+    first Watched); a new version of m misses the cache and is checked, and raises."""
+    layer = _layer()
+    x = torch.randn(3, D_IN, dtype=torch.bfloat16)
+    with override(norm_cache="always"), torch.no_grad():
+        y0 = layer(x)
+        first = layer.__dict__["_norm_cache"][4].watched
+        assert first is not None and first.clean
+        y1 = layer(x)
+        assert layer.__dict__["_norm_cache"][4].watched is first
+        assert torch.equal(y0, y1)
+        layer.magnitude[0] = float("nan")
+        with pytest.raises(ValueError, match="non-finite"):
+            layer(x)
