@@ -2,7 +2,10 @@
 
 Without a GPU, Triton kernels run under the interpreter: TRITON_INTERPRET must
 be set before any module holding ``@triton.jit`` is imported (docs/platform.md), so
-it is set here, at collection start.  ``gpu``-marked tests skip visibly.
+it is set here, at collection start.  ``gpu``-marked tests skip visibly without CUDA;
+``interpreter``-marked cases (Triton kernels on CPU tensors) skip visibly where the
+interpreter is off, i.e. on a CUDA machine, whose gpu-marked cases test the same kernels
+on CUDA.
 """
 
 import os
@@ -13,17 +16,20 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200: pytest -m gpu)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200: pytest -m gpu)")
+    skip_cpu_triton = pytest.mark.skip(reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1 (set here "
+                                              "only without CUDA; the gpu-marked cases test these kernels on CUDA)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and not INTERPRETED:
+            item.add_marker(skip_cpu_triton)
 
 
 @pytest.fixture(autouse=True)

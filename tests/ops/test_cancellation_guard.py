@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from fractions import Fraction as Fr
 
@@ -28,7 +27,7 @@ from dora_num.numerics.bounds import dense_norm_bound
 from dora_num.numerics.formulas import scale_constants
 from dora_num.numerics.ground_truth import mp_dense_row_norm
 from dora_num.numerics.norm_bounds import lora_row_magnitudes, posterior_constants, posterior_from_terms
-from dora_num.ops.config import get_config, override
+from dora_num.ops.config import override
 from dora_num.ops.guard import (CANCELLATION_REL, FLAG_CANCELLATION, CancellationError, CancellationWarning, decode,
                                 dense_rows_fp64)
 from dora_num.ops.norm import factored_terms, magnitude_scale_and_flag
@@ -37,9 +36,7 @@ from dora_num.studies.inputs import conditioning_rows as conditioning_inputs
 
 S_RSLORA = 2 / math.sqrt(7)  # notebook 03's COND_SCALE: s^2 inexact in fp32
 TAILS = [pytest.param("torch", id="torch-tail"),
-         pytest.param("triton", id="triton-tail",
-                      marks=pytest.mark.skipif(not get_config().interpret,
-                                               reason="the Triton tail on the CPU needs TRITON_INTERPRET=1"))]
+         pytest.param("triton", id="triton-tail", marks=pytest.mark.interpreter)]
 LAYER_DEVICES = [pytest.param("cpu", t, id=f"cpu-{t}-tail", marks=p.marks) for t, p in (("torch", TAILS[0]),
                                                                                        ("triton", TAILS[1]))]
 LAYER_DEVICES.append(pytest.param("cuda", "auto", id="cuda-kernel-tail", marks=pytest.mark.gpu))
@@ -335,8 +332,7 @@ def test_recompute_memory_is_o_of_the_flagged_rows(record):
            extra_bytes_2048=extra[2048], dense_bytes_2048=2048 * 1024 * 4)
 
 
-@pytest.mark.parametrize("tail", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"), reason="Triton tail"))])
+@pytest.mark.parametrize("tail", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_underflowing_rows_are_recomputed_not_blamed_on_the_adapter(tail):
     """A row of W whose fp32 squares underflow (norm 4e-25, a normal number; B = 0) is flagged by the guard
     (its terms cannot certify it) and recomputed, but it does not cancel: "raise" does not raise for it,

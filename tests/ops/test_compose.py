@@ -98,10 +98,8 @@ def test_compose_out_is_inference_only():
         dn.compose(base, lora, g.requires_grad_(True), 0.37, out=torch.empty_like(base))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.interpreter)], ids=["eager", "fused"])
 def test_custom_op_opcheck(fused):
-    if fused and not INTERPRETED:
-        pytest.skip("the fused tier on the CPU needs TRITON_INTERPRET=1")
     base, lora, g, grad = compose_inputs((3, 20), torch.float32)
     g.requires_grad_(True)
     key = get_config().key

@@ -22,7 +22,7 @@ import torch
 
 import dora_num as dn
 from dora_num.numerics.ground_truth import mp_magnitude_scale
-from dora_num.ops.config import get_config, override
+from dora_num.ops.config import override
 
 from .kernels.helpers import DTYPES, bits
 
@@ -56,8 +56,8 @@ def _tail_cases():
     for dev in ("cpu", "cuda"):
         for tail in ("torch", "triton"):
             marks = [pytest.mark.gpu] if dev == "cuda" else []
-            if dev == "cpu" and tail == "triton" and not get_config().interpret:
-                marks.append(pytest.mark.skip(reason="the Triton tail on the CPU needs TRITON_INTERPRET=1"))
+            if dev == "cpu" and tail == "triton":
+                marks.append(pytest.mark.interpreter)
             out.append(pytest.param(dev, tail, id=f"{dev}-{tail}-tail", marks=marks))
     return out
 

@@ -17,9 +17,8 @@ from dora_num.ops.config import get_config
 INTERPRETED = get_config().interpret
 BF16_ON_INTERPRETER = ("TRITON_INTERPRET truncates .to(tl.bfloat16) (GPU rounds to nearest): bf16 "
                        "bit-exactness is tested on the H200 (the cuda cases of this test)")
-_NO_INTERPRETER = "the CPU cases run the kernels under TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)"
 
-CPU = pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not INTERPRETED, reason=_NO_INTERPRETER))
+CPU = pytest.param("cpu", id="cpu", marks=pytest.mark.interpreter)
 CUDA = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
 DEVICES = [CPU, CUDA]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,8 +30,7 @@ def device_dtype_cases(dtypes=("fp32", "fp16", "bf16")) -> list:
     cases = []
     for dev in ("cpu", "cuda"):
         for name in dtypes:
-            marks = [pytest.mark.gpu] if dev == "cuda" else [
-                pytest.mark.skipif(not INTERPRETED, reason=_NO_INTERPRETER)]
+            marks = [pytest.mark.gpu] if dev == "cuda" else [pytest.mark.interpreter]
             if dev == "cpu" and name == "bf16":
                 marks.append(pytest.mark.skipif(INTERPRETED, reason=BF16_ON_INTERPRETER))
             cases.append(pytest.param(dev, DTYPES[name], id=f"{dev}-{name}", marks=marks))

@@ -109,14 +109,10 @@ def test_cpu_dynamic_peak_within_tolerance(norm):
     assert abs(row["rel_err"]) <= mm.TOLERANCE, (row["predicted"], row["measured"])
 
 
-@pytest.mark.parametrize("compose", ["eager", "fused"])
+@pytest.mark.parametrize("compose", ["eager", pytest.param("fused", marks=pytest.mark.interpreter)])
 def test_cpu_dynamic_peak_bf16_stack_eager_and_fused(compose):
     # CPU reproduction of the H200 finding at small sizes (fused: Triton interpreter): the
     # two-phase model (no loss-head phase) predicted the fused dynamic peak 33% low here.
-    import os
-
-    if compose == "fused" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("fused compose on CPU needs TRITON_INTERPRET=1")
     cfg = mm.MemoryConfig(arch="stack", hidden=512, n_layers=2, rank=16, dtype="bf16", batch=1, seq=1024,
                           compose=compose)
     row = mx.compare([cfg]).iloc[0]

@@ -6,12 +6,12 @@ import json
 import pandas as pd
 import pytest
 
-from dora_num.ops.config import get_config, override
+from dora_num.ops.config import override
 from dora_num.repro.provenance import read_provenance
 from dora_num.studies.speed import guard_cost as gc
 
 
-@pytest.mark.skipif(not get_config().interpret, reason="the Triton tail on the CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("ab_dtype", ["bfloat16", "float32"])
 def test_prepare_checks_pass_on_the_benchmarked_adapter(ab_dtype):
     with override(norm_tail="triton"):
