@@ -1,13 +1,15 @@
 """cProfile of the host path of ``DoRALinear`` pieces on the H200 (a device script).
 
-``PYTHONPATH=. python3 .ci/gpu/layer_host_cprofile.py``: 512->512, r=16, 64 tokens, bf16,
-the layer on the fused compose tier; 500 calls of each piece, functions by own time.
+``PYTHONPATH=. python3 .ci/gpu/layer_host_cprofile.py [SORT]``: 512->512, r=16, 64 tokens, bf16,
+the layer on the fused compose tier; 500 calls of each piece, functions by SORT (default: own time).
 Recorded: ``data/gpu/diagnostics/layer_host_cprofile_c658e09.log`` (at git c658e09, by
 this script as it was then: its ``compose()`` piece took ``path="auto"``, i.e. the eager
 tier at this size, and skipped the argument checks through a private keyword; the piece
 now asks for the fused tier, through the public ``compose`` with its checks, and the
 norm piece is named after the public ``magnitude_scale_and_flag``).
 """
+import sys
+
 import torch
 import torch.nn.functional as Fn
 
@@ -21,8 +23,7 @@ torch.manual_seed(0)
 d, r, T = 512, 16, 64
 dt = torch.bfloat16
 layer = L.DoRALinear(torch.nn.Linear(d, d, bias=False, device="cuda", dtype=dt), r, 32.0, compose_path="fused")
-import sys
-SORT = sys.argv[1] if len(sys.argv) > 1 else "tottime"
+SORT = sys.argv[1] if len(sys.argv) > 1 else "tottime"  # pstats sort key: tottime (default), cumulative, ...
 with torch.no_grad():
     layer.lora_B.normal_(0, 1e-2)
 x = torch.randn(T, d, device="cuda", dtype=dt, requires_grad=True)

@@ -271,13 +271,8 @@ def _resolve_path(path: str, cfg: OpConfig) -> str:
 
 
 def _select_tier(base, lora, g, path: str, cfg: OpConfig) -> str:
-    training = torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad)
-    return _tier(base, path, cfg, training)
-
-
-def _tier(base, path: str, cfg: OpConfig, training: bool) -> str:
-    """The tier for ``base``'s shape and device, for a call that records a gradient or not."""
     path = _resolve_path(path, cfg)
+    training = torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad)
     if path == "eager":
         return "eager"
     if path == "fused":
