@@ -17,7 +17,7 @@ from dora_num.ops import layer as L
 from dora_num.ops.compose import compose
 from dora_num.ops.kernels import compose as _kc
 from dora_num.ops.norm import magnitude_scale_and_flag
-from dora_num.studies.speed.overhead import cprofile_top
+from dora_num.studies.speed.record_overhead import cprofile_top
 
 torch.manual_seed(0)
 d, r, T = 512, 16, 64

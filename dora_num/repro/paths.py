@@ -65,7 +65,7 @@ def missing(files) -> list[Path]:
 def require(files, how_to_record: str) -> list[Path]:
     """The resolved paths of ``files``, or :class:`RecordedDataMissing` naming each missing
     file and ``how_to_record`` (the one way the package says "recorded data missing";
-    :mod:`dora_num.studies.recorded` re-exports it for the studies)."""
+    :mod:`dora_num.repro.recording` re-exports it for the studies)."""
     files = list(files)
     if not files:
         raise ValueError("require() needs at least one file")

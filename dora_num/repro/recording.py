@@ -38,8 +38,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..repro.paths import RecordedDataMissing, committed_data, missing, require
-from ..repro.provenance import device_info, read_provenance, save_dataframe, save_json, versions, write_artifact
+from .paths import RecordedDataMissing, committed_data, missing, require
+from .provenance import device_info, read_provenance, save_dataframe, save_json, versions, write_artifact
 
 __all__ = ["RecordedData", "RecordedDataMissing", "checkout_git_sha", "describe_machine", "ingest", "measured_git_sha",
            "missing", "read_machine", "record_command", "require"]

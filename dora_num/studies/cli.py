@@ -2,7 +2,7 @@
 
 A recorder measures what ``make reproduce`` cannot (GPU runs, long CPU training)
 into an output folder, and ingests such a folder into ``data/`` with provenance
-(:mod:`dora_num.studies.recorded`)::
+(:mod:`dora_num.repro.recording`)::
 
     dora-num record NAME --out DIR [options]     # measure (on the machine it needs)
     dora-num record NAME --ingest DIR ...        # here: DIR -> data/ with sidecars
@@ -27,27 +27,27 @@ class Recorder(NamedTuple):
 
 
 RECORDERS = {
-    "suite": Recorder("dora_num.studies.suite", "GPU: every section of the GPU suite in one process (notebooks 02, 05)"),
-    "fma": Recorder("dora_num.studies.suite", "GPU: FMA / sqrt variants of the norm assembly and the compose (02)"),
-    "tiles": Recorder("dora_num.studies.suite", "GPU: tile sweep of the fused compose kernels (05)"),
-    "compose": Recorder("dora_num.studies.suite", "GPU: compose kernels vs eager and torch.compile (05)"),
-    "norm": Recorder("dora_num.studies.suite", "GPU: row-norm time and memory (05)"),
-    "layer": Recorder("dora_num.studies.suite", "GPU: DoRALinear vs PEFT's DoRA layer (05)"),
-    "model": Recorder("dora_num.studies.suite", "GPU: a Llama-architecture decoder at 8B layer shapes, PEFT vs this operator (05)"),
-    "train-graphs": Recorder("dora_num.studies.speed.train_graphs",
+    "suite": Recorder("dora_num.studies.record_suite", "GPU: every section of the GPU suite in one process (notebooks 02, 05)"),
+    "fma": Recorder("dora_num.studies.record_suite", "GPU: FMA / sqrt variants of the norm assembly and the compose (02)"),
+    "tiles": Recorder("dora_num.studies.record_suite", "GPU: tile sweep of the fused compose kernels (05)"),
+    "compose": Recorder("dora_num.studies.record_suite", "GPU: compose kernels vs eager and torch.compile (05)"),
+    "norm": Recorder("dora_num.studies.record_suite", "GPU: row-norm time and memory (05)"),
+    "layer": Recorder("dora_num.studies.record_suite", "GPU: DoRALinear vs PEFT's DoRA layer (05)"),
+    "model": Recorder("dora_num.studies.record_suite", "GPU: a Llama-architecture decoder at 8B layer shapes, PEFT vs this operator (05)"),
+    "train-graphs": Recorder("dora_num.studies.speed.record_train_graphs",
                              "GPU: the training compose on the device alone, under CUDA graphs (05)"),
-    "overhead": Recorder("dora_num.studies.speed.overhead", "GPU: host (CPU) cost of the fused tier per call (05)"),
-    "convergence": Recorder("dora_num.studies.convergence.run", "GPU: fused vs eager training, 2000 steps x 3 seeds (04)"),
-    "memory": Recorder("dora_num.studies.gradient.memory_measure",
+    "overhead": Recorder("dora_num.studies.speed.record_overhead", "GPU: host (CPU) cost of the fused tier per call (05)"),
+    "convergence": Recorder("dora_num.studies.convergence.record_convergence", "GPU: fused vs eager training, 2000 steps x 3 seeds (04)"),
+    "memory": Recorder("dora_num.studies.gradient.record_memory",
                        "GPU: peak memory of training steps against the memory model (06)"),
-    "adapters": Recorder("dora_num.studies.cancellation.train_adapters",
+    "adapters": Recorder("dora_num.studies.cancellation.record_adapters",
                          "CPU: the early-training MiniLM DoRA adapters (50 steps) and the PEFT agreement runs (01)"),
-    "adapters-gpu": Recorder("dora_num.studies.cancellation.gpu_training",
+    "adapters-gpu": Recorder("dora_num.studies.cancellation.record_trained",
                              "GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training; "
                              "launch | plan | ingest (01)"),
-    "exhaustive": Recorder("dora_num.studies.exhaustive_gpu",
+    "exhaustive": Recorder("dora_num.studies.record_exhaustive",
                            "GPU: exhaustive sqrt census, tensor-core accumulation probe, 16-bit compose checks (01-03)"),
-    "carry": Recorder("dora_num.studies.carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
+    "carry": Recorder("dora_num.studies.record_carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
 }
 
 

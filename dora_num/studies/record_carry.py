@@ -9,7 +9,7 @@ tokenizer files.  GPU runs that use it say so in their provenance
 bf16 weights anyway.
 
 Usage: ``dora-num record carry [DIR]`` (default ``.carry/minilm``, a git-ignored
-folder; ``python -m dora_num.studies.carry`` takes the same arguments).
+folder; ``python -m dora_num.studies.record_carry`` takes the same arguments).
 """
 
 from __future__ import annotations

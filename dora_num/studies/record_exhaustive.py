@@ -1,5 +1,5 @@
 """``dora-num record exhaustive --out DIR [--smoke] [--only SECTION ...] [--budget-s S]``: the
-exhaustive GPU runs of notebooks 01-03, one process (``python -m dora_num.studies.exhaustive_gpu``
+exhaustive GPU runs of notebooks 01-03, one process (``python -m dora_num.studies.record_exhaustive``
 delegates here).
 
 Sections (``--only``), in this order, each writing under DIR:
@@ -16,11 +16,11 @@ Sections (``--only``), in this order, each writing under DIR:
   computed variants, exact result, bounds, ulp bounds and ``kappa_c`` against eager torch on CUDA
   and the package's numpy functions: every mismatch count must be 0).
 
-``device.json`` (:func:`dora_num.studies.recorded.describe_machine`) records the GPU, versions,
+``device.json`` (:func:`dora_num.repro.recording.describe_machine`) records the GPU, versions,
 git sha, the sections' wall times, how many compose launches ran of how many planned, and
 whether the compose section stopped at ``--budget-s``.  ``--smoke`` runs every kernel path
 (inline PTX included) on slices, in well under a minute.  ``--ingest DIR`` copies a full run into
-``data/gpu/exhaustive/`` through :func:`dora_num.studies.recorded.ingest` (the measuring
+``data/gpu/exhaustive/`` through :func:`dora_num.repro.recording.ingest` (the measuring
 machine's description from ``device.json``; a ``--smoke`` run is refused).
 """
 
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import recorded
+from ..repro import recording as recorded
 
 SECTIONS = ("census", "accumulation", "compose")
 INGEST_DIR = ("gpu", "exhaustive")
@@ -94,7 +94,7 @@ def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 
 
 def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
     """Copy a run folder (all its files, ``device.json`` included) into ``data/gpu/exhaustive/``
-    with provenance (:func:`dora_num.studies.recorded.ingest_folder`); a ``--smoke`` run is refused."""
+    with provenance (:func:`dora_num.repro.recording.ingest_folder`); a ``--smoke`` run is refused."""
     from ..repro.paths import data_dir
 
     desc = recorded.read_machine(src)

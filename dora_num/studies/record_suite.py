@@ -3,18 +3,18 @@ measurement of notebooks 02 and 05, in one process.
 
 Each section lives beside its question and writes one tidy CSV under DIR;
 ``device.json`` holds the device, versions, git sha and the copy bandwidth every
-percentage is taken against (:func:`dora_num.studies.recorded.describe_machine`).
+percentage is taken against (:func:`dora_num.repro.recording.describe_machine`).
 
 =========  ====================================  ==========================================
 section    module                                file
 =========  ====================================  ==========================================
 ``copy``   :func:`dora_num.studies.bench.copy_bandwidth`   ``device.json`` (always measured)
-``fma``    :mod:`dora_num.studies.fma.gpu_bench`            ``fma_sqrt.csv``, ``fma_sqrt_sample.npz``
-``tiles``  :mod:`dora_num.studies.speed.compose_bench`      ``tile_sweep.csv`` (full mode only)
-``norm``   :mod:`dora_num.studies.speed.norm_bench`         ``norm_bench.csv``
-``layer``  :mod:`dora_num.studies.speed.layer_bench`        ``layer_bench.csv``, ``layer_profile.txt``
-``compose`` :mod:`dora_num.studies.speed.compose_bench`     ``compose_bench.csv``
-``model``  :mod:`dora_num.studies.speed.model_bench`        ``model_bench.csv``, ``model_agreement.csv``,
+``fma``    :mod:`dora_num.studies.fma.record_fma`            ``fma_sqrt.csv``, ``fma_sqrt_sample.npz``
+``tiles``  :mod:`dora_num.studies.speed.record_compose`      ``tile_sweep.csv`` (full mode only)
+``norm``   :mod:`dora_num.studies.speed.record_norm`         ``norm_bench.csv``
+``layer``  :mod:`dora_num.studies.speed.record_layer`        ``layer_bench.csv``, ``layer_profile.txt``
+``compose`` :mod:`dora_num.studies.speed.record_compose`     ``compose_bench.csv``
+``model``  :mod:`dora_num.studies.speed.record_model`        ``model_bench.csv``, ``model_agreement.csv``,
                                                             ``model_probe.csv``, ``model_predictions.csv``
 =========  ====================================  ==========================================
 
@@ -36,12 +36,13 @@ import triton
 
 from ..ops.config import get_config
 from ..repro.paths import data_dir
-from . import inputs, recorded
+from ..repro import recording as recorded
+from . import inputs
 from .bench import copy_bandwidth, log, write_csv
-from .fma.gpu_bench import bench_fma
-from .speed.compose_bench import DEFAULT_DOUT, DEFAULT_TOKENS, bench_compose, tile_sweep
-from .speed.layer_bench import LAYER_SHAPES, bench_layers
-from .speed.norm_bench import NORM_SHAPES, bench_norms
+from .fma.record_fma import bench_fma
+from .speed.record_compose import DEFAULT_DOUT, DEFAULT_TOKENS, bench_compose, tile_sweep
+from .speed.record_layer import LAYER_SHAPES, bench_layers
+from .speed.record_norm import NORM_SHAPES, bench_norms
 
 SECTIONS = ("fma", "tiles", "compose", "norm", "layer", "model")
 SEED = inputs.SUITE_SEED
@@ -98,7 +99,7 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
     section("compose", compose_section)
 
     def model_section():  # a Llama-architecture decoder at 8B layer shapes vs PEFT
-        from .speed.model_bench import run as run_model  # transformers and peft: imported when it runs
+        from .speed.record_model import run as run_model  # transformers and peft: imported when it runs
 
         desc["model"] = run_model(out, smoke=smoke, copy_gbps=copy_gbps)
 
@@ -142,7 +143,7 @@ def record(args) -> int:
     if args.ingest:
         only = None
         if tuple(args.sections) == ("model",):  # a model-only run: its files, not the suite's device.json
-            from .speed.model_bench import MODEL_FILES as only
+            from .speed.record_model import MODEL_FILES as only
         for p in ingest(Path(args.ingest), Path(args.out) if args.out else None, only=only, git_sha=args.git_sha):
             print(p)
         return 0

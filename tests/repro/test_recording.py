@@ -9,19 +9,19 @@ import pandas as pd
 import pytest
 
 from dora_num.repro.provenance import read_provenance
-from dora_num.studies import recorded
+from dora_num.repro import recording as recorded
 from dora_num.studies.bounds import exhaustive_report
 from dora_num.studies.cancellation import analysis as cancellation
 from dora_num.studies.cancellation import trained
 from dora_num.studies.convergence import recorded as convergence
 from dora_num.studies.fma import census
-from dora_num.studies.fma import gpu as fma
-from dora_num.studies.gradient import memory_measure
+from dora_num.studies.fma import gpu_vs_emulation as fma
+from dora_num.studies.gradient import record_memory
 from dora_num.studies.speed import report
 
 DATA_SETS = {"agreement": cancellation.AGREEMENT, "compose_adapter": cancellation.COMPOSE_ADAPTER,
              "trained_adapters": trained.TRAINED, "paper_shape": cancellation.PAPER_SHAPE, "fma": fma.RECORDED,
-             "convergence": convergence.RECORDED, "memory": memory_measure.RECORDED, "suite": report.RECORDED,
+             "convergence": convergence.RECORDED, "memory": record_memory.RECORDED, "suite": report.RECORDED,
              "sqrt_census_cpu": census.RECORDED_CPU, "compose_fp8": exhaustive_report.RECORDED_FP8}
 
 

@@ -15,12 +15,12 @@ from dora_num.repro.paths import REPO_ROOT
 from dora_num.studies import cli
 
 MODULE_MAINS = {  # python -m entry points that must keep working
-    "dora_num.studies.suite": "suite", "dora_num.studies.convergence.run": "convergence",
-    "dora_num.studies.gradient.memory_model": "memory", "dora_num.studies.gradient.memory_measure": "memory",
-    "dora_num.studies.cancellation.train_adapters": "adapters",
-    "dora_num.studies.cancellation.gpu_training": "adapters-gpu", "dora_num.studies.speed.train_graphs": "train-graphs",
-    "dora_num.studies.speed.overhead": "overhead", "dora_num.studies.carry": "carry",
-    "dora_num.studies.exhaustive_gpu": "exhaustive",
+    "dora_num.studies.record_suite": "suite", "dora_num.studies.convergence.record_convergence": "convergence",
+    "dora_num.studies.gradient.memory_model": "memory", "dora_num.studies.gradient.record_memory": "memory",
+    "dora_num.studies.cancellation.record_adapters": "adapters",
+    "dora_num.studies.cancellation.record_trained": "adapters-gpu", "dora_num.studies.speed.record_train_graphs": "train-graphs",
+    "dora_num.studies.speed.record_overhead": "overhead", "dora_num.studies.record_carry": "carry",
+    "dora_num.studies.record_exhaustive": "exhaustive",
 }
 
 
@@ -58,7 +58,7 @@ def test_module_entry_points_delegate_to_the_recorder(module, capsys):
 
 def test_python_m_help_runs_in_a_fresh_process(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    res = subprocess.run([sys.executable, "-m", "dora_num.studies.carry", "--help"], cwd=tmp_path, env=env,
+    res = subprocess.run([sys.executable, "-m", "dora_num.studies.record_carry", "--help"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "dora-num record carry" in res.stdout
     assert list(tmp_path.iterdir()) == []

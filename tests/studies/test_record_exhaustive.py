@@ -7,7 +7,7 @@ import pytest
 
 from dora_num.repro.provenance import read_provenance
 from dora_num.studies import cli
-from dora_num.studies import exhaustive_gpu as G
+from dora_num.studies import record_exhaustive as G
 
 
 def _run_dir(tmp_path, smoke):

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .. import recorded
+from ...repro import recording as recorded
 
 FORMATS = ("bf16", "fp16")
 # (M, unit) of the order probe: M / unit >= 2^39 so that up to 2^14 units (< ulp(M)/2 of a
@@ -394,7 +394,7 @@ __all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca
 
 def load_record(folder=None) -> list[dict]:
     """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json.gz``, or in ``folder``);
-    :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
+    :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
     from pathlib import Path
 
     path = RECORDED.require()[0] if folder is None else recorded.require([Path(folder) / PROBE_FILE],

@@ -493,7 +493,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m dora_num.studies.bounds.exhaustive",
                                  description="exhaustive compose checks (fp8 on the CPU; the 16-bit GPU run: "
-                                             "python -m dora_num.studies.exhaustive_gpu)")
+                                             "python -m dora_num.studies.record_exhaustive)")
     ap.add_argument("command", choices=["record-fp8"])
     ap.add_argument("--out", help="output folder (default data/exhaustive/)")
     args = ap.parse_args(argv)

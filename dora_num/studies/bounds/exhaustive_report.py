@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ...numerics.formats import get_format
-from .. import recorded
+from ...repro import recording as recorded
 from .exhaustive import BITWISE_FILE, FP8_FILE, RESULT_FILE, all_values, eager_variants
 
 RECORDED_FP8 = recorded.RecordedData(
@@ -82,7 +82,7 @@ def recheck_worst(df: pd.DataFrame) -> pd.DataFrame:
 
 def load_gpu(folder=None) -> pd.DataFrame:
     """The recorded 16-bit GPU run (``data/gpu/exhaustive/compose_exhaustive.csv``, or ``folder``);
-    :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
+    :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
     from pathlib import Path
 
     path = RECORDED_GPU.require()[0] if folder is None else recorded.require([Path(folder) / RESULT_FILE],
@@ -126,7 +126,7 @@ def gpu_bitwise_failures(folder=None) -> list[str]:
 def load_all(*, gpu: bool = True) -> pd.DataFrame:
     """The recorded exhaustive results: fp8 (CPU, ``data/exhaustive/``: required) and, with
     ``gpu``, bf16/fp16 (H200, ``data/gpu/exhaustive/``); a missing record raises
-    :class:`~dora_num.studies.recorded.RecordedDataMissing` (a notebook asks first with
+    :class:`~dora_num.repro.recording.RecordedDataMissing` (a notebook asks first with
     ``ctx.recorded(RECORDED_GPU, required=False)``)."""
     parts = [pd.read_csv(RECORDED_FP8.require()[0])]
     if gpu:

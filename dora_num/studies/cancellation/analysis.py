@@ -38,8 +38,8 @@ from ...numerics.ground_truth import compose_exact
 from ...ops.norm import factored_row_norm, magnitude_scale
 from ...repro.paths import committed_data
 from ...repro.provenance import read_provenance
-from .. import recorded
-from .gpu_training import CROSSCHECK
+from ...repro import recording as recorded
+from .record_trained import CROSSCHECK
 
 PAPER_G_VALUES = (0.9, 0.99, 0.999, 0.9999, 1.0, 1.0001, 1.001, 1.01, 1.1)
 PAPER_PEAK = {"naive": 2.342e-2, "stable": 7.81e-3, "ratio": 3.0}  # [2048, 8192], bf16, g = 1
@@ -75,7 +75,7 @@ PAPER_SHAPE = recorded.RecordedData(
 
 def compose_adapter() -> tuple:
     """``(adapter folder, base record)`` of :data:`COMPOSE_ADAPTER`: the committed export and the
-    manifest's ``base`` (what :func:`.trained_record.resolve_base` rebuilds and checks)."""
+    manifest's ``base`` (what :func:`.ingest_trained.resolve_base` rebuilds and checks)."""
     import json
 
     cfg, _, manifest = COMPOSE_ADAPTER.require()
@@ -96,7 +96,7 @@ def real_compose_inputs(adapter_dir=None, modules=None, *, base_dir=None, n_text
         import tempfile
         from pathlib import Path
 
-        from .trained_record import resolve_base
+        from .ingest_trained import resolve_base
 
         if base_dir is not None:
             raise ValueError("base_dir is for a given adapter_dir; the committed adapter's base is its record's")

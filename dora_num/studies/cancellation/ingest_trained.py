@@ -1,9 +1,9 @@
 """Notebook 01's trained adapters: the raw record of a launch, and its ingest into the committed record.
 
-A launch of :mod:`.gpu_training` returns ``plan.json`` and ``part-K.tar``; :func:`ingest`
+A launch of :mod:`.record_trained` returns ``plan.json`` and ``part-K.tar``; :func:`ingest`
 (``dora-num record adapters-gpu ingest``) unpacks them (optionally keeping everything: ``--keep``), checks
 them, and writes the committed record (default ``data/adapters/trained/``) through
-:func:`dora_num.studies.recorded.ingest`: every file with a provenance sidecar in the recorded-data
+:func:`dora_num.repro.recording.ingest`: every file with a provenance sidecar in the recorded-data
 vocabulary (the GPU machine's device, ``measured_at_git_sha``, ``measured_versions``, ...):
 
 ====================================  ========================================================================
@@ -72,7 +72,7 @@ _TYPE_RE = (("q", r"attention\.self\.query$"), ("k", r"attention\.self\.key$"), 
             ("output", r"(?<!attention\.)output\.dense$"))
 COMMIT_MAX_RANK = 16  # exported adapters committed up to this rank (r = 16: 2.75 MB; r = 64: 10.6 MB)
 WINDOW = 50  # steps per row of history_windows.csv
-CROSSCHECK_FACTOR = 2.0  # same-dtype-baseline convention (train_adapters.AGREEMENT_FACTOR)
+CROSSCHECK_FACTOR = 2.0  # same-dtype-baseline convention (record_adapters.AGREEMENT_FACTOR)
 CROSSCHECK_FROM_STEP = 30
 # Where PEFT's input is bf16 its forward divides by a norm rounded to bf16; predicted RMS of the relative
 # rounding error (uniform in +-2^-8 x the spacing, values spread log-uniformly over an octave):
@@ -84,7 +84,7 @@ CROSSCHECK_CRITERION = (f"per module type and every common capture step >= {CROS
                         "divides by in the module types whose input PEFT sees in fp32; where PEFT's input is bf16 "
                         "its forward divides by a norm rounded to bf16: predicted RMS(g_peft - g_ours) = "
                         f"{BF16_NORM_RMS_PREDICTED:.2e} at step 0")
-RECORDER = "dora-num record adapters-gpu"  # gpu_training.RECORDER_NAME
+RECORDER = "dora-num record adapters-gpu"  # record_trained.RECORDER_NAME
 RECORD_COMMAND = (f"on the H200: {RECORDER} launch --out $OUT --base .carry/minilm --git-sha SHA; "
                   f"then here: {RECORDER} ingest FILES_DIR --dest data/adapters/trained --git-sha SHA")
 ZONE_COLUMNS = ("frac_symmetric_zone", "frac_rounds_to_one", "frac_below_one_symmetric",
@@ -105,7 +105,7 @@ def module_type(name: str) -> str:
 
 @dataclass
 class Captures:
-    """One run's captures (:func:`~.gpu_training.captures_npz`)."""
+    """One run's captures (:func:`~.record_trained.captures_npz`)."""
 
     steps: np.ndarray
     modules: list[str]
@@ -168,7 +168,7 @@ def unpack(files: Path, into: Path) -> Path:
     """Extract ``files/part-*.tar`` into ``into`` (tar's ``data`` filter: no links, nothing outside)."""
     parts = sorted(Path(files).glob("part-*.tar"))
     if not parts:
-        raise FileNotFoundError(f"no part-*.tar in {files} (the output folder of a gpu_training launch)")
+        raise FileNotFoundError(f"no part-*.tar in {files} (the output folder of a record_trained launch)")
     into.mkdir(parents=True, exist_ok=True)
     for p in parts:
         with tarfile.open(p) as tar:
@@ -244,11 +244,11 @@ def activations_for(base_dir, *, n_texts=None, max_rows=None, seed: int = 0) -> 
 
 def resolve_base(base: dict, workdir: Path) -> Path:
     """A local folder holding the base weights a run used (``run.json: base``), checked by
-    :func:`~.gpu_training.weights_fingerprint`: the packaged MiniLM, or its bf16-rounded copy rebuilt by
-    :func:`dora_num.studies.carry.write_minilm_bf16`."""
+    :func:`~.record_trained.weights_fingerprint`: the packaged MiniLM, or its bf16-rounded copy rebuilt by
+    :func:`dora_num.studies.record_carry.write_minilm_bf16`."""
     from ...adapters.model import minilm_path
-    from ..carry import write_minilm_bf16
-    from .gpu_training import weights_fingerprint
+    from ..record_carry import write_minilm_bf16
+    from .record_trained import weights_fingerprint
 
     if base["kind"] == "bf16-rounded":
         path = write_minilm_bf16(Path(workdir) / "minilm-bf16")
@@ -471,7 +471,7 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
     import shutil
 
     from ...repro.provenance import sha256_file
-    from .. import recorded
+    from ...repro import recording as recorded
 
     files, dest = Path(files), Path(dest)
     if dest.is_dir() and any(dest.iterdir()):
@@ -544,10 +544,10 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
                          "bytes": int(sum(p.stat().st_size for p in root.rglob("*") if p.is_file())),
                          "regenerate": RECORD_COMMAND},
         }
-        # One vocabulary of provenance keys (dora_num.studies.recorded): the GPU machine's device and
+        # One vocabulary of provenance keys (dora_num.repro.recording): the GPU machine's device and
         # versions from a run's own sidecar, the commit it ran, the archives it came back in.
         return recorded.ingest(artifacts, dest, machine=recorded.machine_from_sidecar(first.folder / "run.json"),
-                               producer=f"{RECORDER} ingest (a launch of {__package__}.gpu_training)",
+                               producer=f"{RECORDER} ingest (a launch of {__package__}.record_trained)",
                                git_sha=sha, params=rec.plan["config"], seed=rec.plan["config"]["seed"],
                                extra={"plan": rec.plan["plan_name"], **({"notes": notes} if notes else {})},
                                sources=[files], inputs=parts,

@@ -1,6 +1,6 @@
 """Train the early-training DoRA adapters of notebook 01 (CPU, 50 steps, a few minutes per run).
 
-The trained adapters (H200, until MRR@10 plateaus) come from :mod:`.gpu_training`; their early captures
+The trained adapters (H200, until MRR@10 plateaus) come from :mod:`.record_trained`; their early captures
 (steps 10-300, batch 64) replaced the grid below in notebook 01, and only the agreement runs
 (``agreement.csv``) are committed: the grid and its export are written when asked for, not read by any notebook.
 
@@ -8,7 +8,7 @@ The trained adapters (H200, until MRR@10 plateaus) come from :mod:`.gpu_training
     dora-num record adapters --ranks 16 --lrs 1e-3
     dora-num record adapters --agreement-only
 
-(``python -m dora_num.studies.cancellation.train_adapters`` takes the same options.)
+(``python -m dora_num.studies.cancellation.record_adapters`` takes the same options.)
 
 Grid: ranks 8, 16, 64, 128 x learning rates 1e-3, 1e-4; MiniLM + DoRA on all 36
 encoder linears; batch 16, max_len 32, STEPS steps, seed 0.  Per run it writes
@@ -84,7 +84,7 @@ def run_one(rank: int, lr: float, *, steps: int = STEPS, capture=CAPTURE, out=No
     t0 = time.perf_counter()
     res = train(cfg)
     name = run_name(rank, lr)
-    prov = dict(params=config_dict(cfg), seed=cfg.seed, producer="dora_num.studies.cancellation.train_adapters",
+    prov = dict(params=config_dict(cfg), seed=cfg.seed, producer="dora_num.studies.cancellation.record_adapters",
                 extra={"wall_seconds": time.perf_counter() - t0, "seconds_per_step_median": res.seconds_per_step})
     runs = out / "runs"
     write_artifact(runs / f"{name}.npz", g_npz_bytes(res.g_minus_1), **prov)
@@ -110,7 +110,7 @@ def run_agreement(steps: int = AGREEMENT_STEPS, out=None, progress=True) -> pd.D
         cols[label] = [h["loss"] for h in res.history]
         cols[f"s_per_step_{label}"] = [h["seconds"] for h in res.history]
     df = pd.DataFrame({"step": np.arange(1, steps + 1), **cols})
-    save_dataframe(df, out / "agreement.csv", params=config_dict(base), seed=0, producer="dora_num.studies.cancellation.train_adapters")
+    save_dataframe(df, out / "agreement.csv", params=config_dict(base), seed=0, producer="dora_num.studies.cancellation.record_adapters")
     return df
 
 

@@ -6,7 +6,7 @@
     dora-num record adapters-gpu ingest FILES_DIR --dest data/adapters/trained --git-sha SHA [--keep DIR] [--replace]
                                         [--note TEXT ...]
 
-(``python -m dora_num.studies.cancellation.gpu_training ...`` and, where nothing is installed, as on the
+(``python -m dora_num.studies.cancellation.record_trained ...`` and, where nothing is installed, as on the
 GPU machine, ``python3 -m dora_num record adapters-gpu ...`` are the same command.)
 
 **The plan** (:func:`full_plan`): ranks 8, 16, 64, 128, 384 x learning rates 1e-4, 1e-3 (``alpha = r``, so
@@ -14,8 +14,8 @@ GPU machine, ``python3 -m dora_num record adapters-gpu ...`` are the same comman
 lr 1e-4, so that ``s * lr`` (how hard AdamW pushes ``sBA``) is that of the ``s = 1``, lr 1e-3 runs; and, for the
 cross-check of the captured ``g``, the r = 16, lr 1e-3 configuration twice more: through PEFT's own DoRA, and
 through ``DoRALinear`` with every initial ``m`` moved by one fp32 ulp (the baseline: how far two equally valid
-executions of one training drift apart; :mod:`.trained_record` states the criterion).  13 runs, one process each, all
-at once (:func:`.gpu_launch.launch`): on the H200 the harness is bound by each process's host Python (about 0.1 s a step
+executions of one training drift apart; :mod:`.ingest_trained` states the criterion).  13 runs, one process each, all
+at once (:func:`.record_trained_launch.launch`): on the H200 the harness is bound by each process's host Python (about 0.1 s a step
 with four processes sharing the GPU in the convergence study), so processes on separate cores share the GPU well.
 
 **Every run** (:class:`StudyConfig`): all 36 encoder linears, batch 64 (63 in-batch negatives), ``max_len``
@@ -50,7 +50,7 @@ safetensors): r = 16 at lr 1e-3 and r = 64 at lr 1e-4.
 **Output** (under ``--out``; at most 8 files come back from the GPU machine, 16 MiB each): ``plan.json`` (plan,
 configuration, prediction, each process's exit), ``launch.log``, and ``part-K.tar`` holding
 ``runs/<name>/{run.json, history.csv.gz, evals.csv, captures.npz, adapter/}``, each with its provenance
-sidecar.  :func:`dora_num.studies.cancellation.trained_record.ingest` reads them.
+sidecar.  :func:`dora_num.studies.cancellation.ingest_trained.ingest` reads them.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from ...oracles import row_norm_ref64
 from ..convergence.config import ULP_SEED_OFFSET
 
 RECORDER_NAME = "adapters-gpu"  # for ``dora-num record adapters-gpu``
-MODULE = "dora_num.studies.cancellation.gpu_training"  # what the launcher runs with python -m
+MODULE = "dora_num.studies.cancellation.record_trained"  # what the launcher runs with python -m
 CAPTURE_STEPS = (0, 10, 30, 100, 300, 1000, 3000)
 RANKS = (8, 16, 64, 128, 384)
 LRS = (1e-4, 1e-3)
@@ -389,7 +389,7 @@ def captures_npz(captures: dict[int, dict], names: list[str]) -> bytes:
 
 BASE_NAME = {"packaged": "sentence-transformers/all-MiniLM-L6-v2",
              # not a name `dora-num collapse` resolves by itself: it must be given --base (the bf16 copy)
-             "bf16-rounded": "all-MiniLM-L6-v2, bf16-rounded copy (python -m dora_num.studies.carry DIR; --base DIR)"}
+             "bf16-rounded": "all-MiniLM-L6-v2, bf16-rounded copy (python -m dora_num.studies.record_carry DIR; --base DIR)"}
 
 
 def weights_fingerprint(path) -> str:
@@ -408,7 +408,7 @@ def weights_fingerprint(path) -> str:
 
 def base_info(base_path=None) -> dict:
     """The base weights a run used: folder, :func:`weights_fingerprint` of ``model.safetensors`` and its
-    kind (``bf16-rounded``: written by :func:`dora_num.studies.carry.write_minilm_bf16`; else ``packaged``)."""
+    kind (``bf16-rounded``: written by :func:`dora_num.studies.record_carry.write_minilm_bf16`; else ``packaged``)."""
     from safetensors import safe_open
 
     from ...adapters.model import minilm_path
@@ -480,7 +480,7 @@ def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float |
                           else all(c["g_is_quotient"] for c in res.captures.values())),
         "base": base, "torch": torch.__version__,
     }
-    prov = dict(params=summary["train_config"], seed=cfg.seed, producer="dora_num.studies.cancellation.gpu_training",
+    prov = dict(params=summary["train_config"], seed=cfg.seed, producer="dora_num.studies.cancellation.record_trained",
                 extra={"run": spec.name, "base": base})
     write_artifact(d / "captures.npz", captures_npz(res.captures, res.module_names), **prov)
     save_dataframe(pd.DataFrame(res.history), d / "history.csv.gz", float_format="%.9g", **prov)
@@ -546,13 +546,13 @@ def build_parser(prog: str = f"dora-num record {RECORDER_NAME}", name: str = REC
 def record(a) -> int:
     """``dora-num record adapters-gpu`` with its parsed arguments (:func:`build_parser`)."""
     if a.cmd == "ingest":
-        from .trained_record import ingest
+        from .ingest_trained import ingest
 
         for path in ingest(Path(a.files), Path(a.dest), git_sha=a.git_sha, keep=a.keep, replace=a.replace,
                            notes=a.note):
             print(path)
         return 0
-    from . import gpu_launch as L  # (the launcher imports this module)
+    from . import record_trained_launch as L  # (the launcher imports this module)
 
     plan, cfg = plan_and_config(a.plan, a.device)
     if a.cmd == "plan":
@@ -560,7 +560,7 @@ def record(a) -> int:
                           "prediction": L.predict(plan, cfg, a.wall_s)}, indent=1))
         return 0
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        print("gpu_training: --device cuda but CUDA is not available", file=sys.stderr)
+        print("record_trained: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     if a.cmd == "run":
         (spec,) = select(plan, [a.name])

@@ -1,7 +1,7 @@
-"""The launcher of :mod:`.gpu_training`: every run of a plan as its own process, one deadline for all,
+"""The launcher of :mod:`.record_trained`: every run of a plan as its own process, one deadline for all,
 the output packed into the files a GPU machine returns (at most 8, 16 MiB each).
 
-:func:`launch` starts ``python -m dora_num.studies.cancellation.gpu_training run NAME ...`` per run (one
+:func:`launch` starts ``python -m dora_num.studies.cancellation.record_trained run NAME ...`` per run (one
 torch thread each), waits, sends SIGTERM (handled as a deadline stop) then SIGKILL to runs still alive
 after the deadline, and writes ``plan.json`` (plan, configuration, :func:`predict`, each process's exit
 and log tail) and ``part-K.tar`` (:func:`pack`).  :func:`record_inline` runs a plan in this process and
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .gpu_training import FINAL_MARGIN_S, MODULE, RunSpec, StudyConfig, base_info, run_one
+from .record_trained import FINAL_MARGIN_S, MODULE, RunSpec, StudyConfig, base_info, run_one
 
 PART_BYTES = 15 * 2**20  # under the 16 MiB a returned file may have
 MAX_PARTS = 5  # + plan.json, its sidecar, launch.log: the 8 files that come back
@@ -143,7 +143,7 @@ def launch(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, 
 
 def run_command(spec: RunSpec, plan_name: str, cfg: StudyConfig, work: Path, *, deadline_at: float | None,
                 base_path=None, python: str = sys.executable) -> list[str]:
-    """The command line of one run's process (``gpu_training run NAME ...``)."""
+    """The command line of one run's process (``record_trained run NAME ...``)."""
     cmd = [python, "-m", MODULE, "run", spec.name, "--work", str(work), "--plan", plan_name, "--device", cfg.device]
     if deadline_at is not None:
         cmd += ["--deadline-at", repr(deadline_at)]

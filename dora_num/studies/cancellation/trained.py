@@ -1,6 +1,6 @@
 """Notebook 01's trained adapters: the committed record (``data/adapters/trained``) and its analysis.
 
-:func:`load_trained` reads what :func:`.trained_record.ingest` wrote; the functions below make notebook
+:func:`load_trained` reads what :func:`.ingest_trained.ingest` wrote; the functions below make notebook
 01's tables: what "trained" means for each run (:func:`outcome`, with the stop labels re-derived from the
 evaluations by :func:`check_stop_labels`), the collapse fractions at the final step (:func:`final_pivot`,
 recomputed from the committed per-row ``g`` by :func:`check_final_against_record`), the paper's adapter
@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 
 from ...adapters.collapse import FORMATS, POOLED, collapse_table
-from .. import recorded
-from .gpu_training import EXPORTS, RunSpec
-from .trained_record import (COMMIT_MAX_RANK, CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES,  # noqa: F401
+from ...repro import recording as recorded
+from .record_trained import EXPORTS, RunSpec
+from .ingest_trained import (COMMIT_MAX_RANK, CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES,  # noqa: F401
                              RECORD_COMMAND, ZONE_COLUMNS, activations_for, collapse_by_type, ingest, module_type,
                              resolve_base)
 
@@ -54,7 +54,7 @@ class Trained:
 
 def load_trained(folder=None) -> Trained:
     """The committed record (default ``data/adapters/trained``), or a record in ``folder``;
-    :class:`~dora_num.studies.recorded.RecordedDataMissing` naming the missing files and the record
+    :class:`~dora_num.repro.recording.RecordedDataMissing` naming the missing files and the record
     command when it is incomplete."""
     from ...repro.paths import committed_data
 
@@ -100,7 +100,7 @@ def base_for_record(tr: Trained, workdir) -> Path:
 # Analysis for notebook 01
 # --------------------------------------------------------------------------
 
-STOP_REASONS = ("plateau", "max_steps", "deadline", "signal", "diverged")  # or "error: ..." (gpu_training.run_one)
+STOP_REASONS = ("plateau", "max_steps", "deadline", "signal", "diverged")  # or "error: ..." (record_trained.run_one)
 # The paper's real adapter (docs/paper.md): Qwen2-VL-7B, r = 128, 326 modules, 1.77M g values; task, learning
 # rate and steps not stated (the paper's own training recipe, for its Qwen3.5-9B convergence runs: r = 384,
 # rsLoRA, lr 1e-5 cosine, 2000 steps).
@@ -233,10 +233,10 @@ def paper_markdown(tr: Trained) -> str:
 
 
 def smoke_record(folder, *, log=print) -> Path:
-    """A tiny live CPU record (the cross-check trio, a few steps, :data:`~.gpu_training.SMOKE_NOTEBOOK`)
+    """A tiny live CPU record (the cross-check trio, a few steps, :data:`~.record_trained.SMOKE_NOTEBOOK`)
     recorded in this process and ingested into ``folder/trained``: notebook 01's SMOKE input."""
-    from .gpu_launch import record_inline
-    from .gpu_training import SMOKE_NOTEBOOK, smoke_plan
+    from .record_trained_launch import record_inline
+    from .record_trained import SMOKE_NOTEBOOK, smoke_plan
 
     folder = Path(folder)
     files = record_inline(smoke_plan()[:3], "smoke", SMOKE_NOTEBOOK, folder / "launch", log=log)
@@ -316,7 +316,7 @@ def exported_tables(tr: Trained, work=None, *, n_texts=None, max_rows=None, form
 
 
 def step0(tr: Trained) -> pd.DataFrame:
-    """The state at step 0 per run (``manifest.json: step0``, :func:`.trained_record.step0_table`): where the
+    """The state at step 0 per run (``manifest.json: step0``, :func:`.ingest_trained.step0_table`): where the
     layer's ``g`` was not exactly 1 at init, and by how much."""
     if "step0" not in tr.manifest:
         raise ValueError(f"{tr.folder / 'manifest.json'} has no step0 table: re-ingest the record")

@@ -6,7 +6,7 @@ run's identity :class:`RunSpec` and the plan (:func:`run_plan`):
     eager s0, fused s0, eager s0 (repeat), [eager s0 with m + 1 ulp], eager s1, fused s1, ...
 
 and :func:`train_config`, the training harness's configuration of one run.  Running
-the plan: :mod:`~dora_num.studies.convergence.run`; its tables:
+the plan: :mod:`~dora_num.studies.convergence.record_convergence`; its tables:
 :mod:`~dora_num.studies.convergence.tidy`; the recorded runs:
 :mod:`~dora_num.studies.convergence.recorded`.
 """

@@ -3,9 +3,9 @@
     dora-num record convergence --out DIR [--steps 2000] [--seeds 0 1 2] [--ulp-seeds ...]
                                 [--runs NAME ...] [--profile-only] [--base MODEL_DIR] [--smoke]
     dora-num record convergence --ingest DIR ... --out data/gpu/convergence --git-sha SHA
-    torchrun --nproc_per_node N -m dora_num.studies.convergence.run --out DIR ...   # DDP, N ranks
+    torchrun --nproc_per_node N -m dora_num.studies.convergence.record_convergence --out DIR ...   # DDP, N ranks
 
-(``python -m dora_num.studies.convergence.run`` takes the same options.)  The plan
+(``python -m dora_num.studies.convergence.record_convergence`` takes the same options.)  The plan
 (:func:`~dora_num.studies.convergence.config.run_plan`), after a short profiling phase (time per step of both
 paths, first ``PROFILE_WARMUP`` steps dropped: Triton compiles there):
 
@@ -244,7 +244,7 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
         summary["profile_only"] = True
         summary["elapsed_s"] = time.perf_counter() - t_start
         if out is not None and dist_.main:
-            prov = dict(params=params, producer="dora_num.studies.convergence.run --profile-only")
+            prov = dict(params=params, producer="dora_num.studies.convergence.record_convergence --profile-only")
             save_dataframe(prof_df, out / "profile.csv", **prov)
             save_json(summary, out / "summary.json", **prov)
         empty = pd.DataFrame()
@@ -258,7 +258,7 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
     def write():
         if out is None or not dist_.main:
             return
-        prov = dict(params=params, producer="dora_num.studies.convergence.run")
+        prov = dict(params=params, producer="dora_num.studies.convergence.record_convergence")
         save_dataframe(order(pd.concat(hist, ignore_index=True), ["metric", "value"]), out / "history.csv.gz",
                        float_format=HISTORY_FLOAT_FORMAT, **prov)
         save_dataframe(order(pd.concat(evs, ignore_index=True), ["metric", "value"]), out / "evals.csv", **prov)

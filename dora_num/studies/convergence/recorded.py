@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ...repro.paths import committed_data
-from .. import recorded
+from ...repro import recording as recorded
 from .config import HISTORY_FLOAT_FORMAT, PATHS, run_plan
 from .tidy import order, with_perturbed
 
@@ -66,7 +66,7 @@ def _read_history(path: Path) -> pd.DataFrame:
 
 
 def from_study(res, folder: Path) -> Recorded:
-    """A live study's result (:class:`~dora_num.studies.convergence.run.StudyResult`) read as recorded runs."""
+    """A live study's result (:class:`~dora_num.studies.convergence.record_convergence.StudyResult`) read as recorded runs."""
     return Recorded(res.history, res.evals, res.g_stats, res.profile, res.summary, Path(folder))
 
 

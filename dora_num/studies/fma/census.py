@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .. import recorded
+from ...repro import recording as recorded
 
 INPUT_CLASSES = ("negative", "zero", "subnormal", "normal", "infinite", "not_a_number")  # CSV-safe names
 RESULTS = ("correct", "1ulp", "other")
@@ -273,7 +273,7 @@ RECORDED_GPU = recorded.RecordedData(files=tuple(f"gpu/exhaustive/{f}" for f in 
 
 def load_gpu(folder=None):
     """``(counts, per_chunk, timing)`` of the recorded GPU census (``data/gpu/exhaustive/`` or
-    ``folder``); :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
+    ``folder``); :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
     from pathlib import Path
 
     paths = RECORDED_GPU.require() if folder is None else recorded.require(
@@ -325,7 +325,7 @@ def record(out_dir=None, *, workers: int = 2) -> list:
 
 def load_record(folder=None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """``(counts, per_chunk, provenance)`` of the recorded CPU census (``data/exhaustive/`` or
-    ``folder``); :class:`~dora_num.studies.recorded.RecordedDataMissing` saying how to record it."""
+    ``folder``); :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
     from pathlib import Path
 
     from ...repro.provenance import read_provenance

@@ -1,7 +1,7 @@
 """Notebook 02, the GPU side: recorded H200 results of the FMA/sqrt variants
 against the exact CPU emulation.
 
-The GPU suite (:func:`dora_num.studies.suite.bench_fma`) records, under
+The GPU suite (:func:`dora_num.studies.record_suite.bench_fma`) records, under
 ``data/gpu/``:
 
 - ``fma_sqrt.csv``: per variant (norm assembly: contraction on/off x ``tl.sqrt``
@@ -36,7 +36,8 @@ import pandas as pd
 from ...numerics.formats import round_to, ulp_distance
 from ...numerics.formulas import scale_constants
 from ...repro.paths import committed_data
-from .. import inputs, recorded
+from ...repro import recording as recorded
+from .. import inputs
 from . import models as M
 from .sqrt import gpu_suite_assembly_inputs
 
@@ -49,7 +50,7 @@ ULP_COLS = ("0", "1", "2", "3", "4", ">4")
 def load(folder: Path | None = None) -> dict:
     """``{"csv": DataFrame, "sample": dict of arrays, "device": dict, "provenance": dict}``.
 
-    Raises :class:`~dora_num.studies.recorded.RecordedDataMissing` naming every missing
+    Raises :class:`~dora_num.repro.recording.RecordedDataMissing` naming every missing
     file and how to record it (:data:`RECORDED`)."""
     folder = Path(folder) if folder is not None else committed_data("gpu")
     recorded.require([folder / f for f in GPU_FILES], RECORDED.how_to_record)

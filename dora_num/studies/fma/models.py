@@ -36,7 +36,7 @@ gives, per input, how far the exact root lies from the rounding boundary (in
 ulps of the result): an approximation with error ``E`` ulps can differ from
 ``sqrt.rn`` only where that distance is below ``E``, so disagreements of a
 good approximation concentrate there (a descriptive threshold model,
-calibrated and tested on held-out GPU data in :mod:`dora_num.studies.fma.gpu`).
+calibrated and tested on held-out GPU data in :mod:`dora_num.studies.fma.gpu_vs_emulation`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ on/off x ``tl.sqrt`` / ``tl.sqrt_rn`` / PTX ``sqrt.rn.f32``) and compose variant
 (contraction on/off) on the seeded inputs of :mod:`dora_num.studies.inputs`: bitwise
 agreement with the torch reference, ULP histograms, PTX instruction counts, and a
 sample (``fma_sqrt_sample.npz``) for the bit-for-bit CPU emulation of
-:mod:`dora_num.studies.fma.gpu`."""
+:mod:`dora_num.studies.fma.gpu_vs_emulation`."""
 
 from __future__ import annotations
 

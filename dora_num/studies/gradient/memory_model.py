@@ -54,7 +54,7 @@ ZeRO stages over ``N`` GPUs shard states (1), + gradients (2), + parameters (3);
 with one GPU here, stages > 0 are the model's arithmetic only (not measured).
 
 The measured side (the same step run and its peak taken, on CPU and on the H200):
-:mod:`dora_num.studies.gradient.memory_measure`; :func:`repredict` recomputes a
+:mod:`dora_num.studies.gradient.record_memory`; :func:`repredict` recomputes a
 measured table's predictions with the current model.
 """
 
@@ -308,7 +308,7 @@ def repredict(measured):
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m dora_num.studies.gradient.memory_model``: the recorder of the measured
-    side (``dora-num record memory``, :mod:`~dora_num.studies.gradient.memory_measure`)."""
+    side (``dora-num record memory``, :mod:`~dora_num.studies.gradient.record_memory`)."""
     from ..cli import run
 
     return run("memory", argv)

@@ -9,7 +9,7 @@ allocator events during the step, above the level at its start), compared with
 ``peak - static`` of the model (:func:`compare`).
 
 ``dora-num record memory --out DIR [--base MODEL_DIR]`` runs the H200 validation
-(:func:`gpu_configs`) in one process (``python -m dora_num.studies.gradient.memory_measure``
+(:func:`gpu_configs`) in one process (``python -m dora_num.studies.gradient.record_memory``
 and ``python -m dora_num.studies.gradient.memory_model`` take the same options);
 ``dora-num record memory --ingest DIR --git-sha SHA`` records it into
 ``data/gpu/memory/``.
@@ -34,7 +34,7 @@ from ...adapters.train import TrainConfig, inject_dora
 from ...ops.layer import DoRALinear
 from ...oracles import measure_cpu_allocations
 from ...repro.paths import data_dir
-from .. import recorded
+from ...repro import recording as recorded
 from .memory_model import MINILM, NORMS, TOLERANCE, MemoryConfig, predict_peak
 
 RECORDED = recorded.RecordedData(files=("gpu/memory/memory_peaks.csv",),

@@ -1,5 +1,5 @@
 """Notebook 05's model-level section: tables, a plot beside the paper's numbers, and target verdicts,
-from the recorded ``model`` section of the GPU suite (:mod:`dora_num.studies.speed.model_bench`:
+from the recorded ``model`` section of the GPU suite (:mod:`dora_num.studies.speed.record_model`:
 ``model_bench.csv``, ``model_agreement.csv``, ``model_probe.csv``, ``model_predictions.csv`` in
 ``data/gpu/``).
 

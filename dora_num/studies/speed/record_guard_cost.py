@@ -1,7 +1,7 @@
 """What the factored norm's cancellation guard costs on the GPU: guard on vs off, same run, interleaved.
 
-    python -m dora_num.studies.speed.guard_cost --out DIR [--smoke]    # on a CUDA machine
-    python -m dora_num.studies.speed.guard_cost --ingest DIR [--git-sha SHA]   # here: -> data/gpu/guard_cost.csv
+    python -m dora_num.studies.speed.record_guard_cost --out DIR [--smoke]    # on a CUDA machine
+    python -m dora_num.studies.speed.record_guard_cost --ingest DIR [--git-sha SHA]   # here: -> data/gpu/guard_cost.csv
 
 Measured per configuration (``W`` bf16; ``A``, ``B`` bf16 or fp32; a realistic adapter,
 ``||sBA|| = 5% ||W||`` per row, on which the guard must not fire: checked, and the norms with the
@@ -165,7 +165,7 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
     df = pd.read_csv(src / "guard_cost.csv")
     dest = dest or data_dir("gpu")
     return save_dataframe(df, dest / "guard_cost.csv", device=meta["device"],
-                          producer="python -m dora_num.studies.speed.guard_cost --out DIR",
+                          producer="python -m dora_num.studies.speed.record_guard_cost --out DIR",
                           params={"smoke": meta.get("smoke"), "rounds": meta.get("rounds"),
                                   "update_ratio": UPDATE_RATIO},
                           extra={"measured_at_git_sha": git_sha or meta.get("git_sha"),
@@ -173,7 +173,7 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.guard_cost",
+    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.record_guard_cost",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="output folder (guard_cost.csv, device.json)")
     ap.add_argument("--smoke", action="store_true", help="small shapes, one round (seconds)")

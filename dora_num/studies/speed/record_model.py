@@ -1,6 +1,6 @@
 r"""Model-level speed, memory and fidelity: PEFT's DoRA against the same adapter on this project's operator.
 
-``python -m dora_num.studies.speed.model_bench --out DIR [--smoke]`` (also ``dora-num gpu-suite --only
+``python -m dora_num.studies.speed.record_model --out DIR [--smoke]`` (also ``dora-num gpu-suite --only
 model``).  A Llama-architecture decoder (transformers ``LlamaConfig`` + ``LlamaForCausalLM``, random
 weights, nothing downloads) at 8B layer shapes (hidden 4096, intermediate 14336, 32 heads / 8 KV
 heads, vocab 32000), 4 layers, 4096 tokens (one sequence), bf16 weights, bf16 autocast, DoRA on all
@@ -615,15 +615,15 @@ MODEL_FILES = ("model_bench.csv", "model_agreement.csv", "model_probe.csv", "mod
 
 def ingest(src: Path, dest: Path | None = None) -> list[Path]:
     """Copy the model section's files of a suite (or standalone) folder into ``data/gpu/`` with
-    provenance (:func:`dora_num.studies.suite.ingest`: the device and git sha from the folder's
+    provenance (:func:`dora_num.studies.record_suite.ingest`: the device and git sha from the folder's
     ``device.json``), leaving the committed ``device.json`` of the other sections alone."""
-    from ..suite import ingest as suite_ingest
+    from ..record_suite import ingest as suite_ingest
 
     return suite_ingest(Path(src), dest, only=MODEL_FILES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.model_bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.record_model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ingest", metavar="DIR", help="instead of measuring: copy DIR's model_*.csv into data/gpu/ "
                                                      "(or --out) with provenance")
@@ -656,13 +656,13 @@ def main(argv: list[str] | None = None) -> int:
 def describe(device: str, smoke: bool) -> dict:
     """The standalone run's ``device.json`` (the suite writes its own): device, versions, git sha,
     and on CUDA the copy bandwidth of this run."""
-    from ..recorded import checkout_git_sha
+    from ...repro.recording import checkout_git_sha
 
     sha = checkout_git_sha()
     desc = {"standalone": True, "argv": sys.argv, "smoke": smoke, "sections": ["model"]}
     if device == "cuda":
         from ..bench import copy_bandwidth
-        from ..suite import device_description
+        from ..record_suite import device_description
 
         desc.update(device_description(sha))
         desc["copy"] = copy_bandwidth(256 * 2**20 if smoke else 2 * 2**30)

@@ -10,7 +10,7 @@ the fused forward and backward launchers and of one autograd training step throu
 inside it), a training step 474 us of CPU against 0.29 ms of GPU work (the
 CUDA-graph replay of ``data/gpu/train_graphs.csv``).  So up to ~16384x8192 the fused
 training step timed one at a time is bound by the host, not by memory bandwidth
-(:mod:`~dora_num.studies.speed.train_graphs` times it without the host).
+(:mod:`~dora_num.studies.speed.record_train_graphs` times it without the host).
 
 :func:`layer_host_cost` times ``DoRALinear`` where its GPU work is negligible, with the
 norm's tail kernel and with its torch tail (the A/B of
@@ -35,7 +35,7 @@ from ...ops.compose import ComposeFunction
 from ...ops.kernels import compose as kc
 from ...ops.layer import DoRALinear
 from ...repro.paths import data_dir
-from .. import recorded
+from ...repro import recording as recorded
 from ..bench import host_path
 
 LOG = "host_overhead.log"

@@ -32,10 +32,10 @@ from torch.profiler import ProfilerActivity, profile
 from ...ops.compose import ComposeFunction
 from ...ops.config import get_config
 from ...repro.paths import data_dir
-from .. import recorded
+from ...repro import recording as recorded
 from ..bench import Timing, bitwise_equal, compose_bytes, copy_bandwidth, max_rel_err, time_ms
 from ..inputs import suite_compose_torch
-from .compose_bench import BASELINE_TOL, SCALE, SEED, autograd_expr
+from .record_compose import BASELINE_TOL, SCALE, SEED, autograd_expr
 
 SHAPES = ((8192, 8192), (16384, 8192), (4096, 8192))
 

@@ -40,7 +40,7 @@ import pandas as pd
 
 from ...ops.norm import ROW_CHUNK_BYTES, chunk_columns
 from ...repro.paths import committed_data
-from .. import recorded
+from ...repro import recording as recorded
 
 PAPER_TABLE1 = pd.DataFrame(  # docs/paper.md: H200, fp32, allocator peak, MB
     [(4096, 4096, 384, 192, 71), (8192, 8192, 384, 768, 245), (8192, 8192, 512, 768, 241),
@@ -58,7 +58,7 @@ RECORDED = recorded.RecordedData(
 
 def load_recorded(folder: str | Path | None = None) -> dict:
     """The recorded suite: DataFrames ``compose``, ``norm``, ``layer``, ``fma``, ``tiles``,
-    ``train_graphs`` (:mod:`~dora_num.studies.speed.train_graphs`; empty if not recorded) and ``device``."""
+    ``train_graphs`` (:mod:`~dora_num.studies.speed.record_train_graphs`; empty if not recorded) and ``device``."""
     root = Path(folder) if folder is not None else committed_data("gpu")
     recorded.require([root / "device.json"], RECORDED.how_to_record)
     out = {"device": json.loads((root / "device.json").read_text())}

@@ -159,7 +159,7 @@ def test_report_tables_and_recorded_data(tmp_path):
     """The reading side on the committed fp8 record: the summary and the 1-ulp claim per format x
     formula x arithmetic; a missing GPU record is named with the command that records it; the
     recorded bitwise check is read back, and a mismatch is reported."""
-    from dora_num.studies.recorded import RecordedDataMissing
+    from dora_num.repro.recording import RecordedDataMissing
 
     ex = R.load_all(gpu=False)
     assert set(ex["format"]) == {"fp8_e4m3fn", "fp8_e5m2"}

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dora_num.studies.cancellation import gpu_launch as L
-from dora_num.studies.cancellation import gpu_training as G
-from dora_num.studies.cancellation import trained_record as R
+from dora_num.studies.cancellation import record_trained_launch as L
+from dora_num.studies.cancellation import record_trained as G
+from dora_num.studies.cancellation import ingest_trained as R
 
 # MiniLM's 36 encoder linears: (d_out, d_in) per type, 6 layers each
 SHAPES = {"q": (384, 384), "k": (384, 384), "v": (384, 384), "o": (384, 384), "intermediate": (1536, 384),
@@ -193,7 +193,7 @@ def test_plan_through_dora_num_record(capsys):
 
 
 def test_launcher_command_line_is_the_recorder_s():
-    """Each run's process (``python -m ...gpu_training run NAME ...``) parses with the recorder's parser."""
+    """Each run's process (``python -m ...record_trained run NAME ...``) parses with the recorder's parser."""
     cmd = L.run_command(G.smoke_plan()[1], "smoke", G.SMOKE_CPU, "W", deadline_at=123.5, base_path="B", python="py")
     assert cmd[:3] == ["py", "-m", G.MODULE]
     a = G.build_parser().parse_args(cmd[3:])

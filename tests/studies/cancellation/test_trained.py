@@ -16,10 +16,10 @@ import torch
 
 from dora_num.adapters.collapse import FORMATS, POOLED, collapse_table
 from dora_num.repro.paths import REPO_ROOT, committed_data
-from dora_num.studies.cancellation import gpu_launch as L
-from dora_num.studies.cancellation import gpu_training as G
+from dora_num.studies.cancellation import record_trained_launch as L
+from dora_num.studies.cancellation import record_trained as G
 from dora_num.studies.cancellation import trained as T
-from dora_num.studies.cancellation import trained_record as R
+from dora_num.studies.cancellation import ingest_trained as R
 
 U64 = 2.0**-53
 MINILM_NAMES = [f"encoder.layer.{i}.{s}" for i in range(6) for s in
@@ -218,7 +218,7 @@ def test_smoke_record_is_complete_and_labelled(smoke):
 
 @pytest.mark.slow
 def test_smoke_ingest_writes_the_recorded_data_vocabulary(smoke):
-    """Every file of the record has a sidecar in :mod:`dora_num.studies.recorded`'s vocabulary: the measuring
+    """Every file of the record has a sidecar in :mod:`dora_num.repro.recording`'s vocabulary: the measuring
     machine's device (from a run's own sidecar), the commit and versions it ran, the archives it came in."""
     from dora_num.repro.provenance import read_provenance
 
@@ -336,7 +336,7 @@ def assert_cli_matches(adapter: Path, table: pd.DataFrame, tmp: Path) -> None:
     twice ``g_abs_error_bound`` of a zone end (``n_near_zone_end``: there two correct float64 evaluations of
     g may fall on either side); g's moments within twice that bound (each evaluation is within it of the
     exact g) plus the float64 rounding of the statistics themselves."""
-    from dora_num.studies.carry import write_minilm_bf16
+    from dora_num.studies.record_carry import write_minilm_bf16
 
     (base,) = table["base"].unique()
     cmd = [sys.executable, "-m", "dora_num", "collapse", str(adapter), "--out", str(tmp / "cli.csv")]

@@ -18,7 +18,7 @@ from dora_num.repro.paths import REPO_ROOT
 from dora_num.repro.provenance import read_provenance
 from dora_num.studies.convergence import config as cc
 from dora_num.studies.convergence import recorded as cvr
-from dora_num.studies.convergence import run as cv
+from dora_num.studies.convergence import record_convergence as cv
 from dora_num.studies.convergence import tidy as ct
 from dora_num.studies.convergence import equivalence as eq
 
@@ -108,7 +108,7 @@ def test_smoke_study_end_to_end(tmp_path):
     assert res.summary["projected_total_s"] > 0
     for name in ("history.csv.gz", "evals.csv", "g_stats.csv.gz", "profile.csv", "summary.json"):
         assert (tmp_path / name).is_file()
-        assert read_provenance(tmp_path / name)["producer"] == "dora_num.studies.convergence.run"
+        assert read_provenance(tmp_path / name)["producer"] == "dora_num.studies.convergence.record_convergence"
     hist = pd.read_csv(tmp_path / "history.csv.gz")
     assert set(hist.metric) == {"loss", "grad_norm", "lr", "seconds"}
     assert set(hist.run) == {"eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1"}
@@ -201,7 +201,7 @@ def test_ddp_two_gloo_ranks_match_single_process(tmp_path):
             "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "dora_num.studies.convergence.run", "--out", str(tmp_path / "ddp"), *args],
+                          "-m", "dora_num.studies.convergence.record_convergence", "--out", str(tmp_path / "ddp"), *args],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     ddp = _tidy_loss(tmp_path / "ddp" / "history.csv.gz")

@@ -14,8 +14,8 @@ import torch
 from dora_num.ops.layer import DoRALinear
 from dora_num.ops.norm import factored_row_norm
 from dora_num.studies import inputs
-from dora_num.studies.recorded import RecordedDataMissing
-from dora_num.studies.fma import gpu as G
+from dora_num.repro.recording import RecordedDataMissing
+from dora_num.studies.fma import gpu_vs_emulation as G
 from dora_num.studies.fma import models as M
 from dora_num.studies.fma import propagation as P
 from dora_num.studies.fma import sqrt as S
@@ -75,7 +75,7 @@ def test_captured_terms_are_the_production_norms_terms():
 # ------------------------------------------------------------------ GPU data (synthetic recordings)
 
 def _fake_gpu(folder, n=8192, alt_fp32=False, approx_flip=0.2, comp_rows=64):
-    """A recording in fma.gpu_bench.bench_fma's format, produced by the emulation itself:
+    """A recording in fma.record_fma.bench_fma's format, produced by the emulation itself:
     the compose contracted at the marked product (fp32) / the other one (bf16), and
     tl.sqrt returning the other neighbour on a seeded fraction of inexact roots."""
     SEED, FMA_SCALE = inputs.SUITE_SEED, inputs.SUITE_FMA_SCALE

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from dora_num.studies.gradient import memory_measure as mx
+from dora_num.studies.gradient import record_memory as mx
 from dora_num.studies.gradient import memory_model as mm
 
 WIDE = mm.MemoryConfig(arch="stack", hidden=8192, n_layers=4, rank=384, dtype="bf16", batch=4, seq=2048)

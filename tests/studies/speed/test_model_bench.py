@@ -1,4 +1,4 @@
-"""The model-level section (:mod:`dora_num.studies.speed.model_bench`) on the CPU at tiny sizes:
+"""The model-level section (:mod:`dora_num.studies.speed.record_model`) on the CPU at tiny sizes:
 its files and columns, the adapter shim, the fidelity check (and that it can fail), the
 prediction model's ordering; on the GPU a training step of the accelerated model through the
 public API under ``torch.cuda.set_sync_debug_mode("error")``."""
@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from dora_num.studies.speed import model_bench as mb
+from dora_num.studies.speed import record_model as mb
 
 TINY = mb.Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, tokens=16, vocab=64)
 

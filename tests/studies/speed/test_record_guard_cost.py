@@ -8,7 +8,7 @@ import pytest
 
 from dora_num.ops.config import override
 from dora_num.repro.provenance import read_provenance
-from dora_num.studies.speed import guard_cost as gc
+from dora_num.studies.speed import record_guard_cost as gc
 
 
 @pytest.mark.interpreter

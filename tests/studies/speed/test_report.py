@@ -9,7 +9,7 @@ import torch
 from dora_num.repro.paths import committed_data
 from dora_num.studies import bench
 from dora_num.studies.speed import report as br
-from dora_num.studies import suite as gpu_suite
+from dora_num.studies import record_suite as gpu_suite
 
 RECORDED = committed_data("gpu", "device.json").is_file()
 needs_recorded = pytest.mark.skipif(not RECORDED, reason="no recorded GPU suite in data/gpu/")
