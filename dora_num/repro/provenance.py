@@ -216,6 +216,23 @@ def save_json(obj, path, **prov) -> Path:
     return write_artifact(path, (json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n").encode(), **prov)
 
 
+def set_producer(path, producer: str) -> bool:
+    """Rename the producer in ``path``'s sidecar (a recorder renamed since it recorded); the artifact and
+    every other field stay, the former name is kept under ``extra.producer_when_recorded``.  Returns
+    whether the sidecar changed."""
+    side = Path(str(path) + ".provenance.json")
+    prov = json.loads(side.read_text())
+    if prov.get("producer") == producer:
+        return False
+    if prov.get("sha256") != sha256_file(path):
+        raise ValueError(f"{side} does not describe {path}: its sha256 differs")
+    extra = dict(prov.get("extra") or {})
+    extra.setdefault("producer_when_recorded", prov.get("producer"))
+    prov.update(producer=producer, extra=extra)
+    _atomic_write_bytes(side, (json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n").encode())
+    return True
+
+
 def read_provenance(path) -> dict[str, Any]:
     side = Path(str(path) + ".provenance.json")
     if not side.is_file():
