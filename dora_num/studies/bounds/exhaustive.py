@@ -29,7 +29,6 @@ functions (``compose_bound``, ``emulate``, exact ``Fraction`` arithmetic).
 from __future__ import annotations
 
 import math
-import time
 from fractions import Fraction
 
 import numpy as np
@@ -45,7 +44,6 @@ REALISTIC_GM1 = (1e-5, -1e-5, 1e-3, -1e-3, 1e-2, -1e-2)
 FORMULAS = ("compose_stable", "compose_naive")
 ARITHS = ("fp32", "per_op")
 RESULT_FILE = "compose_exhaustive.csv"
-FP8_FILE = "compose_fp8.csv.gz"
 
 
 def _f32(x: float) -> float:
@@ -135,7 +133,7 @@ def bound_constants(fmt, arith: str, g: float, s: float) -> dict[str, float]:
 
 def launch_constants(fmt, g: float, s: float) -> tuple[np.ndarray, np.ndarray]:
     """``(fp64 constants, fp32 scalars)`` of one launch, each exactness claim of the kernel's
-    docstring checked here with ``Fraction``."""
+    proof (docs/bounds.md) checked here with ``Fraction``."""
     fmt = get_format(fmt)
     if _f32(g) != g or scale_constants(s)[0] != s:
         raise ValueError(f"g and s must be fp32 values (s rounded by scale_constants), got {g!r}, {s!r}")
@@ -160,17 +158,15 @@ def launch_constants(fmt, g: float, s: float) -> tuple[np.ndarray, np.ndarray]:
 # One launch
 # --------------------------------------------------------------------------
 
-def launch(fmt, g: float, s: float, *, start: int = 0, n: int = 1 << 32, device=None,
+def launch(fmt, g: float, s: float, *, start: int = 0, n: int = 1 << 32, device="cpu",
            tile: int | None = None, iters: int | None = None, write_out: bool = False):
     """Run the kernel over pair indices ``[start, start + n)``; returns ``(stats, out)``:
     ``stats`` int64 ``[4, N_STAT]`` summed over programs (keys: max); ``out`` is None, or with
     ``write_out`` ``(patterns int32 [n, 5], float64 [n, 9]: bounds, ulp bounds, kappa_c)``
-    (kernel docstring)."""
+    (docs/bounds.md, the exhaustive check)."""
     import torch
 
     fmt = get_format(fmt)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     interp = K.INTERPRET or str(device) == "cpu"
     # GPU: 256 pairs per tile, 8 warps (one pair per thread).  ptxas for sm_90a (triton 3.7.1, on the CPU):
     # 255 registers, 16 (bf16) / 20 (fp16) bytes spilled, 1242 SASS instructions per pair and variant set
@@ -411,95 +407,3 @@ def bitwise_check(fmt, g: float, s: float, start: int, n: int, device="cpu", *, 
 
 BITWISE_FILE = "compose_exhaustive_bitwise.csv"
 
-
-def run_gpu(out_dir, *, smoke: bool = False, budget_s: float = 540.0, log=print, device="cuda",
-            pairs: int | None = None, check_pairs: int = 1 << 20) -> pd.DataFrame:
-    """First the kernel against the package on the device (:func:`bitwise_check` on ``check_pairs``
-    pairs around ``base ~ 1`` at two (g, s) per format: computed variants, exact result, bounds,
-    ulp bounds, ``kappa_c``; every count must be 0) into ``out_dir/compose_exhaustive_bitwise.csv``;
-    then every configuration (``smoke``: two formats x 2 g x 2 s on a 2^24-pair slice around
-    ``base ~ 1``), written to ``out_dir/compose_exhaustive.csv`` after each launch.  Stops cleanly,
-    with what it has, once ``budget_s`` has passed (``stopped_early`` in the log).  ``device`` and
-    ``pairs`` (the slice of the smoke launches) let the tests run the driver under the interpreter."""
-    import torch
-
-    from pathlib import Path
-
-    cuda = str(device).startswith("cuda")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfgs = configurations()
-    start, n = 0, 1 << 32
-    if smoke:
-        keep_g = {"exactly_1", "bf16_edge_above_outside"}
-        cfgs = [c for c in cfgs if c["g_label"] in keep_g and c["s_label"] != "0.5"]
-        start, n = 0x3F80 << 16, pairs or 1 << 24
-    rows, t0 = [], time.time()
-    if cuda:
-        for f in ("bf16", "fp16"):  # compile outside the timed launches (the events would include the compile)
-            launch(f, 1.0, 1.0, start=0, n=256 * 256, device=device)
-        torch.cuda.synchronize()
-    log(f"[exhaustive] compiled in {time.time() - t0:.0f} s")
-    checks = [{"format": f, "g": g, "s": s_, **bitwise_check(f, g, s_, 0x3F80 << 16, check_pairs, device=device)}
-              for f in ("bf16", "fp16") for g, s_ in ((1.0, 1.0), (_f32(1 + 1e-3), scale_constants(2 / math.sqrt(7))[0]))]
-    chk = pd.DataFrame(checks)
-    chk.to_csv(out_dir / BITWISE_FILE, index=False, lineterminator="\n")
-    bad = int(chk.drop(columns=["format", "g", "s", "n_finite"]).to_numpy().sum())
-    log(f"[exhaustive] kernel vs the package on {device} ({len(checks)} x {check_pairs:,} pairs): "
-        + ("every output bit for bit" if bad == 0 else f"{bad} MISMATCHES (see {BITWISE_FILE})")
-        + f"; {time.time() - t0:.0f} s; now {len(cfgs)} launches of {n:,} pairs each")
-    for i, cfg in enumerate(cfgs):
-        if time.time() - t0 > budget_s:
-            log(f"[exhaustive] stopped_early after {i} of {len(cfgs)} launches ({time.time() - t0:.0f} s)")
-            break
-        if cuda:
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record()
-        else:
-            tc = time.perf_counter()
-        stats, _ = launch(cfg["format"], cfg["g"], cfg["s"], start=start, n=n, device=device)
-        if cuda:
-            ev1.record()
-            torch.cuda.synchronize()
-            ms = ev0.elapsed_time(ev1)
-        else:
-            ms = (time.perf_counter() - tc) * 1e3
-        rows += stats_rows(cfg, stats, n, start=start, kernel_ms=ms)
-        pd.DataFrame(rows).to_csv(out_dir / RESULT_FILE, index=False, lineterminator="\n")
-        log(f"[exhaustive] {i + 1}/{len(cfgs)} {cfg['format']} g={cfg['g_label']} s={cfg['s_label']}: {ms:.0f} ms; "
-            f"elapsed {time.time() - t0:.0f} s")
-    return pd.DataFrame(rows)
-
-
-def record_fp8(out_dir=None):
-    """The fp8 exhaustive check (every configuration) into ``data/exhaustive/compose_fp8.csv.gz``;
-    returns its path."""
-    from pathlib import Path
-
-    from ...repro.paths import data_dir
-    from ...repro.provenance import save_dataframe
-
-    t0 = time.time()
-    df = fp8_exhaustive()
-    out = (data_dir("exhaustive") if out_dir is None else Path(out_dir)) / FP8_FILE
-    save_dataframe(df, out, float_format="%.17g", params={"wall_s": round(time.time() - t0, 1), "rows": len(df)},
-                   producer="python -m dora_num.studies.bounds.exhaustive record-fp8")
-    print(f"[exhaustive] fp8: {len(df)} rows in {time.time() - t0:.0f} s -> {out}")
-    return out
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.bounds.exhaustive",
-                                 description="exhaustive compose checks (fp8 on the CPU; the 16-bit GPU run: "
-                                             "python -m dora_num.studies.record_exhaustive)")
-    ap.add_argument("command", choices=["record-fp8"])
-    ap.add_argument("--out", help="output folder (default data/exhaustive/)")
-    args = ap.parse_args(argv)
-    record_fp8(args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

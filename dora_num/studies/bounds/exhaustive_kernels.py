@@ -1,92 +1,14 @@
 r"""Triton kernel of the exhaustive 16-bit compose check: every (base, lora) pair at one (g, s).
 
 One launch covers ``n`` consecutive pair indices ``idx`` (``base = bits(idx >> 16)``,
-``lora = bits(idx & 0xFFFF)`` in bf16 or fp16) and evaluates, per element, four computed
+``lora = bits(idx & 0xFFFF)`` in bf16 or fp16) and evaluates, per element, the four computed
 results (stable / naive compose x fp32 contract / per-op arithmetic), the exact result
-rounded once to the format, the a-priori bound of each, and reduces them to per-program
-statistics (no atomics: the host sums the partials, so every count is deterministic).
-
-**Decode** (exact, integer only: under ``TRITON_INTERPRET=1`` a bf16 cast truncates).
-bf16: the fp32 pattern is ``bits << 16``.  fp16: ``bits`` bitcast to fp16 and widened
-(exact everywhere, the interpreter included).  Non-finite inputs (exponent field all
-ones) are counted in their own class and measured no further: the contract refuses them.
-
-**Rounding to the format** (:func:`_round_f32`, :func:`_round_f64`, both through
-:func:`_unpack`, :func:`_quantize` and :func:`_pattern`), integer only.  A
-finite binary value ``v = M 2^E`` (``M`` the significand as an integer) lies in the
-binade ``e = floor(log2 |v|)``; the format's quantum there is ``2^qe``,
-``qe = max(e, emin) - p + 1`` (unbounded above).  With ``k = qe - E`` low bits to drop,
-``keep = M >> k``, ``rem = M mod 2^k``: round up iff ``rem > 2^(k-1)``, or ``rem ==
-2^(k-1)`` and (the residual below says *up*, or there is none and ``keep`` is odd).  The
-bit pattern is ``((qe - qe_min) << (p-1)) + keep`` for every binade at once: in the
-subnormal binade it is ``keep``; in binade ``e >= emin`` it is ``(e + bias) << (p-1)``
-plus the fraction, and a carry out of ``keep`` moves to the next binade by itself.
-Patterns at or beyond the infinity pattern become infinity (both formats have one).
-
-**Exact result** ``X = (g - 1) base + g s lora`` (both formulas have this value).  On the
-host: ``g - 1`` is exact in fp64 (``g`` is fp32 near 1); ``C = g s`` has at most 48 bits
-(exact in fp64), split as ``C = Ch + Cl`` with ``Ch = RN_24(C)`` and ``Cl = C - Ch``
-(exact, at most 24 bits, ``|Cl| <= 2^-24 |Ch|``); all checked with ``Fraction``.  In the
-kernel the three terms ``T1 = (g-1) base``, ``P1 = Ch lora``, ``P2 = Cl lora`` are exact
-fp64 products (at most 24 + 11 = 35 significant bits; no underflow: ``|T1|, |P1|, |P2|
->= 2^-24 * 2^-24 * 2^-133`` or zero, far above 2^-1022).  Then, with Knuth's TwoSum
-(exact without overflow; the kernel is compiled without contraction)::
-
-    (h, l1) = TwoSum(T1, P1);  (m, l2) = TwoSum(l1, P2);  (H, L) = TwoSum(h, m)
-    X = H + L + l2 exactly;    rho = fl(L + l2)   (sign(rho) = sign(X - H))
-
-*Claim:* no fp64 number lies strictly between ``X`` and ``H``.  If ``l1 = 0`` then
-``l2 = 0``, ``X = H + L`` and ``H = RN_64(X)``.  If ``l1 != 0`` then ``|h| >= |P1|/2``
-(otherwise ``|T1 + P1| <= |P1|/2`` puts ``T1`` in ``[-3P1/2, -P1/2]``, Sterbenz makes
-``T1 + P1`` exact and ``l1 = 0``), so ``|l1 + P2| <= (2^-53 + 2^-23)|h|``, ``|m| < 2^-22|h|``,
-``|l2| <= 2^-53|m| < 2^-74|H|``.  ``H = RN(h + m)`` leaves ``|L|`` at most half the
-spacing on its side of ``H``; adding ``|l2|``, far below 2^-53|H|, cannot reach the next
-fp64 number.  ``sign(rho)`` is exact (a rounded sum of two doubles is zero only if the sum is).
-*Hence* the format's midpoints (fp64 numbers: p <= 11) never lie strictly between ``X``
-and ``H``: ``RN_fmt(X) = RN_fmt(H)`` unless ``H`` is a midpoint, where ``sign(rho)`` picks
-the neighbour (``rho = 0``: ties to even).  That is :func:`_round_f64` with the residual.
-The overflow threshold ``max + ulp/2`` is such a midpoint of the unbounded grid.
-
-**Computed results** (what eager PyTorch and the fused kernels do):
-
-- contract (``fp32``): the sequences of :mod:`dora_num.numerics.formulas` in fp32, one
-  rounding per operation, no FMA, one final rounding; bitwise the eager reference
-  :func:`dora_num.ops.reference.compose_stable_ref` / ``compose_naive`` (tests).
-- ``per_op``: every operation in fp32 then rounded to the format (eager bf16/fp16 torch;
-  with a Python scalar the fp32 result is rounded again, as torch does), ``g`` held in the
-  format; bitwise the eager torch evaluation of the formula on 16-bit tensors (tests).
-
-**Error and bound.**  ``err = |c - X| <= (|fl(c - H)| + |rho|)(1 + 2^-50)`` (an upper bound;
-``c`` the computed value).  The bound of each variant is
-:func:`dora_num.numerics.bounds.compose_bound` and its ulp form
-:func:`~dora_num.numerics.bounds.compose_ulp_bound`, both from the pieces of ``_compose_parts``
-(``E_pre``, ``E_w``, ``E``, the overflow test, ``|g' - g||L + b|``), transcribed op for op in
-float64 (:func:`_bound`: same operations, same association; the scalar factors that depend on
-``g`` alone, e.g. ``(1 + us)^k (1 + u) - 1``, are host constants from
-:func:`~dora_num.studies.bounds.exhaustive.bound_constants`), together with the sum's condition
-``kappa_c`` (:func:`~dora_num.numerics.bounds.compose_condition`).  The three are held to those
-functions bit for bit by ``tests/studies/bounds/test_exhaustive.py`` (and on the GPU by
-``bitwise_check``): if a bound changes, that test fails until this transcription follows.  The
-quantum ``q`` of the ulp form is built from the exponent bits of ``max(|X| - E_last, 0)`` and
-``E_last / q`` is taken as a product with ``1/q`` (exact: a power of two), its floor by an
-integer conversion below ``2^52`` (every float64 above is an integer): no division, no libdevice.
-A violation is ``err > bound`` (or a non-finite result where the bound is finite); an ulp
-violation is ``ulp distance > ulp bound`` (likewise); the claim of lemma 1 is counted where
-``kappa_c <= one_ulp_condition(fmt)`` (``2^(22-p)``): how many pairs, and how many of them more
-than 1 ulp off.  The float64 constants that are not fp32 numbers (``1 + 2^-40``,
-``1 + 2^-50``) are loaded from the constant array, not written as literals, so no Triton
-version can narrow them.
-
-Statistics per variant and program (``N_STAT`` int64, :data:`STAT_NAMES`): a 16-bin histogram
-of the class (:data:`CLASSES`); the number of violations, of finite results whose bound is
-``inf``, of results with ``err >= bound / 2``; of ulp-bound violations, of pairs whose ulp
-bound is 1 (the bound itself guarantees 1 ulp), of pairs whose ulp error equals their ulp
-bound (attained); of pairs with ``kappa_c <= one_ulp_condition`` and of those among them more
-than 1 ulp off; and two maxima packed with the pair index (low 32 bits): ULP distance and
-``fp32(err / bound)`` (its bits; positive floats order like their bits).  Each tile lane
-accumulates its counts in registers (9- and 10-bit fields of int64 / int32 words, so
-``ITERS <= 511``) and the program reduces them once at its end: a reduction per tile cost 72
-barriers and 164 shuffles per element (ptxas for sm_90, 256-element tiles).
+``X = (g - 1) base + g s lora`` rounded once to the format (three exact fp64 products and
+TwoSums: no fp64 number lies between ``X`` and the rounded sum ``H``), and each variant's
+a-priori bound (:func:`dora_num.numerics.bounds.compose_bound`, transcribed op for op and held
+to it bit for bit by the tests); the statistics are reduced per program without atomics.
+Decode, integer rounding, the proof of the exact reference and the statistics: docs/bounds.md,
+"The exhaustive 16-bit compose check".
 """
 
 from __future__ import annotations
