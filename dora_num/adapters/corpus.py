@@ -215,14 +215,20 @@ def write_corpus(out_dir: str | Path | None = None) -> Path:
     return path
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dora_num.adapters.corpus [--out DIR]``: extract the corpus again (with provenance)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m dora_num.adapters.corpus",
                                  description="Extract the docstring/signature corpus from this Python's standard "
                                              "library and write it to data/corpus/ (with provenance).")
     ap.add_argument("--out", metavar="DIR", default=None, help="output folder (default: data/corpus)")
-    p = write_corpus(ap.parse_args().out)
+    p = write_corpus(ap.parse_args(argv).out)
     rows = load_corpus(p)
     print(f"wrote {p} ({p.stat().st_size} bytes): {len(rows)} pairs, "
           f"{sum(r['split'] == 'validation' for r in rows)} validation")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
