@@ -4,7 +4,7 @@
 # share the GPU well).  Usage (device tool, repo root, $OUT given):
 #   DORA_NUM_GIT_SHA=... bash .ci/gpu/convergence.sh eager_s0 fused_s0 ...
 # Each run NAME is PATH_sSEED[_rep1] or eager_sSEED_ulp (m moved by 1 ulp at init); results in $OUT/results.tgz, one folder per
-# run; record them with python -m dora_num.studies.convergence.record_convergence --ingest DIR... --out
+# run; record them with python -m dora_num record convergence --ingest DIR... --out
 # data/gpu/convergence --git-sha SHA (together with the --profile-only folder).
 set -u
 : "${OUT:?set OUT}"
@@ -14,7 +14,7 @@ R=$OUT/r
 mkdir -p "$R"
 for name in "$@"; do
   seed=${name#*_s}; seed=${seed%%_*}
-  timeout "$LIMIT" python3 -m dora_num.studies.convergence.record_convergence --out "$R/$name" --base .carry/minilm \
+  timeout "$LIMIT" python3 -m dora_num record convergence --out "$R/$name" --base .carry/minilm \
     --seeds "$seed" --repeat-seed "$seed" --ulp-seeds "$seed" --runs "$name" --profile-steps 0 --no-progress \
     > "$R/$name.log" 2>&1 &
 done

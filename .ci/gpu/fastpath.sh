@@ -9,7 +9,7 @@
 # `bash .ci/gpu/fastpath.sh full`.
 # Results: $OUT/results.tgz (r/pytest_fastpath.log, r/model.log, r/suite/{device.json,model_*.csv});
 # here: mkdir r && tar xzf results.tgz -C r --strip-components=1 &&
-#       python -m dora_num.studies.speed.record_model --ingest r/suite
+#       python3 -m dora_num record model --ingest r/suite
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 R="$OUT/r"; mkdir -p "$R"

@@ -20,12 +20,12 @@
 # 600 s) and appends "<section> exit <rc> after <s> s" to its log.  Everything lands in
 # $OUT/results.tgz; record it here (unpacked into r/) with:
 #   python -m dora_num gpu-suite --ingest r/suite        (all sections; or ingest(..., only=...))
-#   python -m dora_num.studies.gradient.memory_model --ingest r/memory --git-sha <sha>
-#   python -m dora_num.studies.speed.record_guard_cost --ingest r/guard --git-sha <sha>
+#   python -m dora_num record memory --ingest r/memory --git-sha <sha>
+#   python3 -m dora_num record guard-cost --ingest r/guard --git-sha <sha>
 #   cp r/pytest_gpu.log r/overhead.log r/graphs/train_graphs.csv data/gpu/  (with sidecars:
 #     README "Recording GPU data")
 # Usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/record.sh kernels | layer | SECTION...
-# Needs .carry/minilm (python -m dora_num.studies.record_carry .carry/minilm) carried along for
+# Needs .carry/minilm (python -m dora_num record carry .carry/minilm) carried along for
 # conv_profile and memory.
 source "$(dirname "$0")/_setup.sh"
 [ $# -gt 0 ] || { echo "usage: record.sh kernels | layer | SECTION... (see the header)" >&2; exit 2; }
@@ -51,15 +51,15 @@ for s in tests conv_profile suite overhead memory graphs guard; do  # this order
   case " ${sections[*]} " in *" $s "*) ;; *) continue ;; esac
   case "$s" in
     tests) run pytest "$R/pytest_gpu.log" "${T_TESTS:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests ;;
-    conv_profile) run profile "$R/conv_profile.log" "${T_CONV_PROFILE:-120}" python3 -m dora_num.studies.convergence.record_convergence \
+    conv_profile) run profile "$R/conv_profile.log" "${T_CONV_PROFILE:-120}" python3 -m dora_num record convergence \
         --out "$R/conv_profile" --base .carry/minilm --profile-only --profile-steps 30 --no-progress ;;
     suite) run suite "$R/suite.log" "${T_SUITE:-330}" python3 -m dora_num gpu-suite --out "$R/suite" "${only[@]}" \
         --git-sha "$SHA" ;;
-    overhead) run overhead "$R/overhead.log" "${T_OVERHEAD:-60}" python3 -m dora_num.studies.speed.record_overhead ;;
-    memory) run memory "$R/memory.log" "${T_MEMORY:-60}" python3 -m dora_num.studies.gradient.memory_model --measure \
+    overhead) run overhead "$R/overhead.log" "${T_OVERHEAD:-60}" python3 -m dora_num record overhead ;;
+    memory) run memory "$R/memory.log" "${T_MEMORY:-60}" python3 -m dora_num record memory \
         --out "$R/memory" --base .carry/minilm ;;
-    graphs) run graphs "$R/graphs.log" "${T_GRAPHS:-120}" python3 -m dora_num.studies.speed.record_train_graphs --out "$R/graphs" ;;
-    guard) run guard "$R/guard.log" "${T_GUARD:-150}" python3 -m dora_num.studies.speed.record_guard_cost --out "$R/guard" \
+    graphs) run graphs "$R/graphs.log" "${T_GRAPHS:-120}" python3 -m dora_num record train-graphs --out "$R/graphs" ;;
+    guard) run guard "$R/guard.log" "${T_GUARD:-150}" python3 -m dora_num record guard-cost --out "$R/guard" \
         --git-sha "$SHA" ${GUARD_SMOKE:+--smoke} ;;
   esac
 done

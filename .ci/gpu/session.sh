@@ -41,25 +41,25 @@ pack() {  # pack NAME: everything under $W as one file in $OUT
 case "${1:-}" in
   smoke)
     job exhaustive_smoke 240 python3 -m dora_num record exhaustive --out "$W/exhaustive_smoke" --smoke --git-sha "$SHA" &
-    job adapters_smoke 220 python3 -m dora_num record adapters-gpu launch --plan smoke --out "$W/adapters_smoke" \
+    job adapters_smoke 220 python3 -m dora_num record adapters-gpu --smoke --out "$W/adapters_smoke" \
       --base .carry/minilm --wall-s 180 --git-sha "$SHA" &
-    job model_smoke 240 python3 -m dora_num.studies.speed.record_model --out "$W/model_smoke" --smoke --git-sha "$SHA" &
+    job model_smoke 240 python3 -m dora_num record model --out "$W/model_smoke" --smoke --git-sha "$SHA" &
     job suite_smoke 240 python3 -m dora_num gpu-suite --smoke --only fma compose norm layer --out "$W/suite_smoke" \
       --git-sha "$SHA" &
     job pytest 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests &
     wait
-    job guard 150 python3 -m dora_num.studies.speed.record_guard_cost --out "$W/guard" --git-sha "$SHA"
+    job guard 150 python3 -m dora_num record guard-cost --out "$W/guard" --git-sha "$SHA"
     pack smoke
     ;;
   train)
-    job adapters 590 python3 -m dora_num record adapters-gpu launch --out "$OUT" --base .carry/minilm --wall-s 560 \
+    job adapters 590 python3 -m dora_num record adapters-gpu --out "$OUT" --base .carry/minilm --wall-s 560 \
       --git-sha "$SHA"
     cp "$W/logs/adapters.log" "$OUT/adapters_job.log"
     tail -n 20 "$W/logs/adapters.log"
     ls -la "$OUT"
     ;;
   bench)
-    job model 330 python3 -m dora_num.studies.speed.record_model --out "$W/model" --rounds "${MODEL_ROUNDS:-3}" \
+    job model 330 python3 -m dora_num record model --out "$W/model" --rounds "${MODEL_ROUNDS:-3}" \
       --git-sha "$SHA"
     left=$(( 570 - ($(date +%s) - t0) ))
     budget=$(( left - 80 ))
@@ -73,15 +73,15 @@ case "${1:-}" in
     job exhaustive 300 python3 -m dora_num record exhaustive --out "$W/exhaustive" --budget-s "${EXHAUSTIVE_S:-200}" \
       --git-sha "$SHA" &
     wait
-    job guard 150 python3 -m dora_num.studies.speed.record_guard_cost --out "$W/guard" --git-sha "$SHA"
+    job guard 150 python3 -m dora_num record guard-cost --out "$W/guard" --git-sha "$SHA"
     left=$(( 575 - ($(date +%s) - t0) ))
-    job model "$left" python3 -m dora_num.studies.speed.record_model --out "$W/model" --rounds "${MODEL_ROUNDS:-2}" \
+    job model "$left" python3 -m dora_num record model --out "$W/model" --rounds "${MODEL_ROUNDS:-2}" \
       --git-sha "$SHA"
     pack final
     ;;
   verify)  # after fixes: the gpu-marked tests of the named files (VERIFY_TESTS), then the guard's cost alone
     job pytest 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 ${VERIFY_TESTS:-tests}
-    job guard 420 python3 -m dora_num.studies.speed.record_guard_cost --out "$W/guard" --git-sha "$SHA"
+    job guard 420 python3 -m dora_num record guard-cost --out "$W/guard" --git-sha "$SHA"
     pack verify
     ;;
   *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|verify" >&2; exit 2 ;;

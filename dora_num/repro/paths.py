@@ -8,6 +8,7 @@ reads of committed data always come from the repository.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -64,8 +65,7 @@ def missing(files) -> list[Path]:
 
 def require(files, how_to_record: str) -> list[Path]:
     """The resolved paths of ``files``, or :class:`RecordedDataMissing` naming each missing
-    file and ``how_to_record`` (the one way the package says "recorded data missing";
-    :mod:`dora_num.repro.recording` re-exports it for the studies)."""
+    file and ``how_to_record`` (the one way the package says "recorded data missing")."""
     files = list(files)
     if not files:
         raise ValueError("require() needs at least one file")
@@ -74,3 +74,90 @@ def require(files, how_to_record: str) -> list[Path]:
         raise RecordedDataMissing(f"recorded data missing: {', '.join(str(p) for p in gone)}; "
                                   f"record it with: {how_to_record}")
     return [_resolve(p) for p in files]
+
+
+@dataclass(frozen=True)
+class DataSet:
+    """A recorded data set: its ``files`` (paths under ``data/``), the command that records them
+    and the notebooks that read them (``notebooks``: needed by a full run; ``optional``: read
+    where present).
+
+    ``recorder`` is a ``dora-num record`` command (``"exhaustive --only census"``; its first word
+    is the subcommand), a device script (``"python3 .ci/gpu/..."``, ``"bash .ci/gpu/..."``) or a
+    notebook run (``"notebook 01 with RECOMPUTE_PAPER_SHAPE=True"``).  ``where``: the machine it
+    needs; ``ingest``: measured into ``--out`` there, then ingested here (a CPU recorder writes
+    into ``data/`` itself).  The table of all of them: :mod:`dora_num.studies.datasets`."""
+
+    name: str
+    files: tuple[str, ...]
+    recorder: str
+    notebooks: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    where: str = "the H200"
+    ingest: bool = True
+
+    @property
+    def kind(self) -> str:
+        """``"record"`` (a ``dora-num record`` subcommand), ``"script"`` or ``"notebook"``."""
+        first = self.recorder.split()[0]
+        return "notebook" if first == "notebook" else "script" if first in ("python3", "bash") else "record"
+
+    @property
+    def subcommand(self) -> str | None:
+        return self.recorder.split()[0] if self.kind == "record" else None
+
+    @property
+    def producer(self) -> str:
+        """What every sidecar of the data set names as its producer."""
+        if self.kind == "record":
+            return f"dora-num record {self.subcommand}"
+        if self.kind == "notebook":
+            return f"notebooks/{_notebook_stem(self.recorder.split()[1])}.ipynb"
+        return self.recorder
+
+    @property
+    def how_to_record(self) -> str:
+        if self.kind == "notebook":
+            return f"run {self.recorder} ({self.where})"
+        if self.kind == "script":
+            return f"on {self.where}: {self.recorder}, then ingest its output with repro.recording.ingest"
+        if not self.ingest:
+            return f"here ({self.where}): dora-num record {self.recorder}"
+        rest = self.recorder.split(maxsplit=1)[1:]
+        return (f"on {self.where}: dora-num record {' '.join([self.subcommand, '--out DIR', *rest])}; "
+                f"then here: dora-num record {self.subcommand} --ingest DIR --git-sha SHA")
+
+    def subset(self, *names: str) -> "DataSet":
+        """The same data set restricted to the files whose paths end in ``names`` (what one
+        reader needs of it)."""
+        files = tuple(f for f in self.files if f.endswith(names))
+        if len(files) != len(names):
+            raise ValueError(f"{self.name} has no file for some of {names}")
+        return replace(self, files=files)
+
+    @property
+    def folder(self) -> str:
+        """The folder under ``data/`` that holds every file of the data set."""
+        return os.path.commonpath([os.path.dirname(f) or "." for f in self.files])
+
+    def paths(self, folder: str | os.PathLike | None = None) -> list[Path]:
+        """The files under ``data/``, or at the same places under ``folder`` (another record)."""
+        if folder is None:
+            return [_resolve(f) for f in self.files]
+        return [Path(folder) / os.path.relpath(f, self.folder) for f in self.files]
+
+    def dest(self) -> Path:
+        """Where an ingest writes the data set (under :func:`output_root`'s ``data/``; created)."""
+        return data_dir(*Path(self.folder).parts)
+
+    def missing(self, folder: str | os.PathLike | None = None) -> list[Path]:
+        return missing(self.paths(folder))
+
+    def require(self, folder: str | os.PathLike | None = None) -> list[Path]:
+        """:meth:`paths`, or :class:`RecordedDataMissing` naming each missing file and how to record it."""
+        return require(self.paths(folder), self.how_to_record)
+
+
+def _notebook_stem(number: str) -> str:
+    stems = sorted(p.stem for p in NOTEBOOKS_DIR.glob(f"{number}_*.ipynb"))
+    return stems[0] if stems else number

@@ -1,29 +1,12 @@
-"""Recorded data: what a notebook reads but does not make, how it is recorded, how it
-enters ``data/``.
+"""What a recorder writes about the machine it ran on, and the one ingest of its output into ``data/``.
 
-Recorded data are measurements too slow or impossible to redo in ``make reproduce``:
-the H200 runs under ``data/gpu/`` and the CPU training runs under ``data/adapters/``.
-The contract (docs/design.md, "Recorded data"):
-
-1. **One recorder per data set**, run as ``dora-num record NAME --out DIR`` (on the
-   GPU machine for GPU data; :mod:`dora_num.studies.cli` lists them).  A recorder
-   writes its files and a ``device.json`` (:func:`describe_machine`: device, library
-   versions, git sha, argv) under ``DIR``, never into ``data/`` directly.
-2. **One ingest**: ``dora-num record NAME --ingest DIR`` copies (or merges) the
-   files into ``data/`` through :func:`ingest`, which writes every sidecar with one
-   vocabulary of provenance keys: the *measuring* machine's ``device`` (not this
-   one's), ``producer`` (the recorder), ``parameters``, ``seed``, and under
-   ``extra``: ``measured_at_git_sha`` (the commit that ran: the GPU machine's copy of
-   the tree has no ``.git``), ``measured_versions``, ``measured_argv`` and
-   ``measured_from`` (the folders ingested).
-3. **One way to say it is missing**: :func:`require` (also behind
-   ``NotebookContext.recorded`` and the runner's ``requires`` check), raising
-   :class:`RecordedDataMissing` with every missing file and the command that records
-   it.  A :class:`RecordedData` names a data set's files and that command once.
-
-:func:`require` and :class:`RecordedDataMissing` are defined in
-:mod:`dora_num.repro.paths` (the notebook context and the papermill runner use them,
-and ``repro`` imports nothing of the studies); this module re-exports them.
+A recorder (``dora-num record NAME --out DIR``, on the machine it needs) writes its files and a
+``device.json`` (:func:`describe_machine`: device, library versions, git sha, argv) under ``DIR``,
+never into ``data/``.  ``dora-num record NAME --ingest DIR`` copies or merges them into ``data/``
+through :func:`ingest`, whose sidecars share one vocabulary: the *measuring* machine's ``device``,
+``producer``, ``parameters``, ``seed``, and under ``extra`` ``measured_at_git_sha`` (the GPU
+machine's copy of the tree has no ``.git``), ``measured_versions``, ``measured_argv``,
+``measured_from``.  The data sets themselves are declared in :mod:`dora_num.studies.datasets`.
 """
 
 from __future__ import annotations
@@ -33,39 +16,11 @@ import os
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from .paths import RecordedDataMissing, committed_data, missing, require
 from .provenance import device_info, read_provenance, save_dataframe, save_json, versions, write_artifact
-
-__all__ = ["RecordedData", "RecordedDataMissing", "checkout_git_sha", "describe_machine", "ingest", "measured_git_sha",
-           "missing", "read_machine", "record_command", "require"]
-
-
-def record_command(name: str, *, where: str = "the H200", out: str = "DIR", extra: str = "") -> str:
-    """The standard instructions for recording data set ``name``."""
-    run = f"dora-num record {name} --out {out}" + (f" {extra}" if extra else "")
-    return f"on {where}: {run}; then here: dora-num record {name} --ingest {out} --git-sha SHA"
-
-
-@dataclass(frozen=True)
-class RecordedData:
-    """A recorded data set: its files (paths under ``data/``) and how to record them."""
-
-    files: tuple[str, ...]
-    how_to_record: str
-
-    def paths(self) -> list[Path]:
-        return [committed_data(*Path(f).parts) for f in self.files]
-
-    def missing(self) -> list[Path]:
-        return missing(self.files)
-
-    def require(self) -> list[Path]:
-        return require(self.files, self.how_to_record)
 
 
 # --------------------------------------------------------------------------

@@ -157,3 +157,15 @@ def write_csv(rows: list[dict], path: Path) -> None:
     """The rows of a suite section as a CSV in the recorder's output folder."""
     pd.DataFrame(rows).to_csv(path, index=False, lineterminator="\n")
     log(f"wrote {path.name} ({len(rows)} rows)")
+
+
+def gpu_description(git_sha: str | None) -> dict:
+    """A GPU recording's ``device.json`` (:func:`dora_num.repro.recording.describe_machine`) with the
+    Triton runtime and where ``dg``'s second stage runs (it changes what the compose rows time)."""
+    import triton
+
+    from ..ops.config import get_config
+    from ..repro.recording import describe_machine
+
+    return describe_machine(git_sha, triton_runtime=triton.__version__,
+                            dg_final_in_kernel=get_config().dg_stage2_in_kernel)

@@ -1,16 +1,15 @@
 """``dora-num record NAME ...``: every recorder of the project behind one command.
 
-A recorder measures what ``make reproduce`` cannot (GPU runs, long CPU training)
-into an output folder, and ingests such a folder into ``data/`` with provenance
-(:mod:`dora_num.repro.recording`)::
+A recorder (a ``record_*.py`` module) measures what ``make reproduce`` cannot into ``--out DIR``
+and ingests such a folder into ``data/`` with provenance (:mod:`dora_num.repro.recording`)::
 
     dora-num record NAME --out DIR [options]     # measure (on the machine it needs)
     dora-num record NAME --ingest DIR ...        # here: DIR -> data/ with sidecars
-    dora-num record NAME --help                  # its options
+    dora-num record --list                       # every recorded data set and its last recording
 
-Each recorder module provides ``build_parser(prog, name)`` and ``record(args)``;
-its ``python -m dora_num.studies...`` entry point delegates here.  The modules are
-imported only when their recorder runs, so ``dora-num --help`` stays fast.
+Each recorder module provides ``build_parser(prog, name)`` (built on :func:`parser`),
+``record(args)`` and, where it ingests, ``ingest_args(args)``; it is imported only when it runs,
+so ``dora-num --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 from typing import NamedTuple
 
 
@@ -26,43 +26,54 @@ class Recorder(NamedTuple):
     help: str
 
 
+_SUITE = "dora_num.studies.record_suite"
 RECORDERS = {
-    "suite": Recorder("dora_num.studies.record_suite", "GPU: every section of the GPU suite in one process (notebooks 02, 05)"),
-    "fma": Recorder("dora_num.studies.record_suite", "GPU: FMA / sqrt variants of the norm assembly and the compose (02)"),
-    "tiles": Recorder("dora_num.studies.record_suite", "GPU: tile sweep of the fused compose kernels (05)"),
-    "compose": Recorder("dora_num.studies.record_suite", "GPU: compose kernels vs eager and torch.compile (05)"),
-    "norm": Recorder("dora_num.studies.record_suite", "GPU: row-norm time and memory (05)"),
-    "layer": Recorder("dora_num.studies.record_suite", "GPU: DoRALinear vs PEFT's DoRA layer (05)"),
-    "model": Recorder("dora_num.studies.record_suite", "GPU: a Llama-architecture decoder at 8B layer shapes, PEFT vs this operator (05)"),
+    "suite": Recorder(_SUITE, "GPU: every section of the GPU suite in one process (notebooks 02, 05)"),
+    "fma": Recorder(_SUITE, "GPU: FMA / sqrt variants of the norm assembly and the compose (02)"),
+    "tiles": Recorder(_SUITE, "GPU: tile sweep of the fused compose kernels (05)"),
+    "compose": Recorder(_SUITE, "GPU: compose kernels vs eager and torch.compile (05)"),
+    "norm": Recorder(_SUITE, "GPU: row-norm time and memory (05)"),
+    "layer": Recorder(_SUITE, "GPU: DoRALinear vs PEFT's DoRA layer (05)"),
+    "model": Recorder("dora_num.studies.speed.record_model",
+                      "GPU: a Llama-architecture decoder at 8B layer shapes, PEFT vs this operator (05)"),
     "train-graphs": Recorder("dora_num.studies.speed.record_train_graphs",
                              "GPU: the training compose on the device alone, under CUDA graphs (05)"),
     "overhead": Recorder("dora_num.studies.speed.record_overhead", "GPU: host (CPU) cost of the fused tier per call (05)"),
-    "convergence": Recorder("dora_num.studies.convergence.record_convergence", "GPU: fused vs eager training, 2000 steps x 3 seeds (04)"),
+    "guard-cost": Recorder("dora_num.studies.speed.record_guard_cost",
+                           "GPU: what the cancellation guard costs, on vs off interleaved"),
+    "convergence": Recorder("dora_num.studies.convergence.record_convergence",
+                            "GPU: fused vs eager training, 2000 steps x 3 seeds (04)"),
     "memory": Recorder("dora_num.studies.gradient.record_memory",
                        "GPU: peak memory of training steps against the memory model (06)"),
     "adapters": Recorder("dora_num.studies.cancellation.record_adapters",
-                         "CPU: the early-training MiniLM DoRA adapters (50 steps) and the PEFT agreement runs (01)"),
+                         "CPU: the PEFT agreement runs (and the early-training MiniLM DoRA adapters) (01)"),
     "adapters-gpu": Recorder("dora_num.studies.cancellation.record_trained",
-                             "GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training; "
-                             "launch | plan | ingest (01)"),
+                             "GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training (01)"),
     "exhaustive": Recorder("dora_num.studies.record_exhaustive",
                            "GPU: exhaustive sqrt census, tensor-core accumulation probe, 16-bit compose checks (01-03)"),
+    "sqrt-census": Recorder("dora_num.studies.fma.record_census", "CPU: the exhaustive fp32 sqrt census (02)"),
+    "compose-fp8": Recorder("dora_num.studies.bounds.record_fp8", "CPU: the exhaustive fp8 compose check (01, 03)"),
     "carry": Recorder("dora_num.studies.record_carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
 }
+TOOLS = ("carry",)  # recorders of no data set: what a GPU run needs carried along
 
 
-_HELP = """A recorder measures what `make reproduce` cannot (GPU runs, long CPU training) into an
-output folder, and ingests such a folder into data/ with provenance sidecars:
-
-    dora-num record NAME --out DIR [options]     # measure (on the machine it needs)
-    dora-num record NAME --ingest DIR ...        # here: DIR -> data/ with sidecars
-    dora-num record NAME --help                  # its options"""
-
-
-def _description() -> str:
-    width = max(map(len, RECORDERS))
-    return (_HELP + "\n\nrecorders:\n"
-            + "\n".join(f"  {name:<{width}}  {r.help}" for name, r in RECORDERS.items()))
+def parser(prog: str, description: str | None, *, ingest: str | None = "DIR", many: bool = False,
+           smoke: str | None = "tiny sizes (a check of the recorder)", out: str = "output folder",
+           out_required: bool = True) -> argparse.ArgumentParser:
+    """A recorder's parser with the options every recorder shares: ``--out``, ``--ingest``
+    (``None``: it writes into ``data/`` itself), ``--git-sha`` and ``--smoke`` (``None``: none)."""
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help=out + (" (with --ingest: the data folder, default its folder under data/)"
+                                                   if ingest else ""))
+    if ingest:
+        p.add_argument("--ingest", type=Path, nargs="+" if many else None, metavar=ingest,
+                       help="instead of measuring: record this output folder into data/ with provenance")
+    p.add_argument("--git-sha", default=None, help="the commit that ran (the GPU machine's copy of the tree has no .git)")
+    if smoke:
+        p.add_argument("--smoke", action="store_true", help=smoke)
+    p.set_defaults(_out_required=out_required)
+    return p
 
 
 def run(name: str, argv: list[str] | None = None, *, prog: str | None = None) -> int:
@@ -70,18 +81,55 @@ def run(name: str, argv: list[str] | None = None, *, prog: str | None = None) ->
     if name not in RECORDERS:
         raise SystemExit(f"dora-num record: unknown recorder {name!r}; have {', '.join(RECORDERS)}")
     mod = importlib.import_module(RECORDERS[name].module)
-    parser = mod.build_parser(prog or f"dora-num record {name}", name)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    p = mod.build_parser(prog or f"dora-num record {name}", name)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if getattr(args, "ingest", None):
+        for path in mod.ingest_args(args):
+            print(path)
+        return 0
+    if getattr(args, "_out_required", False) and args.out is None:
+        p.error("--out DIR is required" + (" (or --ingest DIR)" if hasattr(args, "ingest") else ""))
     return int(mod.record(args) or 0)
+
+
+def list_datasets() -> str:
+    """``dora-num record --list``: every recorded data set (:func:`dora_num.studies.datasets.table`)."""
+    from .datasets import table
+
+    return table().to_string(index=False)
+
+
+_HELP = """A recorder measures what `make reproduce` cannot (GPU runs, long CPU training) into an
+output folder, and ingests such a folder into data/ with provenance sidecars:
+
+    dora-num record NAME --out DIR [options]     # measure (on the machine it needs)
+    dora-num record NAME --ingest DIR ...        # here: DIR -> data/ with sidecars
+    dora-num record NAME --help                  # its options
+    dora-num record --list                       # every recorded data set and its last recording"""
+
+
+def _description() -> str:
+    width = max(map(len, RECORDERS))
+    return _HELP + "\n\nrecorders:\n" + "\n".join(f"  {n:<{width}}  {r.help}" for n, r in RECORDERS.items())
+
+
+def _record(a) -> int:
+    if a.list:
+        print(list_datasets())
+        return 0
+    if a.name is None:
+        raise SystemExit("dora-num record: name a recorder (dora-num record --help) or give --list")
+    return run(a.name, a.args)
 
 
 def register(sub) -> None:
     """Add ``record`` (and ``gpu-suite``, the suite's original name) to the CLI's subparsers."""
     p = sub.add_parser("record", help="run a recorder (GPU measurements, training runs) or ingest its output",
                        description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=list(RECORDERS), metavar="NAME", help="the recorder (see the list above)")
+    p.add_argument("--list", action="store_true", help="print every recorded data set and its last recording")
+    p.add_argument("name", nargs="?", choices=list(RECORDERS), metavar="NAME", help="the recorder (see the list above)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the recorder's own options (NAME --help)")
-    p.set_defaults(func=lambda a: run(a.name, a.args))
+    p.set_defaults(func=_record)
     # The suite's options are parsed by the suite's own parser: prefix_chars="+" keeps this
     # subparser from reading "--out" or "--help" itself, so they reach that parser whole.
     g = sub.add_parser("gpu-suite", help="all GPU measurements in one process (= dora-num record suite)",

@@ -1,5 +1,4 @@
-"""The recorded-data contract: one ingest with one vocabulary of provenance keys, one way
-to say data is missing, and every data set a notebook reads present in the repository."""
+"""The recorded-data ingest: one vocabulary of provenance keys, the measuring machine's description."""
 
 from __future__ import annotations
 
@@ -8,28 +7,9 @@ import json
 import pandas as pd
 import pytest
 
-from dora_num.repro.provenance import read_provenance
 from dora_num.repro import recording as recorded
-from dora_num.studies.bounds import exhaustive_report
-from dora_num.studies.cancellation import analysis as cancellation
-from dora_num.studies.cancellation import trained
-from dora_num.studies.convergence import recorded as convergence
-from dora_num.studies.fma import census
-from dora_num.studies.fma import gpu_vs_emulation as fma
-from dora_num.studies.gradient import record_memory
-from dora_num.studies.speed import report
-
-DATA_SETS = {"agreement": cancellation.AGREEMENT, "compose_adapter": cancellation.COMPOSE_ADAPTER,
-             "trained_adapters": trained.TRAINED, "paper_shape": cancellation.PAPER_SHAPE, "fma": fma.RECORDED,
-             "convergence": convergence.RECORDED, "memory": record_memory.RECORDED, "suite": report.RECORDED,
-             "sqrt_census_cpu": census.RECORDED_CPU, "compose_fp8": exhaustive_report.RECORDED_FP8}
-
-
-@pytest.mark.parametrize("name", list(DATA_SETS))
-def test_every_recorded_data_set_is_committed(name):
-    data = DATA_SETS[name]
-    assert data.missing() == [] and len(data.require()) == len(data.files)
-    assert "record" in data.how_to_record or "notebook" in data.how_to_record
+from dora_num.repro.paths import RecordedDataMissing, require
+from dora_num.repro.provenance import read_provenance
 
 
 def test_ingest_writes_one_vocabulary_of_provenance_keys(tmp_path):
@@ -61,5 +41,5 @@ def test_ingest_refuses_a_folder_that_is_not_a_recorders(tmp_path):
 
 
 def test_require_names_every_missing_file(tmp_path):
-    with pytest.raises(recorded.RecordedDataMissing, match="a.csv, .*b.csv; record it with: do X"):
-        recorded.require([tmp_path / "a.csv", tmp_path / "b.csv"], "do X")
+    with pytest.raises(RecordedDataMissing, match="a.csv, .*b.csv; record it with: do X"):
+        require([tmp_path / "a.csv", tmp_path / "b.csv"], "do X")

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ...repro import recording as recorded
+from .datasets import ACCUMULATION
 
 FORMATS = ("bf16", "fp16")
 # (M, unit) of the order probe: M / unit >= 2^39 so that up to 2^14 units (< ulp(M)/2 of a
@@ -352,35 +352,6 @@ def bound_factor(findings: dict) -> dict:
 SHAPES = (("U", 4096, 384), ("G", 384, 384))  # (product, M rows per call, N) as in the factored norm
 K_VALUES = (384, 4096)
 PROBE_FILE = "accumulation_probe.json.gz"  # gzip (mtime 0): the raw outputs are 2.3 MB of JSON
-RECORDED = recorded.RecordedData(files=(f"gpu/exhaustive/{PROBE_FILE}",),
-                                 how_to_record=recorded.record_command("exhaustive", extra="--only accumulation"))
-
-
-def run_gpu(out_dir, *, smoke: bool = False, log=print) -> list[dict]:
-    """Probe ``torch.mm(a, b, out_dtype=torch.float32)`` on CUDA for every format x shape x K
-    and write ``accumulation_probe.json.gz`` (raw outputs) and ``accumulation_findings.json``."""
-    from pathlib import Path
-
-    import torch
-
-    def mm(a, b):
-        return torch.mm(a, b, out_dtype=torch.float32)
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    recs = []
-    for fmt in FORMATS:
-        for shape in (SHAPES[:1] if smoke else SHAPES):
-            for K in ((384,) if smoke else K_VALUES):
-                rec = run_probes(mm, fmt, K, shape=shape, device="cuda",
-                                 positions=(0, K - 1) if smoke else None)
-                recs.append(rec)
-                f = analyze(rec)
-                log(f"[accumulation] {fmt} {shape[0]} K={K}: {f}")
-    (out_dir / PROBE_FILE).write_bytes(gzip.compress((json.dumps(recs) + "\n").encode(), mtime=0))
-    findings = [{**analyze(r), "bound": bound_factor(analyze(r))} for r in recs]
-    (out_dir / "accumulation_findings.json").write_text(json.dumps(findings, indent=1, default=str) + "\n")
-    return findings
 
 
 def model_record(model: TensorCoreModel, fmt: str, K: int, positions=None) -> dict:
@@ -388,17 +359,14 @@ def model_record(model: TensorCoreModel, fmt: str, K: int, positions=None) -> di
     return run_probes(model.mm, fmt, K, shape=("U", 512, 2), positions=positions)
 
 
-__all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca_sizes", "run_gpu", "run_probes",
+__all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca_sizes", "run_probes",
            "asdict"]
 
 
 def load_record(folder=None) -> list[dict]:
     """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json.gz``, or in ``folder``);
     :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
-    from pathlib import Path
-
-    path = RECORDED.require()[0] if folder is None else recorded.require([Path(folder) / PROBE_FILE],
-                                                                         RECORDED.how_to_record)[0]
+    path = ACCUMULATION.subset(PROBE_FILE).require(folder)[0]
     return json.loads(gzip.decompress(path.read_bytes()))
 
 

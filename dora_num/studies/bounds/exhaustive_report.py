@@ -15,14 +15,9 @@ import numpy as np
 import pandas as pd
 
 from ...numerics.formats import get_format
-from ...repro import recording as recorded
-from .exhaustive import BITWISE_FILE, FP8_FILE, RESULT_FILE, all_values, eager_variants
+from .datasets import COMPOSE_FP8, COMPOSE_GPU
+from .exhaustive import BITWISE_FILE, RESULT_FILE, all_values, eager_variants
 
-RECORDED_FP8 = recorded.RecordedData(
-    files=(f"exhaustive/{FP8_FILE}",),
-    how_to_record="here, on the CPU (about 3 min): python -m dora_num.studies.bounds.exhaustive record-fp8")
-RECORDED_GPU = recorded.RecordedData(files=(f"gpu/exhaustive/{RESULT_FILE}", f"gpu/exhaustive/{BITWISE_FILE}"),
-                                     how_to_record=recorded.record_command("exhaustive", extra="--only compose"))
 
 
 def computed_value(formula: str, arith: str, fmt, b: float, l_: float, g: float, s: float) -> float:
@@ -83,10 +78,7 @@ def recheck_worst(df: pd.DataFrame) -> pd.DataFrame:
 def load_gpu(folder=None) -> pd.DataFrame:
     """The recorded 16-bit GPU run (``data/gpu/exhaustive/compose_exhaustive.csv``, or ``folder``);
     :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
-    from pathlib import Path
-
-    path = RECORDED_GPU.require()[0] if folder is None else recorded.require([Path(folder) / RESULT_FILE],
-                                                                             RECORDED_GPU.how_to_record)[0]
+    path = COMPOSE_GPU.subset(RESULT_FILE).require(folder)[0]
     return pd.read_csv(path)
 
 
@@ -113,10 +105,7 @@ def gpu_bitwise_failures(folder=None) -> list[str]:
     (``compose_exhaustive_bitwise.csv``): one line per (format, g, s) with a nonzero mismatch
     count (computed variants, exact result, bounds, ulp bounds, ``kappa_c``); empty when the
     kernel that produced the record is the package's transcription on that device."""
-    from pathlib import Path
-
-    path = RECORDED_GPU.require()[1] if folder is None else recorded.require([Path(folder) / BITWISE_FILE],
-                                                                             RECORDED_GPU.how_to_record)[0]
+    path = COMPOSE_GPU.subset(BITWISE_FILE).require(folder)[0]
     chk = pd.read_csv(path)
     counts = chk.drop(columns=["format", "g", "s", "n_finite"])
     return [f"{r['format']} g={r['g']} s={r['s']}: " + ", ".join(f"{k}={v}" for k, v in counts.loc[i].items() if v)
@@ -127,8 +116,8 @@ def load_all(*, gpu: bool = True) -> pd.DataFrame:
     """The recorded exhaustive results: fp8 (CPU, ``data/exhaustive/``: required) and, with
     ``gpu``, bf16/fp16 (H200, ``data/gpu/exhaustive/``); a missing record raises
     :class:`~dora_num.repro.recording.RecordedDataMissing` (a notebook asks first with
-    ``ctx.recorded(RECORDED_GPU, required=False)``)."""
-    parts = [pd.read_csv(RECORDED_FP8.require()[0])]
+    ``ctx.recorded(COMPOSE_GPU, required=False)``)."""
+    parts = [pd.read_csv(COMPOSE_FP8.require()[0])]
     if gpu:
         parts.insert(0, load_gpu())
     return pd.concat(parts, ignore_index=True)

@@ -17,15 +17,13 @@ ground truth, bounds); it defines no formula of its own.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import numpy as np
 import pandas as pd
 import torch
 
-from ...numerics import fixed_order, formulas as F
+from ...numerics import formulas as F
 from ...numerics.bounds import (assembly_bound, assembly_condition, compose_bound, dense_norm_bound,
                                factored_norm_bound, factored_norm_posterior, lora_row_magnitudes)
 from ...numerics.emulate import VARIANTS, emulate
@@ -241,20 +239,3 @@ def bench(n: int = 2_000_000, repeats: int = 5, fmt: str = "bf16", seed: int = 0
             "min_s": float(np.min(times)), "max_s": float(np.max(times)), "n_fallback": fallback,
             "elements_per_s": float(n / np.median(times))}
 
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dora_num.studies.bounds.sweep", description=__doc__.splitlines()[0])
-    p.add_argument("--bench", action="store_true", help="time the compose ground truth (2e6 elements)")
-    p.add_argument("--n", type=int, default=2_000_000, help="elements for --bench")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--format", default="bf16")
-    args = p.parse_args(argv)
-    if args.bench:
-        print(json.dumps(bench(args.n, args.repeats, args.format), indent=2))
-        return 0
-    p.print_help()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

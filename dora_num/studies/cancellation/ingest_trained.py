@@ -55,7 +55,6 @@ verdict.
 from __future__ import annotations
 
 import json
-import re
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -64,81 +63,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ...adapters.collapse import FORMATS, POOLED, collapse_table
+from ...adapters.collapse import FORMATS, collapse_table
+from ...repro import recording
+from .datasets import TRAINED
+from .runs import (BF16_NORM_RMS_PREDICTED, COMMIT_MAX_RANK, CROSSCHECK_CRITERION, CROSSCHECK_FACTOR,
+                   CROSSCHECK_FROM_STEP, MODULE_TYPES, ZONE_COLUMNS, Captures, activations_for, collapse_by_type,
+                   module_type, resolve_base)
 
-MODULE_TYPES = ("q", "k", "v", "o", "intermediate", "output")
-_TYPE_RE = (("q", r"attention\.self\.query$"), ("k", r"attention\.self\.key$"), ("v", r"attention\.self\.value$"),
-            ("o", r"attention\.output\.dense$"), ("intermediate", r"intermediate\.dense$"),
-            ("output", r"(?<!attention\.)output\.dense$"))
-COMMIT_MAX_RANK = 16  # exported adapters committed up to this rank (r = 16: 2.75 MB; r = 64: 10.6 MB)
 WINDOW = 50  # steps per row of history_windows.csv
-CROSSCHECK_FACTOR = 2.0  # same-dtype-baseline convention (record_adapters.AGREEMENT_FACTOR)
-CROSSCHECK_FROM_STEP = 30
-# Where PEFT's input is bf16 its forward divides by a norm rounded to bf16; predicted RMS of the relative
-# rounding error (uniform in +-2^-8 x the spacing, values spread log-uniformly over an octave):
-# 2^-8 / sqrt(3) * sqrt(E[1/v^2]), E[1/v^2] = (1/2 - 1/8) / ln 2 for v in [1, 2).
-BF16_NORM_RMS_PREDICTED = 2.0**-8 / 3**0.5 * ((0.5 - 0.125) / np.log(2)) ** 0.5
-CROSSCHECK_CRITERION = (f"per module type and every common capture step >= {CROSSCHECK_FROM_STEP}: "
-                        f"RMS(g_peft - g_ours) <= {CROSSCHECK_FACTOR:g} x RMS(g_ulp - g_ours), for g of the trained "
-                        "parameters (m / float64 norm) in every module type, and for the g each layer's forward "
-                        "divides by in the module types whose input PEFT sees in fp32; where PEFT's input is bf16 "
-                        "its forward divides by a norm rounded to bf16: predicted RMS(g_peft - g_ours) = "
-                        f"{BF16_NORM_RMS_PREDICTED:.2e} at step 0")
-RECORDER = "dora-num record adapters-gpu"  # record_trained.RECORDER_NAME
-RECORD_COMMAND = (f"on the H200: {RECORDER} launch --out $OUT --base .carry/minilm --git-sha SHA; "
-                  f"then here: {RECORDER} ingest FILES_DIR --dest data/adapters/trained --git-sha SHA")
-ZONE_COLUMNS = ("frac_symmetric_zone", "frac_rounds_to_one", "frac_below_one_symmetric",
-                "frac_below_one_rounds_to_one")
-
-
-def module_type(name: str) -> str:
-    """``q``, ``k``, ``v``, ``o`` (attention output), ``intermediate`` or ``output`` of a MiniLM linear."""
-    for t, pat in _TYPE_RE:
-        if re.search(pat, name):
-            return t
-    raise ValueError(f"{name!r} is not one of MiniLM's encoder linears")
 
 
 # --------------------------------------------------------------------------
 # A launch's raw record (what came back from the device)
 # --------------------------------------------------------------------------
-
-@dataclass
-class Captures:
-    """One run's captures (:func:`~.record_trained.captures_npz`)."""
-
-    steps: np.ndarray
-    modules: list[str]
-    offsets: np.ndarray
-    m: np.ndarray  # float32 [k, rows]
-    wnorm: np.ndarray  # float32
-    wnorm64: np.ndarray  # float64
-    g_is_quotient: np.ndarray
-
-    @classmethod
-    def load(cls, path) -> "Captures":
-        with np.load(path, allow_pickle=False) as z:
-            return cls(z["steps"], [str(n) for n in z["modules"]], z["offsets"], z["m"], z["wnorm"], z["wnorm64"],
-                       z["g_is_quotient"])
-
-    def row(self, step: int) -> int:
-        hit = np.flatnonzero(self.steps == step)
-        if not hit.size:
-            raise KeyError(f"no capture at step {step} (have {self.steps.tolist()})")
-        return int(hit[0])
-
-    def split(self, flat: np.ndarray) -> dict[str, np.ndarray]:
-        return {n: flat[self.offsets[j]:self.offsets[j + 1]] for j, n in enumerate(self.modules)}
-
-    def g_params(self, step: int) -> dict[str, np.ndarray]:
-        """``m / wnorm64`` (float64): the g of the adapter's parameters."""
-        i = self.row(step)
-        return self.split(self.m[i].astype(np.float64) / self.wnorm64[i])
-
-    def g_layer(self, step: int) -> dict[str, np.ndarray]:
-        """``fl32(m / wnorm)``: the g the layer's forward uses (IEEE fp32 division, as on the device)."""
-        i = self.row(step)
-        return self.split((self.m[i] / self.wnorm[i]).astype(np.float64))
 
 
 @dataclass
@@ -204,61 +141,6 @@ def run_labels(info: dict) -> dict:
 # --------------------------------------------------------------------------
 # Collapse statistics per module type
 # --------------------------------------------------------------------------
-
-def collapse_by_type(g_by_module: dict[str, np.ndarray], formats=FORMATS, activations: dict | None = None):
-    """:func:`collapse_table` per MiniLM module type and pooled: statistics of the concatenated g;
-    absorption as the activation-weighted mean of the per-module fractions (as the pooled row of
-    ``collapse_table`` does)."""
-    by_type: dict[str, list] = {}
-    for n in sorted(g_by_module):
-        by_type.setdefault(module_type(n), []).append(n)
-    stats = collapse_table({t: np.concatenate([g_by_module[n] for n in ns]) for t, ns in by_type.items()}, formats)
-    stats = stats.rename(columns={"module": "group"}).drop(columns=["absorption", "n_activations"])
-    if activations is None:
-        return stats.assign(absorption=np.nan, n_activations=0)
-    per = collapse_table(g_by_module, formats, activations=activations)
-    per = per[per["module"] != POOLED].assign(group=lambda d: d["module"].map(module_type))
-    rows = []
-    for (grp, fmt), sub in list(per.groupby(["group", "format"])) + [((POOLED, f), s) for f, s in per.groupby("format")]:
-        w = sub["n_activations"].to_numpy()
-        rows.append({"group": grp, "format": fmt, "n_activations": int(w.sum()),
-                     "absorption": float(np.nansum(sub["absorption"].to_numpy() * w) / w.sum()) if w.sum() else np.nan})
-    return stats.merge(pd.DataFrame(rows), on=["group", "format"], how="left")
-
-
-def activations_for(base_dir, *, n_texts=None, max_rows=None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Real base activations ``x W^T`` of every encoder linear: what ``dora-num collapse`` uses
-    (:func:`dora_num.adapters.collapse.analyse_adapter`'s defaults: validation summaries, a seeded
-    sample of token rows, the base model evaluated in float64)."""
-    import torch
-
-    from ...adapters.collapse import ACTIVATION_ROWS, ACTIVATION_TEXTS, base_activations
-    from ...adapters.corpus import load_corpus
-    from ...adapters.model import encoder_linear_names, load_base_model
-
-    model, tok = load_base_model(base_dir, dtype=torch.float64)
-    texts = [p["summary"] for p in load_corpus(split="validation")[: n_texts or ACTIVATION_TEXTS]]
-    return base_activations(model, tok, encoder_linear_names(model), texts, max_rows=max_rows or ACTIVATION_ROWS,
-                            seed=seed)
-
-
-def resolve_base(base: dict, workdir: Path) -> Path:
-    """A local folder holding the base weights a run used (``run.json: base``), checked by
-    :func:`~.record_trained.weights_fingerprint`: the packaged MiniLM, or its bf16-rounded copy rebuilt by
-    :func:`dora_num.studies.record_carry.write_minilm_bf16`."""
-    from ...adapters.model import minilm_path
-    from ..record_carry import write_minilm_bf16
-    from .record_trained import weights_fingerprint
-
-    if base["kind"] == "bf16-rounded":
-        path = write_minilm_bf16(Path(workdir) / "minilm-bf16")
-    else:
-        path = minilm_path()
-    got = weights_fingerprint(path / "model.safetensors")
-    if got != base["fingerprint"]:
-        raise ValueError(f"the runs used base weights with fingerprint {base['fingerprint']} ({base['kind']}); "
-                         f"{path} has {got}: cannot reproduce their activations here")
-    return path
 
 
 # --------------------------------------------------------------------------
@@ -471,7 +353,6 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
     import shutil
 
     from ...repro.provenance import sha256_file
-    from ...repro import recording as recorded
 
     files, dest = Path(files), Path(dest)
     if dest.is_dir() and any(dest.iterdir()):
@@ -542,12 +423,12 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
                          "history": "per-step loss, gradient norm, lr, seconds (runs/<name>/history.csv.gz)",
                          "adapters": [n for n, e in exported.items() if not e["committed"]],
                          "bytes": int(sum(p.stat().st_size for p in root.rglob("*") if p.is_file())),
-                         "regenerate": RECORD_COMMAND},
+                         "regenerate": TRAINED.how_to_record},
         }
         # One vocabulary of provenance keys (dora_num.repro.recording): the GPU machine's device and
         # versions from a run's own sidecar, the commit it ran, the archives it came back in.
-        return recorded.ingest(artifacts, dest, machine=recorded.machine_from_sidecar(first.folder / "run.json"),
-                               producer=f"{RECORDER} ingest (a launch of {__package__}.record_trained)",
+        return recording.ingest(artifacts, dest, machine=recording.machine_from_sidecar(first.folder / "run.json"),
+                                producer=TRAINED.producer,
                                git_sha=sha, params=rec.plan["config"], seed=rec.plan["config"]["seed"],
                                extra={"plan": rec.plan["plan_name"], **({"notes": notes} if notes else {})},
                                sources=[files], inputs=parts,

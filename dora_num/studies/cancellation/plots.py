@@ -15,7 +15,8 @@ import seaborn as sns
 
 from ...adapters.collapse import POOLED
 from ...numerics.formats import get_format
-from .trained import CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES, PAPER_ADAPTER
+from .runs import CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES
+from .trained import PAPER_ADAPTER
 
 _MEASURE = {"frac_rounds_to_one": "exact: fl(g) = 1", "frac_symmetric_zone": "paper: |g-1| < eps/2",
             "absorption": "absorption: fl(g x) = x"}

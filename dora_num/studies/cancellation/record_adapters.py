@@ -25,7 +25,6 @@ by one fp32 ulp (the noise-floor baseline; see :func:`agreement_verdict`).
 
 from __future__ import annotations
 
-import argparse
 import io
 import time
 
@@ -36,8 +35,10 @@ import torch
 from ...adapters.model import minilm_path
 from ...adapters.peft_io import export_peft_dora
 from ...adapters.train import TrainConfig, config_dict, train
-from ...repro.paths import data_dir
 from ...repro.provenance import save_dataframe, write_artifact
+from ..cli import parser as recorder_parser
+from .analysis import agreement_verdict
+from .datasets import AGREEMENT
 
 RANKS = (8, 16, 64, 128)
 LRS = (1e-3, 1e-4)
@@ -77,14 +78,14 @@ def load_g_npz(path) -> dict[int, dict[str, np.ndarray]]:
 
 
 def run_one(rank: int, lr: float, *, steps: int = STEPS, capture=CAPTURE, out=None, progress=True) -> dict:
-    out = out or data_dir("adapters")
+    out = out or AGREEMENT.dest()
     cfg = TrainConfig(rank=rank, lr=lr, steps=steps, batch_size=BATCH, max_len=MAX_LEN, seed=0,
                       capture_steps=tuple(capture), progress=progress,
                       eval_steps=(0, steps) if (rank, lr) == EXPORT else (steps,))  # step 0 = the base model, once
     t0 = time.perf_counter()
     res = train(cfg)
     name = run_name(rank, lr)
-    prov = dict(params=config_dict(cfg), seed=cfg.seed, producer="dora_num.studies.cancellation.record_adapters",
+    prov = dict(params=config_dict(cfg), seed=cfg.seed, producer=AGREEMENT.producer,
                 extra={"wall_seconds": time.perf_counter() - t0, "seconds_per_step_median": res.seconds_per_step})
     runs = out / "runs"
     write_artifact(runs / f"{name}.npz", g_npz_bytes(res.g_minus_1), **prov)
@@ -99,7 +100,7 @@ def run_one(rank: int, lr: float, *, steps: int = STEPS, capture=CAPTURE, out=No
 
 
 def run_agreement(steps: int = AGREEMENT_STEPS, out=None, progress=True) -> pd.DataFrame:
-    out = out or data_dir("adapters")
+    out = out or AGREEMENT.dest()
     base = TrainConfig(rank=16, lr=1e-3, steps=steps, batch_size=BATCH, max_len=MAX_LEN, seed=0, progress=progress)
     variants = {"dora_num": {}, "peft": {"backend": "peft"}, "dora_num_perturbed": {"perturb_seed": 1}}
     cols = {}
@@ -110,45 +111,17 @@ def run_agreement(steps: int = AGREEMENT_STEPS, out=None, progress=True) -> pd.D
         cols[label] = [h["loss"] for h in res.history]
         cols[f"s_per_step_{label}"] = [h["seconds"] for h in res.history]
     df = pd.DataFrame({"step": np.arange(1, steps + 1), **cols})
-    save_dataframe(df, out / "agreement.csv", params=config_dict(base), seed=0, producer="dora_num.studies.cancellation.record_adapters")
+    save_dataframe(df, out / "agreement.csv", params=config_dict(base), seed=0, producer=AGREEMENT.producer)
     return df
 
 
-AGREEMENT_FACTOR = 2.0  # same-dtype-baseline convention of the house tests (flash-attention style)
-
-
-def agreement_verdict(df: pd.DataFrame) -> dict:
-    """Loss-agreement criterion between the PEFT and ``dora_num`` backends.
-
-    Both backends evaluate the same function in fp32 with different, equally valid
-    operation orders (PEFT: dense ``W + sBA``, ``torch.linalg.norm`` (not correctly
-    rounded on CPU), bias fused into the base GEMM; ours: factored norm with a
-    correctly rounded sqrt, bias added after the GEMM, the contract's compose
-    sequence).  At init they differ by fp32 rounding only; training then amplifies
-    any difference.  The yardstick is therefore what training does to a
-    difference of that size: the baseline run is our backend with every initial
-    magnitude moved by one fp32 ulp (random sign).  The criterion: over the run,
-    both the mean and the max of ``|L_peft - L_ours|`` are at most
-    ``AGREEMENT_FACTOR`` times those of ``|L_perturbed - L_ours|``.  (At init the
-    two backends' outputs are also held to an fp64 evaluation, in
-    ``tests/adapters/test_train.py``.)
-    """
-    d_peft = (df["peft"] - df["dora_num"]).abs()
-    d_base = (df["dora_num_perturbed"] - df["dora_num"]).abs()
-    out = {"steps": int(len(df)), "mean_abs_delta_peft": float(d_peft.mean()), "max_abs_delta_peft": float(d_peft.max()),
-           "mean_abs_delta_baseline": float(d_base.mean()), "max_abs_delta_baseline": float(d_base.max()),
-           "factor": AGREEMENT_FACTOR}
-    out["agree"] = bool(out["mean_abs_delta_peft"] <= AGREEMENT_FACTOR * out["mean_abs_delta_baseline"]
-                        and out["max_abs_delta_peft"] <= AGREEMENT_FACTOR * out["max_abs_delta_baseline"])
-    return out
-
-
-def build_parser(prog: str = "dora-num record adapters", name: str = "adapters") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str = "dora-num record adapters", name: str = "adapters"):
+    p = recorder_parser(prog, __doc__, ingest=None, smoke=None, out="output folder (default data/adapters/)",
+                        out_required=False)
     p.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     p.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--agreement-only", action="store_true")
+    p.add_argument("--agreement-only", action="store_true", help="only the PEFT agreement runs (what is committed)")
     p.add_argument("--no-agreement", action="store_true")
     p.add_argument("--agreement-steps", type=int, default=AGREEMENT_STEPS)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -161,18 +134,8 @@ def record(a) -> int:
     if not a.agreement_only:
         order = sorted(((r, lr) for r in a.ranks for lr in a.lrs), key=lambda k: (k != EXPORT, -k[1], k[0]))
         for r, lr in order:
-            print(run_one(r, lr, steps=a.steps), flush=True)
+            print(run_one(r, lr, steps=a.steps, out=a.out), flush=True)
     if not a.no_agreement:
-        df = run_agreement(a.agreement_steps)
+        df = run_agreement(a.agreement_steps, out=a.out)
         print(agreement_verdict(df), flush=True)
     return 0
-
-
-def main(argv=None) -> int:
-    from ..cli import run
-
-    return run("adapters", argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

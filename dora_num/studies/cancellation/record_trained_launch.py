@@ -1,11 +1,10 @@
-"""The launcher of :mod:`.record_trained`: every run of a plan as its own process, one deadline for all,
-the output packed into the files a GPU machine returns (at most 8, 16 MiB each).
+"""The launcher of ``dora-num record adapters-gpu``: every run of a plan as its own process, one deadline
+for all, the output packed into the files a GPU machine returns (at most 8, 16 MiB each).
 
-:func:`launch` starts ``python -m dora_num.studies.cancellation.record_trained run NAME ...`` per run (one
-torch thread each), waits, sends SIGTERM (handled as a deadline stop) then SIGKILL to runs still alive
-after the deadline, and writes ``plan.json`` (plan, configuration, :func:`predict`, each process's exit
-and log tail) and ``part-K.tar`` (:func:`pack`).  :func:`record_inline` runs a plan in this process and
-writes the same files (SMOKE runs: notebook 01, the tests).
+:func:`launch` starts ``python -m dora_num record adapters-gpu --run NAME ...`` per run (one torch thread
+each), waits, sends SIGTERM (handled as a deadline stop) then SIGKILL to runs still alive after the
+deadline, and writes ``plan.json`` (plan, configuration, :func:`predict`, each process's exit and log
+tail) and ``part-K.tar`` (:func:`pack`).
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .record_trained import FINAL_MARGIN_S, MODULE, RunSpec, StudyConfig, base_info, run_one
+from .datasets import TRAINED
+from .runs import FINAL_MARGIN_S, RunSpec, base_info
 
 PART_BYTES = 15 * 2**20  # under the 16 MiB a returned file may have
 MAX_PARTS = 5  # + plan.json, its sidecar, launch.log: the 8 files that come back
@@ -36,7 +36,7 @@ STARTUP_S = 30.0  # process start to first step on the H200 (imports, model, CUD
 RECORDED_S_PER_STEP = (0.099, 0.111)
 
 
-def predict(plan: list[RunSpec], cfg: StudyConfig, wall_s: float) -> dict:
+def predict(plan: list[RunSpec], cfg, wall_s: float) -> dict:
     """Steps each run can reach before the deadline, at the recorded time per step (host-bound:
     each process on its own core) and at a GPU-bound guess: 13 processes time-sharing one GPU,
     each step ~10 ms of GPU work (about 2500 small kernels), so ~0.13 s per step and process."""
@@ -71,7 +71,7 @@ def _log_to(path: Path):
     return log
 
 
-def launch(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, wall_s: float, base_path=None,
+def launch(plan: list[RunSpec], plan_name: str, cfg, out: Path, *, wall_s: float, base_path=None,
            git_sha: str | None = None, python: str = sys.executable, poll_s: float = 1.0) -> dict:
     """Start every run of ``plan`` as its own process, wait (deadline ``wall_s - PACK_RESERVE_S``
     after now), then write ``plan.json`` and pack the runs into ``part-K.tar`` under ``out``."""
@@ -131,50 +131,26 @@ def launch(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, 
                "config": dataclasses.asdict(cfg), "wall_s": wall_s, "deadline_after_s": deadline_at - t0,
                "prediction": pred, "processes": results, "git_sha": git_sha, "torch": torch.__version__,
                "elapsed_before_pack_s": time.time() - t0, "base": base_info(base_path)}
-    save_json(summary, work / "plan.json", params=summary["config"], producer=MODULE + ".launch")
+    save_json(summary, work / "plan.json", params=summary["config"], producer=TRAINED.producer)
     parts = pack(work, out)
     summary["parts"] = [p.name for p in parts]
     summary["elapsed_s"] = time.time() - t0
-    save_json(summary, out / "plan.json", params=summary["config"], producer=MODULE + ".launch")
+    save_json(summary, out / "plan.json", params=summary["config"], producer=TRAINED.producer)
     log(f"packed {len(parts)} parts ({sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB) in "
         f"{summary['elapsed_s']:.0f} s total; {sum(r['returncode'] == 0 for r in results.values())}/{len(plan)} runs ok")
     return summary
 
 
-def run_command(spec: RunSpec, plan_name: str, cfg: StudyConfig, work: Path, *, deadline_at: float | None,
+def run_command(spec: RunSpec, plan_name: str, cfg, work: Path, *, deadline_at: float | None,
                 base_path=None, python: str = sys.executable) -> list[str]:
-    """The command line of one run's process (``record_trained run NAME ...``)."""
-    cmd = [python, "-m", MODULE, "run", spec.name, "--work", str(work), "--plan", plan_name, "--device", cfg.device]
+    """The command line of one run's process (``dora-num record adapters-gpu --run NAME ...``)."""
+    cmd = [python, "-m", "dora_num", "record", "adapters-gpu", "--run", spec.name, "--work", str(work),
+           "--device", cfg.device] + (["--smoke"] if plan_name == "smoke" else [])
     if deadline_at is not None:
         cmd += ["--deadline-at", repr(deadline_at)]
     if base_path is not None:
         cmd += ["--base", str(base_path)]
     return cmd
-
-
-def record_inline(plan: list[RunSpec], plan_name: str, cfg: StudyConfig, out: Path, *, base_path=None,
-                  corpus=None, log=print) -> Path:
-    """The runs of ``plan`` one after another in this process, written and packed as :func:`launch`
-    writes them (no deadline): for SMOKE runs of notebook 01 and the tests, where a process per run
-    would cost more than the runs."""
-    from ...repro.provenance import save_json
-
-    t0 = time.time()
-    out, work = Path(out), Path(out) / "work"
-    results = {}
-    for spec in plan:
-        started = time.time()
-        run_one(spec, cfg, work, base_path=base_path, corpus=corpus, log=log)
-        results[spec.name] = {"returncode": 0, "log_tail": [], "wall_s": time.time() - started}
-    summary = {"plan_name": plan_name, "plan": [dataclasses.asdict(s) | {"name": s.name, "role": s.role} for s in plan],
-               "config": dataclasses.asdict(cfg), "wall_s": None, "deadline_after_s": None,
-               "prediction": predict(plan, cfg, 0.0), "processes": results, "git_sha": None,
-               "torch": torch.__version__, "inline": True, "base": base_info(base_path)}
-    save_json(summary, work / "plan.json", params=summary["config"], producer=MODULE + ".record_inline")
-    summary["parts"] = [p.name for p in pack(work, out)]
-    summary["elapsed_s"] = time.time() - t0
-    save_json(summary, out / "plan.json", params=summary["config"], producer=MODULE + ".record_inline")
-    return out
 
 
 def pack(work: Path, out: Path, *, part_bytes: int = PART_BYTES, max_parts: int = MAX_PARTS) -> list[Path]:

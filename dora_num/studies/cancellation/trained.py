@@ -18,21 +18,10 @@ import numpy as np
 import pandas as pd
 
 from ...adapters.collapse import FORMATS, POOLED, collapse_table
-from ...repro import recording as recorded
-from .record_trained import EXPORTS, RunSpec
-from .ingest_trained import (COMMIT_MAX_RANK, CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES,  # noqa: F401
-                             RECORD_COMMAND, ZONE_COLUMNS, activations_for, collapse_by_type, ingest, module_type,
-                             resolve_base)
+from .datasets import TRAINED
+from .runs import ZONE_COLUMNS, activations_for, collapse_by_type, resolve_base
 
-RECORDED_DIR = ("adapters", "trained")
 READ = ("manifest.json", "evals.csv", "history_windows.csv", "collapse.csv.gz", "g_final.npz")  # what load_trained reads
-# The committed H200 record as notebook 01's full run needs it: what load_trained reads, the cross-check of the
-# full plan, and the exported adapters small enough to commit (with the capture of their final state).
-TRAINED = recorded.RecordedData(
-    files=tuple("/".join((*RECORDED_DIR, f)) for f in (*READ, "crosscheck.csv"))
-    + tuple("/".join((*RECORDED_DIR, "exported", RunSpec(r, lr).name, f)) for r, lr in EXPORTS if r <= COMMIT_MAX_RANK
-            for f in ("adapter_config.json", "adapter_model.safetensors", "final_capture.npz")),
-    how_to_record=RECORD_COMMAND)
 
 
 @dataclass
@@ -56,10 +45,8 @@ def load_trained(folder=None) -> Trained:
     """The committed record (default ``data/adapters/trained``), or a record in ``folder``;
     :class:`~dora_num.repro.recording.RecordedDataMissing` naming the missing files and the record
     command when it is incomplete."""
-    from ...repro.paths import committed_data
-
-    folder = Path(folder) if folder is not None else committed_data(*RECORDED_DIR)
-    recorded.require([folder / n for n in READ], RECORD_COMMAND)
+    TRAINED.subset(*READ).require(folder)
+    folder = Path(folder) if folder is not None else TRAINED.paths()[0].parent
     manifest = json.loads((folder / "manifest.json").read_text())
     with np.load(folder / "g_final.npz", allow_pickle=False) as z:
         off, mods = z["offsets"], [str(n) for n in z["modules"]]
@@ -230,18 +217,6 @@ def paper_markdown(tr: Trained) -> str:
                  f"{closest['lr']:g} (std {closest['g_std']:.2e}, {closest['steps']} steps), has "
                  f"{closest['frac_symmetric_zone']:.1%} of $g$ in the bf16 symmetric zone.")
     return "\n\n".join(lines)
-
-
-def smoke_record(folder, *, log=print) -> Path:
-    """A tiny live CPU record (the cross-check trio, a few steps, :data:`~.record_trained.SMOKE_NOTEBOOK`)
-    recorded in this process and ingested into ``folder/trained``: notebook 01's SMOKE input."""
-    from .record_trained_launch import record_inline
-    from .record_trained import SMOKE_NOTEBOOK, smoke_plan
-
-    folder = Path(folder)
-    files = record_inline(smoke_plan()[:3], "smoke", SMOKE_NOTEBOOK, folder / "launch", log=log)
-    ingest(files, folder / "trained", n_texts=4, max_rows=16, log=log)
-    return folder / "trained"
 
 
 U64 = 2.0**-53

@@ -24,21 +24,12 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def dist_env() -> tuple[int, int, int]:
     """``(rank, world_size, local_rank)`` from torchrun's environment (``(0, 1, 0)`` without it)."""
     return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
             int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def init_distributed(device_type: str) -> tuple[int, int, int]:
-    """Initialise the default process group (nccl on CUDA, gloo on CPU) once."""
-    rank, world, local = dist_env()
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    return rank, world, local
 
 
 class _AllGather(torch.autograd.Function):
@@ -80,14 +71,6 @@ def shard_fn(rank: int, world: int):
         return idx[rank * k : (rank + 1) * k]
 
     return shard
-
-
-def ddp_wrapper(device: torch.device):
-    def wrap(model: nn.Module) -> nn.Module:
-        ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-        return DDP(model, device_ids=ids, broadcast_buffers=False)
-
-    return wrap
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

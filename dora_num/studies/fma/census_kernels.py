@@ -89,7 +89,7 @@ def _sqrt_census_kernel(out_ptr, r_ptr, start, MODE: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + local, v.to(tl.int32))
 
 
-def census_values(start: int, n: int, mode: str, r: torch.Tensor | None = None, *, device=None,
+def census_values(start: int, n: int, mode: str, r: torch.Tensor | None = None, *, device="cpu",
                   return_kernel: bool = False):
     """``(dist << 11) | code`` (int32 ``[n]``) for fp32 patterns ``[start, start + n)``."""
     if mode not in MODES:
@@ -98,7 +98,6 @@ def census_values(start: int, n: int, mode: str, r: torch.Tensor | None = None, 
         raise NotImplementedError("inline PTX cannot run under TRITON_INTERPRET=1")
     if (mode == "external") != (r is not None):
         raise ValueError("r (the implementation's results) is given exactly when mode='external'")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     block = 1 << 16 if (INTERPRET or str(device) == "cpu") else 1024
     if n % block or start < 0 or start + n > 1 << 32:
         raise ValueError(f"n = {n} must be a multiple of {block} and [start, start+n) within 2^32")
@@ -143,45 +142,3 @@ def ptx_sqrt_counts(kernel) -> dict[str, int]:
     return {k: ptx.count(k) for k in ("sqrt.approx.ftz.f32", "sqrt.approx.f32", "sqrt.rn.f32", "sqrt.rn.f64")}
 
 
-GPU_IMPLS = ("torch.sqrt (CUDA)", "tl.sqrt", "tl.sqrt_rn", "ptx sqrt.rn.f32")
-
-
-def gpu_census(*, smoke: bool = False, chunk: int = 1 << 28, log=print):
-    """The GPU census: ``(counts, per_chunk, timing)``.  ``smoke``: 2^24 inputs around 1.0 and
-    the same count from the top (negative NaNs), every implementation and code path."""
-    import time
-
-    import pandas as pd
-
-    dev = "cuda"
-    ranges = [(0x3F000000, 1 << 23), (0xFF800000, 1 << 23)] if smoke else \
-        [(s, chunk) for s in range(0, 1 << 32, chunk)]
-    counts, per, timing = [], [], []
-    for impl in GPU_IMPLS:
-        if impl != "torch.sqrt (CUDA)":  # compile outside the timed part
-            census_values(0, 1 << 16, impl, device=dev)
-        else:
-            census_values(0, 1 << 16, "external", torch.sqrt(input_patterns(0, 1 << 16, dev)), device=dev)
-        torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ms, kern, t0 = 0.0, None, time.time()
-        for ci, (s0, n) in enumerate(ranges):
-            ev[0].record()
-            if impl == "torch.sqrt (CUDA)":
-                r = torch.sqrt(input_patterns(s0, n, dev))
-                v = census_values(s0, n, "external", r, device=dev)
-                del r
-            else:
-                v, kern = census_values(s0, n, impl, device=dev, return_kernel=True)
-            ev[1].record()
-            torch.cuda.synchronize()
-            ms += ev[0].elapsed_time(ev[1])
-            c, p = tables(v, ci, impl)
-            counts.append(c)
-            per.append(p)
-            del v
-        timing.append({"implementation": impl, "inputs": sum(n for _, n in ranges), "device_ms": ms,
-                       "wall_s": time.time() - t0, **(ptx_sqrt_counts(kern) if kern is not None else {})})
-        log(f"[census] {impl}: {ms:.0f} ms on the device for {timing[-1]['inputs']:,} inputs")
-    cnt = pd.concat(counts).groupby(["implementation", "code"], as_index=False)["count"].sum()
-    return C.decode_codes(cnt), pd.concat(per, ignore_index=True), pd.DataFrame(timing)

@@ -36,13 +36,11 @@ import pandas as pd
 from ...numerics.formats import round_to, ulp_distance
 from ...numerics.formulas import scale_constants
 from ...repro.paths import committed_data
-from ...repro import recording as recorded
 from .. import inputs
+from .datasets import FMA
 from . import models as M
 from .sqrt import gpu_suite_assembly_inputs
 
-GPU_FILES = ("fma_sqrt.csv", "fma_sqrt_sample.npz")
-RECORDED = recorded.RecordedData(files=tuple(f"gpu/{f}" for f in GPU_FILES), how_to_record=recorded.record_command("fma"))
 DTYPE_FMT = {"float32": "fp32", "bfloat16": "bf16"}
 ULP_COLS = ("0", "1", "2", "3", "4", ">4")
 
@@ -51,9 +49,9 @@ def load(folder: Path | None = None) -> dict:
     """``{"csv": DataFrame, "sample": dict of arrays, "device": dict, "provenance": dict}``.
 
     Raises :class:`~dora_num.repro.recording.RecordedDataMissing` naming every missing
-    file and how to record it (:data:`RECORDED`)."""
-    folder = Path(folder) if folder is not None else committed_data("gpu")
-    recorded.require([folder / f for f in GPU_FILES], RECORDED.how_to_record)
+    file and how to record it (:data:`.datasets.FMA`)."""
+    FMA.require(folder)
+    folder = Path(folder) if folder is not None else committed_data(FMA.folder)
     csv = pd.read_csv(folder / "fma_sqrt.csv")
     with np.load(folder / "fma_sqrt_sample.npz") as z:
         sample = {k: z[k] for k in z.files}

@@ -60,7 +60,6 @@ measured table's predictions with the current model.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, fields, replace
 
 import pandas as pd
@@ -305,14 +304,3 @@ def repredict(measured):
     df["rel_err"] = (df["predicted"] - df["measured"]) / df["measured"]
     return df
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dora_num.studies.gradient.memory_model``: the recorder of the measured
-    side (``dora-num record memory``, :mod:`~dora_num.studies.gradient.record_memory`)."""
-    from ..cli import run
-
-    return run("memory", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,8 +17,6 @@ and ``python -m dora_num.studies.gradient.memory_model`` take the same options);
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -33,12 +31,11 @@ from ...adapters.model import load_base_model, mean_pool
 from ...adapters.train import TrainConfig, inject_dora
 from ...ops.layer import DoRALinear
 from ...oracles import measure_cpu_allocations
-from ...repro.paths import data_dir
 from ...repro import recording as recorded
+from ..cli import parser as recorder_parser
+from .datasets import MEMORY
 from .memory_model import MINILM, NORMS, TOLERANCE, MemoryConfig, predict_peak
 
-RECORDED = recorded.RecordedData(files=("gpu/memory/memory_peaks.csv",),
-                                 how_to_record=recorded.record_command("memory", extra="--base .carry/minilm"))
 
 # --------------------------------------------------------------------------
 # The measured step
@@ -211,39 +208,21 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
     """Copy a recorder's folder's ``memory_peaks.csv`` into ``data/gpu/memory/`` with
     provenance (the GPU's description from the folder's ``device.json``)."""
     meta = recorded.read_machine(src)
-    return recorded.ingest_folder(src, dest or data_dir("gpu", "memory"), producer="dora-num record memory",
+    return recorded.ingest_folder(src, dest or MEMORY.dest(), producer=MEMORY.producer,
                                   names=("memory_peaks.csv",), git_sha=git_sha,
                                   params={"tolerance": meta.get("tolerance"), "smoke": meta.get("smoke")})
 
 
-def build_parser(prog: str = "dora-num record memory", name: str = "memory") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, help="output folder (memory_peaks.csv, device.json)")
-    ap.add_argument("--measure", action="store_true", help="(accepted for older scripts; --out alone measures)")
-    ap.add_argument("--base", type=Path, default=None, help="MiniLM model folder (default: the packaged one)")
-    ap.add_argument("--smoke", action="store_true", help="small sizes")
-    ap.add_argument("--ingest", type=Path, metavar="DIR", help="record a recorder's folder into data/gpu/memory/")
-    ap.add_argument("--git-sha", default=None, help="the commit the GPU run measured (the GPU copy has no .git)")
-    return ap
+def build_parser(prog: str = "dora-num record memory", name: str = "memory"):
+    p = recorder_parser(prog, __doc__, smoke="small sizes", out="output folder (memory_peaks.csv, device.json)")
+    p.add_argument("--base", type=Path, default=None, help="MiniLM model folder (default: the packaged one)")
+    return p
+
+
+def ingest_args(a) -> list[Path]:
+    return ingest(a.ingest, a.out, git_sha=a.git_sha)
 
 
 def record(a) -> int:
-    if a.ingest:
-        for p in ingest(a.ingest, git_sha=a.git_sha):
-            print(p)
-        return 0
-    if a.out is None:
-        print("dora-num record memory: --out DIR is required (or --ingest DIR)", file=sys.stderr)
-        return 2
     print(run_measure(a.out, base_path=a.base, smoke=a.smoke, git_sha=a.git_sha))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..cli import run
-
-    return run("memory", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .datasets import MODEL
 from .report import target_row
 
 # Model level, from Zelenin & Zhuravlyova, "Scaling DoRA: High-Rank Adaptation via Factored Norms
@@ -35,11 +36,9 @@ PUBLIC_COMPOSE_PCT = 85.0
 def load_model(folder: str | Path | None = None) -> dict | None:
     """The recorded model section (DataFrames ``bench``, ``agreement``, ``probe``, ``predictions``),
     or None where it was not recorded."""
-    from ...repro.paths import committed_data
-
-    root = Path(folder) if folder is not None else committed_data("gpu")
-    if not (root / "model_bench.csv").is_file():
+    if MODEL.subset("model_bench.csv").missing(folder):
         return None
+    root = MODEL.paths(folder)[0].parent
     out = {}
     for key, name in (("bench", "model_bench.csv"), ("agreement", "model_agreement.csv"),
                       ("probe", "model_probe.csv"), ("predictions", "model_predictions.csv")):

@@ -35,11 +35,13 @@ full ~1-2 min, ``--smoke`` ~15 s (Triton compiles included).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
+
+from ..cli import parser as recorder_parser
+from .datasets import GUARD_COST
 
 ROUNDS = 5
 FULL = [(8192, 8192, 384, "bfloat16"), (8192, 8192, 384, "float32"), (4096, 4096, 384, "bfloat16")]
@@ -158,40 +160,32 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
     description from its ``device.json``)."""
     import pandas as pd
 
-    from ...repro.paths import data_dir
     from ...repro.provenance import save_dataframe
 
     meta = json.loads((src / "device.json").read_text())
     df = pd.read_csv(src / "guard_cost.csv")
-    dest = dest or data_dir("gpu")
+    dest = dest or GUARD_COST.dest()
     return save_dataframe(df, dest / "guard_cost.csv", device=meta["device"],
-                          producer="python -m dora_num.studies.speed.record_guard_cost --out DIR",
+                          producer=GUARD_COST.producer,
                           params={"smoke": meta.get("smoke"), "rounds": meta.get("rounds"),
                                   "update_ratio": UPDATE_RATIO},
                           extra={"measured_at_git_sha": git_sha or meta.get("git_sha"),
                                  "versions_gpu": meta.get("versions"), "argv_gpu": meta.get("argv")})
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.record_guard_cost",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, help="output folder (guard_cost.csv, device.json)")
-    ap.add_argument("--smoke", action="store_true", help="small shapes, one round (seconds)")
-    ap.add_argument("--ingest", type=Path, metavar="DIR", help="record a --out folder into data/gpu/guard_cost.csv")
-    ap.add_argument("--git-sha", default=None, help="the commit the GPU ran (the device copy has no .git)")
-    a = ap.parse_args(argv)
-    if a.ingest:
-        p = ingest(a.ingest, git_sha=a.git_sha)
-        import pandas as pd
+def build_parser(prog: str = "dora-num record guard-cost", name: str = "guard-cost"):
+    return recorder_parser(prog, __doc__, smoke="small shapes, one round (seconds)",
+                           out="output folder (guard_cost.csv, device.json)")
 
-        print(p)
-        print(summary(pd.read_csv(p)).to_string(index=False))
-        return 0
-    if a.out is None:
-        ap.error("use --out DIR (on a CUDA machine) or --ingest DIR")
+
+def ingest_args(a) -> list[Path]:
+    import pandas as pd
+
+    p = ingest(a.ingest, a.out, git_sha=a.git_sha)
+    print(summary(pd.read_csv(p)).to_string(index=False))
+    return [p]
+
+
+def record(a) -> int:
     print(run(a.out, smoke=a.smoke, git_sha=a.git_sha))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

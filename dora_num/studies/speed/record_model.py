@@ -50,10 +50,8 @@ model the measured times are judged against).  The adapter copy of :func:`accele
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import math
 import statistics
 import sys
 import time
@@ -63,6 +61,8 @@ from pathlib import Path
 import torch
 
 from ...ops.config import override
+from ..cli import parser as recorder_parser
+from .datasets import MODEL
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VARIANTS = ("peft_fp32", "dora_num_fp32", "peft_bf16", "dora_num_bf16", "lora_fp32", "frozen")
@@ -610,47 +610,14 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
     return summary
 
 
-MODEL_FILES = ("model_bench.csv", "model_agreement.csv", "model_probe.csv", "model_predictions.csv")
-
-
-def ingest(src: Path, dest: Path | None = None) -> list[Path]:
+def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
     """Copy the model section's files of a suite (or standalone) folder into ``data/gpu/`` with
-    provenance (:func:`dora_num.studies.record_suite.ingest`: the device and git sha from the folder's
-    ``device.json``), leaving the committed ``device.json`` of the other sections alone."""
-    from ..record_suite import ingest as suite_ingest
+    provenance (the device and git sha from the folder's ``device.json``), leaving the committed
+    ``device.json`` of the other sections alone."""
+    from ...repro.recording import ingest_folder
 
-    return suite_ingest(Path(src), dest, only=MODEL_FILES)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dora_num.studies.speed.record_model", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ingest", metavar="DIR", help="instead of measuring: copy DIR's model_*.csv into data/gpu/ "
-                                                     "(or --out) with provenance")
-    ap.add_argument("--out", help="output folder (model_*.csv, device.json); with --ingest: the data folder")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, two ranks, two rounds (tests the machinery)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
-    ap.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {ROUNDS}; smoke {SMOKE_ROUNDS})")
-    ap.add_argument("--git-sha", default=None, help="the commit measured (the GPU machine's copy has no .git)")
-    args = ap.parse_args(argv)
-    if args.rounds is not None and args.rounds < 1:
-        ap.error("--rounds must be >= 1")
-    if args.ingest:
-        for p in ingest(Path(args.ingest), Path(args.out) if args.out else None):
-            print(p)
-        return 0
-    if not args.out:
-        ap.error("--out DIR is required")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    desc = describe(device, args.smoke)
-    if args.git_sha:
-        desc["git_sha"] = args.git_sha
-    desc["model"] = run(out, smoke=args.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"),
-                        rounds=args.rounds)
-    (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
-    return 0
+    return ingest_folder(Path(src), dest or MODEL.dest(), producer=MODEL.producer, git_sha=git_sha,
+                         names=tuple(Path(f).name for f in MODEL.files))
 
 
 def describe(device: str, smoke: bool) -> dict:
@@ -661,10 +628,9 @@ def describe(device: str, smoke: bool) -> dict:
     sha = checkout_git_sha()
     desc = {"standalone": True, "argv": sys.argv, "smoke": smoke, "sections": ["model"]}
     if device == "cuda":
-        from ..bench import copy_bandwidth
-        from ..record_suite import device_description
+        from ..bench import copy_bandwidth, gpu_description
 
-        desc.update(device_description(sha))
+        desc.update(gpu_description(sha))
         desc["copy"] = copy_bandwidth(256 * 2**20 if smoke else 2 * 2**30)
     else:
         from ...repro.provenance import device_info, versions
@@ -673,5 +639,27 @@ def describe(device: str, smoke: bool) -> dict:
     return desc
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def build_parser(prog: str = "dora-num record model", name: str = "model"):
+    p = recorder_parser(prog, __doc__, smoke="tiny sizes, two ranks, two rounds (tests the machinery)",
+                        out="output folder (model_*.csv, device.json)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
+    p.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {ROUNDS}; smoke {SMOKE_ROUNDS})")
+    return p
+
+
+def ingest_args(a) -> list[Path]:
+    return ingest(a.ingest, a.out, git_sha=a.git_sha)
+
+
+def record(a) -> int:
+    if a.rounds is not None and a.rounds < 1:
+        raise SystemExit("dora-num record model: --rounds must be >= 1")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    desc = describe(device, a.smoke)
+    if a.git_sha:
+        desc["git_sha"] = a.git_sha
+    desc["model"] = run(out, smoke=a.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"), rounds=a.rounds)
+    (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
+    return 0

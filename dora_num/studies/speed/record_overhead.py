@@ -20,7 +20,6 @@ compose and separate (``OpConfig.fold_output_add``; both through :func:`~dora_nu
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -34,9 +33,10 @@ import torch
 from ...ops.compose import ComposeFunction
 from ...ops.kernels import compose as kc
 from ...ops.layer import DoRALinear
-from ...repro.paths import data_dir
 from ...repro import recording as recorded
 from ..bench import host_path
+from ..cli import parser as recorder_parser
+from .datasets import OVERHEAD
 
 LOG = "host_overhead.log"
 
@@ -133,21 +133,17 @@ def layer_host_cost(rounds: int = 7, reps: int = 200, emit=print) -> None:
              f"{statistics.median(ts):.1f} us median of {rounds} rounds (min {min(ts):.1f})")
 
 
-def build_parser(prog: str = "dora-num record overhead", name: str = "overhead") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, help=f"also write {LOG} and device.json into this folder")
-    ap.add_argument("--ingest", type=Path, metavar="DIR", help=f"record DIR's {LOG} into data/gpu/")
-    ap.add_argument("--git-sha", default=None, help="the commit the GPU ran (the GPU copy has no .git)")
-    ap.add_argument("--smoke", action="store_true", help="the small shape only, few rounds (a check of the probe)")
-    return ap
+def build_parser(prog: str = "dora-num record overhead", name: str = "overhead"):
+    return recorder_parser(prog, __doc__, smoke="the small shape only, few rounds (a check of the probe)",
+                           out=f"also write {LOG} and device.json into this folder", out_required=False)
+
+
+def ingest_args(a) -> list[Path]:
+    return recorded.ingest_folder(a.ingest, a.out or OVERHEAD.dest(), producer=OVERHEAD.producer, names=(LOG,),
+                                  git_sha=a.git_sha)
 
 
 def record(a) -> int:
-    if a.ingest:
-        for p in recorded.ingest_folder(a.ingest, data_dir("gpu"), producer="dora-num record overhead",
-                                        names=(LOG,), git_sha=a.git_sha):
-            print(p)
-        return 0
     if not torch.cuda.is_available():
         print("dora-num record overhead needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -162,13 +158,3 @@ def record(a) -> int:
         recorded.write_machine(a.out, recorded.describe_machine(a.git_sha, smoke=a.smoke))
         (a.out / LOG).write_text("\n".join(lines) + "\n")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..cli import run
-
-    return run("overhead", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,6 @@ step (bitwise for the fused path; the suite's baseline tolerance for compile).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -31,10 +30,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from ...ops.compose import ComposeFunction
 from ...ops.config import get_config
-from ...repro.paths import data_dir
 from ...repro import recording as recorded
 from ..bench import Timing, bitwise_equal, compose_bytes, copy_bandwidth, max_rel_err, time_ms
+from ..cli import parser as recorder_parser
 from ..inputs import suite_compose_torch
+from .datasets import TRAIN_GRAPHS
 from .record_compose import BASELINE_TOL, SCALE, SEED, autograd_expr
 
 SHAPES = ((8192, 8192), (16384, 8192), (4096, 8192))
@@ -127,25 +127,19 @@ def measure(shapes=SHAPES, repeats: int = 3) -> list[dict]:
     return rows
 
 
-def build_parser(prog: str = "dora-num record train-graphs", name: str = "train-graphs") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, help="folder for train_graphs.csv and device.json")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="one 1024x1024 shape, one round (a check of the recorder)")
-    ap.add_argument("--ingest", type=Path, metavar="DIR", help="record DIR's train_graphs.csv into data/gpu/")
-    ap.add_argument("--git-sha", default=None, help="the commit the GPU ran (the GPU copy has no .git)")
-    return ap
+def build_parser(prog: str = "dora-num record train-graphs", name: str = "train-graphs"):
+    p = recorder_parser(prog, __doc__, smoke="one 1024x1024 shape, one round (a check of the recorder)",
+                        out="folder for train_graphs.csv and device.json")
+    p.add_argument("--repeats", type=int, default=3)
+    return p
+
+
+def ingest_args(a) -> list[Path]:
+    return recorded.ingest_folder(a.ingest, a.out or TRAIN_GRAPHS.dest(), producer=TRAIN_GRAPHS.producer,
+                                  names=("train_graphs.csv",), git_sha=a.git_sha)
 
 
 def record(a) -> int:
-    if a.ingest:
-        for p in recorded.ingest_folder(a.ingest, data_dir("gpu"), producer="dora-num record train-graphs",
-                                        names=("train_graphs.csv",), git_sha=a.git_sha):
-            print(p)
-        return 0
-    if a.out is None:
-        print("dora-num record train-graphs: --out DIR is required (or --ingest DIR)", file=sys.stderr)
-        return 2
     if not torch.cuda.is_available():
         print("dora-num record train-graphs needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -154,13 +148,3 @@ def record(a) -> int:
     pd.DataFrame(measure(shapes, repeats=repeats)).to_csv(a.out / "train_graphs.csv", index=False)
     recorded.write_machine(a.out, recorded.describe_machine(a.git_sha, repeats=repeats, smoke=a.smoke))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..cli import run
-
-    return run("train-graphs", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

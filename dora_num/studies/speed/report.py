@@ -40,7 +40,7 @@ import pandas as pd
 
 from ...ops.norm import ROW_CHUNK_BYTES, chunk_columns
 from ...repro.paths import committed_data
-from ...repro import recording as recorded
+from . import datasets as D
 
 PAPER_TABLE1 = pd.DataFrame(  # docs/paper.md: H200, fp32, allocator peak, MB
     [(4096, 4096, 384, 192, 71), (8192, 8192, 384, 768, 245), (8192, 8192, 512, 768, 241),
@@ -50,20 +50,18 @@ PAPER_TABLE1 = pd.DataFrame(  # docs/paper.md: H200, fp32, allocator peak, MB
 TARGET_SHAPES = ((8192, 8192), (16384, 8192))
 
 
-RECORDED = recorded.RecordedData(
-    files=tuple(f"gpu/{f}" for f in ("device.json", "compose_bench.csv", "norm_bench.csv", "layer_bench.csv",
-                                     "train_graphs.csv")),
-    how_to_record=(recorded.record_command("suite") + "; and the same for train-graphs"))
+# The data sets load_recorded reads: the suite's device.json and its sections, and the CUDA-graph timing
+RECORDED = (D.SUITE, D.COMPOSE, D.NORM, D.LAYER, D.TRAIN_GRAPHS)
 
 
 def load_recorded(folder: str | Path | None = None) -> dict:
-    """The recorded suite: DataFrames ``compose``, ``norm``, ``layer``, ``fma``, ``tiles``,
-    ``train_graphs`` (:mod:`~dora_num.studies.speed.record_train_graphs`; empty if not recorded) and ``device``."""
-    root = Path(folder) if folder is not None else committed_data("gpu")
-    recorded.require([root / "device.json"], RECORDED.how_to_record)
+    """The recorded suite (:data:`RECORDED`; a live run's ``folder`` may lack some sections):
+    DataFrames ``compose``, ``norm``, ``layer``, ``train_graphs`` (empty where not recorded) and ``device``."""
+    root = Path(folder) if folder is not None else committed_data(D.SUITE.folder)
+    D.SUITE.subset("device.json").require(folder)
     out = {"device": json.loads((root / "device.json").read_text())}
     for key, name in (("compose", "compose_bench.csv"), ("norm", "norm_bench.csv"), ("layer", "layer_bench.csv"),
-                      ("fma", "fma_sqrt.csv"), ("tiles", "tile_sweep.csv"), ("train_graphs", "train_graphs.csv")):
+                      ("train_graphs", "train_graphs.csv")):
         p = root / name
         out[key] = pd.read_csv(p) if p.is_file() else pd.DataFrame()
     out["copy_gbps"] = float(out["device"]["copy"]["gbps"])

@@ -59,7 +59,7 @@ def test_bound_factor(k, w, rounding, splits, want):
 
 
 def test_missing_probe_is_named_with_its_recorder(tmp_path):
-    from dora_num.repro.recording import RecordedDataMissing
+    from dora_num.repro.paths import RecordedDataMissing
 
     with pytest.raises(RecordedDataMissing, match="dora-num record exhaustive --out DIR --only accumulation"):
         A.load_record(tmp_path)

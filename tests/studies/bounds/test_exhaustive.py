@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from dora_num.numerics.formats import FORMATS, round_fraction, round_to
+from dora_num.studies import record_exhaustive
 from dora_num.studies.bounds import exhaustive as E
 from dora_num.studies.bounds import exhaustive_kernels as K
 from dora_num.studies.bounds import exhaustive_report as R
@@ -159,7 +160,7 @@ def test_report_tables_and_recorded_data(tmp_path):
     """The reading side on the committed fp8 record: the summary and the 1-ulp claim per format x
     formula x arithmetic; a missing GPU record is named with the command that records it; the
     recorded bitwise check is read back, and a mismatch is reported."""
-    from dora_num.repro.recording import RecordedDataMissing
+    from dora_num.repro.paths import RecordedDataMissing
 
     ex = R.load_all(gpu=False)
     assert set(ex["format"]) == {"fp8_e4m3fn", "fp8_e5m2"}
@@ -181,7 +182,7 @@ def test_gpu_driver_under_the_interpreter(tmp_path):
     """run_gpu's SMOKE plan on the CPU (a 4096-pair slice): the bitwise check comes first and is all
     zero, every planned launch writes its four rows, and the rows read back as the notebooks read them."""
     logs = []
-    df = E.run_gpu(tmp_path, smoke=True, device="cpu", pairs=4096, check_pairs=4096, log=logs.append)
+    df = record_exhaustive.compose_gpu(tmp_path, smoke=True, device="cpu", pairs=4096, check_pairs=4096, log=logs.append)
     chk = pd.read_csv(tmp_path / E.BITWISE_FILE)
     assert len(chk) == 4 and R.gpu_bitwise_failures(tmp_path) == [], chk
     assert any("every output bit for bit" in m for m in logs), logs

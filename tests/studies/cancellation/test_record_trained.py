@@ -11,6 +11,7 @@ import pytest
 from dora_num.studies.cancellation import record_trained_launch as L
 from dora_num.studies.cancellation import record_trained as G
 from dora_num.studies.cancellation import ingest_trained as R
+from dora_num.studies.cancellation import runs as P
 
 # MiniLM's 36 encoder linears: (d_out, d_in) per type, 6 layers each
 SHAPES = {"q": (384, 384), "k": (384, 384), "v": (384, 384), "o": (384, 384), "intermediate": (1536, 384),
@@ -18,7 +19,7 @@ SHAPES = {"q": (384, 384), "k": (384, 384), "v": (384, 384), "o": (384, 384), "i
 
 
 def test_full_plan_is_the_issue_s_grid():
-    plan = G.full_plan()
+    plan = P.full_plan()
     names = [s.name for s in plan]
     assert len(names) == len(set(names)) == 13
     grid = {(s.rank, s.lr) for s in plan if s.role == "grid" and not s.use_rslora}
@@ -29,8 +30,8 @@ def test_full_plan_is_the_issue_s_grid():
     assert abs(rs.scale * rs.lr / 1e-3 - 1) < 0.03  # s * lr = 9.8e-4: about that of the s = 1, lr = 1e-3 runs
     assert {s.role for s in plan} == {"grid", "peft_twin", "ulp_twin"}
     twins = [s for s in plan if s.role != "grid"]
-    assert all((s.rank, s.lr) == G.CROSSCHECK for s in twins)
-    assert {(s.rank, s.lr) for s in plan if s.export} == set(G.EXPORTS)
+    assert all((s.rank, s.lr) == P.CROSSCHECK for s in twins)
+    assert {(s.rank, s.lr) for s in plan if s.export} == set(P.EXPORTS)
     assert all(s.backend == "dora_num" for s in plan if s.export)
 
 
@@ -39,16 +40,16 @@ def test_exported_adapter_fits_a_returned_file(rank):
     """An exported adapter (fp32 A, B, m of 36 modules) must fit one part (16 MiB returned per file):
     only the ranks planned for export have to."""
     n = sum(6 * 4 * (rank * (d_in + d_out) + d_out) for d_out, d_in in SHAPES.values())
-    planned = rank in {r for r, _ in G.EXPORTS}
+    planned = rank in {r for r, _ in P.EXPORTS}
     assert (n < L.PART_BYTES) or not planned, (rank, n)
 
 
 def test_train_config_of_a_run():
-    spec = G.RunSpec(16, 1e-3, perturbed=True)
+    spec = P.RunSpec(16, 1e-3, perturbed=True)
     tc = G.FULL.train_config(spec)
     assert (tc.steps, tc.batch_size, tc.max_len, tc.bf16_autocast, tc.compose_path) == (5000, 64, 128, True, "fused")
     assert tc.capture_steps == G.CAPTURE_STEPS and tc.eval_steps == tuple(range(0, 5001, 100))
-    assert tc.perturb_seed is not None and G.FULL.train_config(G.RunSpec(16, 1e-3)).perturb_seed is None
+    assert tc.perturb_seed is not None and G.FULL.train_config(P.RunSpec(16, 1e-3)).perturb_seed is None
     assert G.SMOKE_CPU.train_config(spec).compose_path == "eager"  # no Triton kernels on CPU
     assert all(s <= G.SMOKE_CPU.max_steps for s in G.SMOKE_CPU.train_config(spec).capture_steps)
 
@@ -56,7 +57,7 @@ def test_train_config_of_a_run():
 def test_min_delta_is_the_recorded_chaos_floor():
     """MIN_DELTA: the largest MRR@10 difference between 1-ulp twins in the recorded convergence runs,
     rounded down to 3 decimals."""
-    floor = G.chaos_floor_mrr()
+    floor = P.chaos_floor_mrr()
     assert floor["n"] >= 27  # 3 seeds x 9 evaluations from step 200 on
     assert G.MIN_DELTA <= floor["max"] < G.MIN_DELTA + 0.001, floor
 
@@ -129,10 +130,10 @@ def test_captures_file_round_trip():
         m = {n: (w[n] * (1 + 1e-3 * rng.standard_normal(sizes[n]) * (step > 0))).astype(np.float32) for n in names}
         caps[step] = {"m": m, "wnorm": w, "wnorm64": {n: w[n].astype(np.float64) * (1 + 1e-9) for n in names},
                       "g_is_quotient": True}
-    path = G.captures_npz(caps, names)
+    path = P.captures_npz(caps, names)
     import io
 
-    c = R.Captures.load(io.BytesIO(path))
+    c = P.Captures.load(io.BytesIO(path))
     assert c.steps.tolist() == [0, 10] and c.modules == names and c.offsets.tolist() == [0, 5, 12]
     assert np.all(np.concatenate(list(c.g_layer(0).values())) == 1.0)  # fl32(w / w) = 1
     for n in names:
@@ -172,14 +173,16 @@ def test_pack_refuses_what_cannot_come_back(tmp_path):
 
 
 def test_prediction_of_the_full_plan():
-    p = L.predict(G.full_plan(), G.FULL, 540.0)
+    p = L.predict(P.full_plan(), G.FULL, 540.0)
     assert p["processes"] == 13
     assert 0 < p["steps_gpu_bound"] <= p["steps_host_bound"] < G.FULL.max_steps
     assert not p["reaches_max_steps"] and "deadline" in p["note"]
 
 
 def test_plan_command_prints(capsys):
-    assert G.main(["plan", "--plan", "full", "--device", "cpu"]) == 0
+    from dora_num.studies import cli
+
+    assert cli.run("adapters-gpu", ["--plan-only", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "r384_lr0.0001_rslora" in out and "steps_host_bound" in out
 
@@ -188,22 +191,23 @@ def test_plan_through_dora_num_record(capsys):
     """``dora-num record adapters-gpu ...`` reaches the recorder with its arguments passed through."""
     from dora_num.__main__ import main
 
-    assert main(["record", G.RECORDER_NAME, "plan", "--plan", "smoke", "--device", "cpu"]) == 0
-    assert [s.name for s in G.smoke_plan()][0] in capsys.readouterr().out
+    assert main(["record", "adapters-gpu", "--plan-only", "--smoke", "--device", "cpu"]) == 0
+    assert [s.name for s in P.smoke_plan()][0] in capsys.readouterr().out
 
 
 def test_launcher_command_line_is_the_recorder_s():
-    """Each run's process (``python -m ...record_trained run NAME ...``) parses with the recorder's parser."""
-    cmd = L.run_command(G.smoke_plan()[1], "smoke", G.SMOKE_CPU, "W", deadline_at=123.5, base_path="B", python="py")
-    assert cmd[:3] == ["py", "-m", G.MODULE]
-    a = G.build_parser().parse_args(cmd[3:])
-    assert (a.cmd, a.name, a.work, a.plan, a.device, a.deadline_at, a.base) == (
-        "run", G.smoke_plan()[1].name, "W", "smoke", "cpu", 123.5, "B")
+    """Each run's process (``python -m dora_num record adapters-gpu --run NAME ...``) parses with the
+    recorder's parser."""
+    cmd = L.run_command(P.smoke_plan()[1], "smoke", G.SMOKE_CPU, "W", deadline_at=123.5, base_path="B", python="py")
+    assert cmd[:5] == ["py", "-m", "dora_num", "record", "adapters-gpu"]
+    a = G.build_parser().parse_args(cmd[5:])
+    assert (a.run, a.work, a.smoke, a.device, a.deadline_at, a.base) == (
+        P.smoke_plan()[1].name, "W", True, "cpu", 123.5, "B")
 
 
 def test_unknown_run_is_named():
     with pytest.raises(ValueError, match=r"runs \['r7_lr0.1'\] are not in the plan"):
-        G.select(G.full_plan(), ["r7_lr0.1"])
+        P.select(P.full_plan(), ["r7_lr0.1"])
 
 
 @pytest.mark.slow
@@ -220,11 +224,11 @@ def test_a_failing_run_keeps_what_it_recorded(tmp_path):
     train = [dict(p) for p in c if p["split"] == "train"][: cfg.batch_size]
     train[1]["summary"] = None
     corpus = train + [p for p in c if p["split"] == "validation"][: cfg.eval_limit]
-    G.run_one(G.RunSpec(4, 1e-3, export=True), cfg, tmp_path, corpus=corpus, log=lambda m: None)
+    G.run_one(P.RunSpec(4, 1e-3, export=True), cfg, tmp_path, corpus=corpus, log=lambda m: None)
     d = tmp_path / "runs" / "r4_lr0.001"
     info = json.loads((d / "run.json").read_text())
     assert info["stop_reason"].startswith("error: ") and info["steps"] == 0 and info["capture_steps"] == [0]
-    assert R.Captures.load(d / "captures.npz").steps.tolist() == [0]
+    assert P.Captures.load(d / "captures.npz").steps.tolist() == [0]
     assert not (d / "adapter").exists()
 
 
@@ -241,7 +245,7 @@ def test_gpu_smoke_trio(tmp_path):
 
     base = REPO_ROOT / ".carry" / "minilm"
     cfg = dataclasses.replace(G.SMOKE_GPU, max_steps=12, eval_every=6, capture_steps=(0, 10))
-    files = L.record_inline(G.smoke_plan()[:3], "smoke", cfg, tmp_path / "launch",
+    files = G.record_inline(P.smoke_plan()[:3], "smoke", cfg, tmp_path / "launch",
                             base_path=base if base.is_dir() else None, log=lambda m: None)
     raw = R.load_raw(R.unpack(files, tmp_path / "full"))
     assert not raw.missing

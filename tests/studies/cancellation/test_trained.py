@@ -20,6 +20,7 @@ from dora_num.studies.cancellation import record_trained_launch as L
 from dora_num.studies.cancellation import record_trained as G
 from dora_num.studies.cancellation import trained as T
 from dora_num.studies.cancellation import ingest_trained as R
+from dora_num.studies.cancellation import runs as P
 
 U64 = 2.0**-53
 MINILM_NAMES = [f"encoder.layer.{i}.{s}" for i in range(6) for s in
@@ -32,10 +33,10 @@ MINILM_NAMES = [f"encoder.layer.{i}.{s}" for i in range(6) for s in
 # --------------------------------------------------------------------------
 
 def test_module_types_of_minilm():
-    types = [R.module_type(n) for n in MINILM_NAMES]
-    assert types == list(T.MODULE_TYPES) * 6
+    types = [P.module_type(n) for n in MINILM_NAMES]
+    assert types == list(P.MODULE_TYPES) * 6
     with pytest.raises(ValueError, match="not one of MiniLM's encoder linears"):
-        R.module_type("pooler.dense")
+        P.module_type("pooler.dense")
 
 
 def _g_by_module(seed=0, spread=3e-3):
@@ -45,13 +46,13 @@ def _g_by_module(seed=0, spread=3e-3):
 
 def test_collapse_by_type_pools_like_collapse_table():
     g = _g_by_module()
-    by_type = R.collapse_by_type(g, ("bf16", "fp16"))
+    by_type = P.collapse_by_type(g, ("bf16", "fp16"))
     full = collapse_table(g, ("bf16", "fp16"))
     a = by_type[by_type["group"] == POOLED].set_index("format")
     b = full[full["module"] == POOLED].set_index("format")
     for col in ("n", "frac_symmetric_zone", "frac_rounds_to_one", "g_std", "abs_gm1_q99"):
         np.testing.assert_array_equal(a[col].to_numpy(), b[col].to_numpy())
-    assert set(by_type["group"]) == set(T.MODULE_TYPES) | {POOLED}
+    assert set(by_type["group"]) == set(P.MODULE_TYPES) | {POOLED}
     assert by_type[(by_type["group"] == "intermediate") & (by_type["format"] == "bf16")]["n"].item() == 6 * 1536
 
 
@@ -59,7 +60,7 @@ def test_collapse_by_type_absorption_is_activation_weighted():
     g = {n: v for n, v in _g_by_module().items() if "layer.0." in n}
     rng = np.random.default_rng(1)
     acts = {n: rng.standard_normal((3 + i, v.size)) for i, (n, v) in enumerate(sorted(g.items()))}
-    by_type = R.collapse_by_type(g, ("bf16",), activations=acts)
+    by_type = P.collapse_by_type(g, ("bf16",), activations=acts)
     per = collapse_table(g, ("bf16",), activations=acts)
     per = per[per["module"] != POOLED]
     w = per["n_activations"].to_numpy()
@@ -72,7 +73,7 @@ def _raw(role, name, caps: dict, spec=None, dtypes=None):
     names = list(caps[0]["m"])
     steps = sorted(caps)
     sizes = [caps[0]["m"][n].size for n in names]
-    c = R.Captures(np.array(steps), names, np.concatenate([[0], np.cumsum(sizes)]),
+    c = P.Captures(np.array(steps), names, np.concatenate([[0], np.cumsum(sizes)]),
                    np.stack([np.concatenate([caps[s]["m"][n] for n in names]) for s in steps]).astype(np.float32),
                    np.stack([np.concatenate([caps[s]["wnorm"][n] for n in names]) for s in steps]).astype(np.float32),
                    np.stack([np.concatenate([caps[s]["wnorm64"][n] for n in names]) for s in steps]),
@@ -111,7 +112,7 @@ def test_crosscheck_ratios_and_verdict():
     v = R.crosscheck_verdict(table, R.bf16_input_types(runs))
     assert v["steps"] == [30, 100] and v["agree_g_params"] and v["agree_g_layer_fp32_inputs"]
     lay = table[(table["g"] == "layer") & (table["group"] == "o") & table["judged"]]
-    assert (lay["ratio"] > T.CROSSCHECK_FACTOR).all()  # the bf16 norm: excluded from the layer verdict by design
+    assert (lay["ratio"] > P.CROSSCHECK_FACTOR).all()  # the bf16 norm: excluded from the layer verdict by design
 
 
 def test_step0_table_counts_ulps_between_m_and_the_layer_norm():
@@ -141,7 +142,7 @@ def test_step0_table_counts_ulps_between_m_and_the_layer_norm():
 
 def test_crosscheck_needs_the_trio():
     assert R.crosscheck_table({}).empty and R.crosscheck_verdict(pd.DataFrame()) == {
-        "criterion": R.CROSSCHECK_CRITERION, "ran": False}
+        "criterion": P.CROSSCHECK_CRITERION, "ran": False}
 
 
 def _to_bf16(v: np.ndarray) -> np.ndarray:
@@ -155,7 +156,7 @@ def test_bf16_norm_rounding_prediction():
     rng = np.random.default_rng(3)
     v = np.exp2(rng.random(2_000_000)).astype(np.float32)
     r = _to_bf16(v).astype(np.float64) / v - 1
-    assert np.sqrt(np.mean(r**2)) == pytest.approx(R.BF16_NORM_RMS_PREDICTED, rel=0.01)
+    assert np.sqrt(np.mean(r**2)) == pytest.approx(P.BF16_NORM_RMS_PREDICTED, rel=0.01)
 
 
 def _trained(evals_rows, outcome_rows, cfg):
@@ -190,7 +191,7 @@ def smoke(tmp_path_factory):  # (slow: 3 MiniLM runs and an ingest, ~40 s on the
     root = tmp_path_factory.mktemp("trained-smoke")
     torch_threads = torch.get_num_threads()
     try:
-        files = L.record_inline(G.smoke_plan()[:3], "smoke", G.SMOKE_CPU, root / "launch", log=lambda m: None)
+        files = G.record_inline(P.smoke_plan()[:3], "smoke", G.SMOKE_CPU, root / "launch", log=lambda m: None)
         R.ingest(files, root / "trained", keep=root / "full", log=lambda m: None)
     finally:
         torch.set_num_threads(torch_threads)
@@ -201,12 +202,12 @@ def smoke(tmp_path_factory):  # (slow: 3 MiniLM runs and an ingest, ~40 s on the
 @pytest.mark.slow
 def test_smoke_record_is_complete_and_labelled(smoke):
     tr = smoke.tr
-    assert sorted(tr.outcome["run"]) == sorted(s.name for s in G.smoke_plan()[:3]) and not tr.manifest["missing_runs"]
+    assert sorted(tr.outcome["run"]) == sorted(s.name for s in P.smoke_plan()[:3]) and not tr.manifest["missing_runs"]
     assert T.check_stop_labels(tr) == []
     assert tr.manifest["compact_certified"]
     assert T.check_final_against_record(tr).empty
     n_caps = {r.name: len(r.captures.steps) for r in smoke.raw.runs.values()}
-    assert len(tr.collapse) == sum(n_caps.values()) * (len(T.MODULE_TYPES) + 1) * len(FORMATS)
+    assert len(tr.collapse) == sum(n_caps.values()) * (len(P.MODULE_TYPES) + 1) * len(FORMATS)
     s0 = T.step0(tr).set_index("role")  # on one device m is the forward's own norm: g = 1 exactly at step 0
     assert s0.loc["grid", "rows_m_ne_wnorm"] == 0 and s0.loc["grid", "rows_layer_g_ne_1"] == 0
     assert s0.loc["ulp_twin", "rows_m_ne_wnorm"] == s0.loc["ulp_twin", "rows"]
@@ -234,30 +235,6 @@ def test_smoke_ingest_writes_the_recorded_data_vocabulary(smoke):
         assert set(side["inputs"]) == {q.name for q in smoke.files.glob("part-*.tar")}
 
 
-def test_notebook_01_requires_what_it_asks_for():
-    """Notebook 01's ``requires`` (what the runner checks before a full run) is exactly the data sets it asks
-    ``ctx.recorded`` for: the H200 record, its export for the compose study, the CPU agreement runs, the
-    paper-shape benchmark, the exhaustive fp8 compose record."""
-    import json
-
-    from dora_num.studies.bounds import exhaustive_report as X
-    from dora_num.studies.cancellation import analysis as C
-
-    asked = {"T.TRAINED": T.TRAINED, "C.COMPOSE_ADAPTER": C.COMPOSE_ADAPTER, "C.AGREEMENT": C.AGREEMENT,
-             "C.PAPER_SHAPE": C.PAPER_SHAPE, "X.RECORDED_FP8": X.RECORDED_FP8}
-    book = json.loads((REPO_ROOT / "notebooks" / "01_cancellation_at_g1.ipynb").read_text())
-    want = {f"data/{f}" for d in asked.values() for f in d.files}
-    assert sorted(book["metadata"]["dora_num"]["requires"]) == sorted(want)
-    code = "\n".join("".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code")
-    for spec in asked:
-        assert f"ctx.recorded({spec}" in code, spec
-    # and nothing else: every ctx.recorded(...) call names one of these (X.RECORDED_GPU is optional, required=False)
-    import re
-
-    called = set(re.findall(r"ctx\.recorded\(([\w.]+)", code))
-    assert called - set(asked) <= {"X.RECORDED_GPU"}, called
-
-
 @pytest.mark.slow
 def test_smoke_init_is_shared_and_g_is_one(smoke):
     """Step 0: our layer's g is 1 exactly (m is its own norm); the ulp twin's m is one fp32 ulp away from
@@ -278,7 +255,7 @@ def test_smoke_peft_norm_is_bf16_where_its_input_is(smoke):
     whose input is bf16 (attention output, MLP output), fp32 elsewhere."""
     peft = next(r for r in smoke.raw.runs.values() if r.info["role"] == "peft_twin")
     dt = peft.info["input_dtypes"]
-    assert {R.module_type(n) for n, d in dt.items() if d == "bfloat16"} == {"o", "output"}
+    assert {P.module_type(n) for n, d in dt.items() if d == "bfloat16"} == {"o", "output"}
     for step_row in range(len(peft.captures.steps)):
         wn = peft.captures.split(peft.captures.wnorm[step_row])
         for n, v in wn.items():
@@ -326,7 +303,7 @@ NOTEBOOK_TABLE = committed_data("01_cancellation_at_g1", "exported_adapters_coll
 
 def committed_adapters() -> list[Path]:
     """Every exported adapter committed with the H200 record."""
-    exp = committed_data(*T.RECORDED_DIR, "exported")
+    exp = committed_data(T.TRAINED.folder, "exported")
     return sorted(p for p in exp.iterdir() if (p / "adapter_config.json").is_file()) if exp.is_dir() else []
 
 
@@ -349,7 +326,7 @@ def assert_cli_matches(adapter: Path, table: pd.DataFrame, tmp: Path) -> None:
     assert list(cli.index) == list(nb.index)
     np.testing.assert_array_equal(cli["n"], nb["n"])
     near = nb["n_near_zone_end"].to_numpy()
-    for col in T.ZONE_COLUMNS:
+    for col in P.ZONE_COLUMNS:
         dc = np.rint(np.abs(cli[col] - nb[col]) * nb["n"]).to_numpy()
         assert np.all(dc <= near), (col, cli.index[dc > near].tolist())
     tol = 2 * nb["g_abs_error_bound"].to_numpy() + 64 * U64

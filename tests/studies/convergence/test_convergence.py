@@ -17,6 +17,7 @@ from dora_num.ops.layer import DoRALinear
 from dora_num.repro.paths import REPO_ROOT
 from dora_num.repro.provenance import read_provenance
 from dora_num.studies.convergence import config as cc
+from dora_num.studies.convergence import ingest_convergence
 from dora_num.studies.convergence import recorded as cvr
 from dora_num.studies.convergence import record_convergence as cv
 from dora_num.studies.convergence import tidy as ct
@@ -108,7 +109,7 @@ def test_smoke_study_end_to_end(tmp_path):
     assert res.summary["projected_total_s"] > 0
     for name in ("history.csv.gz", "evals.csv", "g_stats.csv.gz", "profile.csv", "summary.json"):
         assert (tmp_path / name).is_file()
-        assert read_provenance(tmp_path / name)["producer"] == "dora_num.studies.convergence.record_convergence"
+        assert read_provenance(tmp_path / name)["producer"] == "dora-num record convergence"
     hist = pd.read_csv(tmp_path / "history.csv.gz")
     assert set(hist.metric) == {"loss", "grad_norm", "lr", "seconds"}
     assert set(hist.run) == {"eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1"}
@@ -142,7 +143,9 @@ def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
                      tmp_path / f"s{seed}", log=lambda *_: None)
     parts = [tmp_path / "s1", tmp_path / "profile", tmp_path / "s0"]
     out = tmp_path / "merged"
-    assert cv.main(["--ingest", *map(str, parts), "--out", str(out), "--git-sha", "abc123"]) == 0
+    from dora_num.studies import cli
+
+    assert cli.run("convergence", ["--ingest", *map(str, parts), "--out", str(out), "--git-sha", "abc123"]) == 0
     rec = cvr.load_recorded(out)
     assert [p["name"] for p in rec.summary["plan"]] == ["eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1",
                                                         "fused_s1"]
@@ -157,14 +160,14 @@ def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
     secs = rec.history[(rec.history.metric == "seconds") & (rec.history.step > 1) & (rec.history.path == "fused")]
     assert ct.seconds_per_step(rec)["fused"] == secs.value.median()
     with pytest.raises(ValueError, match="runs recorded twice"):
-        cvr.merge_parts([tmp_path / "s0", tmp_path / "s0"])
+        ingest_convergence.merge_parts([tmp_path / "s0", tmp_path / "s0"])
     other = tmp_path / "other"
     cv.run_study(cc.ConvergenceConfig(**dict(base, seeds=(2,), repeat_seed=None, profile_steps=0, lr=5e-4)),
                  other, log=lambda *_: None)
     with pytest.raises(ValueError, match="different configuration: \\['lr'\\]"):
-        cvr.merge_parts([tmp_path / "s0", other])
+        ingest_convergence.merge_parts([tmp_path / "s0", other])
     with pytest.raises(FileNotFoundError, match="no summary.json"):
-        cvr.merge_parts([tmp_path])
+        ingest_convergence.merge_parts([tmp_path])
 
 
 def test_deadline_skips_whole_runs():
@@ -201,7 +204,7 @@ def test_ddp_two_gloo_ranks_match_single_process(tmp_path):
             "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "dora_num.studies.convergence.record_convergence", "--out", str(tmp_path / "ddp"), *args],
+                          "-m", "dora_num", "record", "convergence", "--out", str(tmp_path / "ddp"), *args],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     ddp = _tidy_loss(tmp_path / "ddp" / "history.csv.gz")

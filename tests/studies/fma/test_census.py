@@ -145,8 +145,7 @@ def test_gpu_census_slice_matches_numpy():
 
 
 def test_missing_gpu_census_is_named_with_its_recorder(tmp_path):
-    from dora_num.repro.recording import RecordedDataMissing
+    from dora_num.repro.paths import RecordedDataMissing
 
     with pytest.raises(RecordedDataMissing, match="dora-num record exhaustive --out DIR --only census"):
         C.load_gpu(tmp_path)
-    assert [f.rsplit("/", 1)[1] for f in C.RECORDED_GPU.files] == list(C.GPU_FILES)

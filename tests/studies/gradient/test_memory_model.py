@@ -148,6 +148,10 @@ def test_measure_cli_requires_cuda_or_ingest(tmp_path, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
+    from dora_num.studies import cli
+
     with pytest.raises(RuntimeError, match="CUDA"):
-        mm.main(["--measure", "--out", str(tmp_path)])  # the model's entry point delegates to the recorder
-    assert mx.main([]) == 2  # neither --out nor --ingest
+        cli.run("memory", ["--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        cli.run("memory", [])  # neither --out nor --ingest
+    assert e.value.code == 2

@@ -166,7 +166,7 @@ def test_ingest_copies_the_model_files_with_provenance(smoke_run, tmp_path):
 
     out, _ = smoke_run
     written = mb.ingest(out, tmp_path)
-    assert sorted(p.name for p in written) == sorted(mb.MODEL_FILES)
+    assert sorted(p.name for p in written) == sorted(f.rsplit("/", 1)[1] for f in mb.MODEL.files)
     side = json.loads((tmp_path / "model_bench.csv.provenance.json").read_text())
     assert side["producer"] and side["sha256"]
     assert not (tmp_path / "device.json").exists()
@@ -181,4 +181,4 @@ def test_record_model_ingest_leaves_the_suites_device_json(smoke_run, tmp_path):
     (tmp_path / "device.json").write_text('{"suite": true}\n')
     assert run("model", ["--ingest", str(out), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "device.json").read_text() == '{"suite": true}\n'
-    assert all((tmp_path / f).exists() for f in mb.MODEL_FILES)
+    assert all((tmp_path / f).exists() for f in (g.rsplit("/", 1)[1] for g in mb.MODEL.files))

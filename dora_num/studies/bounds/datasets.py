@@ -1,0 +1,16 @@
+"""The recorded data of notebook 03 and the exhaustive checks notebook 01 reads too
+(``dora-num record --list`` shows every data set)."""
+
+from ...repro.paths import DataSet
+
+COMPOSE_FP8 = DataSet("compose-fp8", ("exhaustive/compose_fp8.csv.gz",), recorder="compose-fp8",
+                      where="the CPU, about 3 min on 2 cores", ingest=False, notebooks=("01", "03"))
+# device.json describes the whole exhaustive GPU run (its census and accumulation sections too)
+COMPOSE_GPU = DataSet("compose-exhaustive", tuple(f"gpu/exhaustive/{f}" for f in (
+    "compose_exhaustive.csv", "compose_exhaustive_bitwise.csv", "device.json")), recorder="exhaustive --only compose",
+    optional=("01", "03"))
+ACCUMULATION = DataSet("accumulation", ("gpu/exhaustive/accumulation_probe.json.gz",
+                                        "gpu/exhaustive/accumulation_findings.json"),
+                       recorder="exhaustive --only accumulation", optional=("03",))
+
+DATASETS = (COMPOSE_FP8, COMPOSE_GPU, ACCUMULATION)

@@ -1,0 +1,111 @@
+"""``dora-num record convergence --ingest DIR...``: notebook 04's GPU processes merged into ``data/gpu/convergence``.
+
+On the H200 each step costs ~0.1 s of host Python, so the recorded runs were made one process per
+run (``--runs``, several processes sharing the GPU; ``.ci/gpu/convergence.sh``) after a
+``--profile-only`` process alone; :func:`merge_parts` puts their folders together and :func:`ingest`
+records them with provenance (the GPU machine's device and versions from the parts' own sidecars).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from ...repro import recording
+from .config import HISTORY_FLOAT_FORMAT, PATHS, run_plan
+from .datasets import CONVERGENCE
+from .recorded import Recorded, read_history
+from .tidy import order, with_perturbed
+
+
+def merge_parts(parts: list[Path]) -> Recorded:
+    """One :class:`Recorded` from the folders of several processes of one study: at
+    most one ``--profile-only`` folder and any number of run folders (e.g. one per
+    seed).  Refuses parts whose configurations differ beyond seeds, repeat and
+    paths, duplicated runs, and a fused arm that differs between parts."""
+    parts = [Path(p) for p in parts]
+    if not parts:
+        raise ValueError("no folders to merge")
+    summaries, profiles, runs = [], [], []
+    for d in parts:
+        f = d / "summary.json"
+        if not f.is_file():
+            raise FileNotFoundError(f"{d} has no summary.json (not a convergence output folder)")
+        sm = json.loads(f.read_text())
+        summaries.append(sm)
+        if sm.get("profile_only"):
+            profiles.append(d)
+        else:
+            runs.append(d)
+    if len(profiles) > 1:
+        raise ValueError(f"more than one --profile-only folder: {profiles}")
+    varying = {"seeds", "repeat_seed", "paths", "plan", "profile_steps", "profile_only", "deadline_s", "progress",
+               "runs", "ulp_seeds"}
+    cfg0 = {k: v for k, v in summaries[0]["config"].items() if k not in varying}
+    for d, sm in zip(parts, summaries):
+        cfg = {k: v for k, v in sm["config"].items() if k not in varying}
+        diff = sorted(k for k in set(cfg) | set(cfg0) if cfg.get(k) != cfg0.get(k))
+        if diff:
+            raise ValueError(f"{d} was run with a different configuration: {diff}")
+    impls = {sm["fused_impl"] for sm in summaries}
+    if len(impls) != 1:
+        raise ValueError(f"parts disagree on the fused arm: {sorted(impls)}")
+    tables = {"history": [], "evals": [], "g_stats": []}
+    merged_runs, skipped, plan, processes = {}, [], [], []
+    for d, sm in zip(parts, summaries):
+        processes.append({"folder": d.name, "profile_only": bool(sm.get("profile_only")),
+                          "runs": list(sm.get("runs", {})), "elapsed_s": sm.get("elapsed_s")})
+        if sm.get("profile_only"):
+            continue
+        dup = set(sm["runs"]) & set(merged_runs)
+        if dup:
+            raise ValueError(f"runs recorded twice: {sorted(dup)}")
+        merged_runs.update(sm["runs"])
+        skipped += sm.get("skipped", [])
+        plan += sm["plan"]
+        tables["history"].append(read_history(d / "history.csv.gz"))
+        tables["evals"].append(with_perturbed(pd.read_csv(d / "evals.csv")))
+        tables["g_stats"].append(with_perturbed(pd.read_csv(d / "g_stats.csv.gz")))
+    if not runs:
+        raise ValueError("no run folders among the parts (only a profile)")
+    seeds = sorted({p["seed"] for p in plan})
+    reps = sorted({p["seed"] for p in plan if p["repeat"]})
+    ulps = tuple(sorted({p["seed"] for p in plan if p.get("perturbed")}))
+    order = {s.name: i for i, s in enumerate(run_plan(seeds, reps[0] if reps else None, PATHS, ulps))}
+    plan.sort(key=lambda p: order.get(p["name"], len(order)))
+    profile = pd.read_csv(profiles[0] / "profile.csv") if profiles else pd.DataFrame(
+        columns=["path", "impl", "step", "seconds"])
+    first = summaries[parts.index(runs[0])]
+    summary = {**first,
+               "config": {**first["config"], "seeds": seeds, "ulp_seeds": list(ulps),
+                          "repeat_seed": reps[0] if reps else None, "plan": [p["name"] for p in plan]},
+               "plan": plan, "runs": merged_runs, "skipped": skipped, "processes": processes,
+               "run_order": "one process per run (see processes); plan listed in run_plan's order"}
+    summary["config"].pop("runs", None)  # each part's own selection, meaningless once merged
+    if profiles:
+        sp = summaries[parts.index(profiles[0])]
+        summary["profile"] = sp.get("profile")
+        summary["profile_config"] = sp["config"]
+    else:
+        summary.pop("profile", None)
+    cat = (lambda fs: pd.concat(fs, ignore_index=True))
+    return Recorded(cat(tables["history"]), cat(tables["evals"]), cat(tables["g_stats"]), profile, summary,
+                    runs[0])
+
+
+def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None) -> list[Path]:
+    """Merge the GPU processes' folders (:func:`merge_parts`) into ``dest`` (e.g.
+    ``data/gpu/convergence``) with provenance: the GPU machine's device description
+    and library versions from the parts' own sidecars, ``git_sha`` the commit that ran
+    (the device machine's copy has no ``.git``)."""
+    rec = merge_parts(parts)
+    tables = {"history.csv.gz": order(rec.history, ["metric", "value"]),
+              "evals.csv": order(rec.evals, ["metric", "value"]),
+              "g_stats.csv.gz": order(rec.g_stats, ["module", "statistic", "value"]),
+              "profile.csv": rec.profile, "summary.json": rec.summary}
+    return recording.ingest(tables, Path(dest), machine=recording.machine_from_sidecar(rec.folder / "summary.json"),
+                            producer=CONVERGENCE.producer,
+                           git_sha=git_sha, params=rec.summary["config"], sources=parts,
+                           float_formats={"history.csv.gz": HISTORY_FLOAT_FORMAT})

@@ -1,0 +1,28 @@
+"""The recorded data of notebook 05 and the host-cost records beside it (``dora-num record --list``
+shows every data set)."""
+
+from ...repro.paths import DataSet
+
+SUITE = DataSet("suite", ("gpu/device.json", "gpu/suite.log"), recorder="suite", notebooks=("05",))
+COMPOSE = DataSet("compose", ("gpu/compose_bench.csv",), recorder="compose", notebooks=("05",))
+TILES = DataSet("tiles", ("gpu/tile_sweep.csv",), recorder="tiles")
+NORM = DataSet("norm", ("gpu/norm_bench.csv",), recorder="norm", notebooks=("05",))
+LAYER = DataSet("layer", ("gpu/layer_bench.csv", "gpu/layer_profile.txt"), recorder="layer", notebooks=("05",))
+MODEL = DataSet("model", tuple(f"gpu/model_{t}.csv" for t in ("bench", "agreement", "probe", "predictions")),
+                recorder="model", optional=("05",))
+TRAIN_GRAPHS = DataSet("train-graphs", ("gpu/train_graphs.csv",), recorder="train-graphs", notebooks=("05",))
+OVERHEAD = DataSet("overhead", ("gpu/host_overhead.log",), recorder="overhead")
+GUARD_COST = DataSet("guard-cost", ("gpu/guard_cost.csv",), recorder="guard-cost")
+# Host-cost diagnostics of DoRALinear: device scripts, their output committed with a sidecar
+LAYER_HOST = DataSet("layer-host", ("gpu/layer_host.log",), recorder="python3 .ci/gpu/layer_host_wait.py")
+LAYER_BREAKDOWN = DataSet("layer-breakdown", ("gpu/diagnostics/layer_breakdown.csv",),
+                          recorder="python3 .ci/gpu/layer_breakdown.py OUT")
+LAYER_HOST_CPROFILE = DataSet("layer-host-cprofile", ("gpu/diagnostics/layer_host_cprofile_c658e09.log",),
+                              recorder="python3 .ci/gpu/layer_host_cprofile.py")
+LAYER_TIMELINE = DataSet("layer-timeline", ("gpu/diagnostics/layer_timeline_c658e09.log",),
+                         recorder="python3 .ci/gpu/layer_timeline.py")
+LAYER_CHECK_AB = DataSet("layer-check-ab", ("gpu/layer_check_ab.log",),
+                         recorder="python3 .ci/gpu/layer_check_ab.py (removed; at 7a50873)")
+
+DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, TRAIN_GRAPHS, OVERHEAD, GUARD_COST, LAYER_HOST,
+            LAYER_BREAKDOWN, LAYER_HOST_CPROFILE, LAYER_TIMELINE, LAYER_CHECK_AB)

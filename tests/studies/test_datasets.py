@@ -1,0 +1,117 @@
+"""Every recorded data set declared once (dora_num.studies.datasets): committed, complete, its sidecars
+naming today's producer, ``cli.RECORDERS`` and every notebook's ``requires`` held to it."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+
+import pytest
+
+from dora_num.repro.paths import COMMITTED_DATA_DIR, NOTEBOOKS_DIR, REPO_ROOT, DataSet
+from dora_num.studies import cli, datasets
+
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+SIDE = ".provenance.json"
+
+
+@pytest.mark.parametrize("name", list(datasets.DATASETS))
+def test_every_data_set_is_committed_with_sidecars_naming_its_producer(name):
+    d = datasets.DATASETS[name]
+    assert d.missing() == [] and len(d.require()) == len(d.files)
+    for p in d.paths():
+        side = json.loads((p.parent / (p.name + SIDE)).read_text())
+        assert side["producer"] == d.producer, (p, side["producer"])
+
+
+def test_the_table_holds_every_recorded_file_once():
+    """Every file under data/ belongs to exactly one data set, except the notebooks' own outputs
+    (data/NN_topic/, a notebook's artifacts) and the corpus (an input the package extracts)."""
+    owners: dict[str, list[str]] = {}
+    for d in datasets.DATASETS.values():
+        for f in d.files:
+            owners.setdefault(f, []).append(d.name)
+    assert {f: n for f, n in owners.items() if len(n) > 1} == {}
+    committed = {p.relative_to(COMMITTED_DATA_DIR).as_posix() for p in COMMITTED_DATA_DIR.rglob("*")
+                 if p.is_file() and not p.name.endswith((SIDE, ".md"))}
+    recorded = {f for f in committed
+                if not f[:2].isdigit() and f.split("/")[0] not in datasets.NOT_RECORDED}
+    assert sorted(recorded - set(owners)) == []
+    assert sorted(set(owners) - committed) == []
+
+
+def test_recorders_and_data_sets_name_each_other():
+    subcommands = {d.subcommand for d in datasets.DATASETS.values() if d.kind == "record"}
+    assert sorted(subcommands - set(cli.RECORDERS)) == []
+    assert sorted(set(cli.RECORDERS) - subcommands - set(cli.TOOLS)) == []
+    for d in datasets.DATASETS.values():
+        assert d.recorder.split()[0] in d.how_to_record or d.kind == "notebook", d
+        if d.kind == "script":  # the device script exists, or existed at the commit it names
+            script = next(w for w in d.recorder.split() if w.startswith(".ci/"))
+            at = d.recorder.split("at ")[-1].rstrip(")") if "(removed; at" in d.recorder else None
+            if at is None:
+                assert (REPO_ROOT / script).is_file(), d
+            else:
+                assert subprocess.run(["git", "cat-file", "-e", f"{at}:{script}"], cwd=REPO_ROOT).returncode == 0
+
+
+def test_how_to_record_follows_the_recorder():
+    gpu = DataSet("x", ("gpu/x.csv",), recorder="exhaustive --only census")
+    assert gpu.how_to_record == ("on the H200: dora-num record exhaustive --out DIR --only census; then here: "
+                                 "dora-num record exhaustive --ingest DIR --git-sha SHA")
+    assert gpu.producer == "dora-num record exhaustive"
+    cpu = DataSet("y", ("exhaustive/y.csv",), recorder="sqrt-census", where="the CPU", ingest=False)
+    assert cpu.how_to_record == "here (the CPU): dora-num record sqrt-census" and cpu.folder == "exhaustive"
+    assert gpu.subset("x.csv") == gpu
+    with pytest.raises(ValueError, match="no file"):
+        gpu.subset("z.csv")
+
+
+def test_record_list_prints_every_data_set(capsys):
+    from dora_num.__main__ import main
+
+    assert main(["record", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in datasets.DATASETS)
+    assert "NVIDIA H200" in out and datasets.last_recorded(datasets.DATASETS["memory"])["commit"] in out
+
+
+def _reads(nb_path) -> dict[str, bool]:
+    """The data sets a notebook asks for with ``ctx.recorded(...)`` (evaluated in the notebook's
+    imports, at its parameters' defaults): name -> required in a full run."""
+    book = json.loads(nb_path.read_text())
+    cells = ["".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code"]
+    ns: dict = {}
+    params = next(c for c in book["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    exec("".join(params["source"]), ns)
+    for src in cells:
+        for node in ast.parse(src).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and (
+                    isinstance(node, ast.Import) or (node.module or "").startswith("dora_num")):
+                exec(compile(ast.Module([node], []), nb_path.name, "exec"), ns)
+    out: dict[str, bool] = {}
+    for src in cells:
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "recorded":
+                kw = {k.arg: k.value for k in node.keywords}
+                required = bool(eval(ast.unparse(kw["required"]), ns)) if "required" in kw else True
+                for a in node.args:
+                    a = a.value if isinstance(a, ast.Starred) else a
+                    val = eval(ast.unparse(a), ns)
+                    for item in (val if isinstance(val, tuple) else (val,)):
+                        d = datasets.owner(item) if isinstance(item, str) else datasets.DATASETS[item.name]
+                        assert d is not None, (nb_path.name, item)
+                        out[d.name] = out.get(d.name, False) or required
+    return out
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_notebook_requires_what_it_reads(nb):
+    nn = nb.stem[:2]
+    reads = _reads(nb)
+    assert sorted(n for n, req in reads.items() if req) == sorted(
+        d.name for d in datasets.DATASETS.values() if nn in d.notebooks)
+    assert sorted(n for n, req in reads.items() if not req) == sorted(
+        d.name for d in datasets.DATASETS.values() if nn in d.optional)
+    assert json.loads(nb.read_text())["metadata"]["dora_num"]["requires"] == datasets.requires(nb.stem)
