@@ -56,4 +56,6 @@ def test_run_needs_a_gpu(tmp_path):
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         G.run(tmp_path / "out", smoke=True)
-    assert cli.run("exhaustive", []) == 2  # no --out: refused before anything runs
+    with pytest.raises(SystemExit) as e:
+        cli.run("exhaustive", [])  # no --out: refused before anything runs
+    assert e.value.code == 2

@@ -66,7 +66,8 @@ def compose_adapter() -> tuple:
     manifest's ``base`` (what :func:`.runs.resolve_base` rebuilds and checks)."""
     import json
 
-    cfg, _, manifest = COMPOSE_ADAPTER.require()
+    paths = {p.name: p for p in COMPOSE_ADAPTER.require()}
+    cfg, manifest = paths["adapter_config.json"], paths["manifest.json"]
     return cfg.parent, json.loads(manifest.read_text())["base"]
 
 

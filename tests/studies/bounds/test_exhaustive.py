@@ -123,11 +123,9 @@ def test_configurations_cover_the_edges():
 
 
 def test_fp8_exhaustive_matches_the_record():
-    from dora_num.repro.paths import committed_data
+    from dora_num.studies.bounds.datasets import COMPOSE_FP8
 
-    path = committed_data("exhaustive", E.FP8_FILE)
-    if not path.is_file():
-        pytest.fail(f"{path} missing: python -m dora_num.studies.bounds.exhaustive record-fp8")
+    (path,) = COMPOSE_FP8.require()
     rec = pd.read_csv(path)
     assert (rec["violations"] == 0).all() and (rec["ulp_bound_violations"] == 0).all(), rec[rec["violations"] > 0]
     stable32 = rec.query("formula == 'compose_stable' and arith == 'fp32'")
