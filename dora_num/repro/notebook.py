@@ -144,7 +144,7 @@ class NotebookContext:
         """The committed recorded data this notebook reads, asked for in one line.
 
         ``data``: paths under ``data/`` (``"gpu/fma_sqrt.csv"``) or data sets with
-        ``files`` and ``how_to_record`` (:class:`dora_num.repro.recording.RecordedData`).
+        ``files`` and ``how_to_record`` (:class:`dora_num.repro.paths.DataSet`).
         Returns the files' paths; raises :class:`~dora_num.repro.paths.RecordedDataMissing`
         (every missing file and how to record it) if one is missing.  Returns ``None``
         instead, printing why and noting it in :attr:`skipped`, in SMOKE mode when

@@ -11,7 +11,7 @@ ground truth, bounds); it defines no formula of its own.
   measured error against the certified ground truth, the bound, tightness, ULPs.
 - :func:`conditioning`: factored vs dense row norms (torch fp32, ``dora_num.ops``)
   against exact mpmath norms, as a function of the assembly's condition number.
-- :func:`bench`: ``python -m dora_num.studies.bounds.sweep --bench`` times
+- :func:`bench` times
   :func:`~dora_num.numerics.ground_truth.compose_exact` on 2,000,000 elements.
 """
 

@@ -8,7 +8,6 @@ The trained adapters (H200, until MRR@10 plateaus) come from :mod:`.record_train
     dora-num record adapters --ranks 16 --lrs 1e-3
     dora-num record adapters --agreement-only
 
-(``python -m dora_num.studies.cancellation.record_adapters`` takes the same options.)
 
 Grid: ranks 8, 16, 64, 128 x learning rates 1e-3, 1e-4; MiniLM + DoRA on all 36
 encoder linears; batch 16, max_len 32, STEPS steps, seed 0.  Per run it writes

@@ -3,9 +3,9 @@
     dora-num record convergence --out DIR [--steps 2000] [--seeds 0 1 2] [--ulp-seeds ...]
                                 [--runs NAME ...] [--profile-only] [--base MODEL_DIR] [--smoke]
     dora-num record convergence --ingest DIR ... --out data/gpu/convergence --git-sha SHA
-    torchrun --nproc_per_node N -m dora_num.studies.convergence.record_convergence --out DIR ...   # DDP, N ranks
+    torchrun --nproc_per_node N -m dora_num record convergence --out DIR ...   # DDP, N ranks
 
-(``python -m dora_num.studies.convergence.record_convergence`` takes the same options.)  The plan
+The plan
 (:func:`~dora_num.studies.convergence.config.run_plan`), after a short profiling phase (time per step of both
 paths, first ``PROFILE_WARMUP`` steps dropped: Triton compiles there):
 

@@ -9,8 +9,7 @@ allocator events during the step, above the level at its start), compared with
 ``peak - static`` of the model (:func:`compare`).
 
 ``dora-num record memory --out DIR [--base MODEL_DIR]`` runs the H200 validation
-(:func:`gpu_configs`) in one process (``python -m dora_num.studies.gradient.record_memory``
-and ``python -m dora_num.studies.gradient.memory_model`` take the same options);
+(:func:`gpu_configs`) in one process;
 ``dora-num record memory --ingest DIR --git-sha SHA`` records it into
 ``data/gpu/memory/``.
 """

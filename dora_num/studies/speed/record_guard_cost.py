@@ -1,7 +1,7 @@
 """What the factored norm's cancellation guard costs on the GPU: guard on vs off, same run, interleaved.
 
-    python -m dora_num.studies.speed.record_guard_cost --out DIR [--smoke]    # on a CUDA machine
-    python -m dora_num.studies.speed.record_guard_cost --ingest DIR [--git-sha SHA]   # here: -> data/gpu/guard_cost.csv
+    dora-num record guard-cost --out DIR [--smoke]    # on a CUDA machine
+    dora-num record guard-cost --ingest DIR [--git-sha SHA]   # here: -> data/gpu/guard_cost.csv
 
 Measured per configuration (``W`` bf16; ``A``, ``B`` bf16 or fp32; a realistic adapter,
 ``||sBA|| = 5% ||W||`` per row, on which the guard must not fire: checked, and the norms with the

@@ -1,6 +1,6 @@
 r"""Model-level speed, memory and fidelity: PEFT's DoRA against the same adapter on this project's operator.
 
-``python -m dora_num.studies.speed.record_model --out DIR [--smoke]`` (also ``dora-num gpu-suite --only
+``dora-num record model --out DIR [--smoke]`` (also ``dora-num gpu-suite --only
 model``).  A Llama-architecture decoder (transformers ``LlamaConfig`` + ``LlamaForCausalLM``, random
 weights, nothing downloads) at 8B layer shapes (hidden 4096, intermediate 14336, 32 heads / 8 KV
 heads, vocab 32000), 4 layers, 4096 tokens (one sequence), bf16 weights, bf16 autocast, DoRA on all
