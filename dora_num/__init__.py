@@ -2,14 +2,15 @@
 
 Public API (docs/design.md)::
 
-    dense_row_norm, factored_row_norm, magnitude_scale,
-    compose_naive, compose_stable, compose, DoRALinear,
-    wrap, merge, unmerge, trainable_parameters          (dora_num.wrapper)
-    load_peft_dora, load_adapter, export_peft_dora      (dora_num.adapters.peft_io)
+    dense_row_norm, factored_row_norm, base_row_norm_sq, magnitude_scale    (dora_num.ops.norm)
+    compose_naive, compose_stable, compose, DoRALinear                      (dora_num.ops)
+    NotFiniteError, check_pending        (deferred finiteness checks: dora_num.ops.finite)
+    wrap, merge, unmerge, trainable_parameters                              (dora_num.wrapper)
+    load_peft_dora, load_adapter, export_peft_dora                          (dora_num.adapters.peft_io)
+    collapse_table (dora_num.adapters.collapse), check_bounds (dora_num.check), setup (notebooks)
 
-``dora_num.peft.accelerate(peft_model)`` / ``restore``: a PEFT model's DoRA layers on
-this package's operator (import ``dora_num.peft``).
-    check_pending (read every deferred finiteness check now: dora_num.ops.finite)
+``dora_num.peft.accelerate(peft_model)`` / ``restore``: a PEFT model's DoRA layers on this package's
+operator (import ``dora_num.peft``).
 """
 
 from .ops.compose import compose

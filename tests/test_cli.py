@@ -54,3 +54,8 @@ def test_entry_point_help_writes_nothing(module, tmp_path, monkeypatch, capsys):
     assert e.value.code in (0, None)
     assert "usage:" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == [], f"{module} --help wrote {list(tmp_path.iterdir())}"
+
+
+def test_the_package_docstring_names_every_public_name():
+    doc = dora_num.__doc__
+    assert [n for n in dora_num.__all__ if not re.search(rf"\b{n}\b", doc)] == []
