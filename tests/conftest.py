@@ -8,6 +8,7 @@ interpreter is off, i.e. on a CUDA machine, whose gpu-marked cases test the same
 on CUDA.
 """
 
+import math
 import os
 
 import pytest
@@ -77,6 +78,14 @@ class Regimes:
 
         return inputs.dg_operands(T, N, dtype, seed=seed, **kw)
 
+    @staticmethod
+    def full_significands(r: int, d: int, generator: torch.Generator) -> torch.Tensor:
+        """Kaiming-uniform fp32 ``[r, d]`` with all 24 significand bits random, as trained adapters
+        have (drawn in fp64, rounded once: ``torch.rand``'s fp32 values are multiples of ``2^-24``, so
+        ``(rand * 2 - 1) / sqrt(d)`` has at most 23 bits, on which two fp16 pieces are exact)."""
+        return ((torch.rand(r, d, device=generator.device, generator=generator, dtype=torch.float64) * 2 - 1)
+                / math.sqrt(d)).float()
+
 
 @pytest.fixture(scope="session")
 def regimes() -> Regimes:
@@ -96,3 +105,49 @@ def _no_deferred_flag_leaks():
             finite.check_pending()
         except ValueError as e:
             pytest.fail(f"this test left a deferred non-finite flag unread: {e}")
+
+
+class SmallLayer:
+    """The shared factory of small layers (the ``small_layer`` fixture).
+
+    ``small_layer(d_in=40, d_out=24, rank=4, alpha=8.0, ...)``: a seeded ``DoRALinear`` on
+    ``nn.Linear(d_in, d_out)`` (initialised in fp32, then cast to ``dtype``) with ``B ~ N(0, b_std)``
+    and ``m`` moved off its init (times ``m_scale``, or ``1 + m_noise * N(0, 1)`` per row), so that
+    ``g != 1``; ``adapter_dtype`` keeps A, B (and an fp32 m) in another dtype, as PEFT does; other
+    keywords go to ``DoRALinear``.  ``small_layer.factors(...)``: the tensors ``W, A, B, m, x`` of a
+    hand-made layer whose row 3 has an update that cancels half of its base row."""
+
+    def __call__(self, d_in=40, d_out=24, rank=4, alpha=8.0, *, dtype=torch.float32, adapter_dtype=None,
+                 bias=False, seed=3, b_std=0.1, m_scale=1.001, m_noise=None, device="cpu", **layer_kw):
+        import dora_num as dn
+
+        torch.manual_seed(seed)
+        lin = torch.nn.Linear(d_in, d_out, bias=bias).to(dtype=dtype, device=device)
+        layer = dn.DoRALinear(lin, rank=rank, alpha=alpha, **layer_kw)
+        if adapter_dtype is not None:
+            layer.lora_A = torch.nn.Parameter(layer.lora_A.detach().to(adapter_dtype))
+            layer.lora_B = torch.nn.Parameter(layer.lora_B.detach().to(adapter_dtype))
+            layer.magnitude = torch.nn.Parameter(layer.magnitude.detach().float())
+        with torch.no_grad():
+            layer.lora_B.normal_(0, b_std)
+            if m_noise is not None:
+                layer.magnitude.mul_(1 + m_noise * torch.randn(d_out, device=layer.magnitude.device))
+            elif m_scale != 1:
+                layer.magnitude.mul_(m_scale)
+        return layer
+
+    @staticmethod
+    def factors(d_out=24, d_in=40, r=4, tokens=6, dtype=torch.float32, seed=0) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        W = torch.randn(d_out, d_in, generator=g)
+        A = torch.randn(r, d_in, generator=g) / d_in**0.5
+        B = torch.randn(d_out, r, generator=g) * 0.05
+        W[3] = -0.5 * (B[3] @ A)  # a row where the update cancels half of the base row
+        m = torch.linalg.vector_norm(W, dim=1) * (1 + 1e-3 * torch.randn(d_out, generator=g))
+        x = torch.randn(tokens, d_in, generator=g)
+        return {k: v.to(dtype) for k, v in dict(W=W, A=A, B=B, m=m, x=x).items()}
+
+
+@pytest.fixture
+def small_layer() -> SmallLayer:
+    return SmallLayer()

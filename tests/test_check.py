@@ -14,20 +14,9 @@ FORMULAS = ["factored row norm", "dense row norm", "magnitude division", "g end 
             "compose_naive"]
 
 
-def _layer(d_out=24, d_in=40, r=4, tokens=6, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    W = torch.randn(d_out, d_in, generator=g)
-    A = torch.randn(r, d_in, generator=g) / d_in**0.5
-    B = torch.randn(d_out, r, generator=g) * 0.05
-    W[3] = -0.5 * (B[3] @ A)  # a row where the update cancels half of the base row
-    m = torch.linalg.vector_norm(W, dim=1) * (1 + 1e-3 * torch.randn(d_out, generator=g))
-    x = torch.randn(tokens, d_in, generator=g)
-    return {k: v.to(dtype) for k, v in dict(W=W, A=A, B=B, m=m, x=x).items()}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_every_bound_holds_on_a_hand_made_layer(dtype):
-    t = _layer(dtype=dtype)
+def test_every_bound_holds_on_a_hand_made_layer(dtype, small_layer):
+    t = small_layer.factors(dtype=dtype)
     rep = check_bounds(**t, scale=0.37)
     assert list(rep.table["formula"]) == FORMULAS
     assert rep.ok, rep.to_string()
@@ -38,26 +27,26 @@ def test_every_bound_holds_on_a_hand_made_layer(dtype):
     assert "compose_stable" in rep.to_string()
 
 
-def test_numpy_inputs_give_the_same_report():
+def test_numpy_inputs_give_the_same_report(small_layer):
     import ml_dtypes
 
-    t = _layer(dtype=torch.bfloat16)
+    t = small_layer.factors(dtype=torch.bfloat16)
     arr = {k: v.float().numpy().astype(ml_dtypes.bfloat16) for k, v in t.items()}
     a = check_bounds(**arr, scale=0.37).table
     b = check_bounds(**t, scale=0.37).table
     assert a.drop(columns="checked").equals(b.drop(columns="checked"))
 
 
-def test_rows_are_sampled_with_the_most_ill_conditioned_first():
-    t = _layer(d_out=70)
+def test_rows_are_sampled_with_the_most_ill_conditioned_first(small_layer):
+    t = small_layer.factors(d_out=70)
     rep = check_bounds(**t, scale=0.37, max_rows=8)
     assert rep.table.loc[0, "n"] == 8 and "8 of 70 rows" in rep.table.loc[0, "checked"]
     assert any("row 3" == w for w in rep.worst["at"])  # the cancelling row is among those checked
 
 
 @pytest.mark.parametrize("names", ["canonical", "peft"])
-def test_safetensors_file_and_cli(tmp_path, names):
-    t = _layer()
+def test_safetensors_file_and_cli(tmp_path, names, small_layer):
+    t = small_layer.factors()
     if names == "peft":
         keys = {"W": "model.layer.base_layer.weight", "A": "model.layer.lora_A.default.weight",
                 "B": "model.layer.lora_B.default.weight", "m": "model.layer.lora_magnitude_vector.default.weight",
@@ -84,12 +73,6 @@ def test_safetensors_file_and_cli(tmp_path, names):
     assert list(pd.read_csv(out)["formula"]) == FORMULAS
 
 
-def _bad(**changes):
-    t = _layer()
-    t.update(changes)
-    return t
-
-
 @pytest.mark.parametrize("case, kwargs, match", [
     ("B shape", dict(B=torch.zeros(24, 5)), r"B has shape \(24, 5\)"),
     ("m shape", dict(m=torch.ones(23)), r"m must be \[d_out\]"),
@@ -100,13 +83,13 @@ def _bad(**changes):
     ("float64 x", dict(x=torch.ones(6, 40, dtype=torch.float64)), r"x is float64"),
     ("list", dict(m=[1.0] * 24), r"m must be a torch tensor or a numpy array"),
 ], ids=lambda v: v if isinstance(v, str) else "")
-def test_bad_tensors_are_named(case, kwargs, match):
+def test_bad_tensors_are_named(case, kwargs, match, small_layer):
     with pytest.raises(BoundsCheckError, match=match):
-        check_bounds(**_bad(**kwargs), scale=0.37)
+        check_bounds(**{**small_layer.factors(), **kwargs}, scale=0.37)
 
 
-def test_bad_scale_and_missing_inputs():
-    t = _layer()
+def test_bad_scale_and_missing_inputs(small_layer):
+    t = small_layer.factors()
     with pytest.raises(BoundsCheckError, match="scale is required"):
         check_bounds(**t)
     with pytest.raises(BoundsCheckError, match="scale must be finite"):
@@ -117,8 +100,8 @@ def test_bad_scale_and_missing_inputs():
         check_bounds(file="x.safetensors", W=t["W"], scale=1.0)
 
 
-def test_bad_files_are_named(tmp_path):
-    t = _layer()
+def test_bad_files_are_named(tmp_path, small_layer):
+    t = small_layer.factors()
     with pytest.raises(BoundsCheckError, match="no such file"):
         check_bounds(file=tmp_path / "missing.safetensors", scale=1.0)
     junk = tmp_path / "junk.safetensors"
@@ -146,10 +129,10 @@ def test_public_name():
     assert dn.check_bounds is check_bounds
 
 
-def test_rows_below_eps_keep_a_finite_division_bound():
+def test_rows_below_eps_keep_a_finite_division_bound(small_layer):
     """A zero row of W + sBA (norm 0: g = m / eps) and a row with a nonzero norm below eps (g = m /
     wnorm: eps guards zero rows only): the end-to-end bound of lemma 6 is finite there and holds."""
-    t = _layer()
+    t = small_layer.factors()
     t["W"][5] = 0.0
     t["B"][5] = 0.0
     t["m"][5] = 3e-13  # g = m / eps ~ 0.3

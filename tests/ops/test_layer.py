@@ -82,14 +82,6 @@ def test_layer_output_add_folded_into_compose_is_bitwise(device, dtype, path, di
 
 # ---- seams ----------------------------------------------------------------------------
 
-def _layer(norm="cached", compose_fn=None, bias=False, seed=3):
-    torch.manual_seed(seed)
-    layer = dn.DoRALinear(torch.nn.Linear(40, 24, bias=bias), rank=4, alpha=8.0, norm=norm, compose_fn=compose_fn)
-    with torch.no_grad():
-        layer.lora_B.normal_(0, 0.1)
-        layer.magnitude.mul_(1.001)
-    return layer
-
 
 def test_norm_seam_uses_the_norm_it_names():
     """``norm="dense"`` / ``"factored"``: the magnitude starts at that norm, ``weight_norm()``
@@ -121,10 +113,10 @@ def test_norm_seam_uses_the_norm_it_names():
         dn.DoRALinear(torch.nn.Linear(4, 4), rank=2, norm="sparse")
 
 
-def test_dense_and_cached_norms_agree_within_the_bound():
+def test_dense_and_cached_norms_agree_within_the_bound(small_layer):
     from dora_num.numerics.bounds import dense_norm_bound, factored_norm_bound
 
-    dense, cached = _layer("dense"), _layer("cached")
+    dense, cached = small_layer(norm="dense"), small_layer(norm="cached")
     W, A, B = (t.detach().numpy() for t in (cached.base.weight, cached.lora_A, cached.lora_B))
     bound = factored_norm_bound(W, A, B, cached.scale) + dense_norm_bound(W, A, B, cached.scale)
     diff = (dense.weight_norm() - cached.weight_norm()).abs().double().numpy()
@@ -132,7 +124,7 @@ def test_dense_and_cached_norms_agree_within_the_bound():
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_compose_fn_seam(bias):
+def test_compose_fn_seam(bias, small_layer):
     """``compose_fn`` is called instead of ``compose`` with its public signature; the layer adds
     ``base`` (and the bias) to what it returns: with ``compose`` itself as ``compose_fn`` the
     layer is bitwise the default one (which folds the add into the compose) in training and
@@ -145,7 +137,7 @@ def test_compose_fn_seam(bias):
 
     x = torch.randn(2, 3, 40)
     D = torch.randn(2, 3, 24)
-    plain, seam = _layer(bias=bias), _layer(compose_fn=spy, bias=bias)
+    plain, seam = small_layer(bias=bias), small_layer(compose_fn=spy, bias=bias)
     y_p, g_p = layer_step(plain, x, D)
     y_s, g_s = layer_step(seam, x, D)
     assert calls == [((2, 3, 24), "auto", False)]
@@ -160,11 +152,11 @@ def test_compose_fn_seam(bias):
         dn.DoRALinear(torch.nn.Linear(4, 4), rank=2, compose_fn=3)
 
 
-def test_forward_with_a_given_g():
+def test_forward_with_a_given_g(small_layer):
     """``forward(x, g=...)`` uses ``g`` as given: the layer's own ``g`` reproduces the default
     forward bit for bit; another ``g`` changes the output as the compose says; a bad ``g`` is
     named, and a non-finite one is refused as given (the layer's own inputs are fine)."""
-    layer = _layer()
+    layer = small_layer()
     x = torch.randn(4, 40)
     with torch.no_grad():
         y = layer(x)
@@ -184,10 +176,10 @@ def test_forward_with_a_given_g():
 
 
 @pytest.mark.parametrize("mode", ["deferred", "late", "sync", "off"])
-def test_finite_check_modes(mode):
+def test_finite_check_modes(mode, small_layer):
     """``OpConfig.finite_check``: ``late`` and ``sync`` give the same output and both name the
     input at fault; ``off`` does not check (a NaN in A propagates: for timing only)."""
-    layer = _layer()
+    layer = small_layer()
     x = torch.randn(3, 40)
     want = layer(x)
     with override(finite_check=mode):

@@ -9,7 +9,6 @@ recompute is the cache's main use), and a miss after any in-place change of W, A
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -24,19 +23,6 @@ from dora_num.ops.config import override
 from .kernels.helpers import assert_bitwise
 
 
-def _layer(dtype=torch.float32, adapter_dtype=None, seed=3, d_in=40, d_out=24, r=4):
-    torch.manual_seed(seed)
-    layer = dn.DoRALinear(torch.nn.Linear(d_in, d_out, bias=False).to(dtype), rank=r, alpha=8.0)
-    if adapter_dtype is not None:  # fp32 adapters on a 16-bit base, as PEFT keeps them
-        layer.lora_A = torch.nn.Parameter(layer.lora_A.detach().to(adapter_dtype))
-        layer.lora_B = torch.nn.Parameter(layer.lora_B.detach().to(adapter_dtype))
-        layer.magnitude = torch.nn.Parameter(layer.magnitude.detach().float())
-    with torch.no_grad():
-        layer.lora_B.normal_(0, 0.1)
-        layer.magnitude.mul_(1.001)
-    return layer
-
-
 def _step(layer, x, D):
     y = layer(x)
     y.backward(D)
@@ -45,8 +31,8 @@ def _step(layer, x, D):
     return y.detach(), grads
 
 
-def test_norm_cache_hits_while_unchanged_and_misses_after_any_in_place_change():
-    layer = _layer()
+def test_norm_cache_hits_while_unchanged_and_misses_after_any_in_place_change(small_layer):
+    layer = small_layer()
     x = torch.randn(5, 40)
     with override(norm_cache="always"):
         layer(x)
@@ -65,12 +51,12 @@ def test_norm_cache_hits_while_unchanged_and_misses_after_any_in_place_change():
     assert "_norm_cache" not in layer.__dict__
 
 
-def test_norm_cache_by_default_is_not_stale_after_a_fused_optimizer_step():
+def test_norm_cache_by_default_is_not_stale_after_a_fused_optimizer_step(small_layer):
     """torch.optim.AdamW(fused=True) (the HF Trainer's default) writes the parameters without
     bumping their version counters: the default cache ("recompute") must still see the step,
     while "always" would keep the stale norm (the reason it is not the default)."""
     for mode, stale in (("recompute", False), ("always", True)):
-        layer = _layer()
+        layer = small_layer()
         with torch.no_grad():
             layer.lora_B.normal_(0, 0.1)
         opt = torch.optim.AdamW([layer.lora_A, layer.lora_B, layer.magnitude], lr=1e-1, fused=True)
@@ -88,8 +74,8 @@ def test_norm_cache_by_default_is_not_stale_after_a_fused_optimizer_step():
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
-def test_norm_cache_is_bitwise_invisible_across_optimizer_steps(checkpointed):
-    a, b = _layer(), _layer()
+def test_norm_cache_is_bitwise_invisible_across_optimizer_steps(checkpointed, small_layer):
+    a, b = small_layer(), small_layer()
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.AdamW([p for p in a.parameters() if p.requires_grad], lr=1e-2)
     opt_b = torch.optim.AdamW([p for p in b.parameters() if p.requires_grad], lr=1e-2)
@@ -118,15 +104,15 @@ def test_norm_cache_is_bitwise_invisible_across_optimizer_steps(checkpointed):
                 p.grad = gr
             opt.step()  # in place: bumps the version counters the cache is keyed on
             opt.zero_grad(set_to_none=True)
-    assert not torch.equal(a.lora_B, _layer().lora_B)  # the adapter did move
+    assert not torch.equal(a.lora_B, small_layer().lora_B)  # the adapter did move
 
 
-def test_fp32_adapters_on_a_16_bit_base_follow_peft_autocast_semantics():
+def test_fp32_adapters_on_a_16_bit_base_follow_peft_autocast_semantics(small_layer):
     """Under bf16 autocast the LoRA products are autocast's (x, A, B cast to bf16), exactly
     as PEFT's lora_B(lora_A(x)); without autocast x is cast to A's dtype (PEFT's
     _cast_input_dtype): fp32 products, the compose and the output add in fp32, rounded once to
     W's dtype (PEFT's result.to(torch_result_dtype))."""
-    layer = _layer(torch.bfloat16, torch.float32)
+    layer = small_layer(dtype=torch.bfloat16, adapter_dtype=torch.float32)
     assert layer.lora_A.dtype == torch.float32 and layer.base.weight.dtype == torch.bfloat16
     x = torch.randn(7, 40).bfloat16()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -145,13 +131,13 @@ def test_fp32_adapters_on_a_16_bit_base_follow_peft_autocast_semantics():
     assert_bitwise(y2, (base32 + dn.compose(base32, lora32, g, layer.scale)).bfloat16())
 
 
-def test_fp32_adapter_norm_matches_fp64_on_a_bf16_base():
+def test_fp32_adapter_norm_matches_fp64_on_a_bf16_base(small_layer):
     """The norm of a bf16 W with fp32 A, B uses A and B as given (not rounded to bf16): within
     factored_norm_bound of the exact norm, and far from the norm of the bf16-rounded adapter."""
     from dora_num.numerics.bounds import factored_norm_bound
     from dora_num.oracles import row_norm_ref64, row_norm_ref64_error_bound
 
-    layer = _layer(torch.bfloat16, torch.float32, d_in=96, d_out=32, r=8)
+    layer = small_layer(96, 32, 8, dtype=torch.bfloat16, adapter_dtype=torch.float32)
     with torch.no_grad():
         layer.lora_B.normal_(0, 1.0)
     W, A, B = layer.base.weight, layer.lora_A, layer.lora_B
@@ -164,17 +150,9 @@ def test_fp32_adapter_norm_matches_fp64_on_a_bf16_base():
     assert float((rounded - ref).abs().max()) > 10 * float(tol.max())
 
 
-def _full_significands(r, d, gen):
-    """Kaiming-uniform fp32 ``A`` with all 24 significand bits random: drawn in fp64, rounded once
-    (``torch.rand``'s fp32 values are multiples of ``2^-24``: ``(rand * 2 - 1) / 32`` has at most 23
-    bits, on which two fp16 pieces are exact; tests/ops/test_split_products.py)."""
-    A = (torch.rand(r, d, device=gen.device, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(d)
-    return A.float()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_split_products_within_bound_and_no_fp32_copy_of_w(w_dtype):
+def test_gpu_split_products_within_bound_and_no_fp32_copy_of_w(w_dtype, regimes):
     """On the H200: U and G of a 16-bit W and an fp32 A (all 24 significand bits random, as
     trained adapters have: then two fp16 pieces do lose a unit, and the bound's residual term is
     exercised) from the split (production path), three pieces and two, each within its own
@@ -191,7 +169,7 @@ def test_gpu_split_products_within_bound_and_no_fp32_copy_of_w(w_dtype):
     d_out, d_in, r = 512, 1024, 16
     gen = torch.Generator(device="cuda").manual_seed(11)
     W = (torch.randn(d_out, d_in, device="cuda", generator=gen) / math.sqrt(d_in)).to(w_dtype)
-    A = _full_significands(r, d_in, gen)
+    A = regimes.full_significands(r, d_in, gen)
     B = 0.3 * torch.randn(d_out, r, device="cuda", generator=gen)
     s = 0.5
     fmt = "bf16" if w_dtype == torch.bfloat16 else "fp16"
@@ -218,7 +196,7 @@ def test_gpu_split_products_within_bound_and_no_fp32_copy_of_w(w_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_third_piece_pays_where_the_two_piece_split_dominates(w_dtype):
+def test_gpu_third_piece_pays_where_the_two_piece_split_dominates(w_dtype, regimes):
     """The split's docstring ("Two pieces or three"), on the H200's production products: the error
     of U from p pieces is the split's own, ``W (A - A~_p)^T`` (exact, from the inputs), plus the
     accumulation's, ``U^_p - W A~_p^T`` (measured against the exact product of what the split kept).
@@ -234,7 +212,7 @@ def test_gpu_third_piece_pays_where_the_two_piece_split_dominates(w_dtype):
     d_out, d_in, r = 512, 256, 16
     gen = torch.Generator(device="cuda").manual_seed(12)
     W = (torch.randn(d_out, d_in, device="cuda", generator=gen) / math.sqrt(d_in)).to(w_dtype)
-    A = _full_significands(r, d_in, gen)
+    A = regimes.full_significands(r, d_in, gen)
     fmt = "bf16" if w_dtype == torch.bfloat16 else "fp16"
     W64, A64 = W.double().cpu().numpy(), A.double().cpu().numpy()
     aU = np.abs(W64 @ A64.T)
@@ -255,8 +233,8 @@ def test_gpu_third_piece_pays_where_the_two_piece_split_dominates(w_dtype):
         assert 0 < split[2] < acc[3] / 2, numbers  # the condition fails: nothing to claim
 
 
-def test_a_cached_non_finite_norm_is_reported_at_every_call():
-    layer = _layer()
+def test_a_cached_non_finite_norm_is_reported_at_every_call(small_layer):
+    layer = small_layer()
     x = torch.randn(3, 40)
     with torch.no_grad():
         layer.magnitude[2] = float("inf")

@@ -14,22 +14,13 @@ from dora_num.ops.config import override
 D_IN, D_OUT, R = 16, 24, 4
 
 
-def _layer(device="cpu"):
-    torch.manual_seed(1)
-    lin = torch.nn.Linear(D_IN, D_OUT, bias=False, dtype=torch.bfloat16, device=device)
-    layer = dn.DoRALinear(lin, R, 2.0 * R)
-    with torch.no_grad():
-        layer.lora_B.normal_(0, 0.1)
-    return layer
-
-
 @pytest.mark.parametrize("changes", [dict(compose_path="fused")])  # fused saves base and lora, eager inner
-def test_checkpoint_recompute_on_another_thread_keeps_the_forward_config(changes):
+def test_checkpoint_recompute_on_another_thread_keeps_the_forward_config(changes, small_layer):
     """The backward is run from another thread (on the CPU the engine runs it on the calling
     thread, as CUDA's runs it on its own), which sees no override of the forward's thread: a
     recompute under the process default would record another sequence of operations
     (checkpoint's CheckpointError: a different number of saved tensors) or other values."""
-    layer = _layer()
+    layer = small_layer(D_IN, D_OUT, R, 2.0 * R, dtype=torch.bfloat16, seed=1, m_scale=1.0)
     x = torch.randn(2, 5, D_IN, dtype=torch.bfloat16, requires_grad=True)
     with override(**changes), torch.autocast("cpu", dtype=torch.bfloat16):
         y = checkpoint(layer, x, use_reentrant=False)
@@ -51,10 +42,10 @@ def test_checkpoint_recompute_on_another_thread_keeps_the_forward_config(changes
         assert torch.equal(u, v)
 
 
-def test_checkpoint_recompute_under_another_override_keeps_the_forward_config():
+def test_checkpoint_recompute_under_another_override_keeps_the_forward_config(small_layer):
     """A backward run under another override than its forward's (here on the forward's own thread):
     the recompute still replays the forward's configuration."""
-    layer = _layer()
+    layer = small_layer(D_IN, D_OUT, R, 2.0 * R, dtype=torch.bfloat16, seed=1, m_scale=1.0)
     x = torch.randn(2, 5, D_IN, dtype=torch.bfloat16, requires_grad=True)
     with override(compose_path="fused"), torch.autocast("cpu", dtype=torch.bfloat16):
         y = checkpoint(layer, x, use_reentrant=False)
@@ -80,13 +71,13 @@ def test_compose_under_forward_mode_ad_is_not_silent():
 
 
 @pytest.mark.gpu
-def test_cached_norm_flag_read_once_cuda():
+def test_cached_norm_flag_read_once_cuda(small_layer):
     """A reused norm (norm_cache="always") whose flag was read clean is not watched again: no new
     pending flag per forward (the host cost of a copy and an event), and the output is the same;
     a new version of m misses the cache and is checked again."""
     from dora_num.ops import finite
 
-    layer = _layer("cuda")
+    layer = small_layer(D_IN, D_OUT, R, 2.0 * R, dtype=torch.bfloat16, seed=1, m_scale=1.0, device="cuda")
     x = torch.randn(8, D_IN, dtype=torch.bfloat16, device="cuda")
     with override(norm_cache="always"), torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         y0 = layer(x)
@@ -100,13 +91,13 @@ def test_cached_norm_flag_read_once_cuda():
     assert torch.equal(y0, y1)
 
 
-def test_layer_with_a_reused_norm_copies_and_pickles():
+def test_layer_with_a_reused_norm_copies_and_pickles(small_layer):
     """The norm cache keeps where its flag's check is (a CUDA event on CUDA): a copy or a pickle of
     the layer forgets it and checks its first reuse again."""
     import copy
     import pickle
 
-    layer = _layer()
+    layer = small_layer(D_IN, D_OUT, R, 2.0 * R, dtype=torch.bfloat16, seed=1, m_scale=1.0)
     x = torch.randn(3, D_IN, dtype=torch.bfloat16)
     with override(norm_cache="always"), torch.no_grad():
         y = layer(x)
@@ -115,10 +106,10 @@ def test_layer_with_a_reused_norm_copies_and_pickles():
             assert torch.equal(other(x), y)
 
 
-def test_reused_norm_is_not_watched_again_once_clean():
+def test_reused_norm_is_not_watched_again_once_clean(small_layer):
     """CPU: the flag of a reused norm read clean is not watched again (the cache entry keeps the
     first Watched); a new version of m misses the cache and is checked, and raises."""
-    layer = _layer()
+    layer = small_layer(D_IN, D_OUT, R, 2.0 * R, dtype=torch.bfloat16, seed=1, m_scale=1.0)
     x = torch.randn(3, D_IN, dtype=torch.bfloat16)
     with override(norm_cache="always"), torch.no_grad():
         y0 = layer(x)

@@ -92,19 +92,11 @@ def test_three_bf16_pieces_keep_every_fp32_value_above_2_pow_minus_110():
     assert (res2[big] > 0).mean() > 0.9  # two pieces do lose bits of almost every value
 
 
-def _full_significands(r: int, d: int, seed: int) -> np.ndarray:
-    """Kaiming-uniform fp32 values with all 24 significand bits random (as trained adapters have;
-    ``torch.rand``'s fp32 values are multiples of ``2^-24``, so ``(rand * 2 - 1) / sqrt(d)`` has at
-    most 23 significant bits)."""
-    gen = torch.Generator().manual_seed(seed)
-    return ((torch.rand(r, d, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(d)).float().numpy()
-
-
 @pytest.mark.parametrize("regime", REGIMES + ["full_significands"])
-def test_two_fp16_pieces_keep_fp32_values_to_one_unit(regime):
+def test_two_fp16_pieces_keep_fp32_values_to_one_unit(regime, regimes):
     """The docstring's claim for two fp16 pieces: ``res <= max(ulp32(A), inv 2^-25)`` (the second
     piece catches all but one fp32 unit of ``A``, or the underflow below fp16's spacing), attained."""
-    A = _full_significands(64, 257, seed=3) if regime == "full_significands" else _adapter(regime, 64, 257, seed=3).numpy()
+    A = regimes.full_significands(64, 257, torch.Generator().manual_seed(3)).numpy() if regime == "full_significands" else _adapter(regime, 64, 257, seed=3).numpy()
     res, _, _, inv = split_residual(A, "fp16", 2)
     unit = np.spacing(np.abs(A).astype(np.float32)).astype(np.float64)
     assert (res <= np.maximum(unit, inv * 2.0**-25)).all()
@@ -112,7 +104,7 @@ def test_two_fp16_pieces_keep_fp32_values_to_one_unit(regime):
         assert (res == unit).any() and 0.1 < (res > 0).mean() < 0.5
 
 
-def test_two_fp16_pieces_are_exact_on_23_bit_inputs():
+def test_two_fp16_pieces_are_exact_on_23_bit_inputs(regimes):
     """Inputs made as the H200 test first made them, ``(rand * 2 - 1) / sqrt(d)`` at ``d = 1024``, are
     multiples of ``2^-28`` below ``2^-5`` (at most 23 significant bits): two fp16 pieces hold them
     exactly, so the two- and three-piece products are the same sum (their measured errors there,
@@ -121,7 +113,7 @@ def test_two_fp16_pieces_are_exact_on_23_bit_inputs():
     gen = torch.Generator().manual_seed(11)
     A23 = ((torch.rand(16, 1024, generator=gen) * 2 - 1) / math.sqrt(1024)).numpy()
     assert (split_residual(A23, "fp16", 2)[0] == 0).all()
-    assert (split_residual(_full_significands(16, 1024, seed=11), "fp16", 2)[0] > 0).any()
+    assert (split_residual(regimes.full_significands(16, 1024, torch.Generator().manual_seed(11)).numpy(), "fp16", 2)[0] > 0).any()
 
 
 @pytest.mark.parametrize("pieces", [2, 3])

@@ -171,19 +171,11 @@ def test_missing_gpu_data_names_every_file_and_how_to_record_it(tmp_path):
 
 # ------------------------------------------------------------------ propagation
 
-def _layer(dtype=torch.float32):
-    torch.manual_seed(1)
-    lin = torch.nn.Linear(96, 48, bias=True).to(dtype)
-    layer = DoRALinear.from_linear(lin, 8, 16.0, use_rslora=True, compose_path="eager")
-    with torch.no_grad():
-        layer.lora_B.normal_(0, 0.3)
-        layer.magnitude.mul_(1 + 1e-3 * torch.randn(48))
-    return layer
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_layer_variants(dtype):
-    layer = _layer(dtype)
+def test_layer_variants(dtype, small_layer):
+    layer = small_layer(96, 48, 8, 16.0, dtype=dtype, bias=True, seed=1, b_std=0.3, m_noise=1e-3, use_rslora=True,
+                   compose_path="eager")
     x = torch.randn(40, 96).to(dtype)
     outs = P.layer_outputs(layer, x)  # raises unless injected/emulated production == the real layer
     assert set(outs) == set(P.G_VARIANTS) | set(P.COMPOSE_VARIANTS)
