@@ -9,9 +9,10 @@ import pandas as pd
 import pytest
 import torch
 
+from dora_num.studies.speed import model_variants as mv
 from dora_num.studies.speed import record_model as mb
 
-TINY = mb.Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, tokens=16, vocab=64)
+TINY = mv.Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, tokens=16, vocab=64)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,8 @@ def smoke_run(tmp_path_factory):
 def test_smoke_run_writes_tidy_tables(smoke_run):
     out, summary = smoke_run
     bench = pd.read_csv(out / "model_bench.csv")
-    assert set(bench.variant) == set(mb.VARIANTS)
-    assert len(bench) == len(mb.VARIANTS) * len(mb.MODES)  # (checkpointing: test below)
+    assert set(bench.variant) == set(mv.VARIANTS)
+    assert len(bench) == len(mv.VARIANTS) * len(mv.MODES)  # (checkpointing: test below)
     assert (bench.ms > 0).all() and bench.rounds_ms.notna().all()
     preds = pd.read_csv(out / "model_predictions.csv")
     assert {"rank", "checkpointing", "variant", "predicted_ms"} <= set(preds.columns)
@@ -58,13 +59,13 @@ def test_dora_num_is_faithful_and_the_check_can_fail(smoke_run):
 def test_accelerate_shares_peft_parameters_and_their_dtypes():
     from dora_num.peft import DoRAKernelVariant
 
-    base = mb.build_base(TINY, "cpu")
-    state = mb.adapter_state(base, 4)
-    peft = mb.make_variant("peft_fp32", base, 4, state)
-    ours = mb.make_variant("dora_num_fp32", base, 4, state)
+    base = mv.build_base(TINY, "cpu")
+    state = mv.adapter_state(base, 4)
+    peft = mv.make_variant("peft_fp32", base, 4, state)
+    ours = mv.make_variant("dora_num_fp32", base, 4, state)
     served = [(m, m.lora_variant["default"]) for m in ours.modules()
               if isinstance(getattr(m, "lora_variant", {}).get("default"), DoRAKernelVariant)]
-    assert len(served) == len(mb.TARGET_MODULES) * TINY.layers
+    assert len(served) == len(mv.TARGET_MODULES) * TINY.layers
     for mod, v in served:  # the DoRALinear holds PEFT's own parameter objects, dtypes kept
         lyr = v._bind(mod, "default")
         assert lyr.lora_A is mod.lora_A["default"].weight and lyr.magnitude is mod.lora_magnitude_vector["default"].weight
@@ -80,9 +81,9 @@ def test_accelerate_shares_peft_parameters_and_their_dtypes():
 
 def test_prediction_orders_the_variants():
     for ckpt in (False, True):
-        p = mb.predict(mb.FULL, 384, ckpt)
+        p = mv.predict(mv.FULL, 384, ckpt)
         assert p["frozen"] < p["lora_fp32"] < p["dora_num_fp32"] < p["peft_fp32"]
-    assert mb.predict(mb.FULL, 64, True)["frozen"] > mb.predict(mb.FULL, 64, False)["frozen"]
+    assert mv.predict(mv.FULL, 64, True)["frozen"] > mv.predict(mv.FULL, 64, False)["frozen"]
 
 
 @pytest.mark.gpu
