@@ -1,30 +1,13 @@
-"""Arithmetics: the rounding behaviour a formula is evaluated under.
+"""Arithmetics: the rounding behaviour a formula is evaluated under, and the torch fp32 one.
 
-Every DoRA formula in :mod:`dora_num.numerics.formulas` is written once, against
-the small interface below, so the eager torch reference, the CPU emulations, the
-exact ground truth and the error bounds all evaluate *the same sequence of
-operations*.  An arithmetic decides only how each operation rounds.
-
-Interface (duck-typed; ``a``, ``b``, ``c`` are whatever the arithmetic holds:
-torch tensors, numpy arrays, mpmath numbers, or Python scalars):
-
-``add(a, b)``, ``sub(a, b)``, ``mul(a, b)``, ``sqrt(a)``, ``maximum(a, b)``
-    one operation, one rounding (or none, for an exact arithmetic).
-``zero_to(a, b)``
-    ``b`` where ``a == 0``, else ``a`` (an exact selection; NaN in ``a`` propagates).
-``muladd(a, b, c)``
-    ``a*b + c`` at a place where a compiler *may* contract into an FMA. A
-    non-contracting arithmetic rounds twice (mul, then add); a contracting one
-    rounds once.
-``neg(a)``
-    exact negation.
-``const(x)``
-    a Python float constant brought into the arithmetic (e.g. the 1 in ``g-1``).
-
-This module holds the torch fp32 arithmetic, the one the eager reference path
-(and the fused kernels, by bitwise tests) follow.  Emulated arithmetics (per-op
-rounding to bf16/fp16/fp8, FMA contraction, exact) live beside it in
-:mod:`dora_num.numerics`.
+Every formula of :mod:`dora_num.numerics.formulas` is written once against a duck-typed interface,
+so the eager reference, the emulations, the ground truth and the bounds evaluate the same sequence
+of operations; an arithmetic decides only how each one rounds.  ``add``, ``sub``, ``mul``, ``sqrt``,
+``maximum``: one operation, one rounding (none for an exact arithmetic); ``zero_to(a, b)``: ``b``
+where ``a == 0``; ``muladd(a, b, c)``: ``a*b + c`` where a compiler may contract (one rounding with
+FMA, two without); ``neg``; ``const(x)``.  :class:`TorchFP32` is what the eager reference (and, by
+bitwise tests, the fused kernels) follow; the emulated arithmetics are in :mod:`.emulate`, the
+exact ones in :mod:`.exact`.
 """
 
 from __future__ import annotations

@@ -1,48 +1,13 @@
-r"""A-priori (and, for the factored norm's guard, a-posteriori) forward error bounds.
+r"""A-priori (and, for the factored norm's guard, a-posteriori) forward error bounds, one function
+per lemma of docs/bounds.md.
 
-Every bound holds on the whole input domain of its formula (finite inputs of the
-formats involved: gradual underflow, subnormals, cancellation, fp32-inexact scale
-constants, zero rows) or returns ``inf`` where no finite bound exists (an
-intermediate or a partial sum may overflow, a result may saturate); never NaN.
-Non-finite inputs raise ``ValueError``.  The numbered lemmas with their derivations
-are typeset in ``docs/bounds.md``; each function below names its lemma.
-
-Standard model (Higham, ASNA ch. 2-3), for each operation of a working format
-with unit roundoff ``u`` and smallest subnormal ``s_min``::
-
-    fl(a op b) = (a op b)(1 + d) + e,   |d| <= u,  |e| <= eta = s_min/2,  d*e = 0
-
-where ``e`` (underflow) can be nonzero only for ``*``, ``/`` and a contracted ``a*b + c``
-whose exact result is below the smallest normal; a sum or difference of two floats
-that lands in the subnormal range is exact, and so is ``sqrt`` there.  So every
-product (square) is an underflow *site* that may add ``eta``: the bounds count the
-sites (``d`` squares in a row sum, ``d`` products per entry of ``W A^T`` and so on) and
-charge ``eta`` for each, never a fixed number.  ``gamma_n = n u / (1 - n u)`` bounds
-``|prod (1+d_i) - 1|`` for ``n`` factors (we use ``(1+u)^n - 1 <= gamma_n`` where the
-count is small).  Constants of a formula are fp32 numbers: ``s = fl32(scale)``, ``2s``
-exact, ``s^2 = fl32(s*s)`` (relative error ``<= u``, ``+ eta`` if ``s^2`` is subnormal);
-the *exact* results use the real ``s^2`` (the norms) or the fp32 constants (the
-assembly of given terms), as each function states.  Under per-op emulation of
-eager PyTorch an operation with a Python scalar is computed in fp32 and then
-rounded to the storage format (:mod:`dora_num.numerics.emulate`), so its relative
-error is ``u_s = (1+u)(1+2^-24) - 1``.
-
-Compose (lemmas 1-2): with ``pre`` the exact value of the last operation's operands
-(``p + t`` of the stable form), the bound is first taken on ``|pre - X|``; the final
-rounding in the working format adds ``u |pre|`` (and ``eta`` if it is a contracted
-FMA); a final rounding to a narrower storage format adds ``u_o(|X| + E) + eta_o``.
-The same ``pre`` gives the ulp bound (:func:`compose_ulp_bound`): the correctly
-rounded ``RN(X)`` and the computed ``RN(value)`` differ by at most the number of
-rounding boundaries (midpoints) of the output format between ``X`` and the value
-rounded last, ``<= 1 + floor(E_last / q_min)`` with ``q_min`` the smallest spacing
-of the format within ``E_last`` of ``X``.
-
-All bounds are evaluated in float64 from float64 copies of the inputs and inflated
-slightly (each function says by how much and why) to cover that evaluation.
-
-The row-norm bounds (lemmas 4, 4', 5) live in :mod:`dora_num.numerics.norm_bounds` and
-are imported here, so every bound is reachable as ``dora_num.numerics.bounds.<name>``;
-the model's constants and helpers are :mod:`dora_num.numerics.standard_model`.
+Every bound holds on its formula's whole input domain (subnormals, cancellation, fp32-inexact
+scale constants, zero rows) or returns ``inf`` where none exists; never NaN; non-finite inputs
+raise ``ValueError``.  Standard model with an underflow term per product site
+(:mod:`dora_num.numerics.standard_model`); bounds are evaluated in float64 and inflated slightly
+(each function says by how much).  The row-norm bounds live in :mod:`dora_num.numerics.norm_bounds`
+and are re-exported here.  The model, the compose's ulp bound and the per-op scalar rounding:
+docs/bounds.md, "How the bounds are evaluated".
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
-"""Emulated arithmetics: op-by-op rounding to a format, with or without FMA.
+"""Emulated arithmetics: every operation rounded exactly once to a working format, with or without FMA.
 
-Each arithmetic here evaluates the formulas of :mod:`dora_num.numerics.formulas`
-on float64 numpy arrays that hold values of a *working format*, and rounds every
-operation result exactly once to that format (round-to-nearest-even):
-
-- ``add``/``sub``: TwoSum gives ``a+b = s+e`` exactly; ``s+e`` is rounded once
-  (:func:`~dora_num.numerics.formats.round_dd`).
-- ``mul``: TwoProduct gives ``a*b = p+e`` exactly; rounded once.
-- ``muladd(a, b, c)``: without contraction ``fl(fl(a*b) + c)``; with
-  contraction (FMA) ``fl(a*b + c)``: ``a*b`` is exact in float64 when
-  ``p_a + p_b <= 53`` (checked), ``a*b + c = s + e`` by TwoSum, rounded once.
-- ``sqrt``: numpy's float64 sqrt is correctly rounded; rounding that again to a
-  format with ``p <= 25`` is innocuous (``53 >= 2p + 2``, Figueroa 1995), so
-  the result is the correctly rounded square root in the working format.
-- ``maximum``, ``neg``: exact.
-
-Arithmetics (the issue's item 2):
-
-(a) ``RoundEach(fmt)``: every operation rounded to the storage format, what
-    eager bf16/fp16 PyTorch does for tensor-tensor ops (it computes each op in
-    fp32 and rounds once; for ``+ - * sqrt`` that double rounding is innocuous
-    because ``24 >= 2*11 + 2``, so it equals the single rounding here);
-(b) ``RoundEach(fp32)`` followed by one final rounding to the output format:
-    the project's contract (:class:`~dora_num.numerics.arithmetic.TorchFP32`);
-(c) ``RoundEach(fp32, fma=True)``: fp32 with every ``muladd`` contracted;
-(d) "g held in the storage format": not an arithmetic but an input choice,
-    ``g -> round_to(g, fmt)`` before (b) or (c); see :func:`emulate`.
+On float64 arrays holding values of the format: ``add``/``sub``/``mul`` form the exact result by
+TwoSum / TwoProduct and round it once (:func:`~dora_num.numerics.formats.round_dd`); a contracted
+``muladd`` rounds ``a*b + c`` once; ``sqrt`` is numpy's correctly rounded float64 root rounded
+again, innocuous for ``p <= 25`` (``53 >= 2p + 2``, Figueroa 1995).  ``RoundEach(fmt)`` is eager
+bf16/fp16 PyTorch (each op in fp32 then rounded: an innocuous double rounding, ``24 >= 2*11 + 2``);
+``RoundEach(fp32)`` plus one final rounding is the contract; ``fma=True`` contracts every
+``muladd``; :func:`emulate` also holds ``g`` in the storage format where asked.
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
-"""Exact and certified arithmetics: mpmath at a chosen precision, and a
-double-double arithmetic that carries a rigorous error bound.
+"""Exact and certified arithmetics: mpmath at a chosen precision, and a double-double arithmetic
+that carries a rigorous error bound; both evaluate the formulas of :mod:`dora_num.numerics.formulas`.
 
-Both evaluate the formulas of :mod:`dora_num.numerics.formulas` (never a second
-copy of them).
-
-``MPArith(prec)``
-    every operation in mpmath at ``prec`` bits (object arrays of ``mpf``).
-    Sums and products of float inputs are exact once ``prec`` covers the
-    span of the bits of every intermediate (:func:`exact_bits` computes such a
-    ``prec`` from the inputs' exponents: a proof, not a check); ``sqrt`` and
-    ``div`` are correctly rounded to ``prec`` bits.
-
-``DDArith``
-    values are :class:`DD` triples ``(hi, lo, err)`` of float64 arrays with
-    ``|hi + lo - x| <= err`` for the exact value ``x``.  ``add`` and ``mul``
-    use the error-free TwoSum / TwoProduct; the only roundings are in the
-    low-order words, each bounded by ``2^-53`` of its magnitude:
-
-    - add: ``s + e = a.hi + b.hi`` exactly; ``t1 + r1 = e + a.lo`` and
-      ``t + r2 = t1 + b.lo`` by TwoSum (exact), ``(hi, lo) = TwoSum(s, t)`` exactly;
-      the only part dropped is ``r1 + r2``: ``err = a.err + b.err + |r1| + |r2|``
-      (0 when the sum is exact, so exact values are certain).
-    - mul: ``p + e = a.hi * b.hi`` exactly; ``c = a.hi*b.lo + a.lo*b.hi +
-      a.lo*b.lo`` and ``t = fl(e + c)``: four roundings, error
-      ``<= gamma_4 (|e| + |a.hi b.lo| + |a.lo b.hi| + |a.lo b.lo|) <= 2^-50 (...)``,
-      none (``t = e``) when both low parts are 0;
-      propagated: ``|a| b.err + |b| a.err + a.err b.err`` with
-      ``|a| <= |a.hi| + |a.lo| + a.err``.
-    Each ``err`` is itself computed in float64 and multiplied by ``1 + 2^-40``
-    (at most a few roundings of relative size ``2^-53`` each).  Valid without
-    overflow and while TwoProduct's error term stays above float64's subnormal
-    range (true for products of fp32-range values).  ``maximum`` and ``sqrt``
-    are certified too (see their docstrings); ``div`` is not provided (``g``
-    uses :class:`MPArith`).
-
-:func:`certified_round` rounds a :class:`DD` into a format and flags the
-elements whose rounding the error bound cannot decide (within ``err`` of a
-rounding boundary); the ground truth sends those to mpmath.
+``MPArith(prec)``: every operation in mpmath at ``prec`` bits, exact for sums and products once
+``prec`` covers the inputs' exponent span (:func:`exact_bits`: a proof, not a check).  ``DDArith``:
+:class:`DD` triples ``(hi, lo, err)`` with ``|hi + lo - x| <= err`` (TwoSum / TwoProduct, the
+dropped low-order parts bounded, ``err`` inflated by ``1 + 2^-40``).  :func:`certified_round`
+flags the elements within ``err`` of a rounding boundary; the ground truth sends those to mpmath.
+How ``add``, ``mul``, ``sqrt`` keep their bounds: docs/bounds.md, "Exact and certified arithmetics".
 """
 
 from __future__ import annotations

@@ -1,55 +1,13 @@
 """Binary floating-point formats: constants, exact rounding, ulp, ULP distance.
 
-A format with precision ``p`` (significand bits, the implicit bit included) and
-minimum normal exponent ``emin`` represents ``x = M * 2^(e-p+1)`` with integer
-``|M| < 2^p`` and ``e >= emin``.  For a real ``x`` with ``2^e <= |x| < 2^(e+1)``
-the *quantum* (spacing of representable numbers around ``x``) is
-``ulp(x) = 2^(max(e, emin) - p + 1)``.
-
-Constants (Higham, *Accuracy and Stability of Numerical Algorithms*, ch. 2):
-
-- unit roundoff ``u = 2^-p``: ``fl(x) = x(1+d), |d| <= u`` in the normal range;
-- machine epsilon ``eps = 2^(1-p)``: the spacing just above 1 (= ``spacing_above_one``);
-- ``spacing_below_one = 2^-p = eps/2``: the largest representable number below 1
-  is ``1 - eps/2``.  So ``g`` rounds to exactly 1 iff ``1 - eps/4 <= g <= 1 + eps/2``
-  (ties to even, 1 has an even significand): the collapse zone is *asymmetric*.
-
-Rounding (:func:`round_to`) is exact round-to-nearest-even of float64 values,
-implemented here as ``rint(x / q) * q`` with ``q = ulp(x)`` a power of two:
-division by a power of two is exact in float64 for every finite float64 input of
-interest and ``numpy.rint`` rounds half to even, so there is exactly one
-rounding.  Overflow follows IEEE 754 for the formats with an infinity: a value
-whose rounding with an unbounded exponent exceeds ``max`` becomes ``±inf``.
-
-fp8 e4m3fn has no infinity, and the libraries disagree on what overflow gives
-(measured, torch 2.13 CPU and ml_dtypes 0.6.0 and 0.7.0, ``tests/numerics/test_formats.py``):
-
-- torch (``x.to(torch.float8_e4m3fn)``, from fp32, fp64, bf16 and fp16) **saturates**:
-  every finite ``|x| > 448`` (464, 480, 1e4 alike) and ``±inf`` become ``±448``;
-  NaN stays NaN.
-- ml_dtypes (``x.astype(ml_dtypes.float8_e4m3fn)``) rounds ``|x| <= 464`` (the tie
-  between 448 and the unrepresentable 480, which goes to the even 448) to 448 and
-  gives **NaN** for ``|x| > 464`` and for ``±inf``.
-
-The project's operator converts with torch, so :func:`round_to` and
-:func:`round_fraction` follow torch (saturation); ml_dtypes is used only for the
-bit layouts of :func:`ulp_distance`, where every value is representable.  A
-saturated result has no relative error bound: the bounds of
-:mod:`dora_num.numerics.bounds` return ``inf`` wherever a result may exceed 448.
-NaN stays NaN; ``±inf`` stays ``±inf`` (``±448`` for e4m3fn, as torch).
-
-torch's CPU conversion *from float64* to bf16, fp16 and both fp8 formats rounds through
-float32 (a double rounding: ``1 + 2^-8 + 2^-40`` becomes 1 in bf16, not ``1 + 2^-7``;
-measured, torch 2.13); from float32 it is one correct rounding.  The project only
-converts fp32 results (the contract), so this never bites it; ``round_to`` rounds the
-float64 value once.
-
-Why not ``x.astype(ml_dtypes.bfloat16)``: ml_dtypes 0.6.0 converted float64 to
-bf16 and fp8 *through float32* (double rounding): ``1 + 2^-8 + 2^-40`` became
-1 instead of ``1 + 2^-7``; 0.7.0 (the locked version) rounds float64 once.  Both are
-exact from float32 inputs; the tests check these facts for the installed version, so
-``round_to`` does not depend on which one is installed.  ml_dtypes (and numpy for fp16/fp32) still provide the bit
-layouts used by :func:`ulp_distance`.
+A format of precision ``p`` and minimum normal exponent ``emin`` has quantum
+``ulp(x) = 2^(max(e, emin) - p + 1)`` for ``2^e <= |x| < 2^(e+1)``, unit roundoff ``u = 2^-p`` and
+``eps = 2^(1-p)``; ``g`` rounds to exactly 1 iff ``1 - eps/4 <= g <= 1 + eps/2``, an asymmetric
+collapse zone.  :func:`round_to` rounds float64 values once to nearest even (``rint(x / q) * q``,
+``q`` a power of two); overflow follows torch, which the operator converts with (fp8 e4m3fn
+saturates at 448, and the bounds return ``inf`` where a result may).  What torch and ml_dtypes do
+on overflow and from float64 (measured, held by tests/numerics/test_formats.py): docs/platform.md,
+"Rounding to a format".
 """
 
 from __future__ import annotations

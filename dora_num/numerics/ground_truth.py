@@ -1,34 +1,13 @@
 """Certified ground truth for the compose, the norms, the assembly and ``g``.
 
-Two routes, both evaluating the formulas of :mod:`dora_num.numerics.formulas`:
-
-1. **mpmath at a precision chosen from the inputs** (``mp_*``): the formula under
-   :class:`~dora_num.numerics.exact.MPArith` at ``p = exact_bits(inputs, degree,
-   n_terms)`` bits, the number of bits that the exponent span of the inputs and
-   the formula's degree and number of terms require for every sum and product
-   to be exact (:func:`~dora_num.numerics.exact.exact_bits`; the ending ``sqrt`` or
-   ``div`` is correctly rounded at a precision where one more rounding cannot
-   differ from rounding the exact value).  The certificate is that count, a
-   proof; it replaces the former "two fixed precisions agree", which certified
-   wrong values when the exact result spanned more bits than both precisions
-   (e.g. a row sum of squares of ``2^100`` and ``2^-100``) and raised on valid
-   inputs when they differed.  The exact (or correctly rounded) mpmath value is
-   rounded once, exactly (:func:`~dora_num.numerics.formats.round_fraction`), to
-   float64 (``value``) and to the format (``rounded``).
-2. **vectorised double-double** (:func:`compose_exact`, :func:`assembly_exact`):
-   the formula under :class:`~dora_num.numerics.exact.DDArith` with a rigorous
-   error bound; every element whose correct rounding, to the format *or to
-   float64*, the bound cannot decide (a rounding boundary within ``err``) is
-   recomputed by route 1.  With fp32 inputs the double-double compose is exact
-   (``err = 0``) unless the result needs more than ~106 contiguous bits (a huge
-   ``(g-1) base`` against a 72-bit ``g s lora`` far below it), so fallbacks happen
-   essentially only for inputs constructed to sit on a boundary (2,000,000
-   realistic bf16 elements: none).
-
-Every value returned is the exact real result of the formula for the given
-(float) inputs, rounded once: ``value`` to float64, ``rounded`` to the format.
-Inputs must be finite (a clear error otherwise); nothing else about a valid
-input can make these functions raise.
+Two routes over the formulas of :mod:`dora_num.numerics.formulas`: ``mp_*`` evaluates in mpmath at
+``exact_bits(inputs, degree, n_terms)`` bits, enough for every sum and product to be exact (the
+ending ``sqrt`` or ``div`` correctly rounded: lemma 8 of docs/bounds.md, a proof rather than the
+agreement of two precisions); :func:`compose_exact` and :func:`assembly_exact` evaluate in
+certified double-double and send every element whose rounding the error bound cannot decide to
+the mpmath route (2,000,000 realistic bf16 elements: none).  Every value returned is the exact
+result for the given float inputs rounded once: ``value`` to float64, ``rounded`` to the format.
+Inputs must be finite.
 """
 
 from __future__ import annotations

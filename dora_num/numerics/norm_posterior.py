@@ -1,52 +1,12 @@
-r"""Lemma 4' (docs/bounds.md): the factored norm's a-posteriori condition and error bound,
-from its own fp32 terms: what the cancellation guard evaluates (:mod:`dora_num.ops.guard`,
-in the Triton tail :mod:`dora_num.ops.kernels.norm_tail` and in the torch tail).
+r"""Lemma 4' (docs/bounds.md): the factored norm's a-posteriori condition and error bound, from its
+own fp32 terms: what the cancellation guard evaluates (:mod:`dora_num.ops.guard`, in the Triton
+tail :mod:`dora_num.ops.kernels.norm_tail` and in the torch tail).
 
-One fp32 sequence of operations (:func:`posterior_from_terms`, :func:`lora_row_magnitudes`)
-on constants computed once per configuration on the host (:func:`posterior_constants`); the
-Triton tail evaluates the same sequence on the same constants, bit for bit.
-
-Product models (how ``U = W A^T`` and ``G = A A^T`` were formed; the term errors of lemma 4):
-
-- fp32 (CPU, ``gamma_{d}`` accumulation);
-- tensor cores (``tensor_core_products``: exact products of 16-bit inputs, or CUDA fp32 GEMMs,
-  an accumulator that may truncate, ``gamma_{2d}``, and flush subnormal partial sums);
-- split products (``split_pieces``: a 16-bit W and an A of another dtype split into ``p``
-  pieces of W's format, :func:`dora_num.ops.norm.split_mm`; the model of
-  :mod:`dora_num.numerics.split_products`, restated per row below).  For fp16 pieces ``A`` is
-  scaled by a power of two ``2^k`` chosen on the device from ``max |A|``: the absolute terms
-  then scale with ``inv = 2^-k`` (and ``inv^2``), which the operator passes at run time
-  (:func:`runtime_constants`; bf16 pieces have ``inv = 1``).
-
-Split model, per element (``u_h`` the pieces' unit roundoff, ``sigma`` half their subnormal
-spacing in the scaled units: ``2^-134`` bf16, ``2^-25`` fp16).  The greedy split
-``R_{q+1} = R_q - RN(R_q)`` gives ``|R_{q+1}| <= u_h |R_q| + sigma``, hence
-``sum_q |P_q| <= c_h |R_0| + 5 sigma`` (``|P_q| <= |R_q| + |R_{q+1}|``), ``c_h = 1 + 2u_h + 2u_h^2``,
-and the residual ``|A - inv sum_q P_q| <= rho |A| + inv sigma_r`` (three pieces: ``rho = 0``,
-``sigma_r = sigma``, the 24 bits of fp32 fit; two: ``rho = u_h^2``, ``sigma_r = sigma (1 + u_h)``;
-fp16 adds ``2^-150`` to both for the scaling ``fl(A 2^k)``, which may underflow).  With
-``g_u = gamma_{2d+p-1}``, ``g_G = gamma_{2d+p^2-1}`` (split_products' accumulation and block sums)
-and ``tau = inv (5 sigma + 2^-149)`` (``5 sigma`` for bf16):
-
-    |U^ - U|_jk <= (g_u c_h + rho) (|W||A|^T)_jk + (g_u tau + inv sigma_r) ||W_j||_1 + f_U,
-    |G^ - G|_kl <= gG (|A||A|^T)_kl + aG (||A_k||_1 + ||A_l||_1) + f_G,
-    gG = g_G c_h^2 + 2 rho + 3 rho^2,   aG = g_G c_h tau + inv sigma_r (1 + 3 rho),
-    f_U = (1+g_u) inv p (2d-1) 2^-126 + eta,
-    f_G = g_G d tau^2 + 3 d (inv sigma_r)^2 + (1+g_G) inv^2 p^2 (2d-1) 2^-126 + 2 eta,
-
-(``|A~| <= (1+rho)|A| + inv sigma_r`` for ``A~ = inv sum_q P_q``; ``f``: flushed products and
-partial sums, and the scaling by ``inv``).  With ``||W_j||_1 <= sqrt(d) sqrt(b_up)``,
-``||A_k||_1 <= sqrt(d) ||A_k||``, the tail's own sums (``gamma_r``, ``gamma_{2r}``) on top:
-
-    e_c <= gc sqrt(b_up) lora_abs + rc sqrt(b_up) b_abs + (1+gamma_r)(f_U b_abs + r eta),
-    e_a <= ga lora_abs^2 + rab b_abs lora_abs + (1+gamma_{2r})(f_G b_abs^2 + (b_abs + 1) r eta),
-    gc = gamma_r + (1+gamma_r)(g_u c_h + rho),  rc = (1+gamma_r) sqrt(d) (g_u tau + inv sigma_r),
-    ga = gamma_{2r} + (1+gamma_{2r}) gG,        rab = 2 (1+gamma_{2r}) sqrt(d) aG,
-
-and ``||A_k||`` from the computed diagonal: ``(1 - gG) x^2 - 2 sqrt(d) aG x <= G^_kk + f_G`` gives
-``x <= sqrt((G^_kk + f_G)/(1 - gG)) + 2 sqrt(d) aG / (1 - gG)``.  These replace the coefficients of
-lemma 4 and enter the same ``dQ``; every constant is rounded upwards, the fp32 evaluation is
-covered as in lemma 4' (``nA``'s extra addition by one more factor ``1 + 4u``).
+One fp32 sequence (:func:`posterior_from_terms`, :func:`lora_row_magnitudes`) on constants computed
+once per configuration on the host (:func:`posterior_constants`, :func:`runtime_constants` for the
+fp16 split's scale); the Triton tail evaluates the same sequence on the same constants, bit for
+bit.  The product models (fp32, tensor cores, split products) and the split model's per-row
+coefficients: docs/bounds.md, "The guard's terms under each product model".
 """
 
 from __future__ import annotations

@@ -1,88 +1,15 @@
 r"""Products of a 16-bit ``W`` with an fp32 ``A`` on tensor cores, through a split of ``A``.
 
-Tensor cores multiply operands of one 16-bit dtype.  The factored norm needs
-``U = W A^T`` and ``G = A A^T`` with ``W`` bf16/fp16 and ``A`` fp32 (PEFT keeps adapters in
-fp32).  Instead of an fp32 copy of ``W`` and an fp32 GEMM (``d_out d_in`` bytes of copy and
-fp32 SIMT arithmetic, subject to torch's TF32 switches), ``A`` is split into ``p`` pieces of
-W's format, ``A = inv * sum_p P_p + res`` (:func:`split_pieces_np`, the exact emulation of
-:func:`dora_num.ops.norm.split_pieces`), and ``U = inv * sum_p W P_p^T``: ``p`` tensor-core
-products whose element products ``W_ji P_p,ki`` are exact in fp32 (8 + 8 or 11 + 11
-significand bits <= 24).
-
-Error of ``U`` (:func:`split_u_error`).  Standard model, fp32 ``u = 2^-24``; a tensor-core
-accumulator may truncate instead of rounding (``2u`` per addition) and may flush a subnormal
-product or partial sum to zero (``< 2^-126`` each).  Per entry, ``d = d_in`` exact products
-per piece summed with ``d - 1`` such additions, then the ``p`` block results added with
-``p - 1`` fp32 additions (any order), then scaled by ``inv`` (a power of two: exact unless
-the result underflows, ``eta = 2^-150``)::
-
-    |U^ - U| <= gamma_{2d + p - 1} inv (|W| S^T)            accumulation and block sums
-              + |W| res^T                                    what the split did not keep
-              + (1 + gamma_{2d+p-1}) inv (n_U + p (d - 1)) 2^-126   flushed products / partial sums
-              + eta
-
-with ``S = sum_p |P_p|`` (``<= (1 + 2 u_h + 2 u_h^2) |A| / inv``, ``u_h`` the pieces' unit
-roundoff) and ``n_U[j, k]`` the number of products ``0 < |W_ji P_p,ki| < 2^-126``.
-(``gamma_{2(d-1)}`` of the accumulation and ``(1+u)^{p-1}`` of the block sums combine to at
-most ``gamma_{2d+p-1}``.)
-
-Error of ``G`` (:func:`split_gram_error`): ``S_all S_all^T`` is one product of ``p r`` rows,
-then ``p^2`` blocks summed (``p^2 - 1`` additions), scaled by ``inv`` twice; with
-``A~ = inv sum_p P_p`` (so ``A = A~ + res``, ``A A^T - A~ A~^T = res A~^T + A~ res^T + res res^T``)::
-
-    |G^ - G| <= gamma_{2d + p^2 - 1} inv^2 (S S^T) + res |A~|^T + |A~| res^T + res res^T
-              + (1 + gamma_{2d+p^2-1}) inv^2 (n_G + p^2 (d - 1)) 2^-126 + 2 eta
-
-How the split enters the factored norm (:func:`split_term_errors`, the ``split_pieces``
-argument of :func:`dora_num.numerics.bounds.factored_norm_bound`).  The tail forms
-``cross = sum_k B_k U^_k`` and ``ba = sum_k (B G^)_k B_k`` in fp32 (``r`` products and
-``r - 1`` additions each, in any order; ``B G^`` another ``r``)::
-
-    |cross^ - cross| <= gamma_r M_c + (1 + gamma_r)(sum_k |B_k| E_U,k + r eta)
-    |ba^ - ba|       <= gamma_{2r} M_a + (1 + gamma_{2r})(|B| E_G |B|^T + r eta (1 + sum_k |B_k|))
-
-with ``M_c = sum_k |B_k| (|W||A|^T)_k``, ``M_a = || |B||A| ||^2`` (``|U| <= |W||A|^T``,
-``|G| <= |A||A|^T``).  These replace the terms ``gamma_{2d+r} M_c`` and ``gamma_{2d+2r} M_a``
-charged to 16-bit products of one dtype; relative to those, three pieces of bf16 raise the
-coefficient of ``M_c`` from ``gamma_{2d+r}`` to about ``gamma_{2d+r+2} (1 + 2^-7)``, and
-leave no ``res`` term for ``|A| >= 2^-110``.
-
-Two pieces or three.  With two bf16 pieces ``res <= 2^-17 (1 + 2^-8) |A|`` adds
-``|W| res^T ~ 2^-17 |W||A|^T`` to ``U``: against the accumulation's worst case
-``gamma_{2d} ~ 2d u`` that is ``1 / (4d)`` relative (6% of the bound at ``d = 4096``, the whole
-bound at ``d = 64``), so the a-priori bound barely notices; the *measured* error does.  CPU,
-d_out = 64, r = 16, kaiming-uniform A, bf16 W ~ N(0, 1/d), fp32 accumulation rounded to
-nearest (what a tensor core approximates): median relative error of ``U`` 2.0e-6 (two pieces)
-against 7.1e-8 (three) at d = 256, 2.2e-6 against 9.8e-8 at d = 1024; with the truncating
-accumulator of the bound 2.0e-6 against 2.9e-7 and 2.9e-6 against 1.5e-6.  Two pieces make
-the products 20-30x less accurate than fp32 arithmetic, i.e. they round the adapter to ~17
-bits inside the norm; three keep it as given (the products exact, the only error the fp32
-accumulation).  The third piece costs half as much tensor-core work again on ``U`` (1.5x of
-two pieces' flops; ``U`` is ``2 d_out d_in r`` per piece, small beside the layer's own GEMMs
-at ``r << tokens``).  Hence three pieces by default (``OpConfig.split_pieces``), two kept as
-the measured alternative (``tests/ops/test_split_products.py::test_two_pieces_measured_against_three``).
-
-That comparison is one of the split's error against the accumulation's, and it holds only where
-the first dominates.  The error of ``U`` from ``p`` pieces is ``W (A - A~_p)^T`` (the split's own,
-exact from the inputs) plus ``U^ - W A~_p^T`` (the accumulation's); three pieces are the more
-accurate where the two-piece split error is well above the accumulation error the hardware
-commits.  For bf16 it is, by a margin that shrinks with ``d`` on a truncating accumulator (CPU,
-d_out = 256, r = 16, A with all 24 bits random: split 2.2e-6 against accumulation 2.9e-7 at
-d = 256, 7x; 2.2e-6 against 1.6e-6 at d = 1024, 1.3x; 20-30x when rounded to nearest).  For fp16
-it is not: two fp16 pieces keep ``A`` to within one fp32 unit, ``res <= max(ulp32(A), inv 2^-25)``
-(the second piece leaves at most one unit of the first one's remainder, or the underflow below
-fp16's spacing; nothing for values of at most 23 significant bits), so
-``|W| res^T <= 2u |W||A|^T + inv 2^-25 |W| 1`` sits below the accumulation's ``gamma_{2d}``.
-Measured (CPU, d_out = 512, r = 16, fp16 W, A with all 24 bits random, d = 256): the two-piece
-split's median relative error of ``U`` 4.0e-8 against an accumulation of 1.7e-7 (rounded to
-nearest) or 3.6e-6 (truncating); on the H200 at d = 1024, on inputs of 23 bits (two pieces
-exact, the products the same sum), 1.1930e-6 (two pieces) against 1.1939e-6 (three): which one
-is smaller is the GEMM's accumulation order for ``2r`` or ``3r`` columns, not the split.  With
-fp16 the third piece buys exactness in fp16's normal range at 1.5x the products' flops, not a
-measurable accuracy.  Both variants are held to their own bounds (``split_u_error`` /
-``split_gram_error`` with ``pieces``); the comparison is tested where its condition can be
-checked (``tests/ops/test_layer_fastpath.py::test_gpu_third_piece_pays_where_the_two_piece_split_dominates``,
-``tests/ops/test_split_products.py::test_two_fp16_pieces_keep_fp32_values_to_one_unit``).
+``A = inv * sum_p P_p + res`` with ``p`` pieces in W's format (:func:`split_pieces_np`, the exact
+emulation of :func:`dora_num.ops.norm.split_pieces`), so ``U = inv * sum_p W P_p^T`` and
+``G = A A^T`` are ``p`` tensor-core products whose element products are exact in fp32.  Their
+error bounds (:func:`split_u_error`, :func:`split_gram_error`) charge the accumulation
+(``gamma_{2d+p-1}``, a truncating accumulator), what the split did not keep (``|W| res^T``) and
+flushed subnormal products; :func:`split_term_errors` carries them into the factored norm's
+bound.  Three pieces by default (``OpConfig.split_pieces``): two bf16 pieces round the adapter
+to ~17 bits inside the norm (median relative error of ``U`` 2.2e-6 against 9.8e-8, CPU,
+d = 1024).  The derivation and the two-or-three measurements: docs/bounds.md, "Products
+through a split of A".
 """
 
 from __future__ import annotations
