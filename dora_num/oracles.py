@@ -4,21 +4,7 @@ The one home of the references that studies and tests hold the fp32 operator to
 (an independent evaluation of the same mathematics; none of it is "exact": the
 certified ground truth is :mod:`dora_num.numerics.ground_truth`):
 
-- :func:`dora_linear_ref64` / :class:`DoRALinearRef64`: the DoRA layer evaluated in
-  float64, differentiable (autograd in fp64), with the row norm detached as in
-  DoRA section 4.3.  The compose is :func:`dora_num.numerics.formulas.compose_stable`
-  under :class:`TorchFP64` (the formula is written once); the norm is the plain
-  dense definition ``||W + sBA||_row`` in fp64 (independent of the factored one).
-- :func:`peft_dora_linear`: PEFT's own DoRA ``Linear`` wrapping a copy of an
-  ``nn.Linear``, with :func:`set_dora_state` to put identical ``A, B, m`` into it
-  and into a :class:`~dora_num.DoRALinear`.
-- :func:`peft_model_ref64`: a whole PEFT model in float64 with its DoRA layers
-  replaced by :class:`DoRALinearRef64` (model-level reference for the PEFT drop-in).
-- :func:`row_norm_ref64` and :func:`row_norm_ref64_error_bound`: the dense row norm
-  in float64 and a bound on its own error, to add to the fp32 bounds of
-  :mod:`dora_num.numerics.bounds` (which compare with the exact norm).
-- :func:`dg_ref64`: the magnitude gradient's row sum in float64.
-- :func:`measure_cpu_allocations`: the CPU allocator's traffic of a call.
+The method in full: docs/methods.md, oracles.py.
 """
 
 from __future__ import annotations

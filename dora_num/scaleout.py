@@ -6,36 +6,7 @@ trains under ``torch.nn.parallel.DistributedDataParallel`` and under FSDP2
 nothing specific to this package: :class:`~dora_num.DoRALinear` is an ``nn.Module`` whose
 parameters the engines shard, gather and reduce like any other.
 
-What the engines gather (torch 2.13, gloo, 2 ranks, tiny Llama, profiler counts of the
-last training step's forward and backward, recorded by :func:`run_check` and asserted by
-the CI test): FSDP2 all-gathers each unit's parameters (W, bias, A, B, m in
-one collective) before its forward and again before its backward
-(``reshard_after_forward=True``), and the root unit once: 5 all-gathers for 2 layers, the
-same schedule as the model without DoRA; and reduce-scatters the trainable gradients
-once per unit.  The DoRA norm adds no collective: ``base_sq = rowsum(W*W)`` and
-``U = W A^T`` need row ``j`` of W for row ``j`` of the norm only, and the forward's
-``x W^T`` needs the whole W anyway, so the norm runs on the W that the forward's
-all-gather brought; the norm is detached, so the backward needs no W for it (the compose
-backward uses saved activations and ``g``).  The ``base_sq`` cache does not survive
-FSDP2's resharding: the unsharded W's storage is freed after each pass and allocated
-again at the next all-gather (a new ``data_ptr``; FSDP2 keeps the version counter), so
-``base_sq`` is recomputed from the gathered W in every forward: one local fp32 pass over
-W, no communication.  Under DDP W is an ordinary parameter and the cache holds.
-
-Agreement with one process (derived, so the check is bitwise): with world size 2 each
-rank back-propagates the mean loss of its half of the batch, and both engines average
-the gradients as ``g0/2 + g1/2`` (a division by 2 is exact, so pre- or post-division
-gives the same bits; a sum of two numbers is one rounding whatever the order).  One
-process that accumulates ``0.5 * loss_h`` over the same two halves computes every
-intermediate gradient scaled by exactly 1/2 and ends with ``fl(g0/2 + g1/2)``: the same
-bits, provided both use the same kernels (one thread each) and the optimizer works
-elementwise (AdamW with ``foreach=False`` on the local shards).  So the trajectories
-(per-step losses, final parameters) are equal bit for bit; against one process on the
-whole batch (one mean over 4 rows instead of two means over 2) they differ by rounding,
-reported as measured.
-
-:func:`run_check` runs the comparison (``python -m dora_num.scaleout --out FILE``; the
-CI test runs it in a subprocess with a timeout).
+The method in full: docs/methods.md, scaleout.py.
 """
 
 from __future__ import annotations

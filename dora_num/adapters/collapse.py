@@ -8,15 +8,7 @@ zone test below is decided correctly unless g lies within ~1e-13 of a zone end).
 
 Per module x format, :func:`collapse_table` reports
 
-* statistics of g: mean, std, quantiles of ``|g - 1|``;
-* ``frac_symmetric_zone``: ``|g - 1| < eps/2`` (the paper's definition);
-* ``frac_rounds_to_one``: ``fl(g) == 1`` in the format (the exact zone,
-  ``[1 - eps/4, 1 + eps/2]``: asymmetric, because the spacing below 1 is half the
-  spacing above);
-* ``absorption``: the fraction of the layer's real base activations ``x``
-  (``x W^T`` on real text, rounded to the format) with ``fl(g*x) == x``.
-
-The statistics come from :mod:`dora_num.numerics.collapse` (one definition).
+The method in full: docs/methods.md, adapters/collapse.py.
 """
 
 from __future__ import annotations

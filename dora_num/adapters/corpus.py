@@ -7,21 +7,7 @@ the standard library's pure-Python modules contributes one pair
     signature = its qualified name and parameters, e.g.
                 ``json.dumps(obj, *, skipkeys=False, ensure_ascii=True, ...)``
 
-extracted with :mod:`ast` (no import, so nothing in the library runs).
-Private names (leading ``_``), test packages and tool folders are skipped.
-
-Determinism: files are visited in sorted order; pairs are deduplicated (first
-occurrence by ``(module, qualname)`` order wins) on the exact pair, then on the
-summary alone and the signature alone, because a repeated summary or signature
-would be a false negative under the in-batch contrastive loss.  The split is by
-top-level definition (sha256 of ``module.Name``), so the methods of one class
-never straddle train and validation (splitting by module put one huge module,
-``tkinter``, 425 pairs, into validation alone: 23% instead of 10%).  The extracted corpus is committed
-(``data/corpus/stdlib_pairs.jsonl.gz``); re-extraction on another Python version
-gives another corpus, which is why the version is in the provenance.
-
-The text is Python's own documentation: Copyright (c) 2001-2024 Python Software
-Foundation, used under the PSF License Agreement (copied beside the corpus).
+The method in full: docs/methods.md, adapters/corpus.py.
 """
 
 from __future__ import annotations

@@ -8,20 +8,7 @@ Objective: in-batch negatives (InfoNCE, summary -> signature).  For a batch of
 DoRA sits on every ``nn.Linear`` of the encoder (36 modules), through one of two
 backends that see the *same* adapter initialisation and the *same* data order:
 
-``"dora_num"``  each linear replaced by :class:`dora_num.DoRALinear`;
-``"peft"``      PEFT's ``LoraConfig(use_dora=True)`` on the same modules, its
-                ``lora_A``/``lora_B``/magnitude overwritten with the values the
-                ``dora_num`` backend draws for the same seed.
-
-A seed fixes both the adapter init (``A ~ kaiming_uniform(a=sqrt 5)`` drawn in
-module order, ``B = 0``, ``m = ||W||_row``) and the batch order (a
-``torch.Generator`` permutation per epoch).  Trainable: A, B, m of every module
-(AdamW); the base model is frozen.
-
-``g`` snapshots are taken from the fp32 magnitude and the row norm evaluated in
-float64 (:func:`g_minus_one_exact`), stored as ``g - 1`` in float32 (relative
-error 2^-24 on ``g - 1`` itself, i.e. about 1e-10 absolute at |g-1| ~ 1e-3:
-far below every format spacing studied).
+The method in full: docs/methods.md, adapters/train.py.
 """
 
 from __future__ import annotations

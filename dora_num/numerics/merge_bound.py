@@ -34,7 +34,7 @@ def _c_dot(n: int, units: tuple[float, float]) -> float:
 def merged_linear_bound(x, W, bias, A, B, g, s: float, *, base_dtype, compose_dtype,
                         gemm_base: tuple[float, float], gemm_compose: tuple[float, float],
                         gemm_fp32: tuple[float, float]) -> np.ndarray:
-    """Elementwise bound ``[N, d_out]`` on ``|y_merged - y_unmerged|`` (module docstring).
+    """Elementwise bound ``[N, d_out]`` on ``|y_merged - y_unmerged|`` (docs/bounds.md).
 
     ``x [N, d_in]``, ``W [d_out, d_in]``, ``bias [d_out]`` or None, ``A [r, d_in]``,
     ``B [d_out, r]``, ``g [d_out]`` (the fp32 g both evaluations use), ``s = fl32(scale)``;

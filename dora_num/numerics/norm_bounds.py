@@ -104,7 +104,7 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
     - ``split_pieces``: ``U`` and ``G`` from a 16-bit W (format ``split_format``) and an A of
       another dtype split into that many pieces of W's format
       (:func:`dora_num.ops.norm.split_mm`); the errors of ``cross`` and ``ba`` are then those
-      of :func:`dora_num.numerics.split_products.split_term_errors` (its module docstring
+      of :func:`dora_num.numerics.split_products.split_term_errors` (docs/bounds.md
       derives them, underflow and flushed partial sums included), in place of the
       ``gamma_{dp+r}`` and ``gamma_{dp+2r}`` terms above.
 

@@ -30,7 +30,7 @@ class PosteriorConstants(NamedTuple):
     ``(two_s, s_sq, d_in, r, product model)``: computed once on the host, and the same values
     are given to the Triton tail (:mod:`dora_num.ops.kernels.norm_tail`; the fields of
     :data:`KERNEL_FIELDS`, in that order), which evaluates the same sequence of fp32 operations
-    on them.  ``split``/``inv_runtime`` select the split-product terms (module docstring) and
+    on them.  ``split``/``inv_runtime`` select the split-product terms (docs/bounds.md) and
     whether their absolute parts scale with the run-time ``inv`` (fp16 pieces)."""
 
     two_s: float  # the kernel's 2s (signed) and s^2
@@ -62,7 +62,7 @@ class PosteriorConstants(NamedTuple):
     lo: float  # 1 - 2u
     up1: float  # 1 + u
     u: float
-    # the split-product model (module docstring); neutral values otherwise
+    # the split-product model (docs/bounds.md); neutral values otherwise
     split: bool = False
     inv_runtime: bool = False  # fp16 pieces: the absolute terms scale with the run-time inv
     tg: float = 0.0  # split: f_G, the absolute error per entry of G (else tc)
@@ -87,7 +87,7 @@ def posterior_constants(two_s: float, s_sq: float, *, d_in: int, r: int, tensor_
     """The constants of lemma 4' (docs/bounds.md) for the fp32 ``2s``, ``s^2`` of
     :func:`~dora_num.numerics.formulas.scale_constants`, ``d_in``, ``r`` and the product
     model (``tensor_core_products``: ``U``, ``G`` from 16-bit inputs on tensor cores;
-    ``split_pieces``: from ``split_pieces`` pieces of ``split_format``, module docstring).
+    ``split_pieces``: from ``split_pieces`` pieces of ``split_format``, docs/bounds.md).
     Cached (the operator asks for them on every call)."""
     if split_pieces is not None and (split_pieces not in (2, 3) or split_format not in SPLIT_FORMATS):
         raise ValueError(f"split_pieces must be 2 or 3 and split_format one of {tuple(SPLIT_FORMATS)}, "
@@ -129,7 +129,7 @@ def _posterior_constants(two_s: float, s_sq: float, d_in: int, r: int, tensor_co
 
 
 def _split_constants(C: PosteriorConstants, d: int, r: int, p: int, fmt: str) -> PosteriorConstants:
-    """``C`` with the coefficients of the split-product model (module docstring)."""
+    """``C`` with the coefficients of the split-product model (docs/bounds.md)."""
     u, eta, U = U32, 2.0**-149, up32
     u_h, sigma = SPLIT_FORMATS[fmt]
     fp16 = fmt == "fp16"
@@ -196,7 +196,7 @@ def lora_row_magnitudes(B, G, *, d_in: int | None = None, tensor_core_products: 
     ``||A_k||^2 = G_kk`` exactly, and the computed ``G^_kk >= G_kk (1 - gamma_dp) - n eta``
     (``dp = d_in``, ``2 d_in`` on tensor cores, plus ``2^-126`` per addition there), so
     ``||A_k|| <= sqrt((G^_kk + c) / (1 - gamma_dp))`` (a correctly rounded square root, then
-    raised by ``1 + 2u``; split products: the module docstring's bound); the fp32 sums of ``r``
+    raised by ``1 + 2u``; split products: docs/bounds.md's bound); the fp32 sums of ``r``
     non-negative products, in any order, are then raised by ``1 / (1 - gamma_{r+4})`` and ``r``
     underflows.  Cost: two length-``r`` reductions per row.  ``d_in``: the inner dimension of
     ``G`` (``A.shape[1]``), or the ``constants`` of :func:`posterior_constants`; ``inv``: the
@@ -241,7 +241,7 @@ def factored_norm_posterior(base, cross, ba, two_s: float, s_sq: float, *, d_in:
     Inputs: ``base``, ``cross``, ``ba`` as the kernel holds them (fp32 ``[d_out]``),
     ``two_s``, ``s_sq`` its fp32 constants, ``d_in``, ``r``, the product model
     (``tensor_core_products``: ``U``, ``G`` from tensor-core products of 16-bit inputs;
-    ``split_pieces``, ``split_format``, ``inv``: from split products, module docstring), and the
+    ``split_pieces``, ``split_format``, ``inv``: from split products, docs/bounds.md), and the
     row magnitudes of :func:`lora_row_magnitudes` (``lora_abs >= sum_k |B_k| ||A_k||``,
     ``b_abs >= sum_k |B_k|``): the term errors are relative to ``M_c = sum_k |B_k| (|W||A_k|) <=
     sqrt(base) lora_abs`` (Cauchy-Schwarz per k) and ``M_a = || |B||A| ||^2 <= lora_abs^2``, not to
@@ -252,7 +252,7 @@ def factored_norm_posterior(base, cross, ba, two_s: float, s_sq: float, *, d_in:
     ``e_b <= g_b b_up + (1+g_b) d eta``, ``e_c <= g_c sqrt(b_up) lora_abs + (1+g_c)(b_abs (d eta + t)
     + r eta)``, ``e_a <= g_a lora_abs^2 + (1+g_a)(b_abs^2 (d eta + t) + (b_abs + 1) r eta)``
     (``g_b = gamma_d``, ``g_c = gamma_{dp+r}``, ``g_a = gamma_{dp+2r}``, ``t = (d-1) 2^-126`` on
-    tensor cores; split products: the module docstring's ``e_c``, ``e_a``), and ``|Q^ - Q| <= dQ
+    tensor cores; split products: docs/bounds.md's ``e_c``, ``e_a``), and ``|Q^ - Q| <= dQ
     = e_b + |2s| e_c + s2 e_a + (u s2 + eta) ba^ + ((1+u)^2-1)(base^ + s_sq ba^) +
     ((1+u)^3-1)|2s cross^| + 2(1+u)^2 eta`` with ``s2 = (s_sq + eta)/(1-u) >= s^2``.  Then ``Q >=
     Q_lo = Q^ - dQ > 0`` and ``Q^ >= Q_lo``, so ``|sqrt(Q^) - sqrt(Q)| / sqrt(Q) = |Q^ - Q| /

@@ -78,7 +78,7 @@ def _flush_sites(X, P) -> np.ndarray:
 
 def split_u_error(W, A, pieces: int, fmt) -> np.ndarray:
     """Bound on ``|U^ - W A^T|`` per entry (float64 ``[d_out, r]``) of
-    :func:`dora_num.ops.norm.split_mm` (module docstring)."""
+    :func:`dora_num.ops.norm.split_mm` (docs/bounds.md)."""
     W = np.asarray(W, dtype=np.float64)
     res, S, _, inv = split_residual(A, fmt, pieces)
     d = W.shape[1]
@@ -99,7 +99,7 @@ def _overflows(mag, inv, g) -> np.ndarray:
 
 def split_gram_error(A, pieces: int, fmt) -> np.ndarray:
     """Bound on ``|G^ - A A^T|`` per entry (float64 ``[r, r]``) of
-    :func:`dora_num.ops.norm.split_gram` (module docstring)."""
+    :func:`dora_num.ops.norm.split_gram` (docs/bounds.md)."""
     res, S, At, inv = split_residual(A, fmt, pieces)
     d = np.asarray(A).shape[1]
     q = pieces * pieces
@@ -118,7 +118,7 @@ def split_gram_error(A, pieces: int, fmt) -> np.ndarray:
 def split_term_errors(W, A, B, pieces: int, fmt) -> tuple[np.ndarray, np.ndarray]:
     """``(e_cross, e_ba)``: bounds (float64 ``[d_out]``) on the errors of the factored norm's
     fp32 terms ``cross`` and ``ba`` when ``U`` and ``G`` come from the split products
-    (module docstring); what :func:`dora_num.numerics.bounds.factored_norm_bound` charges
+    (docs/bounds.md); what :func:`dora_num.numerics.bounds.factored_norm_bound` charges
     with ``split_pieces``."""
     W, A, B = (np.asarray(x, dtype=np.float64) for x in (W, A, B))
     r = A.shape[0]

@@ -11,25 +11,7 @@ hidden states on 16 texts: identical under ATen avx2/avx512, ``MKL_CBWR=AVX2``,
 and ``MKL_CBWR=COMPATIBLE`` (and, by the committed data, on an Intel AVX-512
 host, where MKL takes its AVX-512 path).
 
-So :data:`PINNED_ENV` fixes the choice for every notebook run by
-:mod:`dora_num.repro.runner` (set before the kernel imports torch): the AVX2 code
-paths of ATen, MKL (conditional numerical reproducibility) and oneDNN, which every
-x86-64 CPU of the last decade runs, and two threads.  Measured under the pins
-(3-step MiniLM DoRA training capture, notebook 06): identical with
-``MKL_ENABLE_INSTRUCTIONS=AVX2`` (MKL as on an AVX2-only CPU) and
-``OPENBLAS_CORETYPE=Haswell``; without them the capture moves with ATen avx2 vs
-avx512 and with the thread count.  A float64 forward rounded once to fp32 is *not*
-a substitute: its fp32 values moved under the same switches as the fp32 forward
-(cancelling dot products put float64 results next to fp32 rounding boundaries).
-Float64 reductions whose result is reported are evaluated in a fixed order
-(:mod:`dora_num.numerics.fixed_order`) instead of by numpy's BLAS, whose kernel
-(``OPENBLAS_CORETYPE``) is the host's choice and is left alone.
-
-numpy dispatches its own SIMD kernels the same way (``NPY_DISABLE_CPU_FEATURES``):
-notebook 06's log-scale figure came out with other PDF bytes with numpy's AVX-512
-kernels disabled, so those are pinned off as well.
-
-``DORA_NUM_NATIVE_KERNELS=1`` skips the pinning (to see what the host alone gives).
+What each platform does: docs/platform.md, repro/determinism.py.
 """
 
 from __future__ import annotations

@@ -8,14 +8,7 @@ value differs from the cell's)::
 
     N_PER_REGIME: int = 34000  # elements per regime; smoke: 1000
 
-``setup`` writes the SMOKE values into the notebook's namespace, sets the plot theme
-and the seeds (``SEED`` if the cell declares one, else 0), decides where artifacts go
-(the repository, or a temporary folder in SMOKE mode so committed files are never
-touched), and returns a :class:`NotebookContext`: the notebook's output folders, its
-save helpers (every artifact's sidecar records the parameters), and
-:meth:`NotebookContext.recorded`, the one-line request for recorded data.
-Works the same from JupyterLab (cwd ``notebooks/``) and papermill (cwd the
-notebook's folder).
+The method in full: docs/methods.md, repro/notebook.py.
 """
 
 from __future__ import annotations

@@ -2,47 +2,7 @@
 
 The vocabulary (one definition; docs/contract.md uses the same words):
 
-``random``
-    operands over a wide range of magnitudes and ``g`` anywhere in ``[0.5, 2]``:
-    nothing about DoRA is assumed.
-``realistic``
-    what DoRA training produces: ``|g - 1|`` small (``1e-5 .. 1e-2``; about 1e-3 in
-    training) and ``||sBA|| << ||W||`` (the update is a small fraction of the row,
-    so ``cross`` and ``ba`` are small against ``base_sq``).
-``adversarial``
-    inputs built to break a formula: ``g`` at and around the format's spacing
-    boundaries below and above 1, terms that cancel (the update cancelling the
-    row, ``(g-1) base`` cancelling ``g s lora``), exact zero rows, values near
-    the format's overflow.
-
-Every generator is deterministic in its seed and returns values exactly
-representable in the format it names (numpy float64 storage unless it says
-otherwise).  Committed artifacts depend on these streams bit for bit (notebooks
-02, 03 and 06, and the GPU suite's recorded FMA data, which the CPU regenerates
-from :func:`suite_assembly` / :func:`suite_compose`): a change to a generator is a
-change of those artifacts.
-
-Generators, by the formula they feed:
-
-================================  ==========================================  ========
-generator                         regime(s)                                   used by
-================================  ==========================================  ========
-:func:`compose`                   random / realistic / adversarial            bounds (03), tests
-:func:`assembly`                  random / realistic / adversarial            bounds (03), tests
-:func:`conditioning_rows`         adversarial (update cancels the row)        bounds (03)
-:func:`fma_assembly`              adversarial, with a realistic share         fma (02)
-:func:`fma_compose`               adversarial, with a random share            fma (02)
-:func:`suite_assembly`            realistic, one row in eight adversarial     GPU suite, fma (02)
-:func:`suite_compose`             realistic ``g``, unit operands              GPU suite, fma (02)
-:func:`suite_compose_torch`       realistic ``g``, unit operands (torch)      GPU suite benchmarks
-:func:`dg_operands`               random signs, base scale swept; cancelling  gradient (06), tests
-================================  ==========================================  ========
-
-Two families of assembly terms differ on purpose: :func:`assembly` draws
-Cauchy-Schwarz consistent terms (``|cross| <= sqrt(base_sq ba)``, so some real
-``W, A, B`` have them), while :func:`fma_assembly` and :func:`suite_assembly`
-draw each term on its own scale (the FMA study is about the arithmetic of the
-assembly on given fp32 terms, not about which rows can occur).
+The method in full: docs/methods.md, studies/inputs.py.
 """
 
 from __future__ import annotations

@@ -8,30 +8,7 @@ call, with ``b`` a transposed view), and its bound
 for an accumulator that truncates.  This module measures what the H200 does, so that the
 charge can be confirmed or tightened.
 
-**Order** (the idea of FPRev, Xie et al., USENIX ATC '25: swamping reveals the summation
-tree).  One dot product of length ``K`` with products ``p_i = +M``, ``p_j = -M`` and a unit
-``1`` everywhere else, ``M`` so large that a unit added to anything of size ``M`` is lost
-(``M = 2^40``, units ``1``, bf16; fp16: ``M = 2^15``, units ``2^-24``).  Every unit inside the
-subtree of the lowest common ancestor of ``i`` and ``j`` meets ``M`` or ``-M`` before they
-cancel and is lost; every other unit survives.  So the output counts the units *outside*
-that subtree: ``S(i, j) = K - output/unit`` is the number of leaves under ``lca(i, j)``
-(a fused multi-term addition is one node with many children).  Probes: ``i`` in a few
-positions, ``j`` everywhere (:func:`order_probes`).  :func:`fit_order` explains the measured
-``S`` by the blocked model of :func:`model_lca_sizes` (blocks of ``k`` consecutive products
-fused with the running sum, blocks in sequence within ``splits`` contiguous segments, the
-segments added at the end) and says whether it reproduces *every* probe.
-
-**Arithmetic** (Fasi, Higham, Mikaitis, Pranesh, 2021; Khattak and Mikaitis, 2025): short
-dot products placed at positions in one block or in different blocks (:func:`arith_probes`):
-are products exact; are subnormal products kept; how many bits of a term survive alignment
-to the largest term (``align_bits``); is the sum rounded to nearest or truncated, both in
-the fused block and when a block is added to the running sum.
-
-:func:`analyze` turns a recorded probe file into these findings and :func:`bound_factor`
-into what they imply for the bound (the lead's GPU run records it; the notebook and the
-report read the analysis, no GPU needed).  :class:`TensorCoreModel` is an exact CPU model of
-a blocked, aligned, truncating or rounding accumulator: the tests check that the probes
-recover its parameters.
+The method in full: docs/methods.md, studies/bounds/accumulation.py.
 """
 
 from __future__ import annotations

@@ -11,19 +11,7 @@ fp32 numbers just inside, at, and just outside: where ``fl_fmt(g)`` stops being 
 scale, rounded to fp32: inexact, so ``g*s`` has up to 48 bits).  Formulas: stable and naive;
 arithmetics: the contract (fp32, one final rounding) and per-op (eager bf16/fp16).
 
-- 16-bit, GPU: :mod:`.exhaustive_kernels` (exact reference and its proof there); one launch
-  per (format, g, s) computes all four (formula, arithmetic) variants over the
-  ``2^32`` pairs; :func:`run_gpu` plans every configuration into one run.
-- fp8, CPU (:func:`fp8_exhaustive`): the ``2^16`` pairs of e4m3fn / e5m2 through
-  :func:`~dora_num.numerics.emulate.emulate`, exact results from
-  :func:`~dora_num.numerics.ground_truth.compose_exact`, bounds from ``compose_bound``.
-
-Non-finite inputs are excluded (the contract refuses them) and counted.  A finite pair whose
-exact result overflows the format, or whose computed result is not finite, is its own class,
-counted and not ULP-measured.  ULP error is the number of representable steps between the
-computed result and the exact result rounded once (:func:`~dora_num.numerics.formats.ulp_distance`).
-:func:`.exhaustive_report.recheck_worst` recomputes every recorded worst input on the CPU with the package's own
-functions (``compose_bound``, ``emulate``, exact ``Fraction`` arithmetic).
+The method in full: docs/methods.md, studies/bounds/exhaustive.py.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def _unpack(bits, W: tl.constexpr, F: tl.constexpr):
 @triton.jit
 def _quantize(M, e, F: tl.constexpr, KMAX: tl.constexpr, FMT: tl.constexpr):
     """The finite ``|v| = M 2^(e - F)`` (``e = floor(log2 |v|)``, or the source's emin for its
-    subnormals) on the format's grid (module docstring, "Rounding to the format"): its quantum
+    subnormals) on the format's grid (docs/bounds.md, the exhaustive check, "Rounding to the format"): its quantum
     exponent ``qe``, the kept significand ``keep = M >> k``, the dropped bits ``rem`` and half
     of their weight ``half``; at most ``KMAX`` bits are dropped (beyond, everything rounds to 0
     alike).  Integers of ``M``'s width."""
@@ -114,7 +114,7 @@ def _round_f32(x, FMT: tl.constexpr):
 def _round_f64(h, rho, FMT: tl.constexpr):
     """Nearest-even pattern of the format for the exact value ``X = h + (X - h)`` where
     ``sign(rho) = sign(X - h)`` and no fp64 number lies strictly between ``X`` and ``h``
-    (module docstring).  ``h`` finite fp64."""
+    (docs/bounds.md, the exhaustive check).  ``h`` finite fp64."""
     sign, ef, fr, M, e = _unpack(h.to(tl.int64, bitcast=True), 64, 52)  # h = M * 2^(e - 52)
     qe, keep, rem, half = _quantize(M, e, 52, 54, FMT)
     away = tl.where(sign == 1, rho < 0, rho > 0)  # X lies beyond h, away from zero

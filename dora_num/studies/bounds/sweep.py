@@ -4,15 +4,7 @@ conditioning of the factored norm.
 Everything here *uses* :mod:`dora_num.numerics` (formulas, emulated arithmetics,
 ground truth, bounds); it defines no formula of its own.
 
-- inputs: the random, realistic and adversarial regimes of
-  :mod:`dora_num.studies.inputs` (:func:`~dora_num.studies.inputs.compose`,
-  :func:`~dora_num.studies.inputs.assembly`, :func:`~dora_num.studies.inputs.conditioning_rows`).
-- :func:`sweep`: every formula x format x arithmetic x g-storage x regime:
-  measured error against the certified ground truth, the bound, tightness, ULPs.
-- :func:`conditioning`: factored vs dense row norms (torch fp32, ``dora_num.ops``)
-  against exact mpmath norms, as a function of the assembly's condition number.
-- :func:`bench` times
-  :func:`~dora_num.numerics.ground_truth.compose_exact` on 2,000,000 elements.
+The method in full: docs/methods.md, studies/bounds/sweep.py.
 """
 
 from __future__ import annotations

@@ -2,23 +2,7 @@
 
 The collapse fractions of trained adapters (the H200 record) are :mod:`.trained`'s; this module holds
 
-1. **What does the stable form save?**  The compose evaluated by the emulated
-   arithmetics of :mod:`dora_num.numerics.emulate` (per-op rounding in the storage
-   format; fp32 intermediates with one final rounding; fp32 with g held in the
-   storage format) against the correctly rounded exact result
-   (:func:`dora_num.numerics.ground_truth.compose_exact`) on the same stored
-   inputs: real ``base = x W^T`` and ``lora = x A^T B^T`` of the committed trained
-   r=16 adapter (:data:`COMPOSE_ADAPTER`, on the base weights it was trained on),
-   with ``|g-1|`` swept across the format's spacing boundaries and with the adapter's
-   own ``g``.  Errors in ULPs of the output format, and as a fraction of the
-   ``(g-1)*base`` term.
-2. The paper's benchmark (random N(0,1) inputs, bf16, max absolute error against the
-   fp64 stable formula on the fp64 inputs), reproduced by :func:`paper_benchmark`.
-
-The early CPU runs (``dora-num record adapters``: 50 steps at batch 16, the start of training) are not
-committed any more: the H200 record captures the same early steps (10, 30, 100) at the realistic batch, and
-its r=16 export replaced the early r=16 adapter as the compose study's input.  Their PEFT agreement runs
-(:data:`AGREEMENT`, fp32, 20 steps) stay: the CPU complement of the H200 cross-check.
+The method in full: docs/methods.md, studies/cancellation/analysis.py.
 """
 
 from __future__ import annotations

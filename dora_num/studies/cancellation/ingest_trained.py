@@ -6,50 +6,7 @@ them, and writes the committed record (default ``data/adapters/trained/``) throu
 :func:`dora_num.repro.recording.ingest`: every file with a provenance sidecar in the recorded-data
 vocabulary (the GPU machine's device, ``measured_at_git_sha``, ``measured_versions``, ...):
 
-====================================  ========================================================================
-``manifest.json``                     plan, configuration, prediction, per run: why and where it stopped,
-                                      MRR@10 base/best/final, time per step; the cross-check verdict; the
-                                      state at step 0 (``step0``, :func:`step0_table`); notes given at
-                                      ingest (``notes``); what is committed and what is left out
-``evals.csv``                         run, step, mrr10, val_loss (every evaluation)
-``history_windows.csv``               per run and 50-step window: loss mean/min/max, gradient norm, seconds
-``collapse.csv.gz``                   per run x capture step x module type (+ pooled) x format: the
-                                      collapse statistics of :func:`dora_num.adapters.collapse.collapse_table`
-                                      of ``g = m / wnorm64`` (absorption on real activations included)
-``g_final.npz``                       per grid run, ``g - 1`` (float32) at its final capture, every row
-``crosscheck.csv``                    PEFT and the 1-ulp twin against ``DoRALinear``, per step and module type
-``exported/<run>/``                   the final adapter in PEFT format, with ``final_capture.npz``
-                                      (``m``, ``wnorm``, ``wnorm64`` of that state)
-====================================  ========================================================================
-
-Left out (``--keep`` has them; the GPU command regenerates them): every capture's ``m``, ``wnorm``,
-``wnorm64`` (16 bytes per row: 13 runs x 8 captures x 20,736 rows = 34.5 MB), the per-step history
-(~1.3 MB), adapters above r = 16 (r = 64: 10.6 MB).
-
-**g.** ``g = m / wnorm64`` (fp32 ``m`` over the float64 dense norm): the ``g`` of the adapter's
-parameters, what ``dora-num collapse`` computes from an exported file, and within a few fp32 ulps of the
-``g`` the layer itself uses (``fl32(m / wnorm)``, its factored fp32 norm: both are recorded).  In
-``g_final.npz`` it is stored as float32 ``g - 1`` (relative error ``2^-24`` of ``g - 1``, ~1e-10 absolute);
-:func:`ingest` checks that every zone count computed from that form equals the one from the full
-precision record (``manifest.json: compact_certified``).
-
-**Step 0** (:func:`step0_table`): with ``B = 0`` the exact ``g`` is ``m / ||W||``, and ``g = 1`` exactly when
-``m`` equals the norm the forward divides by.  Whether it does is a property of the commit that ran, not of
-DoRA: the table counts, per run, the rows where the captured ``m`` differs from the layer's own ``wnorm`` (and
-by how many fp32 ulps), and the range of the layer's ``fl32(m / wnorm) - 1``.
-
-**Cross-check** (:data:`CROSSCHECK_CRITERION`, stated before the device run): the r = 16, lr 1e-3
-configuration ran three times with the same init, batch order and dropout stream: ``DoRALinear``, PEFT's
-DoRA, and ``DoRALinear`` with every initial ``m`` moved by one fp32 ulp (random signs).  The last measures
-how far two equally valid executions of the same training drift apart (in the convergence study's H200
-runs the loss difference of such twins reached its plateau level, ~1.1e-3, by steps 11-30, hence the
-judged steps start at 30).  Per module type and capture step from 30 on: ``RMS(g_PEFT - g_ours) <= 2
-RMS(g_ulp - g_ours)``, for ``g`` of the trained parameters in every module type, and for the ``g`` each
-layer's forward divides by where PEFT sees an fp32 input.  Where its input is bf16 (under autocast: the
-attention output and MLP output linears) PEFT's ``get_weight_norm`` computes ``W + sBA`` and its norm in
-bf16 (``lora_weight.to(x.dtype)``, ``weight.to(x.dtype)``, ``.to(weight.dtype)``): its ``g`` carries the
-rounding of the norm to bf16, predicted RMS :data:`BF16_NORM_RMS_PREDICTED` (1.66e-3), recorded beside the
-verdict.
+The method in full: docs/methods.md, studies/cancellation/ingest_trained.py.
 """
 
 from __future__ import annotations
@@ -343,7 +300,7 @@ def _brief(info: dict) -> dict:
 def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_texts: int | None = None,
            max_rows: int | None = None, replace: bool = False, notes=(), log=print) -> list[Path]:
     """Unpack a launch (``files``: ``plan.json`` + ``part-K.tar``), check it, and write the committed
-    record into ``dest`` (module docstring); with ``keep``, the full record stays unpacked there.
+    record into ``dest`` (docs/methods.md); with ``keep``, the full record stays unpacked there.
     ``n_texts``/``max_rows``: the absorption activations (default: ``dora-num collapse``'s).  A ``dest``
     that already holds files is refused unless ``replace`` (then it is emptied first: no stale file of
     an earlier record survives beside the new one).  ``notes``: what a reader of the record must know

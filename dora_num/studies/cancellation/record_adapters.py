@@ -8,18 +8,7 @@ The trained adapters (H200, until MRR@10 plateaus) come from :mod:`.record_train
     dora-num record adapters --ranks 16 --lrs 1e-3
     dora-num record adapters --agreement-only
 
-
-Grid: ranks 8, 16, 64, 128 x learning rates 1e-3, 1e-4; MiniLM + DoRA on all 36
-encoder linears; batch 16, max_len 32, STEPS steps, seed 0.  Per run it writes
-``data/adapters/runs/<run>.npz`` (``g - 1`` float32 per capture step, all
-modules concatenated, with names and offsets), ``<run>_history.csv`` (loss,
-grad norm, lr, s/step per step) and ``<run>_evals.csv`` (validation MRR@10 and
-loss at the end; also at step 0 = the base model, for the exported run).  The r=16, lr=1e-3 run is also
-exported as a full PEFT adapter to ``data/adapters/minilm_dora_r16/``.
-
-Agreement runs (``agreement.csv``): the same config through the ``dora_num``
-backend, through PEFT, and through ``dora_num`` with every initial magnitude moved
-by one fp32 ulp (the noise-floor baseline; see :func:`agreement_verdict`).
+The method in full: docs/methods.md, studies/cancellation/record_adapters.py.
 """
 
 from __future__ import annotations

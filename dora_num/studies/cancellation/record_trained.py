@@ -4,15 +4,7 @@
     dora-num record adapters-gpu --plan-only [--smoke]           # the plan, its configuration, the prediction
     dora-num record adapters-gpu --ingest DIR [--out data/adapters/trained] [--keep DIR] [--replace] [--note TEXT]
 
-Every run of the plan (:func:`.runs.full_plan`) is one process (:mod:`.record_trained_launch`: on the
-H200 a step is ~0.1 s of host Python, so processes on separate cores share the GPU); each trains all 36
-encoder linears (batch 64, bf16 autocast, the fused compose on CUDA, AdamW, 200 warmup steps) until the
-first of: a plateau (``patience`` evaluations without a gain above :data:`.runs.MIN_DELTA`, Keras
-``EarlyStopping``), ``max_steps``, the launcher's deadline, SIGTERM, a non-finite loss; ``run.json``
-says which.  At the capture steps it records per module ``m``, the norm the layer divides by and the
-float64 dense norm (:func:`capture_state`); some runs are exported in PEFT format.  The launch returns
-``plan.json`` and ``part-K.tar`` (at most 8 files of 16 MiB); :mod:`.ingest_trained` makes the
-committed record of them.  The long story of the plan: docs/paper.md and notebook 01.
+The method in full: docs/methods.md, studies/cancellation/record_trained.py.
 """
 
 from __future__ import annotations

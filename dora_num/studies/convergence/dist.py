@@ -5,16 +5,7 @@ Under ``torchrun`` each rank takes a contiguous slice of every batch
 embeddings (autograd-aware) so that every rank computes the *whole batch's*
 in-batch contrastive loss, the same number a single process computes.
 
-Gradients: rank ``r`` back-propagates ``L`` through its own slice only, and the
-all-gather's backward sums the (identical) loss gradients of all ranks, so the
-local gradient is ``W * dL/dtheta|_slice r``; DDP averages over the ``W`` ranks:
-``(1/W) sum_r W dL/dtheta|_r = dL/dtheta``, the single-process gradient (for
-``W = 2`` the scalings by 2 are exact in binary floating point; what remains is
-the association of the gradient sum and the slice-wise padding, both rounding).
-
-Dropout draws its masks per rank (per slice), a different random stream from the
-single process's; :func:`disable_dropout` turns dropout off where a comparison
-needs the same function.
+The method in full: docs/methods.md, studies/convergence/dist.py.
 """
 
 from __future__ import annotations

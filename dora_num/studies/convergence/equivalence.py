@@ -4,49 +4,7 @@ Data: per-step loss curves ``L_r(t)``, ``t = 1..n``, of runs ``r`` identified by
 ``(path, seed, repeat)``: three seeds x {eager, fused} plus a repeat of one eager
 seed.  All runs of one seed see the same adapter init and the same batches.
 
-Differences (all per step, on the same step index)
---------------------------------------------------
-* **fused vs eager**: ``d(t) = L_fused,s(t) - L_eager,s(t)``, same seed ``s``;
-* **seed-to-seed** (the noise floor): ``L_p,i(t) - L_p,j(t)``, same path ``p``,
-  seeds ``i < j`` (different init *and* different batches: what the choice of a
-  seed alone changes);
-* **repeat**: the same path and seed run twice in one process (run-to-run
-  nondeterminism of the stack; exactly 0 when every kernel is deterministic).
-
-For each: mean ``|delta|``, max ``|delta|`` and the step of the max.  The paper's
-comparison (docs/paper.md) reported the fused-vs-eager mean |delta| 7.1e-4 without a
-floor; its own logs put the seed-to-seed mean |delta| at 7.6e-4..8.5e-4.
-
-The equivalence test (fixed here, in code, before any fused run is analysed)
---------------------------------------------------------------------------
-1. **Margin from eager runs only** (:func:`margin_from_eager`): ``floor`` is the
-   mean over eager seed pairs of the per-step seed-to-seed mean ``|delta|``;
-   the margin is ``delta_eq = MARGIN_FRACTION * floor`` with
-   ``MARGIN_FRACTION = 0.25``: a systematic fused-vs-eager shift of a quarter
-   of what picking another seed does is the largest we call "the same".  The
-   function takes no fused data, so the margin cannot be tuned to the result.
-2. **Autocorrelation** (:func:`block_means`): successive steps of a difference
-   series are correlated (a training trajectory drifts slowly), so per-step
-   values are not independent samples.  The series is cut into non-overlapping
-   blocks of ``b = max(ceil(sqrt(n)), ceil(2 * tau_int))`` steps, ``tau_int``
-   the integrated autocorrelation time (Sokal's automatic window, c = 5); the
-   ``k = n // b`` block means are then close to independent (for an AR(1)
-   series their lag-1 correlation is about ``tau_int / (2b) <= 1/4``; it is
-   reported beside every test) and
-   the tests are t-tests on them with ``k - 1`` degrees of freedom.  Fewer than
-   ``MIN_BLOCKS`` blocks: no verdict (not equivalent).
-3. **TOST on the bias** (:func:`tost`): per seed, ``H0: |mean d| >= delta_eq``
-   against ``H1: |mean d| < delta_eq``, two one-sided t-tests on the block means
-   of ``d``, p = the larger of the two.
-4. **Magnitude below the floor** (:func:`below_floor_test`): per seed,
-   ``H0: mean |d| >= floor`` against ``H1: mean |d| < floor`` (one-sided t-test
-   on the block means of ``|d|``): the fused-vs-eager curves sit closer together
-   than two seeds of one path do.
-5. **Verdict**: equivalent iff both tests reject at ``ALPHA = 0.05`` for every
-   seed (an intersection-union test: no multiplicity correction needed).
-
-Validation metrics (every 200 steps) and gradient norms get the same
-``|delta|`` summaries (gradient norms relative to their mean).
+The method in full: docs/methods.md, studies/convergence/equivalence.py.
 """
 
 from __future__ import annotations

@@ -9,39 +9,7 @@ The plan
 (:func:`~dora_num.studies.convergence.config.run_plan`), after a short profiling phase (time per step of both
 paths, first ``PROFILE_WARMUP`` steps dropped: Triton compiles there):
 
-    eager s0, fused s0, eager s0 (repeat), [eager s0 with m + 1 ulp], eager s1, fused s1, ...
-
-on the MiniLM + DoRA contrastive harness (:mod:`dora_num.adapters.train`; all 36
-encoder linears, bf16 autocast on CUDA).  A seed fixes the adapter init, the batch
-order and the dropout masks; eager and fused runs of one seed see identical
-inputs, so every per-step difference between them comes from the compose
-implementation.  The repeat measures same-seed run-to-run nondeterminism; the
-optional 1-ulp runs (``--ulp-seeds``) move every magnitude ``m`` by one fp32 ulp
-at init, the smallest difference two runs on the same batches can have.
-
-One process can run the whole plan; on the H200 each step costs ~0.1 s of host
-Python, so the recorded runs were made one process per run (``--runs``, several
-processes sharing the GPU; ``.ci/gpu/convergence.sh``) after a ``--profile-only``
-process alone, and merged with ``--ingest``
-(:func:`~dora_num.studies.convergence.recorded.merge_parts`).
-
-Recorded per step: loss, gradient norm (global L2 over A, B, m), learning rate,
-seconds; every ``eval_every`` steps (and at 0): validation loss and MRR@10, and
-``g - 1`` statistics per module (``g`` from fp32 ``m`` and a float64 norm).
-Files under ``--out`` (tidy long format, each with a provenance sidecar), rewritten
-after every run so a run cut short loses only itself:
-
-    history.csv.gz   run, path, impl, seed, repeat, perturbed, step, metric, value
-    evals.csv        run, path, impl, seed, repeat, perturbed, step, metric, value
-    g_stats.csv.gz   run, path, impl, seed, repeat, perturbed, step, module, statistic, value
-    profile.csv      path, impl, step, seconds
-    summary.json     configuration, plan, time per step, projections, wall times
-
-``fused`` means the Triton kernels (CUDA).  Without them (CPU, the SMOKE run) the
-fused arm runs the compose through the ``torch.library`` custom op
-``dora_num::compose_fwd`` with its PyTorch implementation and its registered
-autograd (the route the fused path takes under ``torch.compile``): a live check
-of the pipeline and of that route, not a measurement of the kernels.
+The method in full: docs/methods.md, studies/convergence/record_convergence.py.
 """
 
 from __future__ import annotations

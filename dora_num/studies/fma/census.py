@@ -8,27 +8,7 @@ root), ``other`` (anything else, a wrong special value included).  Positive fini
 also carry the parity of their exponent and the position of the exact root between its two
 neighbouring floats (below), so that *where* an implementation fails can be plotted.
 
-**Reference (integer, exact).**  A positive finite fp32 ``x = M 2^E`` with ``2^23 <= M < 2^24``
-(subnormals normalised; ``e = E + 23 = floor(log2 x)``).  With ``j`` in {23, 24} of the
-parity of ``E``, ``N = M 2^j`` lies in ``[2^46, 2^48)`` and ``sqrt(x) = sqrt(N) 2^((E-j)/2)``
-with ``sqrt(N)`` in ``[2^23, 2^24)``.  ``q = isqrt(N)`` is certified by ``q^2 <= N < (q+1)^2``
-in int64 (the float64 root of the exact integer ``N`` is only a starting guess: the integer
-test corrects it, so the reference does not rest on any square root being right).  With
-``rem = N - q^2`` in ``[0, 2q]``: ``sqrt(N) > q + 1/2`` iff ``N > q^2 + q + 1/4`` iff
-``rem > q`` (no tie: ``N`` is an integer), so the correctly rounded root is
-``r = q + [rem > q]`` times ``2^((E-j)/2)``, a normal fp32 number (``r = 2^24`` carries into
-the exponent).  *Position*: ``rem / (2q + 1)`` in ``[0, 1)``, where ``x`` lies between the
-squares of the two 24-bit neighbours ``q 2^h`` and ``(q+1) 2^h``; binned into
-:data:`N_POS_BINS` by exact integer division.  The rounding boundary sits at
-``(q + 1/4)/(2q + 1) ~ 1/2``.
-
-The same integer algorithm runs in the GPU kernel (:mod:`.census_kernels`), and the tests
-hold the two to each other bit for bit.
-
-Record: the CPU census over 2^32 inputs takes minutes on two cores (:func:`census`,
-``dora-num record sqrt-census``); it is committed under
-``data/exhaustive/`` with per-chunk counts, and :func:`check_against_record` recomputes a
-few chunks (SMOKE, CI) that must agree with the record exactly.
+The method in full: docs/methods.md, studies/fma/census.py.
 """
 
 from __future__ import annotations
@@ -85,7 +65,7 @@ def reference(bits) -> dict[str, np.ndarray]:
 
 def _isqrt_round(b: np.ndarray):
     """Positive finite fp32 patterns (int64) -> (correct root pattern, exponent parity,
-    position bin, corrections) by the integer method of the module docstring."""
+    position bin, corrections) by the integer method of the docs/methods.md."""
     if b.size == 0:
         z = np.zeros(0, dtype=np.int64)
         return z, z, z, 0

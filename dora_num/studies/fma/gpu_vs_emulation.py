@@ -4,23 +4,7 @@ against the exact CPU emulation.
 The GPU suite (:func:`dora_num.studies.record_suite.bench_fma`) records, under
 ``data/gpu/``:
 
-- ``fma_sqrt.csv``: per variant (norm assembly: contraction on/off x ``tl.sqrt``
-  / ``tl.sqrt_rn`` / PTX ``sqrt.rn.f32``; compose fp32/bf16: contraction on/off)
-  the bitwise agreement with the torch reference over all ``n`` seeded inputs,
-  ULP histogram columns ``ulp_0 .. ulp_>4`` and PTX instruction counts;
-- ``fma_sqrt_sample.npz``: for the first ``meta_sample`` inputs, the sha256 of the
-  torch reference's bytes and, per variant, where it differs from the reference
-  (indices and bit patterns); the first 2^16 inputs as a spot check;
-- ``device.json``: GPU, driver, torch/triton versions, git sha.
-
-The inputs are seeded numpy streams (:func:`~dora_num.studies.inputs.suite_assembly`,
-:func:`~dora_num.studies.inputs.suite_compose`), so the CPU regenerates all
-of them bit for bit and *predicts* each deterministic variant exactly: contraction
-off = the production sequence; contraction on = an FMA at the formula's marked
-site (``"fma"``) or at its alternative (``"alt"``: the compiler contracted the
-other product), see :mod:`dora_num.studies.fma.models`.  The approximate sqrt
-is predicted as a set (faithful model): a disagreement-rate interval, and every
-output one of the two neighbours of the exact root.
+The method in full: docs/methods.md, studies/fma/gpu_vs_emulation.py.
 """
 
 from __future__ import annotations

@@ -2,41 +2,7 @@
 approximate sqrt do to the norm, to g and to the outputs?): where contraction can
 occur, how each placement rounds, and what an approximate square root may return.
 
-Contraction sites (derived, not listed by hand)
------------------------------------------------
-:func:`contraction_sites` evaluates every formula of
-:mod:`dora_num.numerics.formulas` once under :class:`SiteTracer`, a symbolic
-arithmetic that records each ``muladd`` call (the places the formulas mark as
-contractible) and flags any other ``add``/``sub`` fed by an unrounded product
-(an unmarked site; there must be none).  Where a marked ``a*b + c`` has an
-addend ``c`` that is itself a product ``x*y``, a compiler may contract either
-product (LLVM's combiner picks one); the other choice, ``fma(x, y, fl(a*b))``,
-is recorded as the site's *alternative*.  So the list follows the formulas and
-cannot drift from them.
-
-Placements
-----------
-:class:`Placement` evaluates a formula under ``RoundEach(fp32)`` with each site
-either not contracted (``"none"``: ``fl(fl(a*b) + c)``), contracted as marked
-(``"fma"``: ``fl(a*b + c)``, one rounding) or contracted the other way
-(``"alt"``: ``fl(x*y + fl(a*b))``).  All exact: products of fp32 values are
-exact in float64, sums rounded once by TwoSum (:mod:`dora_num.numerics.emulate`).
-
-Square roots
-------------
-``sqrt.rn.f32`` (``tl.sqrt_rn``, inline PTX, torch CUDA) is the correctly
-rounded root.  ``sqrt.approx.ftz.f32`` (``tl.sqrt`` on the H200) is modelled as
-*faithful*: it returns one of the two fp32 neighbours of the exact root
-(:func:`sqrt_neighbours`), i.e. either the correctly rounded result or the other
-neighbour, never further.  This model makes set-valued predictions (a
-disagreement with ``sqrt.rn`` is exactly 1 ulp and only where the root is
-inexact), which the recorded GPU sample tests bit for bit; it does not claim
-to predict *which* neighbour the hardware picks.  :func:`midpoint_distance`
-gives, per input, how far the exact root lies from the rounding boundary (in
-ulps of the result): an approximation with error ``E`` ulps can differ from
-``sqrt.rn`` only where that distance is below ``E``, so disagreements of a
-good approximation concentrate there (a descriptive threshold model,
-calibrated and tested on held-out GPU data in :mod:`dora_num.studies.fma.gpu_vs_emulation`).
+The method in full: docs/methods.md, studies/fma/models.py.
 """
 
 from __future__ import annotations

@@ -4,21 +4,7 @@ MiniLM sentence embeddings.
 
 Variants (CPU emulation, exact; :mod:`dora_num.studies.fma.models`):
 
-- ``production``: the layer as it is (factored norm, no contraction, correctly
-  rounded sqrt; eager compose);
-- ``fma_assembly``: both assembly sites contracted (``wnorm`` from
-  ``fma(s^2, ba, fma(2s, cross, base_sq))``);
-- ``approx_sqrt_worst``: every inexact root replaced by its other faithful
-  neighbour (the most a faithful ``sqrt.approx`` can change: an upper bound);
-- ``fma_and_approx_worst``: both;
-- ``compose_fma`` / ``compose_alt``: production ``g``, the compose contracted at
-  its marked product or at the other one.
-
-``g`` of each variant goes through the production :func:`~dora_num.ops.norm.magnitude_scale`;
-the layer output through the production ``DoRALinear.forward`` (``g`` given to it:
-``layer(x, g=g)``; a contracted compose through the layer's ``compose_fn`` seam, on a
-view of the layer that shares its parameters).  Before any variant runs, the emulated
-production path is checked to reproduce the real layer bit for bit.
+The method in full: docs/methods.md, studies/fma/propagation.py.
 """
 
 from __future__ import annotations

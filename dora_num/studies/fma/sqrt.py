@@ -11,23 +11,7 @@ contracted site rounded once) and compared, element by element, with
 - the exact result of the formula for the same inputs, rounded once
   (:mod:`dora_num.numerics.ground_truth`): is the contracted result better?
 
-The square root is either correctly rounded or, for ``sqrt.approx``, the worst
-faithful result (the other neighbour of the exact root), which bounds what any
-faithful approximation can change.
-
-Why an element changes (:func:`explain`): contracting a site removes the fp32
-rounding of its product, an error ``e`` with ``|e| <= u |fl(a*b)|``.  The site's
-result changes iff ``e`` moves ``a*b + c`` across a rounding boundary of the
-result, which for a uniformly placed ``a*b + c`` happens with probability
-``q = |e| / ulp(result)`` (capped at 1).  So a contraction matters where the
-product is large against the result: the cross term cancelling the row norm,
-``g-1`` times a large ``base`` against a small delta.  A power-of-two scale makes
-``2s*cross`` and ``s^2*ba`` (and ``s*lora``) exact: those sites then change nothing.
-
-Inputs: real MiniLM row terms and activations with perturbed adapters
-(:func:`minilm_layers`), the GPU suite's seeded inputs (regenerated bit for bit),
-and adversarial sets (:func:`dora_num.studies.inputs.fma_assembly`,
-:func:`dora_num.studies.inputs.fma_compose`).
+The method in full: docs/methods.md, studies/fma/sqrt.py.
 """
 
 from __future__ import annotations

@@ -7,27 +7,7 @@ signs).  This module measures, for each reduction the package runs, the error
 of ``dg`` against the exact value and holds it to the a-priori bound
 :func:`dora_num.numerics.bounds.dg_bound`:
 
-``eager``   :func:`dora_num.ops.reference.compose_backward_ref` (``torch.sum`` of
-            the fp32 products, on this machine's CPU: cascade order; the bound
-            holds for any order, hence for CUDA's too).
-``fused``   the two-stage reduction of :mod:`dora_num.ops.kernels.compose`
-            (``bwd_block_m`` rows per partial, partials added in chunks of
-            ``fin_chunk``: ``OpConfig.compose_tiles``; chunk sums accumulated in sequence), emulated exactly in
-            numpy float32 (:func:`fused_dg_emulated`).  With ``order="sequential"``
-            the emulation is the Triton interpreter's order (``tl.sum`` over axis 0 =
-            numpy's row-by-row sum), bitwise equal to the kernel run under
-            ``TRITON_INTERPRET=1`` (tested); the GPU's in-block order (per-thread
-            sums then shuffles) differs, and the bound covers every order.
-``fp64``    float64 sum of the fp32 products (exact in float64).
-``lowp``    measured only, no bound: the whole backward in the activation dtype
-            (``(D * (base + s*lora)).sum(0)`` on dtype tensors), i.e. what autograd
-            of a PEFT-style compose in bf16/fp16 computes; this is where the
-            absorption ``|s*lora| < ulp(base)/2`` bites.
-
-Exact ``dg`` (:func:`dg_exact`): ``s*L`` is exact in float64 (24 x 24 bits),
-``(s*L)*D`` is split exactly by TwoProduct, ``b*D`` is exact (<= 48 bits); the
-``3T`` float64 pieces per column are summed by ``math.fsum`` (correctly rounded).
-So the reference is the exact real result, rounded once to float64.
+The method in full: docs/methods.md, studies/gradient/dg_accuracy.py.
 """
 
 from __future__ import annotations

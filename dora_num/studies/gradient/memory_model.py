@@ -3,59 +3,7 @@
 :func:`predict_peak` adds, for one training step in steady state (optimizer states
 exist, gradients set to None before the forward), the bytes of::
 
-    weights            every frozen base parameter (ZeRO-3: / N)
-    adapter_params     A [r, d_in] and B [d_out, r] in the weight dtype, m [d_out] fp32
-    base_sq_cache      rowsum(W*W) fp32 [d_out] per module (norm="cached")
-    optimizer_states   AdamW exp_avg + exp_avg_sq in the parameter dtype (ZeRO-1+: / N)
-    gradients          one per adapter parameter (ZeRO-2+: / N)
-    activations        tensors autograd saves for the backward (enumerated below);
-                       with checkpointing: each layer's input + one layer's full set
-    norm_transient     the largest DoRA row-norm working set of one module
-                       (dense / factored / cached; forward, and again in the
-                       recomputation with checkpointing)
-    backward_transient the largest backward working set of one module
-
-and, static too, the step's input tensors (allocated after the CUDA baseline).
-
-``peak = static + max(forward_norm, loss_backward, backward)`` over three phases:
-the last layer's norm transient on top of the activations of the layers before it
-(with checkpointing: on top of the checkpoint boundaries, in the forward and again
-in the recomputation); the loss head's backward on top of EVERY activation (the
-first node the backward runs: nothing is freed yet); and the last layer's backward
-on top of every activation but the loss head's (freed by then) + the incoming
-output gradient (with checkpointing: the boundaries + one recomputed layer) + the
-gradients (they accumulate while activations are freed: an upper estimate;
-adapter gradients are small against activations).
-
-Why the loss phase: on the H200 (``data/gpu/memory/memory_peaks.csv``) the wide bf16
-stack peaks at the same 4.2035 GB with the eager and the fused compose, although the
-fused backward needs 4 bytes per element against the eager's 16.  The fused tier saves
-``base`` and ``lora`` (2 x 2 bytes in bf16, exactly the eager tier's fp32 ``inner``), so
-the activations are equal; and the peak is not in any compose backward but in the
-loss's: ``mean(hf**2)`` backward holds 4 fp32 ``[T, h]`` tensors
-(:func:`_loss_bwd_transient`) on top of all activations, before any layer's backward
-runs.  The step's input tensor (``T h e``) is static memory.
-
-Activations per layer (``T`` tokens, ``e`` activation bytes, eager compose; the
-fused compose saves ``base`` and ``lora``, ``2 e`` per output element, instead
-of the fp32 ``inner``, 4 bytes) come from reading what each op saves:
-
-- every DoRA module: its input ``x`` (shared by ``x W^T`` and ``x A^T``),
-  ``x A^T`` (``T r e``) and ``inner`` (``T d_out 4``); its output is new memory.
-- ``stack`` (synthetic: ``x -> gelu(DoRALinear(x))`` per layer, loss
-  ``mean(out.float()^2)``): ``x`` and the GELU input (``2 T h e``) + DoRA terms;
-  the loss saves ``out.float()`` (``T h 4``).
-- ``bert`` (MiniLM encoder, SDPA attention without a score matrix): layer input,
-  q/k/v, attention output (+ logsumexp ``b a s 4``), context, two LayerNorm
-  inputs and outputs with their fp32 statistics (``2 T 4`` each), the FFN input,
-  GELU input and output (``2 T f e``), two dropout masks (``T h`` bytes) + DoRA terms.
-
-ZeRO stages over ``N`` GPUs shard states (1), + gradients (2), + parameters (3);
-with one GPU here, stages > 0 are the model's arithmetic only (not measured).
-
-The measured side (the same step run and its peak taken, on CPU and on the H200):
-:mod:`dora_num.studies.gradient.record_memory`; :func:`repredict` recomputes a
-measured table's predictions with the current model.
+The method in full: docs/methods.md, studies/gradient/memory_model.py.
 """
 
 from __future__ import annotations
@@ -213,7 +161,7 @@ def _inputs(cfg: MemoryConfig) -> int:
 
 
 def predict_peak(cfg: MemoryConfig) -> dict:
-    """Peak bytes of one steady-state training step, by component (module docstring)."""
+    """Peak bytes of one steady-state training step, by component (docs/methods.md)."""
     cfg.validate()
     w = BYTES[cfg.dtype]
     N = cfg.n_gpus

@@ -9,28 +9,7 @@ guard on and off are checked bitwise equal before anything is timed), each with
 ``on_cancellation="recompute"`` (guard on) and ``"off"``, alternated over ``ROUNDS`` rounds of
 ``triton.testing.do_bench`` medians (L2 flushed):
 
-- ``tail``: the tail kernel alone (:func:`dora_num.ops.kernels.norm_tail.norm_tail`, with ``m``;
-  the guard's ``kappa``/``rel``, its recompute branch (not taken: no row fires) and flag code on
-  vs off), on precomputed ``U``, ``G``;
-- ``layer_g``: :func:`dora_num.ops.norm.magnitude_scale_and_flag`, the layer's no-sync path
-  (``U = W A^T``, ``G``, the tail, ``g``), the cached ``base_sq``;
-- ``public``: :func:`dora_num.ops.norm.factored_row_norm` with the cached ``base_sq`` (its flag
-  read deferred, in both variants).
-
-Prediction (before measuring): the guard adds, per row, two length-``r`` reductions (``|B|``
-against ``||A_k||``, and ``|B|``) beside the ``r^2`` multiply-adds of ``B G`` in the same loop,
-``r`` square roots per program for ``||A_k||`` and ~40 flops, and stores ``kappa``, ``rel``
-(``8 d_out`` bytes).  Against the norm's ``d_out d_in r`` multiply-adds of ``U`` that is
-``(4 r + 40) / (2 d_in r) ~ 2 / d_in = 2.4e-4`` of its arithmetic at ``d_in = 8192``, and about
-``2 / r = 0.5%`` of the tail kernel's: so +0.5% on ``tail`` and under 0.3% on ``layer_g`` (the
-tail is about half of the cached norm's 0.23 ms at 8192x8192, r = 384, bf16: data/gpu/norm_bench.csv),
-within run-to-run noise (the recompute branch, a program-uniform test of ``BLOCK_M`` flags, adds
-nothing measurable when not taken, unless its code raises register pressure); the 3% budget would be exceeded only if the extra registers made the
-kernel spill.
-
-Output: ``DIR/guard_cost.csv`` (one row per configuration x measurement x variant x round, and
-a ``ratio`` row per round: on / off) and ``DIR/device.json``.  Expected wall time on the H200:
-full ~1-2 min, ``--smoke`` ~15 s (Triton compiles included).
+The method in full: docs/methods.md, studies/speed/record_guard_cost.py.
 """
 
 from __future__ import annotations

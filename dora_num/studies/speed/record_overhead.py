@@ -1,21 +1,6 @@
 """Host-side (CPU) cost of the fused compose tier: why the training step is launch-bound.
 
-``dora-num record overhead [--out DIR]`` on a CUDA machine prints (and with ``--out``
-writes to ``DIR/host_overhead.log``, beside ``device.json``) the CPU time per call of
-the fused forward and backward launchers and of one autograd training step through
-:class:`~dora_num.ops.compose.ComposeFunction`, and a cProfile of the step;
-``--ingest DIR`` records the log into ``data/gpu/``.  The recorded probe
-(``data/gpu/host_overhead.log``, H200 host): at 8192x8192 bf16 the fused forward costs
-59.6 us of CPU per call, the fused backward 117.4 us (one launch: dg's stage 2 runs
-inside it), a training step 474 us of CPU against 0.29 ms of GPU work (the
-CUDA-graph replay of ``data/gpu/train_graphs.csv``).  So up to ~16384x8192 the fused
-training step timed one at a time is bound by the host, not by memory bandwidth
-(:mod:`~dora_num.studies.speed.record_train_graphs` times it without the host).
-
-:func:`layer_host_cost` times ``DoRALinear`` where its GPU work is negligible, with the
-norm's tail kernel and with its torch tail (the A/B of
-:mod:`dora_num.ops.kernels.norm_tail`), each with the output add folded into the
-compose and separate (``OpConfig.fold_output_add``; both through :func:`~dora_num.studies.bench.host_path`).
+The method in full: docs/methods.md, studies/speed/record_overhead.py.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """The training compose on the device alone: fused vs ``torch.compile`` under CUDA graphs.
 
-``dora-num record train-graphs --out DIR`` (CUDA) writes ``train_graphs.csv`` and
-``device.json``; ``--ingest DIR`` records them into ``data/gpu/``.  The training
-target of notebook 05 (fused forward+backward >= 1.5x faster than ``torch.compile``
-of the same forward+backward) is timed by the GPU suite one step at a time through
-autograd (``do_bench``).  At 8192x8192 bf16 that step is bound by the host: 474 us
-of CPU per fused step (``data/gpu/host_overhead.log``) against 0.29 ms of GPU work
-(the CUDA-graph replay in ``data/gpu/train_graphs.csv``), so that ratio measures host
-overheads.  Here each
-step (the forward, ``torch.autograd.grad`` for base, lora and g) is captured once in
-a CUDA graph and replayed, which removes the host from the timing: what remains is
-each implementation's kernels, to set beside the bandwidth floor.
-
-Per shape and implementation, interleaved over ``repeats`` rounds: the host-bound
-``do_bench`` time of the step (as the suite measures it) and the replay time of its
-graph.  The replayed graph's output and gradients are checked against the eager
-step (bitwise for the fused path; the suite's baseline tolerance for compile).
+The method in full: docs/methods.md, studies/speed/record_train_graphs.py.
 """
 
 from __future__ import annotations

@@ -4,31 +4,7 @@ Everything here reads measurements; nothing is re-measured.  Ratios are taken
 within the one recorded run.  Memory theory for the row norms (bytes of the
 temporaries each method allocates; verified against the allocator's peak):
 
-- ``peft_dense_wdtype``: ``B@A`` and ``W + s*BA`` in the weight dtype:
-  ``2 * d_out * d_in * b``.
-- ``dense_fp32``: ``B@A`` fp32, ``W.float()`` (a copy only for 16-bit W) and the
-  sum: ``(2 + [b < 4]) * d_out * d_in * 4``.
-- ``factored`` (no cache): the larger of two phases: the fp32 column chunk of W (a
-  copy only for 16-bit W) and its square under the byte budget,
-  ``(1 + [b < 4]) * d_out * cols * 4``, and, after it is freed, the temporaries of
-  ``factored_cached``.  With the default budget (a quarter of a dense fp32 W, at
-  most 256 MiB) the second phase is the larger one at 4096x4096, r=384.
-- ``factored_cached``: ``U`` (``d_out r 4``) + ``G`` (``r^2 4``); the tail kernel
-  (:mod:`dora_num.ops.kernels.norm_tail`, CUDA's default) keeps ``B@G`` and the fp32
-  copy of ``B`` in registers (its ``[d_out]`` outputs are left out, as every method's).
-- ``factored_cached_torch_tail`` (the torch tail, ``DORA_NUM_NORM_TAIL=torch``): ``U`` +
-  ``G`` + the row blocks of the cross/Gram terms, ``(2 + [b < 4]) * rows * r * 4`` with
-  ``rows = min(d_out, ROW_CHUNK_BYTES // (12 r))``.
-
-The targets notebook 05 checks (:func:`target_status`: the fused compose forward at >= 90%
-and its backward at >= 80% of the copy bandwidth, the forward 1.6x faster than
-``torch.compile``, the backward 6x faster than eager autograd, training 1.5x faster than
-``torch.compile``, the cached factored norm at 1/15 of the dense fp32 norm's memory and no
-slower, ``DoRALinear`` 2x faster than PEFT's layer and lighter)
-are judged against the bandwidth floor: the time the traffic
-model's bytes take at the measured copy bandwidth.  A target that would need a
-configuration to run faster than that floor is *out of reach*; one that is
-reachable but not reached is *missed*.
+The method in full: docs/methods.md, studies/speed/report.py.
 """
 
 from __future__ import annotations
@@ -104,7 +80,7 @@ def speedups(compose: pd.DataFrame) -> pd.DataFrame:
 
 def norm_memory_theory(method: str, d_out: int, d_in: int, r: int, w_bytes: int,
                        chunk_bytes: int | None = None, row_chunk_bytes: int = ROW_CHUNK_BYTES) -> int:
-    """Bytes of the temporaries of one row-norm method (module docstring)."""
+    """Bytes of the temporaries of one row-norm method (docs/methods.md)."""
     copy = 1 if w_bytes < 4 else 0
     if method == "peft_dense_wdtype":
         return 2 * d_out * d_in * w_bytes
