@@ -15,7 +15,7 @@ operator (import ``dora_num.peft``).
 
 from .ops.compose import compose
 from .ops.finite import NotFiniteError, check_pending
-from .ops.layer import DoRALinear
+from .ops.layer import DoRALinear, check_flags
 from .ops.norm import base_row_norm_sq, dense_row_norm, factored_row_norm, magnitude_scale
 from .ops.reference import compose_naive, compose_stable
 from .repro.notebook import setup
@@ -46,6 +46,7 @@ __all__ = [
     "DoRALinear",
     "NotFiniteError",
     "check_pending",
+    "check_flags",
     "base_row_norm_sq",
     "check_bounds",
     "collapse_table",

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from .ops.layer import ADAPTER_DTYPES, DoRALinear
-from .ops.norm import clear_base_sq_cache
+from .ops.weight_norm import clear_base_sq_cache
 
 _log = logging.getLogger("dora_num.peft")
 
@@ -114,6 +114,8 @@ class DoRAKernelVariant(_peft_modules()[1].DoraLinearVariant):
         if why not in self._warned:
             self._warned.add(why)
             _log.warning("dora_num.peft: %s takes PEFT's path: %s", self.name, why)
+        # the input cast this package skipped (_set_input_cast), done as PEFT would have done it
+        x = _peft_cast(module, x, module.lora_A[active_adapter].weight.dtype)
         return self.original.forward(module, active_adapter=active_adapter, x=x, result=result, **kwargs)
 
     def _bind(self, module, adapter: str) -> DoRALinear:
@@ -139,6 +141,36 @@ class DoRAKernelVariant(_peft_modules()[1].DoraLinearVariant):
             return self._fallback("more than one active adapter (PEFT stacks them)", module, active_adapter, x,
                                   result, kwargs)
         return self._bind(module, active_adapter)(x, base_out=result)
+
+
+_CAST_ATTR = "_dora_num_cast_input_dtype"  # PEFT's cast_input_dtype_enabled before accelerate changed it
+
+
+def _peft_cast(module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as PEFT's ``_cast_input_dtype`` would have given it, were the cast still enabled."""
+    if getattr(module, _CAST_ATTR, True) and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+def _set_input_cast(module) -> None:
+    """Skip PEFT's cast of the input to the adapter dtype where it is a no-op for this package's
+    layer: every adapter of ``module`` served here with dropout off.  PEFT casts ``x`` to fp32 for fp32
+    adapters; under autocast the LoRA products cast it back (two passes over ``[T, d_in]`` and a saved
+    fp32 copy), and without autocast :class:`~dora_num.DoRALinear` casts it itself (exact): outputs and
+    gradients are bitwise the same (tests/test_compiled_peft.py)."""
+    served = [isinstance(module.lora_variant.get(a), DoRAKernelVariant) for a in module.lora_A]
+    no_dropout = all(isinstance(module.lora_dropout[a], nn.Identity) for a in module.lora_A)
+    if not hasattr(module, _CAST_ATTR):
+        setattr(module, _CAST_ATTR, getattr(module, "cast_input_dtype_enabled", True))
+    original = getattr(module, _CAST_ATTR)
+    module.cast_input_dtype_enabled = original and not (served and all(served) and no_dropout)
+
+
+def _restore_input_cast(module) -> None:
+    if hasattr(module, _CAST_ATTR):
+        module.cast_input_dtype_enabled = getattr(module, _CAST_ATTR)
+        delattr(module, _CAST_ATTR)
 
 
 @dataclass(frozen=True)
@@ -216,6 +248,9 @@ def accelerate(peft_model: nn.Module, *, verbose: bool = True, **layer_kwargs) -
         active = [a for a in mod.active_adapters if a in mod.lora_A]
         note = "" if len(active) <= 1 else f"{len(active)} adapters active now: PEFT's path while more than one is"
         report.rows.append(ModuleDecision(name, adapter, ACCELERATED, note))
+    for _, mod, _ in _dora_layers(peft_model):
+        if any(isinstance(v, DoRAKernelVariant) for v in mod.lora_variant.values()):
+            _set_input_cast(mod)
     if not report.rows:
         _log.warning("dora_num.peft.accelerate: the model has no PEFT DoRA layers")
     _log.info("%s", report.summary())
@@ -236,6 +271,7 @@ def restore(peft_model: nn.Module) -> int:
             mod.lora_variant[adapter] = current.original
             clear_base_sq_cache(mod.get_base_layer().weight)
             n += 1
+        _restore_input_cast(mod)
     return n
 
 

@@ -23,7 +23,7 @@ from dora_num.ops import products as P
 from dora_num.ops.config import get_config, override
 from dora_num.ops.finite import check_pending
 from dora_num.ops.kernels.norm_tail import norm_tail
-from dora_num.ops.norm import _magnitude_scale_and_flag, cached_base_row_norm_sq
+from dora_num.ops.weight_norm import _magnitude_scale_and_flag, cached_base_row_norm_sq
 from dora_num.studies.bench import time_ms
 
 out = Path(sys.argv[1])

@@ -16,7 +16,7 @@ import torch.nn.functional as Fn
 from dora_num.ops import layer as L
 from dora_num.ops.compose import compose
 from dora_num.ops.kernels import compose as _kc
-from dora_num.ops.norm import magnitude_scale_and_flag
+from dora_num.ops.weight_norm import magnitude_scale_and_flag
 from dora_num.studies.speed.record_overhead import cprofile_top
 
 torch.manual_seed(0)

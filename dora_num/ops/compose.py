@@ -121,12 +121,14 @@ def _fwd_impl(base, lora, g, s: float, write_inner: bool, fused: bool, cfg: OpCo
 
 
 def _bwd_impl(grad, inner, g, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool, fused: bool,
-              cfg: OpConfig, base=None, lora=None, add_grad: bool = False):
+              cfg: OpConfig, base=None, lora=None, add_grad: bool = False, stateless: bool = False):
     """``(dlora, dbase, dg)``; with ``add_grad`` (the backward of ``add_base``) ``dbase`` is
-    ``grad + dbase``, the two terms base receives, summed as autograd would."""
+    ``grad + dbase``, the two terms base receives, summed as autograd would.  ``stateless``: no
+    buffer kept between calls (the compiled op: :func:`~dora_num.ops.kernels.compose.compose_bwd`)."""
     if fused:
         return _kernels().compose_bwd(grad, inner, g, s, need_dlora=need_dlora, need_dbase=need_dbase,
-                                      need_dg=need_dg, base=base, lora=lora, add_grad=add_grad, config=cfg)
+                                      need_dg=need_dg, base=base, lora=lora, add_grad=add_grad, config=cfg,
+                                      stateless=stateless)
     if need_dg and inner is None:
         inner = ref.compose_inner_ref(base, lora, s)
     dlora, dbase, dg = ref.compose_backward_ref(grad, inner, g, s, need_dg=need_dg)
@@ -195,8 +197,8 @@ def _compose_fwd_op(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: 
                     need_dg: bool, fused: bool, config: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, inner)``; ``inner`` is empty unless ``need_dg`` on the eager tier (or with
     ``recompute_inner`` off), since the fused backward recomputes it.  ``config``: the
-    :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph."""
-    check_finite("g", g)
+    :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph.  No check of ``g`` here (it
+    would read the device): the compiled layer's norm flag covers its ``g``."""
     cfg = OpConfig.from_key(config)
     out, inner = _fwd_impl(base, lora, g, s, _writes_inner(need_dg, fused, cfg), fused, cfg)
     if inner is None:
@@ -220,7 +222,7 @@ def _compose_bwd_op(grad: torch.Tensor, inner: torch.Tensor, base: torch.Tensor,
     dlora, dbase, dg = _bwd_impl(grad, inner if need_dg and have_inner else None, g, s, need_dlora, need_dbase,
                                  need_dg, fused, OpConfig.from_key(config),
                                  base if need_dg and not have_inner else None,
-                                 lora if need_dg and not have_inner else None)
+                                 lora if need_dg and not have_inner else None, stateless=True)
     empty = grad.new_empty(_EMPTY)
     return (dlora if dlora is not None else empty, dbase if dbase is not None else empty,
             dg if dg is not None else grad.new_empty(_EMPTY, dtype=torch.float32))
@@ -320,9 +322,9 @@ def compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scale: floa
     cfg = get_config()
     if not torch.compiler.is_compiling():
         _finite.poll()
-    if torch.compiler.is_compiling():  # the custom op checks g at run time
+    if torch.compiler.is_compiling():  # no read of the device in a graph: the flag is the caller's to read
         res = _compose(base, lora, g, scale, path=path, out=out, config=cfg, check_g=False)
-        return (res, None) if return_flag else res
+        return (res, _finite.any_not_finite(g)) if return_flag else res
     # On the fused tiers the kernel writes g's flag (no launch of its own); else two torch ops.
     flag = None
     tier = _select_tier(base, lora, g, path, cfg)

@@ -23,10 +23,10 @@ kernel (no sync, no second compose); what is to be reported joins the finiteness
 (the recompute still happens).
 
 The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`); the
-forward takes ``g`` from :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (on CUDA
+forward takes ``g`` from :func:`~dora_num.ops.weight_norm.magnitude_scale_and_flag` (on CUDA
 the norm's tail, the guard, the denominator and a flag are one Triton launch, the flag read
 without a sync: :mod:`dora_num.ops.finite`), and under ``torch.compile`` through the custom op of
-:func:`~dora_num.ops.norm.weight_norm_cached`, so the layer compiles with
+:func:`~dora_num.ops.weight_norm.weight_den`, so the layer compiles with
 ``fullgraph=True``.  ``rowsum(W*W)`` is cached for the frozen W and recomputed when W
 changes (its storage, version counter, shape or dtype).  Without bias and dropout
 the output add ``base + delta`` runs in the compose's pass (bitwise the same;
@@ -100,8 +100,10 @@ from .compose import PATHS, _compose
 from .config import OpConfig, get_config, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
-from .norm import (_factored_row_norm, _magnitude_scale_and_flag, _weight_norm_cached, cached_base_row_norm_sq,
-                   dense_row_norm, initial_magnitude, magnitude_scale)
+from .magnitude import _magnitude_div_op, initial_magnitude, magnitude_scale
+from .norm import _factored_row_norm, dense_row_norm
+from .weight_norm import (_flag_not_finite_op, _magnitude_scale_and_flag, _weight_norm_cached,
+                          cached_base_row_norm_sq, new_flag, weight_den)
 from .validation import check_tensor
 
 NORMS = ("cached", "factored", "dense")
@@ -194,6 +196,8 @@ class DoRALinear(nn.Module):
         self._warned_many = False  # the guard recomputing many rows: once per layer
         W = base.weight
         self.dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
+        # the running flag a compiled forward raises (finiteness, the guard); check_flags reads it
+        self.register_buffer("_flags", new_flag(W.device), persistent=False)
         if all(given):
             self.lora_A = _adapter_param("lora_A", lora_A, (rank, base.in_features), W.device)
             self.lora_B = _adapter_param("lora_B", lora_B, (base.out_features, rank), W.device)
@@ -250,7 +254,7 @@ class DoRALinear(nn.Module):
 
     def base_sq(self) -> torch.Tensor:
         """Cached ``rowsum(W*W)`` (fp32), recomputed if W changed
-        (:func:`~dora_num.ops.norm.cached_base_row_norm_sq`: the cache lives on W)."""
+        (:func:`~dora_num.ops.weight_norm.cached_base_row_norm_sq`: the cache lives on W)."""
         return cached_base_row_norm_sq(self.base.weight, chunk_bytes=self.chunk_bytes)
 
     def _row_norm(self, cfg: OpConfig, check: bool) -> torch.Tensor:
@@ -343,7 +347,7 @@ class DoRALinear(nn.Module):
 
     def _g_and_flag(self, cfg: OpConfig):
         """``(g, bad, aux, slot)`` without the per-input value checks (their syncs).  ``norm="cached"``:
-        ``bad`` is the device flag of :func:`~dora_num.ops.norm.magnitude_scale_and_flag` (codes
+        ``bad`` is the device flag of :func:`~dora_num.ops.weight_norm.magnitude_scale_and_flag` (codes
         and counts of :func:`dora_num.ops.guard.decode`; on a hit of the norm cache the flag
         computed with the cached norm, so every call with a non-finite ``g`` is reported) and
         ``aux`` the tail kernel's guard rows (None on the torch tail); the other norms give a bool
@@ -363,8 +367,12 @@ class DoRALinear(nn.Module):
         it across forwards (repeated inference with a frozen adapter); after an update that
         bypasses the version counter there, call :meth:`clear_norm_cache`."""
         W, A, B, m = self.base.weight, self.lora_A, self.lora_B, self.magnitude
+        if torch.compiler.is_compiling() and self.norm != "dense":  # no cache: the graph recomputes, bitwise
+            den = weight_den(W, A, B, self.scale, m, acc=self._flags, chunk_bytes=self.chunk_bytes,
+                             on_cancellation=self.on_cancellation, config=cfg)
+            return _magnitude_div_op(m, den), None, None, None
         if self.norm == "cached":
-            use_cache = cfg.norm_cache != "off" and not torch.compiler.is_compiling()
+            use_cache = cfg.norm_cache != "off"
             if use_cache:
                 key = (W.data_ptr(), W._version, A.data_ptr(), A._version, B.data_ptr(), B._version,
                        m.data_ptr(), m._version, cfg.key)
@@ -415,6 +423,34 @@ class DoRALinear(nn.Module):
             _guard.report_kernel(code, aux, self.on_cancellation, where=where, warn=not self._warned_cancellation)
         if self.on_cancellation == "warn" and code >= _guard.FLAG_CANCELLATION:
             self._warned_cancellation = True
+        return True
+
+    def _on_flags(self, host: torch.Tensor) -> bool:
+        """The running flag a compiled forward raised, read on the host (:func:`check_flags`):
+        ``[code, rows flagged, calls]`` since the last read.  A non-finite code raises naming the input
+        at fault (by the eager, checked norm of the parameters as they are now); the guard's codes are
+        reported as :meth:`_on_flag` does, its rows named by the eager norm in the layer's mode."""
+        code, n, calls = (int(v) for v in host.tolist())
+        if calls == 0 or (code == _guard.FLAG_OK and n == 0):
+            return True
+        where = f"{self._where()} (compiled; {calls} call(s) since the last check_flags)"
+        if code >= _guard.FLAG_NONFINITE:
+            with override(finite_check="sync"):
+                self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
+            raise _finite.NotFiniteError(f"{where}: g was not finite (a g given to forward(x, g=...), or W, A, B "
+                                         "or m at the time, which are finite now)")
+        if n > calls * (self.out_features // 8) and not self._warned_many:
+            self._warned_many = True
+            warnings.warn(f"{where}: the cancellation guard recomputed {n / calls:.0f} of {self.out_features} rows "
+                          "per call in float64 (on_cancellation='off' skips the guard)", CancellationWarning,
+                          stacklevel=3)
+        if code >= _guard.FLAG_CANCELLATION and (self.on_cancellation in ("warn", "raise")
+                                                 or code >= _guard.FLAG_UNRESOLVED):
+            # name the rows: the eager norm in the layer's own mode (it warns or raises as the kernel's code says)
+            with override(finite_check="sync"):
+                W, A, B = self.base.weight, self.lora_A, self.lora_B
+                _factored_row_norm(W.detach(), A.detach(), B.detach(), self.scale, self.chunk_bytes, None, True,
+                                   get_config(), self.on_cancellation)
         return True
 
     def _raise_not_finite(self, g_given: bool) -> None:
@@ -490,6 +526,8 @@ class DoRALinear(nn.Module):
         if g_given:
             self._check_g(g, W)
             bad = ~torch.isfinite(g).all() if not compiling and cfg.finite_check != "off" else None
+            if compiling:
+                _flag_not_finite_op(g.detach(), self._flags)
             aux = None
         else:
             g, bad, aux, slot = self._g_and_flag(cfg)
@@ -553,3 +591,41 @@ class DoRALinear(nn.Module):
             f"compose_path={self.compose_path!r}, adapter_dtype={str(self.lora_A.dtype).removeprefix('torch.')}"
             + seams + (", merged" if self.merged else "")
         )
+
+
+def _dora_layers(module: nn.Module):
+    """Every :class:`DoRALinear` in ``module``: its submodules and the layers of PEFT DoRA layers put on
+    this package's operator (:func:`dora_num.peft.accelerate`)."""
+    seen = set()
+    for m in module.modules():
+        cands = [m] if isinstance(m, DoRALinear) else [
+            getattr(v, "layer", None) for v in getattr(m, "lora_variant", {}).values()]
+        for lyr in cands:
+            if isinstance(lyr, DoRALinear) and id(lyr) not in seen:
+                seen.add(id(lyr))
+                yield lyr
+
+
+def check_flags(module: nn.Module, *, wait: bool = True) -> int:
+    """Read (and reset) the running flags that compiled forwards of the :class:`DoRALinear` layers in
+    ``module`` raised, and raise or warn as an eager forward would have: a non-finite ``g``
+    (:class:`~dora_num.ops.finite.NotFiniteError` naming the input at fault), the cancellation guard's
+    reports (``on_cancellation``).  A compiled graph cannot read the device without a sync, so it only
+    raises the flag (:func:`dora_num.ops.weight_norm.new_flag`); call this where a read is acceptable
+    (after an optimizer step, every few steps).  ``wait=False`` reads without waiting: the flags are
+    copied to the host behind an event and read at the next call of this package's operator, of
+    ``check_flags`` or of :func:`~dora_num.ops.finite.check_pending` (one step late, no sync).
+    Returns the number of layers read.  Eager forwards report at once (:mod:`dora_num.ops.finite`)."""
+    _finite.poll()
+    n = 0
+    for lyr in _dora_layers(module):
+        acc = lyr._flags
+        n += 1
+        if wait or acc.device.type != "cuda":
+            host = acc.cpu()
+            acc.zero_()
+            lyr._on_flags(host)
+        else:
+            _finite.watch(acc, f"{lyr._where()}: compiled forward", "deferred", on_fail=lyr._on_flags)
+            acc.zero_()  # after the copy: both are queued on the current stream, in this order
+    return n

@@ -176,16 +176,34 @@ def chunk_columns(d_out: int, d_in: int, chunk_bytes: int | None) -> int:
 
 
 def base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) -> torch.Tensor:
-    """``rowsum(W*W)`` in fp32, chunked along ``d_in``; depends on the frozen W only."""
+    """``rowsum(W*W)`` in fp32; depends on the frozen W only.  Where the norm's tail is the Triton
+    kernel (:func:`uses_tail_kernel`) one pass of :mod:`dora_num.ops.kernels.row_sumsq` (a fixed
+    order); elsewhere torch over fp32 column chunks of W under ``chunk_bytes``."""
     check_tensor("W", W, ndim=2)
+    return _base_and_zero_rows(W, chunk_bytes, get_config(), zero=False)[0]
+
+
+def _base_and_zero_rows(W: torch.Tensor, chunk_bytes, cfg: OpConfig, zero: bool = True):
+    """``(rowsum(W*W), W's exactly zero rows)`` (fp32, bool ``[d_out]``; the second None without
+    ``zero``), from one pass over W (the kernel where the tail is the Triton one, else fp32 column
+    chunks of W under ``chunk_bytes``)."""
     d_out, d_in = W.shape
-    cols = chunk_columns(d_out, d_in, chunk_bytes)
-    with torch.no_grad(), _autocast_off(W.device.type):
-        acc = torch.zeros(d_out, dtype=torch.float32, device=W.device)
-        for start in range(0, d_in, cols):
-            Wc = W[:, start : start + cols].float()
-            acc += (Wc * Wc).sum(dim=1)
-        return acc
+    with torch.no_grad():
+        if uses_tail_kernel(W.device, cfg):
+            from .kernels.row_sumsq import row_sumsq
+
+            base, zero_rows = row_sumsq(W.detach(), config=cfg)
+            return base, (zero_rows if zero else None)
+        cols = chunk_columns(d_out, d_in, chunk_bytes)
+        with _autocast_off(W.device.type):
+            acc = torch.zeros(d_out, dtype=torch.float32, device=W.device)
+            zero_rows = torch.ones(d_out, dtype=torch.bool, device=W.device) if zero else None
+            for start in range(0, d_in, cols):
+                Wc = W[:, start : start + cols].float()
+                acc += (Wc * Wc).sum(dim=1)
+                if zero:
+                    zero_rows &= (Wc == 0).all(dim=1)
+        return acc, zero_rows
 
 
 # Temporaries of the torch tail's cross/Gram terms: three [rows, r] fp32 blocks.  24 MiB
@@ -382,7 +400,7 @@ class _Core(NamedTuple):
 
 
 def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConfig, m=None, eps=None, *,
-                   guard: bool = True, zero_rows=None) -> _Core:
+                   guard: bool = True, zero_rows=None, acc=None) -> _Core:
     """:class:`_Core` of the factored norm, unchecked (callers hold no_grad, autocast off).
 
     With the tail kernel: with ``guard`` the flagged rows are recomputed in the kernel, and with
@@ -391,7 +409,8 @@ def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConf
     With the torch tail and ``guard``: ``rel`` per row (lemma 4'); the decision and the recompute
     are the caller's (:func:`_watch_core`).  ``zero_rows`` (a bool mask of the exactly zero rows
     of W) certifies the rows whose W and B rows are both zero as exact (``rel = 0``), which the
-    terms alone cannot.
+    terms alone cannot.  ``acc``: a running flag the tail kernel raises (:func:`~dora_num.ops.kernels.norm_tail.norm_tail`;
+    on the other paths the caller's).
     """
     s, two_s, s_sq = consts
     acc_base = base_row_norm_sq(W, chunk_bytes=chunk_bytes) if base_sq is None else base_sq
@@ -414,7 +433,7 @@ def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConf
         t = norm_tail(prod.U, B, prod.G, acc_base, two_s, s_sq, m=m, eps=eps, guard=C,
                       rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows,
                       recompute=(W, A, s) if guard else None, inv=prod.inv if C is not None and C.inv_runtime else None,
-                      config=cfg)
+                      acc=acc, config=cfg)
         return _Core(t.wnorm, t.den, t.flag, t.rel, t.aux)
     terms = _torch_tail_terms(prod.U, B, prod.G, C, prod.inv)
     cross, ba = terms[:2]
@@ -455,173 +474,3 @@ def factored_terms(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: flo
         U, G = _products(W, A, cols, get_config())[:2]
         cross, ba = _torch_tail_terms(U, B, G)
     return acc_base, cross, ba, two_s, s_sq
-
-
-# --------------------------------------------------------------------------
-# Cache of base_sq for a frozen W, and the weight norm as a custom op
-# --------------------------------------------------------------------------
-
-_CACHE_ATTR = "_dora_num_base_sq"
-
-
-def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) -> torch.Tensor:
-    """``rowsum(W*W)`` (fp32), cached on the tensor ``W`` itself.
-
-    The cache key is W's storage pointer, version counter (bumped by every
-    in-place write through autograd), shape, dtype and device: such changes recompute.
-    A write through ``W.data`` (``W.data.mul_(...)``, ``W.data = other``) bumps no version
-    counter, and the new storage can reuse the old address: after one, call
-    :func:`clear_base_sq_cache` (:func:`dora_num.peft.clear_caches` for a whole model).  Keeping
-    the cache on the tensor object means it dies with W and is shared by every
-    module that wraps the same frozen weight.
-    """
-    check_tensor("W", W, ndim=2)
-    key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device)
-    hit = getattr(W, _CACHE_ATTR, None)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    val = base_row_norm_sq(W.detach(), chunk_bytes=chunk_bytes)
-    setattr(W, _CACHE_ATTR, (key, val))
-    return val
-
-
-_ZERO_ATTR = "_dora_num_zero_rows"
-
-
-def cached_zero_rows(W: torch.Tensor) -> torch.Tensor:
-    """Bool ``[d_out]``: the rows of ``W`` that are exactly zero, cached on ``W`` like
-    :func:`cached_base_row_norm_sq` (same key).  The guard uses it to certify a row whose W and
-    B rows are both zero as exactly 0 (its fp32 terms cannot tell a zero row from one whose
-    squares all underflow), so such rows (padding rows at initialisation) do not reach the
-    recompute path on every forward."""
-    key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device)
-    hit = getattr(W, _ZERO_ATTR, None)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    with torch.no_grad():
-        val = (W.detach() == 0).all(dim=1)
-    setattr(W, _ZERO_ATTR, (key, val))
-    return val
-
-
-def clear_base_sq_cache(W: torch.Tensor) -> None:
-    """Drop the caches of :func:`cached_base_row_norm_sq` and :func:`cached_zero_rows` from ``W``
-    (if any), so that ``W`` carries no state of this package (:func:`dora_num.peft.restore`)."""
-    for attr in (_CACHE_ATTR, _ZERO_ATTR):
-        if hasattr(W, attr):
-            delattr(W, attr)
-
-
-@torch.library.custom_op("dora_num::weight_norm", mutates_args=())
-def _weight_norm_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
-                    chunk_bytes: int, check: bool, config: str, on_cancellation: str) -> torch.Tensor:
-    """``config``: the :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph.  The
-    guard resolves here, at run time (the op reads its flag: a sync, as its finiteness check)."""
-    base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
-    return _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check, OpConfig.from_key(config),
-                              on_cancellation, cached_zero_rows(W))
-
-
-@_weight_norm_op.register_fake
-def _(W, A, B, scale, chunk_bytes, check, config, on_cancellation):
-    return W.new_empty((W.shape[0],), dtype=torch.float32)
-
-
-def weight_norm_cached(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, *,
-                       chunk_bytes: int | None = None, check: bool = True,
-                       on_cancellation: str = "recompute") -> torch.Tensor:
-    """Factored ``||W + sBA||_row`` with the cached ``base_sq`` (detached), guarded as
-    :func:`factored_row_norm`.
-
-    Eager: the cache lives on ``W`` itself (not on a detached alias, which is a new
-    tensor object every call).  Under ``torch.compile``: the custom op
-    ``dora_num::weight_norm`` (no graph break), which consults the same cache on
-    the tensor it is given at run time.
-    """
-    return _weight_norm_cached(W, A, B, scale, chunk_bytes, check, get_config(), check_on_cancellation(on_cancellation))
-
-
-def _weight_norm_cached(W, A, B, scale, chunk_bytes, check: bool, cfg: OpConfig,
-                        on_cancellation: str = "recompute") -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        Wd = W if not W.requires_grad else W.detach()
-        cb = resolve_chunk_bytes(W.shape[0], W.shape[1], chunk_bytes)
-        return _weight_norm_op(Wd, A.detach(), B.detach(), float(scale), int(cb), bool(check), cfg.key,
-                               on_cancellation)
-    base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
-    return _factored_row_norm(W.detach(), A.detach(), B.detach(), scale, chunk_bytes, base_sq, check, cfg,
-                              on_cancellation, cached_zero_rows(W))
-
-
-def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, m: torch.Tensor, *,
-                             chunk_bytes: int | None = None,
-                             on_cancellation: str = "recompute") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(g, bad)``: :class:`~dora_num.ops.layer.DoRALinear`'s ``g`` and a device flag,
-    without a device sync.
-
-    ``g = m / ||W + sBA||_row`` (``m / eps`` on a zero row; fp32, differentiable in ``m``; the
-    norm detached, ``base_sq`` cached on W) from the guarded factored norm (rows the cancellation
-    guard flags recomputed in float64, in the Triton tail; on the torch tail the guard's decision
-    is read at once), bitwise ``magnitude_scale(m, wnorm)`` of that norm.  ``bad`` is an int32
-    device tensor for the caller to read once, late (as the layer does; reading it syncs):
-    :func:`dora_num.ops.guard.decode` gives the largest code, ``FLAG_NONFINITE`` where some
-    ``wnorm`` or ``g`` is not finite (then :func:`magnitude_scale` on :func:`factored_row_norm`
-    names the input at fault), ``FLAG_UNRESOLVED``/``FLAG_CANCELLATION`` where the guard
-    recomputed rows (the values are right; :func:`factored_row_norm` with ``on_cancellation``
-    reports them), and the number of rows recomputed.  ``bad`` is None under ``torch.compile``,
-    where the norm op checks and guards ``wnorm`` at run time.  No value checks of the inputs.
-    On CUDA the norm's tail, the guard and its recompute, the denominator and the flag are one
-    Triton launch (:mod:`dora_num.ops.kernels.norm_tail`) and ``g`` one division; where the tail
-    runs: :func:`uses_tail_kernel`.
-    """
-    return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, get_config(),
-                                     check_on_cancellation(on_cancellation))[:2]
-
-
-def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_cancellation: str = "recompute",
-                              trusted: bool = False, where: str = "factored row norm", warn: bool = True):
-    """``(g, bad, den, aux)``: :func:`magnitude_scale_and_flag`, the fp32 ``[d_out]`` ``den`` that
-    ``g = m.float() / den`` divides by (``wnorm``, ``eps`` at zero rows; the norm cache keeps it) and
-    the tail kernel's ``[3, d_out]`` guard rows (:func:`dora_num.ops.guard.report_kernel`; None on
-    the torch tail, where the guard acted already).  ``den``, ``bad`` and ``aux`` are None under
-    ``torch.compile``.  ``trusted``: the caller (:class:`~dora_num.ops.layer.DoRALinear`, which
-    built W, A, B and m and validated them) skips the argument checks but the shapes' consistency.
-    ``where``, ``warn``: the torch tail's guard messages (:func:`dora_num.ops.guard.resolve`)."""
-    if torch.compiler.is_compiling():  # the op checks and guards wnorm at run time (as the flag does in eager)
-        wnorm = _weight_norm_cached(W, A, B, scale, chunk_bytes, True, cfg, on_cancellation)
-        return magnitude_scale(m, wnorm, check=False), None, None, None
-    if trusted and A.shape[1] == W.shape[1] and B.shape == (W.shape[0], A.shape[0]) and m.shape == W.shape[:1]:
-        d_out, d_in = W.shape
-    else:
-        d_out, d_in, _ = check_lora_factors(W, A, B)
-        check_tensor("m", m, ndim=1)
-        if m.shape[0] != d_out or m.device != W.device:
-            raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
-    eps = default_eps(m.dtype)
-    base_sq = cached_base_row_norm_sq(W, chunk_bytes=chunk_bytes)
-    guard = on_cancellation != "off"
-    tail_m = m.detach() if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
-    consts = scale_constants(check_scale(scale))
-    with torch.no_grad(), _autocast_off(W.device.type):
-        core = _factored_core(W.detach(), A.detach(), B.detach(), consts, chunk_columns(d_out, d_in, chunk_bytes),
-                              chunk_bytes, base_sq, cfg, m=tail_m, eps=eps, guard=guard,
-                              zero_rows=cached_zero_rows(W) if guard else None)
-    if core.den is not None:
-        # den = magnitude_denominator(wnorm, eps) of formulas.magnitude_scale, selected (exactly) in the
-        # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).
-        return m.float() / core.den, core.flag, core.den, core.aux
-    wnorm = core.wnorm
-    if guard:  # the torch tail: the guard's decision now (free on the CPU; a sync on CUDA's A/B baseline)
-        code = int(_guard.status(wnorm, core.rel))
-        if _guard.FLAG_CANCELLATION <= code < _guard.FLAG_NONFINITE:
-            with torch.no_grad(), _autocast_off(W.device.type):
-                wnorm = _guard.resolve(W.detach(), A.detach(), B.detach(), consts[0], wnorm, core.rel,
-                                       on_cancellation, where=where, warn=warn)
-    with torch.no_grad():
-        den = formulas.magnitude_denominator(TorchFP32, wnorm.detach(), eps)
-    g = m.float() / den  # bitwise magnitude_scale(m, wnorm, eps=eps)
-    bad = _guard.status(wnorm, None, None, g)
-    if guard:  # the code and count of the rows the guard recomputed, as in the kernel's flag
-        n = (core.rel > _guard.CANCELLATION_REL).sum().to(torch.int32)
-        bad = torch.maximum(bad, (n > 0).to(torch.int32)) + _guard.FLAG_COUNT * n
-    return g, bad, den, None

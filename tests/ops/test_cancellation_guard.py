@@ -30,7 +30,8 @@ from dora_num.numerics.norm_bounds import lora_row_magnitudes, posterior_constan
 from dora_num.ops.config import override
 from dora_num.ops.guard import (CANCELLATION_REL, FLAG_CANCELLATION, CancellationError, CancellationWarning, decode,
                                 dense_rows_fp64)
-from dora_num.ops.norm import factored_terms, magnitude_scale_and_flag
+from dora_num.ops.norm import factored_terms
+from dora_num.ops.weight_norm import magnitude_scale_and_flag
 from dora_num.oracles import measure_cpu_allocations, perturbed_adapter
 from dora_num.studies.inputs import conditioning_rows as conditioning_inputs
 

@@ -10,7 +10,8 @@ import torch.nn.functional as Fn
 import dora_num as dn
 from dora_num.ops import compose as C
 from dora_num.ops.config import override
-from dora_num.ops.norm import dense_row_norm, factored_row_norm, magnitude_scale, magnitude_scale_and_flag
+from dora_num.ops.norm import dense_row_norm, factored_row_norm, magnitude_scale
+from dora_num.ops.weight_norm import magnitude_scale_and_flag
 
 from .kernels.helpers import CPU, CUDA, assert_bitwise
 

@@ -213,7 +213,8 @@ def test_weight_norm_op_and_base_sq_cache():
     """The weight-norm custom op equals factored_row_norm; the base_sq cache lives on W and
     is recomputed when W is written in place."""
     from dora_num.ops.config import get_config
-    from dora_num.ops.norm import DEFAULT_CHUNK_BYTES, cached_base_row_norm_sq, weight_norm_cached
+    from dora_num.ops.norm import DEFAULT_CHUNK_BYTES
+    from dora_num.ops.weight_norm import cached_base_row_norm_sq, weight_norm_cached
 
     gen = torch.Generator().manual_seed(5)
     W = torch.randn(24, 40, generator=gen)

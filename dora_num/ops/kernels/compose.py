@@ -203,7 +203,7 @@ _COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, all zero bet
 _OUTGROWN: list = []  # buffers replaced by larger ones, kept alive (a captured graph may point at them)
 
 
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+def _arrival_counters(device: torch.device, n: int, stateless: bool = False) -> torch.Tensor:
     """``n`` int32 arrival counters of the in-kernel dg stage 2, zero on entry.
 
     The kernel's last program of each column block resets its counter to zero, so
@@ -215,7 +215,7 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     later replayed on and whatever other graphs do.  A buffer outgrown by a larger
     launch is kept alive.  Under the interpreter, a fresh zeroed buffer every call.
     """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if stateless or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
@@ -299,8 +299,11 @@ def g_flag_size(n_cols: int, config: OpConfig | None = None) -> int:
 def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor, s: float, *,
                 need_dlora: bool = True, need_dbase: bool = True, need_dg: bool = True,
                 base: torch.Tensor | None = None, lora: torch.Tensor | None = None, add_grad: bool = False,
-                config: OpConfig | None = None):
+                config: OpConfig | None = None, stateless: bool = False):
     """Fused compose backward: ``(dlora, dbase, dg)``; entries not asked for are None.
+
+    ``stateless``: fresh zeroed arrival counters for the in-kernel ``dg`` stage 2 instead of the
+    reused buffer (one fill launch; what the compiled op asks for: a graph owns its buffers).
 
     ``config`` (default :func:`~dora_num.ops.config.get_config`; the autograd backward
     passes its forward's): the tiles (``compose_tiles``), where stage 2 of ``dg`` runs
@@ -346,7 +349,7 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
         n_col_blocks = triton.cdiv(n_cols, block_n)
         partials = new_buffer((n_blocks, n_cols), torch.float32, dev, cfg.poison) if need_dg else None
         final_in_kernel = need_dg and cfg.dg_stage2_in_kernel
-        counts = _arrival_counters(dev, n_col_blocks) if final_in_kernel else None
+        counts = _arrival_counters(dev, n_col_blocks, stateless) if final_in_kernel else None
         dummy = grad2
         _compose_bwd_kernel[(n_blocks, n_col_blocks)](
             grad2, inner2 if need_dg and not recompute else dummy,

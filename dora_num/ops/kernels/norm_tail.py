@@ -63,6 +63,7 @@ flag looked at.  In the recompute, float64 ``sqrt`` and ``/`` lower to ``sqrt.rn
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -70,7 +71,7 @@ import triton
 import triton.language as tl
 
 from ...numerics.norm_posterior import KERNEL_FIELDS, PosteriorConstants
-from ...numerics.standard_model import U64, gamma
+from ...numerics.standard_model import U64, gamma, up32
 from ..config import OpConfig, get_config
 from .compose import new_buffer
 from .norm_assembly import assemble
@@ -81,13 +82,12 @@ _ORDER = ("ts", "s2", "na_add", "na_mul", "na_up", "k_up", "r_eta", "cb1", "cb2"
           "ga", "ga1", "gar", "eta", "q_s2", "q_u2", "q_u3", "q_eta", "lift", "floor", "lo", "up1", "u", "tg", "rc",
           "rab", "na_res", "na_up2", "tc_inv", "tg_inv2", "na_add_inv2", "rc_inv", "rab_inv", "na_res_inv")
 assert _ORDER == KERNEL_FIELDS, "the kernel's constant layout must follow PosteriorConstants"
-_REC_GAMMA_R, _REC_GAMMA_D = len(_ORDER), len(_ORDER) + 1  # float64 gamma_{r+1}, gamma_{d_in+2} (lemma 5')
 
 
 @triton.jit
-def _c(gc_ptr, i: tl.constexpr):
-    """Constant ``i`` of the guard's constants tensor (float64 storage of fp32 numbers: exact)."""
-    return tl.load(gc_ptr + i).to(tl.float32)
+def _c(gc, i: tl.constexpr):
+    """Constant ``i`` of the guard's constants (a tuple of fp32 numbers, kernel arguments)."""
+    return tl.cast(gc[i], tl.float32)
 
 
 @triton.jit
@@ -161,28 +161,28 @@ def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, strid
 
 @triton.jit
 def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_ptr, flag_ptr, aux_ptr,
-                      zrow_ptr, gc_ptr, inv_ptr, w_ptr, a_ptr, stride_wm, stride_wk, stride_ar, stride_ak,
+                      zrow_ptr, acc_ptr, gc, inv_ptr, w_ptr, a_ptr, stride_wm, stride_wk, stride_ar, stride_ak,
                       d_out, d_in, r, two_s, s_sq, s, eps, rel_max,
                       HAS_M: tl.constexpr, GUARD: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_INV: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_INV: tl.constexpr, RECOMPUTE: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    if GUARD:  # the constants of posterior_constants (KERNEL_FIELDS order; one small device tensor)
-        ts, s2 = _c(gc_ptr, 0), _c(gc_ptr, 1)
-        na_add, na_mul, na_up, k_up, r_eta = _c(gc_ptr, 2), _c(gc_ptr, 3), _c(gc_ptr, 4), _c(gc_ptr, 5), _c(gc_ptr, 6)
-        cb1, cb2, gb = _c(gc_ptr, 7), _c(gc_ptr, 8), _c(gc_ptr, 9)
-        gc4, gc1, tc, gcr = _c(gc_ptr, 10), _c(gc_ptr, 11), _c(gc_ptr, 12), _c(gc_ptr, 13)
-        ga, ga1, gar, eta = _c(gc_ptr, 14), _c(gc_ptr, 15), _c(gc_ptr, 16), _c(gc_ptr, 17)
-        q_s2, q_u2, q_u3, q_eta = _c(gc_ptr, 18), _c(gc_ptr, 19), _c(gc_ptr, 20), _c(gc_ptr, 21)
-        lift, floor, lo, up1, u = _c(gc_ptr, 22), _c(gc_ptr, 23), _c(gc_ptr, 24), _c(gc_ptr, 25), _c(gc_ptr, 26)
-        tg, rc, rab, na_res, na_up2 = _c(gc_ptr, 27), _c(gc_ptr, 28), _c(gc_ptr, 29), _c(gc_ptr, 30), _c(gc_ptr, 31)
+    if GUARD:  # the constants of posterior_constants (KERNEL_FIELDS order)
+        ts, s2 = _c(gc, 0), _c(gc, 1)
+        na_add, na_mul, na_up, k_up, r_eta = _c(gc, 2), _c(gc, 3), _c(gc, 4), _c(gc, 5), _c(gc, 6)
+        cb1, cb2, gb = _c(gc, 7), _c(gc, 8), _c(gc, 9)
+        gc4, gc1, tc, gcr = _c(gc, 10), _c(gc, 11), _c(gc, 12), _c(gc, 13)
+        ga, ga1, gar, eta = _c(gc, 14), _c(gc, 15), _c(gc, 16), _c(gc, 17)
+        q_s2, q_u2, q_u3, q_eta = _c(gc, 18), _c(gc, 19), _c(gc, 20), _c(gc, 21)
+        lift, floor, lo, up1, u = _c(gc, 22), _c(gc, 23), _c(gc, 24), _c(gc, 25), _c(gc, 26)
+        tg, rc, rab, na_res, na_up2 = _c(gc, 27), _c(gc, 28), _c(gc, 29), _c(gc, 30), _c(gc, 31)
         if HAS_INV:  # fp16 split pieces: the parts that scale with the split's inv (runtime_constants)
             inv = tl.load(inv_ptr).to(tl.float32)
-            tc = tc + ((_c(gc_ptr, 32) * inv) + 2.0**-149)
-            tg = tg + ((((_c(gc_ptr, 33) * inv) + 2.0**-149) * inv) + 2.0**-149)
-            na_add = na_add + ((((_c(gc_ptr, 34) * inv) + 2.0**-149) * inv) + 2.0**-149)
-            rc = (_c(gc_ptr, 35) * inv) + 2.0**-149
-            rab = (_c(gc_ptr, 36) * inv) + 2.0**-149
-            na_res = (_c(gc_ptr, 37) * inv) + 2.0**-149
+            tc = tc + ((_c(gc, 32) * inv) + 2.0**-149)
+            tg = tg + ((((_c(gc, 33) * inv) + 2.0**-149) * inv) + 2.0**-149)
+            na_add = na_add + ((((_c(gc, 34) * inv) + 2.0**-149) * inv) + 2.0**-149)
+            rc = (_c(gc, 35) * inv) + 2.0**-149
+            rab = (_c(gc, 36) * inv) + 2.0**-149
+            na_res = (_c(gc, 37) * inv) + 2.0**-149
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < d_out
     row_off = rows.to(tl.int64)[:, None] * r
@@ -233,7 +233,7 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
             need = flagged & (tl.abs(w) < float("inf"))  # a non-finite factored norm is an error, not recomputed
             flagged = need
             if tl.max(need.to(tl.int32), axis=0) > 0:  # program-uniform: the fast path pays this test only
-                g_r, g_d = tl.load(gc_ptr + 38), tl.load(gc_ptr + 39)
+                g_r, g_d = tl.cast(gc[38], tl.float64), tl.cast(gc[39], tl.float64)
                 w64, rel64 = _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar,
                                              stride_ak, d_in, r, s, g_r, g_d, BLOCK_M, BLOCK_D)
                 w = tl.where(need, w64.to(tl.float32), w)
@@ -264,6 +264,11 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
     if HAS_M or GUARD:
         flag = tl.max(tl.where(row_mask, code, 0), axis=0) + 4 * count
         tl.store(flag_ptr + tl.program_id(0), flag)  # one slot per program: no zero-fill, no atomics
+        if HAS_ACC:  # the caller's running flag (integer atomics: the result does not depend on their order)
+            tl.atomic_max(acc_ptr, tl.cast(tl.max(tl.where(row_mask, code, 0), axis=0), tl.int64))
+            tl.atomic_add(acc_ptr + 1, tl.cast(count, tl.int64))
+            if tl.program_id(0) == 0:
+                tl.atomic_add(acc_ptr + 2, tl.cast(1, tl.int64))
 
 
 class TailResult(NamedTuple):
@@ -296,7 +301,8 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
               two_s: float, s_sq: float, *, m: torch.Tensor | None = None, eps: float | None = None,
               guard: PosteriorConstants | None = None, rel_max: float | None = None,
               zero_rows: torch.Tensor | None = None, recompute: tuple | None = None,
-              inv: torch.Tensor | None = None, config: OpConfig | None = None) -> TailResult:
+              inv: torch.Tensor | None = None, acc: torch.Tensor | None = None,
+              config: OpConfig | None = None) -> TailResult:
     """:class:`TailResult` ``(wnorm, den, flag, aux)``: fp32 ``[d_out]`` row norms; with ``m`` the
     denominator ``den`` of ``g = m / den`` (``wnorm``, or ``eps`` where ``wnorm == 0``: eps guards
     zero rows only); with ``guard`` (the constants of
@@ -317,6 +323,10 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     :data:`~dora_num.ops.guard.FLAG_UNRESOLVED` (2) where a recomputed row still has ``rel_out >
     rel_max``, else :data:`~dora_num.ops.guard.FLAG_CANCELLATION` (1) where a row was flagged, else
     :data:`~dora_num.ops.guard.FLAG_OK` (0) (:func:`dora_num.ops.guard.decode`).
+
+    ``acc`` (int64 ``[3]``, optional): a running flag the kernel updates with integer atomics
+    (whose order does not change the result): the largest code, the rows flagged, the calls, since
+    it was last reset (how a compiled layer keeps its flag: :func:`dora_num.ops.finite.check_flags`).
 
     ``U`` fp32 ``[d_out, r]``, ``B`` ``[d_out, r]`` (fp32, bf16 or fp16), ``G`` fp32
     ``[r, r]``, ``base_sq`` and ``m`` ``[d_out]`` (``m`` fp32, bf16 or fp16), ``W`` ``[d_out, d_in]``
@@ -341,6 +351,8 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
                   ("A", A, (r, W.shape[1] if W.dim() == 2 else -1), floats)]
     if inv is not None:
         specs.append(("inv", inv, (), (torch.float32,)))
+    if acc is not None:
+        specs.append(("acc", acc, (3,), (torch.int64,)))
     for name, t, shape, dtypes in specs:
         if t.dtype not in dtypes or tuple(t.shape) != shape or t.device != B.device:
             raise ValueError(f"norm_tail: {name} must be {shape} of {dtypes} on {B.device}, got "
@@ -380,36 +392,30 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
             U, B, G, base_sq, m if m is not None else base_sq,
             wnorm, den if den is not None else wnorm, flag if flag is not None else wnorm,
             aux if aux is not None else wnorm, zero_rows if zero_rows is not None else wnorm,
-            _constants_on(guard, d_in, dev), inv if inv is not None else wnorm, W, A, sw[0], sw[1], sa[0], sa[1],
+            acc if acc is not None else wnorm, _constants(guard, d_in), inv if inv is not None else wnorm, W, A, sw[0], sw[1], sa[0], sa[1],
             d_out, d_in, r, float(two_s), float(s_sq), float(s), float(eps if eps is not None else 0.0),
             float(rel_max if rel_max is not None else 0.0),
             HAS_M=m is not None, GUARD=guard is not None, HAS_Z=zero_rows is not None and guard is not None,
             SPLIT=guard is not None and guard.split, HAS_INV=guard is not None and guard.inv_runtime,
-            RECOMPUTE=recompute is not None, BLOCK_M=tiles.block_m,
+            RECOMPUTE=recompute is not None, HAS_ACC=acc is not None, BLOCK_M=tiles.block_m,
             BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=tiles.block_d, num_warps=tiles.num_warps, enable_fp_fusion=False,
         )
     return TailResult(wnorm, den, flag, aux)
 
 
-_CONSTANTS: dict = {}  # (PosteriorConstants, d_in, device) -> float64 device tensor (_ORDER, then gamma_{r+1}, gamma_{d+2})
+def _constants(guard: PosteriorConstants | None, d_in: int) -> tuple:
+    """The guard's constants as kernel arguments: the fp32 numbers of
+    :data:`~dora_num.numerics.norm_posterior.KERNEL_FIELDS`, then ``gamma_{r+1}`` and ``gamma_{d_in+2}``
+    of the float64 recompute (lemma 5', as :func:`dora_num.ops.guard.dense_rows_fp64`; ``r`` from
+    ``guard.r_eta``) rounded up to fp32 (still bounds).  Scalars, not a device tensor: a launch then
+    needs no host-to-device copy and no cached device state (CUDA-graph capture, torch.compile)."""
+    return _constants_cached(guard, int(d_in))
 
 
-def _constants_on(guard: PosteriorConstants | None, d_in: int, device) -> torch.Tensor:
-    """The guard's constants as one float64 device tensor (cached: one pointer argument instead of
-    40 floats, whose per-launch argument handling would cost host time on every forward): the fp32
-    numbers of :data:`~dora_num.numerics.norm_posterior.KERNEL_FIELDS` (exact in float64), then the
-    float64 ``gamma_{r+1}``, ``gamma_{d_in+2}`` of the recompute (lemma 5', as
-    :func:`dora_num.ops.guard.dense_rows_fp64`; ``r`` from ``guard.r_eta``)."""
-    key = (guard, d_in, str(device))
-    t = _CONSTANTS.get(key)
-    if t is None:
-        if guard is None:
-            vals = [0.0] * (len(_ORDER) + 2)
-        else:
-            r = round(guard.r_eta / 2.0**-149)
-            vals = [float(getattr(guard, f)) for f in _ORDER] + [float(gamma(r + 1, U64)), float(gamma(d_in + 2, U64))]
-        t = torch.tensor(vals, dtype=torch.float64, device=device)
-        if len(_CONSTANTS) > 256:
-            _CONSTANTS.clear()
-        _CONSTANTS[key] = t
-    return t
+@functools.lru_cache(maxsize=256)
+def _constants_cached(guard, d_in: int) -> tuple:
+    if guard is None:
+        return (0.0,) * (len(_ORDER) + 2)
+    r = round(guard.r_eta / 2.0**-149)
+    return tuple(float(getattr(guard, f)) for f in _ORDER) + (up32(float(gamma(r + 1, U64))),
+                                                              up32(float(gamma(d_in + 2, U64))))

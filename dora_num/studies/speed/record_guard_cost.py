@@ -52,7 +52,8 @@ def prepare(d_out: int, d_in: int, r: int, ab_dtype: str, device: str = "cuda"):
     from ...numerics.formulas import scale_constants
     from ...ops.guard import CANCELLATION_REL, guard_constants
     from ...ops.kernels.norm_tail import norm_tail
-    from ...ops.norm import cached_base_row_norm_sq, default_eps, factored_row_norm, magnitude_scale_and_flag
+    from ...ops.norm import default_eps, factored_row_norm
+    from ...ops.weight_norm import cached_base_row_norm_sq, magnitude_scale_and_flag
 
     W, A, B, s, m = _inputs(d_out, d_in, r, ab_dtype, device)
     base_sq = cached_base_row_norm_sq(W)

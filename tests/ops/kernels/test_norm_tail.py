@@ -20,7 +20,8 @@ from dora_num.numerics.formulas import magnitude_denominator, norm_assembly, sca
 from dora_num.ops.config import get_config, override
 from dora_num.ops.guard import FLAG_NONFINITE
 from dora_num.ops.kernels.norm_tail import norm_tail
-from dora_num.ops.norm import magnitude_scale_and_flag, uses_tail_kernel
+from dora_num.ops.norm import uses_tail_kernel
+from dora_num.ops.weight_norm import magnitude_scale_and_flag
 
 from .helpers import DEVICES, assert_bitwise, exact_tail_inputs, exact_tail_terms
 

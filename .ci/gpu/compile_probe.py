@@ -1,0 +1,259 @@
+"""Device probe of the compile-native operator (H200): does each promise hold on the GPU image?
+
+Sections (each independent; a failure is recorded and the next runs):
+  kernels  the tail kernel with its constants as scalar arguments, the row_sumsq kernel
+  layer    DoRALinear 4096->4096 r=64 (bf16 base, fp32 adapters, autocast): compiled vs eager bits,
+           no sync under torch.cuda.set_sync_debug_mode("error"), reduce-overhead train + infer, flags
+  peft     a tiny accelerated PEFT Llama: fullgraph, reduce-overhead train + infer, no sync
+  bench    one 8B-shaped decoder layer, 4096 tokens: LoRA / PEFT / accelerate, eager and compiled
+Usage: python .ci/gpu/compile_probe.py OUT_DIR [section ...]
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+import dora_num as dn
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "."
+ONLY = set(sys.argv[2:])
+RESULTS: dict = {}
+
+
+def log(*a):
+    print(f"[probe {time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def section(name):
+    def deco(fn):
+        if ONLY and name not in ONLY:
+            return fn
+        t = time.time()
+        try:
+            RESULTS[name] = fn()
+        except Exception as e:  # record and go on
+            RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+            log(name, "FAILED", RESULTS[name]["error"])
+            print(RESULTS[name]["trace"])
+        RESULTS.setdefault(name, {})["seconds"] = round(time.time() - t, 1)
+        log(name, "done", RESULTS[name].get("seconds"))
+        return fn
+    return deco
+
+
+def bits_equal(a, b):
+    return bool(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                          b.contiguous().view(torch.uint8)))
+
+
+@section("kernels")
+def _():
+    from dora_num.ops.kernels.row_sumsq import row_sumsq
+    from dora_num.ops.weight_norm import magnitude_scale_and_flag
+    from dora_num.ops.config import override
+    out = {}
+    W = (torch.randn(4096, 4096, device="cuda") * 0.02).to(torch.bfloat16)
+    base, zero = row_sumsq(W)
+    ref = (W.double() ** 2).sum(1)
+    out["row_sumsq_max_rel"] = float(((base.double() - ref).abs() / ref).max())
+    A = torch.randn(64, 4096, device="cuda") / 64
+    B = torch.randn(4096, 64, device="cuda") * 1e-3
+    m = torch.rand(4096, device="cuda") + 0.5
+    g, bad = magnitude_scale_and_flag(W, A, B, 2.0, m)
+    with override(norm_tail="torch"):
+        g2, _ = magnitude_scale_and_flag(W, A, B, 2.0, m)
+    out["tail_vs_torch_tail_max_rel"] = float(((g - g2).abs() / g2.abs()).max())
+    out["flag"] = bad.tolist()
+    return out
+
+
+def _layer(r=64, d=4096, seed=0):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(d, d, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = dn.DoRALinear(lin, rank=r, alpha=2 * r)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 1e-3)
+        layer.magnitude.mul_(1 + 1e-3 * torch.randn_like(layer.magnitude))
+    return layer
+
+
+def _step(layer, x):
+    for p in (layer.magnitude, layer.lora_A, layer.lora_B):
+        p.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().square().mean().backward()
+    return y.detach(), [p.grad.clone() for p in (layer.magnitude, layer.lora_A, layer.lora_B)]
+
+
+@section("layer")
+def _():
+    out = {}
+    layer = _layer()
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    y0, g0 = _step(layer, x)
+    comp = torch.compile(layer, fullgraph=True)
+    _step(comp, x)
+    y1, g1 = _step(comp, x)
+    out["default_bits_y"] = bits_equal(y0, y1)
+    out["default_bits_grads"] = [bits_equal(a, b) for a, b in zip(g0, g1)]
+    out["default_grad_max_rel"] = [float(((a.float() - b.float()).abs().max() / a.float().abs().max())) for a, b in zip(g0, g1)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(comp, x)
+        out["default_no_sync"] = True
+    except RuntimeError as e:
+        out["default_no_sync"] = f"{e}"[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ro = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    ys = []
+    for _ in range(4):
+        ys.append(_step(ro, x))
+    torch.cuda.synchronize()
+    out["ro_train_bits_y"] = bits_equal(ys[-1][0], y0)
+    out["ro_train_bits_grads"] = [bits_equal(a, b) for a, b in zip(g0, ys[-1][1])]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(ro, x)
+        out["ro_no_sync"] = True
+    except RuntimeError as e:
+        out["ro_no_sync"] = f"{e}"[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    roi = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        yi = [roi(x).clone() for _ in range(4)]
+        ye = layer(x)
+    out["ro_infer_bits"] = bits_equal(yi[-1], ye)
+    out["flags_after"] = layer._flags.tolist()
+    dn.check_flags(layer)
+    with torch.no_grad():
+        layer.magnitude[3] = float("nan")
+    _step(comp, x)
+    try:
+        dn.check_flags(layer)
+        out["nan_flag"] = "not raised"
+    except ValueError as e:
+        out["nan_flag"] = f"{type(e).__name__}: {e}"[:300]
+    # timing of one layer fwd+bwd: eager, default compiled, reduce-overhead
+    layer = _layer()
+    comp = torch.compile(layer, fullgraph=True)
+    ro = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    for name, f in (("eager", layer), ("compiled", comp), ("reduce_overhead", ro)):
+        for _ in range(3):
+            _step(f, x)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); _step(f, x); b.record(); b.synchronize()
+            ts.append(a.elapsed_time(b))
+        out[f"ms_{name}"] = statistics.median(ts)
+    return out
+
+
+@section("peft")
+def _():
+    from peft import LoraConfig, get_peft_model
+    import dora_num.peft as dp
+    from dora_num.oracles import tiny_hf_model, perturb_peft_dora
+    out = {}
+    torch.manual_seed(0)
+    pm = get_peft_model(tiny_hf_model("llama", seed=0).cuda().to(torch.bfloat16),
+                        LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"))
+    perturb_peft_dora(pm, seed=100)
+    dp.accelerate(pm, verbose=False)
+    ids = torch.randint(0, 64, (3, 8), device="cuda")
+
+    def step(model):
+        for p in pm.parameters():
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            o = model(input_ids=ids, labels=ids)
+        o.loss.backward()
+        return o.logits.detach(), {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+    pm.train()
+    l0, g0 = step(pm)
+    for mode in ("default", "reduce-overhead"):
+        c = torch.compile(pm, fullgraph=True, mode=None if mode == "default" else mode)
+        for _ in range(3):
+            l1, g1 = step(c)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(c)
+            ok = True
+        except RuntimeError as e:
+            ok = f"{e}"[:300]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out[mode] = {"logits_max_abs": float((l1.float() - l0.float()).abs().max()), "no_sync": ok,
+                     "grads_equal": sum(bits_equal(g0[k], g1[k]) for k in g0), "grads": len(g0)}
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            pm.eval()
+            ci = torch.compile(pm, fullgraph=True, mode=None if mode == "default" else mode)
+            li = [ci(input_ids=ids).logits.clone() for _ in range(3)]
+            le = pm(input_ids=ids).logits
+            pm.train()
+        out[mode]["infer_max_abs"] = float((li[-1].float() - le.float()).abs().max())
+    out["check_flags_layers"] = dn.check_flags(pm)
+    return out
+
+
+@section("bench")
+def _():
+    sys.path.insert(0, ".")
+    from dora_num.studies.speed.model_bench import Shape, adapter_state, build_base, make_variant, set_checkpointing
+    out = {}
+    shape = Shape(layers=1)
+    base = build_base(shape, "cuda")
+    ids = torch.randint(0, shape.vocab, (1, shape.tokens), device="cuda")
+    for r in (64, 384):
+        state = adapter_state(base, r)
+        for variant in ("lora_fp32", "peft_fp32", "dora_num_fp32"):
+            model = make_variant(variant, base, r, state)
+            params = [p for p in model.parameters() if p.requires_grad]
+
+            def step(m=model):
+                for p in params:
+                    p.grad = None
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+            for mode in ("eager", "compiled", "reduce-overhead"):
+                if mode == "reduce-overhead" and variant == "lora_fp32":
+                    continue
+                t0 = time.time()
+                f = model if mode == "eager" else torch.compile(model, mode=None if mode == "compiled" else mode)
+                try:
+                    for _ in range(3):
+                        (lambda: step(f))()
+                    torch.cuda.synchronize()
+                    compile_s = time.time() - t0
+                    ts = []
+                    for _ in range(10):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record(); step(f); b.record(); b.synchronize()
+                        ts.append(a.elapsed_time(b))
+                    out[f"r{r}_{variant}_{mode}"] = {"ms": round(statistics.median(ts), 3), "compile_s": round(compile_s, 1)}
+                except Exception as e:
+                    out[f"r{r}_{variant}_{mode}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                log(r, variant, mode, out[f"r{r}_{variant}_{mode}"])
+            del model
+            torch.cuda.empty_cache()
+    return out
+
+
+with open(f"{OUT}/compile_probe.json", "w") as fh:
+    json.dump(RESULTS, fh, indent=1, default=str)
+for k, v in RESULTS.items():
+    print(k, json.dumps({a: b for a, b in v.items() if a != "trace"}, default=str)[:1500])
