@@ -266,6 +266,13 @@ _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # Public function and dispatch
 # --------------------------------------------------------------------------
 
+def count_tier(tier: str, base: torch.Tensor | None = None) -> None:
+    """Count one eager compose on ``tier`` (:func:`dispatch_counts`), and log it at debug level."""
+    _COUNTS[tier] += 1
+    if base is not None and _log.isEnabledFor(logging.DEBUG):
+        _log.debug("compose: tier=%s shape=%s dtype=%s", tier, tuple(base.shape), base.dtype)
+
+
 def _resolve_path(path: str, cfg: OpConfig) -> str:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -361,8 +368,7 @@ def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g:
             res = base + res
         return res if out is None else out.copy_(res)
     else:
-        _COUNTS[tier] += 1
-        _log.debug("compose: tier=%s shape=%s dtype=%s", tier, tuple(base.shape), base.dtype)
+        count_tier(tier, base)
     if out is not None:
         if torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad):
             raise ValueError("out= is for inference only; an input requires a gradient")

@@ -38,6 +38,7 @@ variable                       field                                        defa
 ``DORA_NUM_FOLD_OUTPUT_ADD``   ``fold_output_add`` (0 / 1)                   1
 ``DORA_NUM_DG_TWO_LAUNCH``     ``dg_stage2_in_kernel`` is its negation       0
 ``DORA_NUM_RECOMPUTE_INNER``   ``recompute_inner`` (0 / 1)                   1
+``DORA_NUM_RECOMPUTE_LORA``    ``recompute_lora`` (0 / 1)                    1
 ``TRITON_INTERPRET``           ``interpret`` (read only: Triton reads it     0
                                itself at import, so it cannot be overridden)
 =============================  ===========================================  =========
@@ -171,6 +172,7 @@ class OpConfig:
     fold_output_add: bool = True  # DoRALinear: base + delta inside the compose pass (bitwise the same)
     dg_stage2_in_kernel: bool = True  # dg's fixed-order second stage inside the backward kernel
     recompute_inner: bool = True  # fused backward recomputes inner = s*lora + base (saves base, lora)
+    recompute_lora: bool = True  # DoRALinear's backward recomputes lora = (x A^T) B^T (saves x A^T, not lora)
     compose_tiles: ComposeTiles = field(default_factory=ComposeTiles)
     norm_tail_tiles: NormTailTiles = field(default_factory=NormTailTiles)
     interpret: bool = False  # Triton runs under TRITON_INTERPRET=1 (CPU); read from the environment
@@ -191,7 +193,8 @@ class OpConfig:
             raise ValueError(f"split_pieces must be one of {SPLIT_PIECES}, got {self.split_pieces!r}")
         if self.norm_cache not in NORM_CACHE_MODES:
             raise ValueError(f"norm_cache must be one of {NORM_CACHE_MODES}, got {self.norm_cache!r}")
-        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "interpret", "poison"):
+        for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "recompute_lora", "interpret",
+                     "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.compose_tiles, ComposeTiles):
@@ -249,6 +252,7 @@ def from_env(env: Mapping[str, str] | None = None) -> OpConfig:
         fold_output_add=_flag(env, "DORA_NUM_FOLD_OUTPUT_ADD", True),
         dg_stage2_in_kernel=not _flag(env, "DORA_NUM_DG_TWO_LAUNCH", False),
         recompute_inner=_flag(env, "DORA_NUM_RECOMPUTE_INNER", True),
+        recompute_lora=_flag(env, "DORA_NUM_RECOMPUTE_LORA", True),
         compose_tiles=ComposeTiles.for_interpreter() if interpret else ComposeTiles(),
         interpret=interpret,
     )

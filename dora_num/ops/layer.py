@@ -96,12 +96,13 @@ from torch import nn
 
 from ..numerics.formulas import scale_constants
 from . import finite as _finite
-from .compose import PATHS, _compose
+from .compose import PATHS, _compose, _select_tier, count_tier
+from .lora_compose import LoraComposeFunction, lora_dtype
 from .config import OpConfig, get_config, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
 from .magnitude import _magnitude_div_op, initial_magnitude, magnitude_scale
-from .norm import _factored_row_norm, dense_row_norm
+from .norm import _factored_row_norm, dense_row_norm, uses_tail_kernel
 from .weight_norm import (_flag_not_finite_op, _magnitude_scale_and_flag, _weight_norm_cached,
                           cached_base_row_norm_sq, new_flag, weight_den)
 from .validation import check_tensor
@@ -444,8 +445,9 @@ class DoRALinear(nn.Module):
             warnings.warn(f"{where}: the cancellation guard recomputed {n / calls:.0f} of {self.out_features} rows "
                           "per call in float64 (on_cancellation='off' skips the guard)", CancellationWarning,
                           stacklevel=3)
-        if code >= _guard.FLAG_CANCELLATION and (self.on_cancellation in ("warn", "raise")
-                                                 or code >= _guard.FLAG_UNRESOLVED):
+        tail_kernel = uses_tail_kernel(self.base.weight.device, get_config())  # the torch tail reported in the call
+        if tail_kernel and code >= _guard.FLAG_CANCELLATION and (self.on_cancellation in ("warn", "raise")
+                                                                 or code >= _guard.FLAG_UNRESOLVED):
             # name the rows: the eager norm in the layer's own mode (it warns or raises as the kernel's code says)
             with override(finite_check="sync"):
                 W, A, B = self.base.weight, self.lora_A, self.lora_B
@@ -555,7 +557,21 @@ class DoRALinear(nn.Module):
         """The forward's LoRA products, compose and output add (module docstring for the dtypes)."""
         A, B = self.lora_A, self.lora_B
         base_c = Fn.linear(_as_dtype(x_lora, W.dtype, cast), W) if separate else base
-        lora = Fn.linear(_as_dtype(Fn.linear(_as_dtype(x_lora, A.dtype, cast), A), B.dtype, cast), B)
+        xa = Fn.linear(_as_dtype(x_lora, A.dtype, cast), A)
+        if (cfg.recompute_lora and self.compose_fn is None and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()
+                and (base_c.requires_grad or xa.requires_grad or B.requires_grad or g.requires_grad)):
+            cdt = lora_dtype(xa, B, base_c)
+            if cdt is not None:  # one node keeping x A^T instead of lora (ops/lora_compose.py)
+                fold = cfg.fold_output_add and bias is None and not separate
+                s = scale_constants(self.scale)[0]
+                tier = _select_tier(base_c, xa, g, self.compose_path, cfg)
+                count_tier(tier)
+                out = LoraComposeFunction.apply(base_c, xa, B, g, s, cdt, tier != "eager", fold, cfg)
+                if not fold:
+                    out = (base_out if base_out is not None else (base if bias is None else base + bias.to(base.dtype))) + out
+                return out
+        lora = Fn.linear(_as_dtype(xa, B.dtype, cast), B)
         out_dtype = base_c.dtype
         if lora.dtype != base_c.dtype:  # adapters wider than W, autocast off: compose in the wider dtype
             cdt = torch.promote_types(lora.dtype, base_c.dtype)
@@ -622,7 +638,7 @@ def check_flags(module: nn.Module, *, wait: bool = True) -> int:
         acc = lyr._flags
         n += 1
         if wait or acc.device.type != "cuda":
-            host = acc.cpu()
+            host = acc.to("cpu", copy=True)
             acc.zero_()
             lyr._on_flags(host)
         else:

@@ -1,0 +1,91 @@
+"""The LoRA up-projection and the compose of :class:`~dora_num.ops.layer.DoRALinear` as one autograd node
+that keeps ``xa = x A^T`` instead of ``lora = xa B^T``.
+
+The compose's backward needs ``inner = s*lora + base`` for ``dg``; kept as ``base`` and ``lora`` that is
+4 bytes per output element in bf16 (``OpConfig.recompute_inner``).  ``xa`` (``[T, r]``) is kept anyway
+(the up-projection's backward needs it), so :class:`LoraComposeFunction` saves ``base``, ``xa`` and the
+cast ``B`` and forms ``lora = xa B^T`` again in its backward: the same ``torch.mm`` of the same operands
+and layouts, so the same bits, and half the bytes.  Its backward then runs the very operations autograd
+would run for ``F.linear(xa, B)`` (``MmBackward0``'s layouts, the cast back to B's dtype), so every
+gradient is bitwise the unfused path's (tests/ops/test_lora_compose.py).  One difference: an ``xa`` used
+by two forwards before one backward under autocast gets B's two gradient terms summed in fp32, where
+autocast's shared cast of B sums them in its dtype first (``OpConfig.recompute_lora=False`` restores it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compose import _bwd_impl, _fwd_impl
+from .config import OpConfig
+
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts for F.linear
+
+
+def lora_dtype(xa: torch.Tensor, B: torch.Tensor, base: torch.Tensor) -> torch.dtype | None:
+    """The dtype of ``lora = xa B^T`` on the path :class:`LoraComposeFunction` serves, or None where it
+    does not serve these arguments (autocast off with B of another dtype: the promoting path)."""
+    dev = xa.device.type
+    if torch.is_autocast_enabled(dev):
+        cdt = torch.get_autocast_dtype(dev)
+        if xa.dtype != cdt or B.dtype not in _CASTABLE:
+            return None
+    else:
+        cdt = xa.dtype
+        if B.dtype != cdt:
+            return None
+    return cdt if base.dtype == cdt else None
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+def _mm_mat1_grad(grad: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``mat1`` in ``mat1.mm(mat2)`` as autograd's ``MmBackward0`` forms it."""
+    return mat2.mm(grad.t()).t() if _column_major(mat1) else grad.mm(mat2.t())
+
+
+def _mm_mat2_grad(grad: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``mat2`` in ``mat1.mm(mat2)`` as autograd's ``MmBackward0`` forms it."""
+    return grad.t().mm(mat1).t() if _column_major(mat2) else mat1.t().mm(grad)
+
+
+class LoraComposeFunction(torch.autograd.Function):
+    """``compose(base, xa B^T, g)`` (module docstring).
+
+    ``apply(base, xa, B, g, s, cdt, fused, add_base, cfg)``: ``base`` ``[..., d_out]``, ``xa``
+    ``[..., r]`` (the down-projection's output), ``B`` ``[d_out, r]`` (cast to ``cdt`` where it is not in
+    it, as ``F.linear`` under autocast casts it), ``g`` fp32 ``[d_out]``, ``s`` the fp32-exact scale,
+    ``fused`` the compose tier, ``add_base`` the output add folded into the compose, ``cfg`` the
+    configuration of forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, base, xa, B, g, s: float, cdt: torch.dtype, fused: bool, add_base: bool, cfg: OpConfig):
+        B_c = B if B.dtype == cdt else B.to(cdt)
+        xa2 = xa.reshape(-1, xa.shape[-1])  # F.linear of a batched input: matmul folds it to 2-D
+        lora = torch.mm(xa2, B_c.t()).view(*base.shape[:-1], B_c.shape[0])
+        out = _fwd_impl(base, lora, g, s, False, fused, cfg, add_base=add_base)[0]
+        ctx.save_for_backward(base, xa2, B_c, g)
+        ctx.s, ctx.fused, ctx.add_base, ctx.cfg = s, fused, add_base, cfg
+        ctx.b_dtype, ctx.xa_shape = B.dtype, xa.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        base, xa2, B_c, g = ctx.saved_tensors
+        n_base, n_xa, n_B, n_g = ctx.needs_input_grad[:4]
+        lora = torch.mm(xa2, B_c.t()).view(base.shape) if n_g else None  # the forward's, bit for bit
+        need_lora = n_xa or n_B
+        dlora, dbase, dg = _bwd_impl(grad, None, g, ctx.s, need_lora, n_base, n_g, ctx.fused, ctx.cfg, base, lora,
+                                     add_grad=ctx.add_base)
+        dxa = dB = None
+        if need_lora:
+            dl2 = dlora.reshape(-1, dlora.shape[-1])
+            if n_B:  # MmBackward0's mat2 gradient, the transpose's backward, the cast's
+                dB = _mm_mat2_grad(dl2, xa2, B_c.t()).t()
+                dB = dB if dB.dtype == ctx.b_dtype else dB.to(ctx.b_dtype)
+            if n_xa:
+                dxa = _mm_mat1_grad(dl2, xa2, B_c.t()).view(ctx.xa_shape)
+        return dbase, dxa, dB, dg, None, None, None, None, None

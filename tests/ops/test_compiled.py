@@ -1,0 +1,222 @@
+"""``torch.compile`` of :class:`~dora_num.DoRALinear`: one graph, no state of its own, the eager bits.
+
+Under the compiler the layer's ``g`` comes from the custom op ``dora_num::weight_den`` (no cache, no
+read of the device, an explicit running flag it raises) and ``dora_num::magnitude_div``, the compose
+from ``dora_num::compose_fwd``/``compose_bwd``; :func:`dora_num.check_flags` reads the flags.  On the
+CPU the ops run the torch tail and the eager compose (the Triton kernels under the interpreter in the
+``interpreter`` cases); the CUDA cases (``gpu``) add no device sync and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import dora_num as dn
+from dora_num.numerics.formulas import scale_constants
+from dora_num.ops.config import override
+from dora_num.ops.guard import CancellationWarning
+from dora_num.ops.weight_norm import FLAG_FIELDS, clear_base_sq_cache, new_flag, weight_den
+
+from .kernels.helpers import assert_bitwise
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each case compiles from scratch (recompile limits and caches are per code object)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _layer(bias=False, d_in=16, d_out=12, r=4, dtype=torch.float32, seed=0, **kw):
+    torch.manual_seed(seed)
+    layer = dn.DoRALinear(torch.nn.Linear(d_in, d_out, bias=bias, dtype=dtype), rank=r, **kw)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+        layer.magnitude.mul_(1 + 1e-3 * torch.randn_like(layer.magnitude))
+    return layer
+
+
+def _step(f, layer, x, g=None):
+    for p in (layer.magnitude, layer.lora_A, layer.lora_B, x):
+        p.grad = None
+    y = f(x) if g is None else f(x, g=g)
+    y.square().sum().backward()
+    return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in (layer.magnitude, layer.lora_A,
+                                                                           layer.lora_B)]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_layer_compiles_to_one_graph_with_the_eager_bits(bias):
+    """Inductor (CPU), fullgraph: one graph, no recompile on repeated calls, output and every gradient
+    bitwise the eager layer's (fp32: Inductor keeps each fp32 operation's rounding)."""
+    layer = _layer(bias)
+    x = torch.randn(5, 16, requires_grad=True)
+    want = _step(layer, layer, x)
+    cnt = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, backend=cnt)
+    for _ in range(3):
+        got = _step(compiled, layer, x)
+        for a, b in zip(got, want):
+            assert_bitwise(a, b)
+    assert cnt.frame_count == 1
+    with torch.no_grad():  # inference: one more graph (no autograd), the same bits
+        assert_bitwise(compiled(x), want[0])
+    assert cnt.frame_count == 2
+
+
+def test_compiled_layer_keeps_no_state():
+    """A layer never run eagerly, compiled: the forward leaves no cache on W or on the layer (the
+    graph recomputes rowsum(W*W) and the zero rows; a CUDA graph could not own a cache), and its g
+    is bitwise the eager (cached) one."""
+    layer = _layer()
+    W = layer.base.weight
+    clear_base_sq_cache(W)  # the initial magnitude's norm (eager, at construction) filled it
+    x = torch.randn(5, 16)
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    y = compiled(x)
+    assert [a for a in vars(W) if a.startswith("_dora_num")] == []
+    assert "_norm_cache" not in layer.__dict__
+    assert_bitwise(y, layer(x))  # the eager call fills the caches now
+    assert any(a.startswith("_dora_num") for a in vars(W))
+
+
+def test_weight_den_raises_its_running_flag_and_matches_eager():
+    layer = _layer()
+    W, A, B, m = layer.base.weight, layer.lora_A, layer.lora_B, layer.magnitude
+    acc = new_flag("cpu")
+    den = weight_den(W, A, B, layer.scale, m, acc=acc)
+    g_eager = layer.magnitude_scale()
+    assert_bitwise(m.detach() / den, g_eager.detach())
+    assert dict(zip(FLAG_FIELDS, acc.tolist())) == {"code": 0, "rows_flagged": 0, "calls": 1}
+    torch.library.opcheck(torch.ops.dora_num.weight_den.default,
+                          (W.detach(), A.detach(), B.detach(), m.detach(), acc, layer.scale, 1 << 20,
+                           dn.ops.config.get_config().key, "recompute"),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_nonfinite_m_is_flagged_and_named_by_check_flags():
+    """No read of the device in the graph: the compiled forward returns, the flag is set, and
+    check_flags raises naming the tensor at fault (as the eager forward would); the flag is reset."""
+    layer = _layer()
+    x = torch.randn(5, 16)
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    compiled(x)
+    assert dn.check_flags(layer) == 1
+    with torch.no_grad():
+        layer.magnitude[3] = float("nan")
+    compiled(x)
+    assert int(layer._flags[0]) == 3 and int(layer._flags[2]) == 1
+    with pytest.raises(ValueError, match=r"m contains non-finite values \(1 NaN, 0 Inf\)"):
+        dn.check_flags(layer)
+    assert layer._flags.tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match="m contains non-finite"):  # eager: at once
+        layer(x)
+
+
+def test_nonfinite_given_g_is_flagged():
+    layer = _layer()
+    x = torch.randn(5, 16)
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    g = torch.ones(12)
+    compiled(x, g=g)
+    dn.check_flags(layer)
+    g[0] = float("inf")
+    compiled(x, g=g)
+    with pytest.raises(dn.NotFiniteError, match=r"compiled; 1 call\(s\) since the last check_flags\): g was not"):
+        dn.check_flags(layer)
+
+
+def _cancelling_layer(on_cancellation):
+    """A layer whose rows 2 and 7 are cancelled by the update (W ~ -sBA): the guard recomputes them."""
+    gen = torch.Generator().manual_seed(0)
+    d_out, d_in, r = 16, 32, 4
+    lin = torch.nn.Linear(d_in, d_out, bias=False)
+    A = torch.randn(r, d_in, generator=gen) / math.sqrt(d_in)
+    B = torch.randn(d_out, r, generator=gen)
+    layer = dn.DoRALinear(lin, rank=r, alpha=2.0 * r, lora_A=A, lora_B=B, magnitude=torch.ones(d_out),
+                          on_cancellation=on_cancellation)
+    s = scale_constants(layer.scale)[0]
+    V = s * (B.double() @ A.double())
+    with torch.no_grad():
+        W = torch.randn(d_out, d_in, generator=gen, dtype=torch.float64) / math.sqrt(d_in)
+        for j in (2, 7):
+            W[j] = -V[j] + 1e-7 * V[j].norm() * W[j]
+        lin.weight.copy_(W.float())
+    return layer
+
+
+def test_guard_recomputes_under_compile():
+    """The compiled g of rows the guard recomputes is bitwise the eager one (far from the bare
+    factored value), and the flag records the two rows."""
+    layer = _cancelling_layer("recompute")
+    x = torch.randn(3, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = layer(x)
+        got = torch.compile(layer, fullgraph=True, backend="inductor")(x)
+    assert_bitwise(got, want)
+    code, rows, calls = layer._flags.tolist()
+    assert (code, rows, calls) == (1, 2, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dn.check_flags(layer)  # recompute mode: nothing to report
+    with override(norm_cache="off"):
+        bare = _cancelling_layer("off")
+        assert not torch.equal(bare(x), want)
+
+
+def test_guard_warns_under_compile():
+    layer = _cancelling_layer("warn")
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    with pytest.warns(CancellationWarning, match=r"2 row\(s\) recomputed in float64"):
+        compiled(torch.randn(3, 32))
+
+
+def test_recompile_on_configuration_change_only():
+    """Calls under one configuration reuse a graph; another configuration is traced once more."""
+    layer = _layer()
+    x = torch.randn(5, 16)
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=cnt)
+    for _ in range(2):
+        compiled(x)
+    with override(fold_output_add=False):
+        compiled(x)
+        compiled(x)
+    compiled(x)
+    assert cnt.frame_count == 2
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_compiled_fused_kernels_give_the_eager_bits(dtype):
+    """The fused compose and the Triton norm tail (its running flag raised by atomics) under the
+    interpreter: the output and the adapter gradients (the kernels' outputs and the GEMMs of their
+    outputs) bitwise the eager layer's.  Around the ops the compiler may sum the two gradient terms
+    of ``x`` (through W and through A) with one rounding instead of two, so in 16 bits ``x.grad`` is
+    held to ``|dx_c - dx| <= 2 u (|dx_W| + |dx_A|)`` (fp32 accumulation of exact-ish GEMM outputs),
+    the two terms measured apart in eager (``forward(x_A, base_out=x_W W^T)``)."""
+    with override(compose_path="fused", norm_tail="triton"):
+        layer = _layer(d_in=64, d_out=48, r=8, dtype=dtype, adapter_dtype=dtype)
+        x = torch.randn(6, 64, dtype=dtype, requires_grad=True)
+        want = _step(layer, layer, x)
+        compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+        got = _step(compiled, layer, x)
+        for i in (0, 2, 3, 4):  # y, m.grad, A.grad, B.grad
+            assert_bitwise(got[i], want[i])
+        assert layer._flags.tolist() == [0, 0, 1]
+        x_w, x_a = (x.detach().clone().requires_grad_(True) for _ in range(2))
+        y = layer(x_a, base_out=torch.nn.functional.linear(x_w, layer.base.weight))
+        assert_bitwise(y, want[0])
+        y.square().sum().backward()
+    u = torch.finfo(dtype).eps / 2  # unit roundoff
+    bound = 2 * u * (x_w.grad.double().abs() + x_a.grad.double().abs())
+    if dtype == torch.float32:
+        assert_bitwise(got[1], want[1])
+    assert bool(((got[1].double() - want[1].double()).abs() <= bound).all())
