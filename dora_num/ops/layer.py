@@ -97,7 +97,7 @@ from torch import nn
 from ..numerics.formulas import scale_constants
 from . import finite as _finite
 from .compose import PATHS, _compose, _select_tier, count_tier
-from .lora_compose import LoraComposeFunction, lora_dtype
+from .lora_compose import lora_compose, lora_dtype
 from .config import OpConfig, get_config, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
@@ -559,15 +559,15 @@ class DoRALinear(nn.Module):
         base_c = Fn.linear(_as_dtype(x_lora, W.dtype, cast), W) if separate else base
         xa = Fn.linear(_as_dtype(x_lora, A.dtype, cast), A)
         if (cfg.recompute_lora and self.compose_fn is None and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()
                 and (base_c.requires_grad or xa.requires_grad or B.requires_grad or g.requires_grad)):
             cdt = lora_dtype(xa, B, base_c)
             if cdt is not None:  # one node keeping x A^T instead of lora (ops/lora_compose.py)
                 fold = cfg.fold_output_add and bias is None and not separate
                 s = scale_constants(self.scale)[0]
                 tier = _select_tier(base_c, xa, g, self.compose_path, cfg)
-                count_tier(tier)
-                out = LoraComposeFunction.apply(base_c, xa, B, g, s, cdt, tier != "eager", fold, cfg)
+                if not torch.compiler.is_compiling():
+                    count_tier(tier)
+                out = lora_compose(base_c, xa, B, g, s, cdt, tier != "eager", fold, cfg)
                 if not fold:
                     out = (base_out if base_out is not None else (base if bias is None else base + bias.to(base.dtype))) + out
                 return out

@@ -79,3 +79,15 @@ def test_one_node_saves_less(case):
     ``base`` in the activation dtype (2 bytes): half the output-sized bytes."""
     before, after = _saved_bytes(case, False), _saved_bytes(case, True)
     assert before - after == 64 * 512 * 2, (before, after)
+
+
+def test_compiled_node_is_a_registered_custom_op():
+    """Under torch.compile the node is ``dora_num::lora_compose_fwd`` (tests/ops/test_compiled.py
+    compiles the layer through it); its schema, fake tensor and autograd registration."""
+    from dora_num.ops.config import get_config
+
+    torch.manual_seed(0)
+    base, xa, B = torch.randn(6, 24), torch.randn(6, 4, requires_grad=True), torch.randn(24, 4, requires_grad=True)
+    g = (1 + 1e-3 * torch.randn(24)).requires_grad_(True)
+    torch.library.opcheck(torch.ops.dora_num.lora_compose_fwd.default, (base, xa, B, g, 0.5, False, get_config().key),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
