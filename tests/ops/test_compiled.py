@@ -33,15 +33,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _layer(bias=False, d_in=16, d_out=12, r=4, dtype=torch.float32, seed=0, **kw):
-    torch.manual_seed(seed)
-    layer = dn.DoRALinear(torch.nn.Linear(d_in, d_out, bias=bias, dtype=dtype), rank=r, **kw)
-    with torch.no_grad():
-        layer.lora_B.normal_(0, 0.1)
-        layer.magnitude.mul_(1 + 1e-3 * torch.randn_like(layer.magnitude))
-    return layer
-
-
 def _step(f, layer, x, g=None):
     for p in (layer.magnitude, layer.lora_A, layer.lora_B, x):
         p.grad = None
@@ -52,10 +43,10 @@ def _step(f, layer, x, g=None):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_layer_compiles_to_one_graph_with_the_eager_bits(bias):
+def test_layer_compiles_to_one_graph_with_the_eager_bits(bias, small_layer):
     """Inductor (CPU), fullgraph: one graph, no recompile on repeated calls, output and every gradient
     bitwise the eager layer's (fp32: Inductor keeps each fp32 operation's rounding)."""
-    layer = _layer(bias)
+    layer = small_layer(16, 12, bias=bias, m_noise=1e-3)
     x = torch.randn(5, 16, requires_grad=True)
     want = _step(layer, layer, x)
     cnt = CompileCounterWithBackend("inductor")
@@ -70,11 +61,11 @@ def test_layer_compiles_to_one_graph_with_the_eager_bits(bias):
     assert cnt.frame_count == 2
 
 
-def test_compiled_layer_keeps_no_state():
+def test_compiled_layer_keeps_no_state(small_layer):
     """A layer never run eagerly, compiled: the forward leaves no cache on W or on the layer (the
     graph recomputes rowsum(W*W) and the zero rows; a CUDA graph could not own a cache), and its g
     is bitwise the eager (cached) one."""
-    layer = _layer()
+    layer = small_layer(16, 12, m_noise=1e-3)
     W = layer.base.weight
     clear_base_sq_cache(W)  # the initial magnitude's norm (eager, at construction) filled it
     x = torch.randn(5, 16)
@@ -86,8 +77,8 @@ def test_compiled_layer_keeps_no_state():
     assert any(a.startswith("_dora_num") for a in vars(W))
 
 
-def test_weight_den_raises_its_running_flag_and_matches_eager():
-    layer = _layer()
+def test_weight_den_raises_its_running_flag_and_matches_eager(small_layer):
+    layer = small_layer(16, 12, m_noise=1e-3)
     W, A, B, m = layer.base.weight, layer.lora_A, layer.lora_B, layer.magnitude
     acc = new_flag("cpu")
     den = weight_den(W, A, B, layer.scale, m, acc=acc)
@@ -100,10 +91,10 @@ def test_weight_den_raises_its_running_flag_and_matches_eager():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_nonfinite_m_is_flagged_and_named_by_check_flags():
+def test_nonfinite_m_is_flagged_and_named_by_check_flags(small_layer):
     """No read of the device in the graph: the compiled forward returns, the flag is set, and
     check_flags raises naming the tensor at fault (as the eager forward would); the flag is reset."""
-    layer = _layer()
+    layer = small_layer(16, 12, m_noise=1e-3)
     x = torch.randn(5, 16)
     compiled = torch.compile(layer, fullgraph=True, backend="inductor")
     compiled(x)
@@ -119,8 +110,8 @@ def test_nonfinite_m_is_flagged_and_named_by_check_flags():
         layer(x)
 
 
-def test_nonfinite_given_g_is_flagged():
-    layer = _layer()
+def test_nonfinite_given_g_is_flagged(small_layer):
+    layer = small_layer(16, 12, m_noise=1e-3)
     x = torch.randn(5, 16)
     compiled = torch.compile(layer, fullgraph=True, backend="inductor")
     g = torch.ones(12)
@@ -178,9 +169,9 @@ def test_guard_warns_under_compile():
         compiled(torch.randn(3, 32))
 
 
-def test_recompile_on_configuration_change_only():
+def test_recompile_on_configuration_change_only(small_layer):
     """Calls under one configuration reuse a graph; another configuration is traced once more."""
-    layer = _layer()
+    layer = small_layer(16, 12, m_noise=1e-3)
     x = torch.randn(5, 16)
     cnt = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(layer, fullgraph=True, backend=cnt)
@@ -195,7 +186,7 @@ def test_recompile_on_configuration_change_only():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_compiled_fused_kernels_give_the_eager_bits(dtype):
+def test_compiled_fused_kernels_give_the_eager_bits(dtype, small_layer):
     """The fused compose and the Triton norm tail (its running flag raised by atomics) under the
     interpreter: the output and the adapter gradients (the kernels' outputs and the GEMMs of their
     outputs) bitwise the eager layer's.  Around the ops the compiler may sum the two gradient terms
@@ -203,7 +194,7 @@ def test_compiled_fused_kernels_give_the_eager_bits(dtype):
     held to ``|dx_c - dx| <= 2 u (|dx_W| + |dx_A|)`` (fp32 accumulation of exact-ish GEMM outputs),
     the two terms measured apart in eager (``forward(x_A, base_out=x_W W^T)``)."""
     with override(compose_path="fused", norm_tail="triton"):
-        layer = _layer(d_in=64, d_out=48, r=8, dtype=dtype, adapter_dtype=dtype)
+        layer = small_layer(64, 48, rank=8, dtype=dtype, adapter_dtype=dtype, m_noise=1e-3)
         x = torch.randn(6, 64, dtype=dtype, requires_grad=True)
         want = _step(layer, layer, x)
         compiled = torch.compile(layer, fullgraph=True, backend="inductor")

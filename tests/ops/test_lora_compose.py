@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dora_num as dn
 from dora_num.ops.config import override
 
 from .kernels.helpers import assert_bitwise
@@ -20,14 +19,11 @@ CASES = {  # id: (base dtype, adapter dtype, autocast dtype or None)
 }
 
 
-def _run(case, recompute, *, bias=False, dropout=0.0, batched=False, base_out=False, seed=0, path="auto"):
+def _run(small_layer, case, recompute, *, bias=False, dropout=0.0, batched=False, base_out=False, seed=0,
+         path="auto"):
     wdt, adt, ac = CASES[case]
-    torch.manual_seed(seed)
-    layer = dn.DoRALinear(torch.nn.Linear(40, 24, bias=bias, dtype=wdt), rank=4, adapter_dtype=adt,
-                          lora_dropout=dropout, compose_path=path)
-    with torch.no_grad():
-        layer.lora_B.normal_(0, 0.1)
-        layer.magnitude.mul_(1 + 1e-3 * torch.randn_like(layer.magnitude))
+    layer = small_layer(dtype=wdt, adapter_dtype=adt if adt != torch.float32 else None, bias=bias, seed=seed,
+                        m_noise=1e-3, lora_dropout=dropout, compose_path=path)
     shape = (2, 3, 40) if batched else (6, 40)
     x = torch.randn(shape, dtype=wdt).requires_grad_(True)
     with override(recompute_lora=recompute), torch.autocast("cpu", dtype=ac or torch.bfloat16, enabled=ac is not None):
@@ -42,23 +38,22 @@ def _run(case, recompute, *, bias=False, dropout=0.0, batched=False, base_out=Fa
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("variant", ["plain", "bias", "dropout", "batched", "base_out"])
-def test_one_node_gives_the_unfused_bits(case, variant):
+def test_one_node_gives_the_unfused_bits(case, variant, small_layer):
     kw = {"bias": dict(bias=True), "dropout": dict(dropout=0.3), "batched": dict(batched=True),
           "base_out": dict(base_out=True, bias=True), "plain": {}}[variant]
-    for a, b in zip(_run(case, True, **kw), _run(case, False, **kw)):
+    for a, b in zip(_run(small_layer, case, True, **kw), _run(small_layer, case, False, **kw)):
         assert_bitwise(a, b)
 
 
 @pytest.mark.interpreter
-def test_one_node_on_the_fused_tier():
-    for a, b in zip(_run("fp32", True, path="fused"), _run("fp32", False, path="fused")):
+def test_one_node_on_the_fused_tier(small_layer):
+    for a, b in zip(_run(small_layer, "fp32", True, path="fused"), _run(small_layer, "fp32", False, path="fused")):
         assert_bitwise(a, b)
 
 
-def _saved_bytes(case, recompute, T=64):
+def _saved_bytes(small_layer, case, recompute, T=64):
     wdt, adt, ac = CASES[case]
-    torch.manual_seed(0)
-    layer = dn.DoRALinear(torch.nn.Linear(256, 512, bias=False, dtype=wdt), rank=8, adapter_dtype=adt)
+    layer = small_layer(256, 512, rank=8, dtype=wdt, adapter_dtype=adt if adt != torch.float32 else None)
     x = torch.randn(T, 256, dtype=wdt)
     seen = {}
 
@@ -73,11 +68,11 @@ def _saved_bytes(case, recompute, T=64):
 
 
 @pytest.mark.parametrize("case", ["bf16-autocast-fp32-adapters", "bf16"])
-def test_one_node_saves_less(case):
+def test_one_node_saves_less(case, small_layer):
     """Bytes of the distinct storages saved for the backward (T = 64, d_out = 512, r = 8): without
     the node the compose keeps fp32 ``inner`` (the eager tier: 4 bytes per output element); with it,
     ``base`` in the activation dtype (2 bytes): half the output-sized bytes."""
-    before, after = _saved_bytes(case, False), _saved_bytes(case, True)
+    before, after = _saved_bytes(small_layer, case, False), _saved_bytes(small_layer, case, True)
     assert before - after == 64 * 512 * 2, (before, after)
 
 
