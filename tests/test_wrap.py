@@ -250,3 +250,50 @@ def test_merge_errors():
     with pytest.raises(ValueError, match="merged weight .* is not finite in float16"):
         half.merge()
     assert not half.merged
+
+
+# --------------------------------------------------------------------------
+# At initialisation the wrapped model is its base model, bit for bit
+# --------------------------------------------------------------------------
+
+def _minilm(dtype=torch.float32):
+    from dora_num.adapters.model import load_base_model
+
+    return load_base_model(dtype=dtype)[0]
+
+
+INIT_MODELS = {  # the real MiniLM (BERT: every linear has a bias) and the tiny Llama (no biases)
+    "minilm": (_minilm, ["query", "key", "value", "dense"]),
+    "llama": (lambda dtype: tiny_hf_model("llama", dtype=dtype), "all-linear"),
+}
+
+
+def _hidden(model, ids):
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(INIT_MODELS))
+def test_wrapped_model_at_init_is_its_base_bitwise(kind, dtype):
+    """A fresh adapter (B = 0, m from the layer's own norm: g == 1 exactly): every wrapped layer's output
+    and the model's output are the base model's, bit for bit, with and without a bias (the base output
+    ``x W^T + b`` is formed as the base layer forms it and ``delta`` added to it, PEFT's order)."""
+    build, targets = INIT_MODELS[kind]
+    base = build(dtype)
+    ids = torch.randint(0, 1000 if kind == "minilm" else 64, (3, 11), generator=torch.Generator().manual_seed(0))
+    want = _hidden(base, ids)
+    model = dn.wrap(copy.deepcopy(base), targets, r=4, verbose=False)
+    mods = peft_io.dora_linear_modules(model)
+    assert mods and (kind == "llama" or all(m.base.bias is not None for m in mods.values()))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, m in mods.items():
+            x = torch.randn(3, 7, m.in_features, generator=gen).to(dtype)
+            assert torch.equal(m.magnitude_scale(), torch.ones(m.out_features)), n
+            y, y0 = m(x), m.base(x)
+            assert torch.equal(y.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               y0.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), n
+    got = _hidden(model, ids)
+    assert torch.equal(got, want)

@@ -6,8 +6,9 @@ does the same; ``m / eps`` only on a zero row).  Initialisation follows PEFT's L
 defaults: ``A ~ kaiming_uniform(a=sqrt(5))``, ``B = 0``, ``m = ||W||_row`` (fp32) computed
 by the layer's own norm (:func:`~dora_num.ops.norm.initial_magnitude`: ``eps`` on a zero
 row), so ``g == 1`` exactly at init on every row, rows with tiny or subnormal norms included,
-and without a bias the layer's output equals the base layer's bit for bit (with a bias and a
-16-bit base the output add rounds ``x W^T`` first: within one rounding of it).  This holds
+and the layer's output equals the base layer's bit for bit, with or without a bias (the base output
+``x W^T + b`` is formed as the base layer forms it, ``F.linear(x, W, b)``; the compose takes
+``base = (x W^T + b) - b`` and the layer returns ``(x W^T + b) + delta``: PEFT's order).  This holds
 when the forward recomputes the norm with the code, device and configuration of the init
 (moving the layer to another device recomputes the norm in another summation order).
 ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
@@ -541,6 +542,8 @@ class DoRALinear(nn.Module):
                 slot.watched = watched
         x_lora = self.dropout(x)
         cast = not torch.is_autocast_enabled(x.device.type)  # under autocast F.linear casts
+        if base_out is None and bias is not None:  # the base output as the base layer forms it: at init the
+            base_out = Fn.linear(x, W, bias)  # layer returns base_out + 0, bit for bit the base layer's
         if base_out is None:
             base = Fn.linear(x, W)
         else:  # PEFT's arithmetic: its DoRA variant subtracts the bias from the base result
