@@ -196,6 +196,8 @@ class DoRALinear(nn.Module):
         self.on_cancellation = check_on_cancellation(on_cancellation)
         self._warned_cancellation = False  # on_cancellation="warn": once per layer
         self._warned_many = False  # the guard recomputing many rows: once per layer
+        self.name: str | None = None  # the module path in the model (set by wrap / accelerate), for messages
+        self._forwards = 0  # forward calls outside a backward pass: the step a non-finite error names
         W = base.weight
         self.dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
         # the running flag a compiled forward raises (finiteness, the guard); check_flags reads it
@@ -403,18 +405,22 @@ class DoRALinear(nn.Module):
         or m were changed in a way that bypasses their version counters (``.data``)."""
         self.__dict__.pop("_norm_cache", None)
 
-    def _where(self) -> str:
-        return f"DoRALinear({self.in_features}->{self.out_features}, r={self.rank})"
+    def _where(self, step: int | None = None) -> str:
+        """The layer in messages: its module path (``name``) if set, its shape, and the forward call
+        ``step`` (the layer's own count of forwards outside a backward pass) if given."""
+        what = f"DoRALinear({self.in_features}->{self.out_features}, r={self.rank})"
+        name = self.__dict__.get("name")
+        where = f"{name} ({what})" if name else what
+        return where if step is None else f"{where}, forward call {step}"
 
-    def _on_flag(self, host_flag: torch.Tensor, g_given: bool, aux) -> bool:
+    def _on_flag(self, host_flag: torch.Tensor, g_given: bool, aux, where: str) -> bool:
         """A set flag of the forward (:func:`dora_num.ops.finite.watch`): raise naming the input at
         fault where something is not finite; else report what the cancellation guard did (the values
         were recomputed already): ``on_cancellation="warn"`` once per layer, ``"raise"``, rows still
         not certified, and (once) a guard that recomputes more than an eighth of the rows."""
         code, n = (_guard.FLAG_NONFINITE, 0) if host_flag.dtype == torch.bool else _guard.decode(host_flag)
         if code >= _guard.FLAG_NONFINITE:
-            self._raise_not_finite(g_given)
-        where = self._where()
+            self._raise_not_finite(g_given, where)
         if n > self.out_features // 8 and not self._warned_many:  # once: the recompute is the slow path
             self._warned_many = True
             warnings.warn(f"{where}: the cancellation guard recomputes {n} of {self.out_features} rows in float64 "
@@ -437,8 +443,11 @@ class DoRALinear(nn.Module):
             return True
         where = f"{self._where()} (compiled; {calls} call(s) since the last check_flags)"
         if code >= _guard.FLAG_NONFINITE:
-            with override(finite_check="sync"):
-                self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
+            try:
+                with override(finite_check="sync"):
+                    self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
+            except ValueError as e:
+                raise type(e)(f"{where}: {e}") from None
             raise _finite.NotFiniteError(f"{where}: g was not finite (a g given to forward(x, g=...), or W, A, B "
                                          "or m at the time, which are finite now)")
         if n > calls * (self.out_features // 8) and not self._warned_many:
@@ -456,12 +465,17 @@ class DoRALinear(nn.Module):
                                    get_config(), self.on_cancellation)
         return True
 
-    def _raise_not_finite(self, g_given: bool) -> None:
+    def _raise_not_finite(self, g_given: bool, where: str) -> None:
+        """Raise ``ValueError`` naming the layer (``where``: its path and the forward call whose flag was
+        set) and the input at fault."""
         if g_given:
-            raise ValueError("the given g contains non-finite values")
-        with override(finite_check="sync"):  # the error path: the norm's own check reads its flag now
-            self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
-        raise ValueError("g = m / wnorm contains non-finite values")
+            raise ValueError(f"{where}: the given g contains non-finite values")
+        try:
+            with override(finite_check="sync"):  # the error path: the norm's own check reads its flag now
+                self.magnitude_scale()  # raises ValueError naming W, A, B, m or wnorm
+        except ValueError as e:
+            raise type(e)(f"{where}: {e}") from None
+        raise ValueError(f"{where}: g = m / wnorm contains non-finite values")
 
     def _check_input(self, x, W: torch.Tensor, base_out=None) -> None:
         """Metadata checks of ``x`` (and ``base_out``; no device sync): name them instead of a
@@ -518,6 +532,7 @@ class DoRALinear(nn.Module):
             # record other operations and save other tensors than the forward it replays
             if torch._C._current_graph_task_id() == -1:
                 self.__dict__["_forward_cfg"] = cfg
+                self.__dict__["_forwards"] = self.__dict__.get("_forwards", 0) + 1
             else:
                 cfg = self.__dict__.get("_forward_cfg", cfg)
         W = self.base.weight
@@ -536,8 +551,9 @@ class DoRALinear(nn.Module):
             g, bad, aux, slot = self._g_and_flag(cfg)
         watched = None
         if bad is not None and not compiling and cfg.finite_check != "off":
-            watched = _finite.watch(bad, f"{self._where()}: g", cfg.finite_check, handle=True,
-                                    on_fail=lambda host: self._on_flag(host, g_given, aux))
+            where = self._where(self.__dict__.get("_forwards"))  # this call's step, for a deferred report
+            watched = _finite.watch(bad, f"{where}: g", cfg.finite_check, handle=True,
+                                    on_fail=lambda host: self._on_flag(host, g_given, aux, where))
             if not g_given and slot is not None:
                 slot.watched = watched
         x_lora = self.dropout(x)
