@@ -18,23 +18,29 @@ layer while everything else stays PEFT's:
 - ``set_adapter``, ``disable_adapter()`` and merged layers are handled by PEFT's
   ``Linear.forward`` before the variant is reached.
 
-PEFT's arithmetic kept: the dropout (PEFT's module; in training with ``p > 0`` the
-compose takes ``dropout(x) W^T`` as its base, as PEFT's DoRA does), ``base = result - b``,
-the scale read from ``layer.scaling`` at each call (``set_scale``/``scale_layer`` work).
-What differs is how ``g`` and the compose are evaluated (this package's numerical
-contract); outputs and gradients are held to PEFT's through their distances to the fp64
-oracle (``tests/test_peft.py``).
+PEFT's modes, read as PEFT's ``DoraLinearVariant.forward`` reads them at each call: where the
+LoRA layer is not training (``module.training``) or its dropout is ``nn.Identity``, no dropout
+and ``base = result - b``; else ``x = dropout(x)`` (the dropout module's own mode) and the
+compose's base recomputed as ``dropout(x) W^T``.  The two flags disagree after e.g.
+``model.eval(); add_adapter(..., lora_dropout=0.1)`` (the new dropout module is in training
+mode): PEFT's rule decides.  The scale is read from ``layer.scaling`` at each call
+(``set_scale``/``scale_layer`` work).  What differs is how ``g`` and the compose are evaluated
+(this package's numerical contract); outputs and gradients are held to PEFT's through their
+distances to the fp64 oracle (``tests/test_peft.py``); every known difference is listed in
+docs/peft.md with the test that shows it.
 
-Not served (the module keeps PEFT's path; :func:`accelerate` reports which and why):
-Embedding and Conv DoRA, quantized or otherwise non-``nn.Linear`` base layers,
-``fan_in_fan_out`` (transformers' ``Conv1D``), DoRA combined with another LoRA variant,
-``lora_bias``, ``ephemeral_gpu_offload``.  At call time a layer with more than one
-active adapter (``set_adapter([...])``, where PEFT stacks the adapters, each taking the
-previous result as its base) and a call with extra variant arguments (aLoRA offsets)
-take PEFT's path too (logged once per layer).  Adapters added after :func:`accelerate`
-(``load_adapter``, ``add_adapter``) get PEFT's variant: call :func:`accelerate` again.
-:func:`restore` puts PEFT's variant objects back (the very objects) and drops the norm
-cache from the base weights.
+Not served (the module keeps PEFT's path; the report says which and why): Embedding and Conv
+DoRA, quantized or otherwise non-``nn.Linear`` base layers, float64 base weights (this
+package's ``g`` is fp32), ``fan_in_fan_out`` (transformers' ``Conv1D``), DoRA combined with
+another LoRA variant, ``lora_bias``, ``ephemeral_gpu_offload``.  At call time a layer with more
+than one active adapter (PEFT stacks them), a call with extra variant arguments (aLoRA
+offsets), and a layer whose dtypes or devices changed since :func:`accelerate` into something
+not served (``model.to(torch.float64)``) take PEFT's path too (logged once per layer and
+reason).  On a ``PeftModel``, adapters added by its ``add_adapter``/``load_adapter`` after
+:func:`accelerate` are accelerated when they are added (with the same options; logged).
+:func:`acceleration_report` says where every layer adapter runs now; :func:`restore` puts
+PEFT's variant objects back (the very objects), its methods back, and drops the norm cache
+from the base weights.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ _log = logging.getLogger("dora_num.peft")
 
 ACCELERATED = "accelerated"
 KEPT = "kept (PEFT's path)"
+REINIT_MAGNITUDE = ("keep", "fresh")
+_STATE = "_dora_num_acceleration"  # attribute of an accelerated PeftModel: the options of accelerate
+_PICK_UP = ("add_adapter", "load_adapter")  # PeftModel methods whose new adapters are accelerated
+_NO_DROPOUT = nn.Identity()
 
 
 def _peft_modules():
@@ -74,7 +84,7 @@ def unsupported_reason(module: nn.Module, adapter: str) -> str | None:
         return (f"{cls} is not PEFT's plain lora.Linear (a quantized base layer such as bitsandbytes, HQQ, "
                 "torchao, GPTQ, or another custom layer): not supported")
     variant = module.lora_variant.get(adapter)
-    if type(variant) is not variants.DoraLinearVariant:
+    if type(variant) is not variants.DoraLinearVariant and not isinstance(variant, DoRAKernelVariant):
         return f"the adapter's variant is {type(variant).__name__}, not plain DoRA: not supported"
     base = module.get_base_layer()
     if getattr(module, "fan_in_fan_out", False):
@@ -82,17 +92,45 @@ def unsupported_reason(module: nn.Module, adapter: str) -> str | None:
     if not isinstance(base, nn.Linear) or type(base).forward is not nn.Linear.forward:
         return f"base layer {type(base).__module__}.{type(base).__name__} is not torch.nn.Linear: not supported"
     W = base.weight
+    if W.dtype == torch.float64 and type(W) in (nn.Parameter, torch.Tensor):
+        return ("base weight is float64: dora_num's g is float32 (docs/contract.md, promise 1), far less "
+                "accurate than PEFT's float64 evaluation: not served")
     if W.dtype not in (torch.float32, torch.bfloat16, torch.float16) or type(W) not in (nn.Parameter, torch.Tensor):
         return f"base weight is a {type(W).__name__} of dtype {W.dtype} (quantized or not floating): not supported"
     if module.lora_bias.get(adapter, False) or module.lora_B[adapter].bias is not None:
         return "lora_bias=True: not supported"
     if getattr(module, "ephemeral_gpu_offload", False):
         return "ephemeral_gpu_offload=True: not supported"
-    for name, t in (("lora_A", module.lora_A[adapter].weight), ("lora_B", module.lora_B[adapter].weight),
-                    ("lora_magnitude_vector", module.lora_magnitude_vector[adapter].weight)):
+    for name, t in _adapter_tensors(module, adapter):
         if t.dtype not in ADAPTER_DTYPES or t.device != W.device:
             return f"{name} is {t.dtype} on {t.device} (base weight {W.dtype} on {W.device}): not supported"
     return None
+
+
+def _adapter_tensors(module, adapter: str):
+    return (("lora_A", module.lora_A[adapter].weight), ("lora_B", module.lora_B[adapter].weight),
+            ("lora_magnitude_vector", module.lora_magnitude_vector[adapter].weight))
+
+
+def _signature(module, adapter: str) -> tuple:
+    """What :func:`unsupported_reason` depends on that a ``.to(...)`` can change: dtypes and devices."""
+    W = module.get_base_layer().weight
+    return (type(W), W.dtype, W.device) + tuple((t.dtype, t.device) for _, t in _adapter_tensors(module, adapter))
+
+
+class _DropoutBranch(nn.Module):
+    """PEFT's training branch of its DoRA variant: ``x = dropout(x)`` in the dropout module's own
+    mode and the compose's base recomputed from it (``base_result=None``), also where that dropout
+    returns ``x`` itself (its module in eval mode): :class:`~dora_num.DoRALinear` recomputes the
+    base when its dropout returns another tensor, so ``x`` comes back as a view."""
+
+    def __init__(self, dropout: nn.Module):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, x):
+        y = self.dropout(x)
+        return x.view_as(x) if y is x else y
 
 
 class DoRAKernelVariant(_peft_modules()[1].DoraLinearVariant):
@@ -100,14 +138,18 @@ class DoRAKernelVariant(_peft_modules()[1].DoraLinearVariant):
 
     ``original``: the PEFT variant object it replaces (restored by :func:`restore`; used
     for the calls this one does not serve).  ``layer``: the :class:`~dora_num.DoRALinear`
-    on PEFT's parameters (:meth:`~dora_num.DoRALinear.from_peft`), re-bound at each call
-    if PEFT replaced a parameter object, the dropout module or the scale.  Merging and
-    unmerging are PEFT's (inherited static methods)."""
+    on PEFT's parameters (:meth:`~dora_num.DoRALinear.from_peft`; its ``name`` is the
+    module path and the adapter), re-bound at each call if PEFT replaced a parameter
+    object or the scale.  ``served``: the dtypes and devices it was accelerated with; a
+    call that finds others asks :func:`unsupported_reason` again.  Merging and unmerging
+    are PEFT's (inherited static methods)."""
 
-    def __init__(self, original, layer: DoRALinear, name: str):
+    def __init__(self, original, layer: DoRALinear, name: str, served: tuple):
         self.original = original
         self.layer = layer
         self.name = name
+        self.served = served
+        self._branch: _DropoutBranch | None = None
         self._warned: set = set()
 
     def _fallback(self, why: str, module, active_adapter, x, result, kwargs):
@@ -120,18 +162,24 @@ class DoRAKernelVariant(_peft_modules()[1].DoraLinearVariant):
 
     def _bind(self, module, adapter: str) -> DoRALinear:
         lyr = self.layer
-        for attr, p in (("lora_A", module.lora_A[adapter].weight), ("lora_B", module.lora_B[adapter].weight),
-                        ("magnitude", module.lora_magnitude_vector[adapter].weight)):
+        for attr, (_, p) in zip(("lora_A", "lora_B", "magnitude"), _adapter_tensors(module, adapter)):
             if getattr(lyr, attr) is not p:
                 setattr(lyr, attr, p)
         if lyr.base is not module.get_base_layer():
             lyr.base = module.get_base_layer()
-        drop = module.lora_dropout[adapter]
-        if lyr.dropout is not drop:
-            lyr.dropout = drop
         s = module.scaling[adapter]
         if lyr.scale != s:
             lyr.scale = float(s)
+        # PEFT's DoraLinearVariant.forward: no dropout where the LoRA layer is not training
+        drop = module.lora_dropout[adapter]
+        if isinstance(drop, nn.Identity) or not module.training:
+            want = _NO_DROPOUT
+        else:
+            if self._branch is None or self._branch.dropout is not drop:
+                self._branch = _DropoutBranch(drop)
+            want = self._branch
+        if lyr.dropout is not want:
+            lyr.dropout = want
         return lyr
 
     def forward(self, module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -140,6 +188,13 @@ class DoRAKernelVariant(_peft_modules()[1].DoraLinearVariant):
         if sum(1 for a in module.active_adapters if a in module.lora_A) > 1:
             return self._fallback("more than one active adapter (PEFT stacks them)", module, active_adapter, x,
                                   result, kwargs)
+        sig = _signature(module, active_adapter)
+        if sig != self.served:
+            why = unsupported_reason(module, active_adapter)
+            if why is not None:
+                return self._fallback(f"changed since accelerate: {why}", module, active_adapter, x, result,
+                                      kwargs)
+            self.served = sig
         return self._bind(module, active_adapter)(x, base_out=result)
 
 
@@ -185,7 +240,8 @@ class ModuleDecision:
 
 @dataclass
 class AccelerationReport:
-    """What :func:`accelerate` did, one row per PEFT DoRA (layer, adapter)."""
+    """What :func:`accelerate` did (or :func:`acceleration_report` found), one row per PEFT DoRA
+    (layer, adapter)."""
 
     rows: list = field(default_factory=list)
 
@@ -224,35 +280,76 @@ def _dora_layers(model: nn.Module):
                     yield name, mod, adapter
 
 
-def accelerate(peft_model: nn.Module, *, verbose: bool = True, **layer_kwargs) -> AccelerationReport:
+@torch.no_grad()
+def _fresh_adapter_note(lyr: DoRALinear, reinit_magnitude: str) -> str:
+    """A fresh adapter (every B zero): PEFT's m is PEFT's norm of W, g = m / (dora_num's norm) is 1 within
+    an ulp.  ``"fresh"``: m re-initialised from dora_num's norm (g == 1 exactly here); returns the note."""
+    if bool(lyr.lora_B.detach().any()):
+        return ""
+    m = lyr.magnitude
+    if reinit_magnitude == "fresh":
+        before = m.detach().clone()
+        lyr.reset_magnitude()
+        changed = int((m.detach() != before).sum())
+        return (f"fresh adapter (B = 0): m re-initialised from dora_num's norm (reinit_magnitude='fresh'), "
+                f"{changed} of {m.numel()} entries changed, g == 1 exactly")
+    g = lyr.magnitude_scale()
+    off = int((g != 1).sum())
+    if not off:
+        return ""
+    return (f"fresh adapter (B = 0): g = m / wnorm differs from 1 on {off} of {g.numel()} rows by at most "
+            f"{float((g - 1).abs().max()):.3g} (PEFT's m over dora_num's norm); reinit_magnitude='fresh' makes it 1")
+
+
+def accelerate(peft_model: nn.Module, *, verbose: bool = True, reinit_magnitude: str = "keep",
+               **layer_kwargs) -> AccelerationReport:
     """Run every PEFT DoRA ``Linear`` of ``peft_model`` that can be served on this package's
     operator, in place (module docstring); returns the :class:`AccelerationReport` (also
     logged on ``dora_num.peft``, and printed with ``verbose``).
 
-    ``layer_kwargs`` go to :class:`~dora_num.DoRALinear` (e.g. ``compose_path``,
-    ``chunk_bytes``).  Idempotent: layers already accelerated are reported again, adapters
-    added since are accelerated now.
+    ``reinit_magnitude``: what to do with a fresh adapter (every B zero), whose ``g = m / wnorm``
+    is 1 within an ulp (PEFT's ``m`` is PEFT's norm of W, ``wnorm`` this package's): ``"keep"``
+    (default: PEFT's ``m`` untouched; accelerate changes no parameter, so ``save_pretrained`` writes
+    PEFT's bytes; the report notes the rows where ``g != 1``) or ``"fresh"`` (``m`` re-initialised
+    from this package's norm, so ``g == 1`` exactly on this device and the model is bitwise its base
+    model at initialisation, as PEFT's is; the report says how many entries of ``m`` changed).
+    ``layer_kwargs`` go to :class:`~dora_num.DoRALinear` (e.g. ``compose_path``, ``norm``).
+    Idempotent: layers already accelerated are checked again (one that changed into something
+    not served gets PEFT's variant back and is reported kept), adapters added since are
+    accelerated now.  On a ``PeftModel``, its ``add_adapter`` and ``load_adapter`` then accelerate
+    the adapters they add, with these options (``load_adapter``: ``m`` as loaded).
     """
+    if reinit_magnitude not in REINIT_MAGNITUDE:
+        raise ValueError(f"reinit_magnitude must be one of {REINIT_MAGNITUDE}, got {reinit_magnitude!r}")
     report = AccelerationReport()
     for name, mod, adapter in _dora_layers(peft_model):
         current = mod.lora_variant.get(adapter)
-        if isinstance(current, DoRAKernelVariant):
-            report.rows.append(ModuleDecision(name, adapter, ACCELERATED, "already accelerated"))
-            continue
         why = unsupported_reason(mod, adapter)
+        if isinstance(current, DoRAKernelVariant):
+            if why is None:
+                report.rows.append(ModuleDecision(name, adapter, ACCELERATED, "already accelerated"))
+                continue
+            mod.lora_variant[adapter] = current.original
+            clear_base_sq_cache(mod.get_base_layer().weight)
+            report.rows.append(ModuleDecision(name, adapter, KEPT, f"changed since accelerate: {why}"))
+            continue
         if why is not None:
             report.rows.append(ModuleDecision(name, adapter, KEPT, why))
             continue
         lyr = DoRALinear.from_peft(mod, adapter, **layer_kwargs)
-        mod.lora_variant[adapter] = DoRAKernelVariant(current, lyr, name)
+        lyr.name = f"{name} [{adapter}]"
+        notes = [_fresh_adapter_note(lyr, reinit_magnitude)]
+        mod.lora_variant[adapter] = DoRAKernelVariant(current, lyr, name, _signature(mod, adapter))
         active = [a for a in mod.active_adapters if a in mod.lora_A]
-        note = "" if len(active) <= 1 else f"{len(active)} adapters active now: PEFT's path while more than one is"
-        report.rows.append(ModuleDecision(name, adapter, ACCELERATED, note))
+        if len(active) > 1:
+            notes.append(f"{len(active)} adapters active now: PEFT's path while more than one is")
+        report.rows.append(ModuleDecision(name, adapter, ACCELERATED, "; ".join(n for n in notes if n)))
     for _, mod, _ in _dora_layers(peft_model):
-        if any(isinstance(v, DoRAKernelVariant) for v in mod.lora_variant.values()):
+        if hasattr(mod, _CAST_ATTR) or any(isinstance(v, DoRAKernelVariant) for v in mod.lora_variant.values()):
             _set_input_cast(mod)
     if not report.rows:
         _log.warning("dora_num.peft.accelerate: the model has no PEFT DoRA layers")
+    _install_pick_up(peft_model, dict(layer_kwargs, reinit_magnitude=reinit_magnitude))
     _log.info("%s", report.summary())
     for r in report.kept:
         _log.warning("dora_num.peft.accelerate: %s [%s] kept on PEFT's path: %s", r.name, r.adapter, r.reason)
@@ -261,9 +358,68 @@ def accelerate(peft_model: nn.Module, *, verbose: bool = True, **layer_kwargs) -
     return report
 
 
+class _PickUpNewAdapters:
+    """A ``PeftModel``'s ``add_adapter`` / ``load_adapter`` after :func:`accelerate`: PEFT's method,
+    then :func:`accelerate` with the options it was called with (``load_adapter``: ``m`` kept as
+    loaded), so that adapters added later run on this package's operator too.  (An instance
+    attribute of the model, removed by :func:`restore`; ``load_adapter``'s own call of
+    ``add_adapter`` is not picked up separately.)"""
+
+    def __init__(self, model: nn.Module, method: str):
+        self.model, self.method = model, method
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        options = model.__dict__.get(_STATE)
+        outer = options is not None and not options.get("_busy", False)
+        if outer:
+            options["_busy"] = True
+        try:
+            out = getattr(type(model), self.method)(model, *args, **kwargs)
+        finally:
+            if outer:
+                options["_busy"] = False
+        if outer:
+            kw = {k: v for k, v in options.items() if k != "_busy"}
+            if self.method == "load_adapter":
+                kw["reinit_magnitude"] = "keep"
+            report = accelerate(model, verbose=False, **kw)
+            _log.info("dora_num.peft: after %s: %s", self.method, report.summary())
+        return out
+
+
+def _install_pick_up(model: nn.Module, options: dict) -> None:
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return
+    model.__dict__[_STATE] = dict(options)
+    for method in _PICK_UP:
+        if not isinstance(model.__dict__.get(method), _PickUpNewAdapters):
+            model.__dict__[method] = _PickUpNewAdapters(model, method)
+
+
+def acceleration_report(peft_model: nn.Module) -> AccelerationReport:
+    """Where every PEFT DoRA (layer, adapter) of ``peft_model`` runs now, changing nothing: on this
+    package's operator, or on PEFT's path and why (not supported; changed since :func:`accelerate`;
+    not accelerated, e.g. added to a model that is not a ``PeftModel``)."""
+    report = AccelerationReport()
+    for name, mod, adapter in _dora_layers(peft_model):
+        current = mod.lora_variant.get(adapter)
+        why = unsupported_reason(mod, adapter)
+        if isinstance(current, DoRAKernelVariant):
+            report.rows.append(ModuleDecision(name, adapter, ACCELERATED) if why is None else
+                               ModuleDecision(name, adapter, KEPT, f"changed since accelerate: {why}"))
+        else:
+            report.rows.append(ModuleDecision(name, adapter, KEPT, why or "not accelerated: call accelerate"))
+    return report
+
+
 def restore(peft_model: nn.Module) -> int:
-    """Undo :func:`accelerate`: PEFT's own variant objects back in every layer, the norm cache
-    dropped from the base weights.  Returns the number of layer adapters restored."""
+    """Undo :func:`accelerate`: PEFT's own variant objects back in every layer, the model's own
+    ``add_adapter``/``load_adapter`` back, the norm cache dropped from the base weights.  Returns
+    the number of layer adapters restored.  A restored model holds no object of this package (it
+    pickles and loads without it)."""
     n = 0
     for _, mod, adapter in _dora_layers(peft_model):
         current = mod.lora_variant.get(adapter)
@@ -272,6 +428,8 @@ def restore(peft_model: nn.Module) -> int:
             clear_base_sq_cache(mod.get_base_layer().weight)
             n += 1
         _restore_input_cast(mod)
+    for key in (_STATE, *_PICK_UP):
+        peft_model.__dict__.pop(key, None)
     return n
 
 

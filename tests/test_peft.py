@@ -377,3 +377,207 @@ def test_clear_caches_after_a_write_through_data():
     tol = 2.0**-24 * 64 * float(want.abs().max())
     assert float((fresh - want).abs().max()) <= tol
     assert float((stale - want).abs().max()) > tol
+
+
+# --------------------------------------------------------------------------
+# A fresh adapter: g == 1 exactly only with reinit_magnitude="fresh" (documented choice)
+# --------------------------------------------------------------------------
+
+def _fresh_peft(kind):
+    """A PEFT model with a fresh adapter (every B zero), as get_peft_model makes it; MiniLM is the real one."""
+    from peft import LoraConfig, get_peft_model
+
+    if kind == "minilm":
+        from dora_num.adapters.model import load_base_model
+
+        base, targets = load_base_model()[0], ["query", "key", "value", "dense"]
+    else:
+        base, targets = tiny_hf_model("llama"), "all-linear"
+    torch.manual_seed(0)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)).eval()
+
+
+def _hidden(model, ids):
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
+
+
+@pytest.mark.parametrize("kind", ["minilm", "llama"])
+def test_fresh_adapter_keep_or_reinit_magnitude(kind, tmp_path):
+    """PEFT's model with a fresh adapter is bitwise its base model.  ``accelerate`` (default
+    ``reinit_magnitude="keep"``) changes no parameter (the saved files are PEFT's bytes) and reports the
+    rows where g = m_PEFT / wnorm_dora_num is not exactly 1; ``"fresh"`` re-initialises m from
+    dora_num's norm (reported), so g == 1 exactly and the accelerated model is bitwise its base model."""
+    pm = _fresh_peft(kind)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    base_out = _hidden(pm, ids)
+    with pm.disable_adapter():
+        assert torch.equal(_hidden(pm, ids), base_out)  # PEFT: bitwise the base model at init
+    pm.save_pretrained(str(tmp_path / "peft"))
+    keep, fresh = copy.deepcopy(pm), copy.deepcopy(pm)
+    r_keep = dp.accelerate(keep, verbose=False)
+    notes = [r.reason for r in r_keep.accelerated if r.reason]
+    assert notes and all(n.startswith("fresh adapter (B = 0): g = m / wnorm differs from 1 on") for n in notes)
+    keep.save_pretrained(str(tmp_path / "keep"))
+    assert (tmp_path / "keep" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "peft" / "adapter_model.safetensors").read_bytes()
+    r_fresh = dp.accelerate(fresh, verbose=False, reinit_magnitude="fresh")
+    assert len(r_fresh.accelerated) == len(r_keep.accelerated)
+    assert all("m re-initialised from dora_num's norm (reinit_magnitude='fresh')" in r.reason
+               for r in r_fresh.accelerated)
+    changed = sum(int(r.reason.split("), ")[1].split(" of ")[0]) for r in r_fresh.accelerated)
+    assert changed > 0  # the ulp it changes on some rows
+    for _, mod in fresh.named_modules():
+        if dp.is_accelerated(mod):
+            assert torch.equal(mod.lora_variant["default"].layer.magnitude_scale(), torch.ones(mod.out_features))
+    assert torch.equal(_hidden(fresh, ids), base_out)
+    assert not torch.equal(_hidden(keep, ids), base_out)  # g = 1 +- 1 ulp on some rows: not bitwise
+    with pytest.raises(ValueError, match="reinit_magnitude must be one of"):
+        dp.accelerate(copy.deepcopy(pm), verbose=False, reinit_magnitude="peft")
+
+
+# --------------------------------------------------------------------------
+# Non-finite m, A, B or W: the error names the module path, the tensor and the step
+# --------------------------------------------------------------------------
+
+NONFINITE = {  # PEFT's tensor -> how the error names it
+    "lora_magnitude_vector": "m", "lora_A": "A", "lora_B": "B", "base_layer": "W",
+}
+
+
+@pytest.mark.parametrize("tensor", list(NONFINITE))
+def test_nonfinite_error_names_module_tensor_and_step(tensor):
+    pm = _peft("llama")
+    dp.accelerate(pm, verbose=False)
+    batch = _batch("llama")
+    layer = pm.base_model.model.model.layers[1].mlp.up_proj
+    for _ in range(2):
+        _logits(pm, batch)
+    with torch.no_grad():
+        t = {"lora_magnitude_vector": layer.lora_magnitude_vector["default"].weight,
+             "lora_A": layer.lora_A["default"].weight, "lora_B": layer.lora_B["default"].weight,
+             "base_layer": layer.base_layer.weight}[tensor]
+        t.view(-1)[1] = float("nan")
+    with pytest.raises(ValueError, match=rf"^base_model\.model\.model\.layers\.1\.mlp\.up_proj \[default\] "
+                                         rf"\(DoRALinear\(32->48, r=4\)\), forward call 3: {NONFINITE[tensor]} "
+                                         r"contains non-finite values \(1 NaN, 0 Inf\)"):
+        _logits(pm, batch)
+
+
+def test_nonfinite_under_the_trainer_raises_where_peft_runs_on(tmp_path):
+    """A NaN written into one layer's m before step 3: PEFT's Trainer runs on (NaN loss), the
+    accelerated one stops at that step's forward naming the layer (docs/peft.md: the stricter choice)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class _PoisonAtStep3(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2:  # the third optimizer step is next
+                with torch.no_grad():
+                    model.base_model.model.bert.encoder.layer[0].attention.self.query \
+                        .lora_magnitude_vector["default"].weight[0] = float("nan")
+
+    data = [{k: v[i] for k, v in _batch("bert", seed=s).items()} for s in range(3) for i in range(3)]
+    results = {}
+    for name in ("peft", "acc"):
+        pm = _peft("bert")
+        if name == "acc":
+            dp.accelerate(pm, verbose=False)
+        args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=4, per_device_train_batch_size=3,
+                                 learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+                                 logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        trainer = Trainer(model=pm, args=args, train_dataset=data, callbacks=[_PoisonAtStep3()])
+        try:
+            trainer.train()
+            results[name] = trainer.state.global_step
+        except ValueError as e:
+            results[name] = str(e)
+    assert results["peft"] == 4
+    assert results["acc"].startswith("base_model.model.bert.encoder.layer.0.attention.self.query [default] "
+                                     "(DoRALinear(32->32, r=4)), forward call 3: m contains non-finite values")
+
+
+# --------------------------------------------------------------------------
+# The report stays true: adapters added later, dtype changes, float64
+# --------------------------------------------------------------------------
+
+def test_adapters_added_after_accelerate_are_accelerated(tmp_path, caplog):
+    from peft import LoraConfig, PeftModel
+
+    pm = _peft("llama")
+    dp.accelerate(pm, verbose=False, norm="dense")
+    donor = _peft("llama", seed=3)
+    donor.save_pretrained(str(tmp_path / "donor"))
+    with caplog.at_level(logging.INFO, logger="dora_num.peft"):
+        pm.add_adapter("added", LoraConfig(r=2, lora_alpha=4, use_dora=True, target_modules=["q_proj"]))
+        pm.load_adapter(str(tmp_path / "donor"), "loaded")
+    assert "after add_adapter" in caplog.text and "after load_adapter" in caplog.text
+    rows = dp.acceleration_report(pm).rows
+    assert {r.adapter for r in rows} == {"default", "added", "loaded"}
+    assert all(r.status == dp.ACCELERATED for r in rows), [r for r in rows if r.status != dp.ACCELERATED]
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.lora_variant["added"].layer.norm == "dense"  # accelerate's options, kept
+    # loaded values as loaded (load_adapter never re-initialises m), and served: bitwise PEFT's with the dense norm
+    ref = PeftModel.from_pretrained(tiny_hf_model("llama"), str(tmp_path / "donor")).eval()
+    pm.set_adapter("loaded")
+    batch = _batch("llama")
+    C.reset_dispatch_counts()
+    assert torch.equal(_logits(pm, batch), _logits(ref, batch))
+    assert sum(C.dispatch_counts().values()) == 14
+    assert dp.restore(pm) == 2 * 14 + 2 and "add_adapter" not in pm.__dict__
+
+
+def test_a_dtype_change_after_accelerate_is_seen_at_the_next_call(caplog):
+    """``.to(torch.float64)``: the next call takes PEFT's float64 path (logged once per layer; bitwise
+    PEFT's), the report says so, and accelerate again reports the layers kept (PEFT's variant back);
+    ``.to(torch.bfloat16)`` is served again."""
+    pm = _peft("llama")
+    acc = copy.deepcopy(pm)
+    dp.accelerate(acc, verbose=False)
+    batch = _batch("llama")
+    for m in (pm, acc):
+        m.to(torch.float64)
+    with caplog.at_level(logging.WARNING, logger="dora_num.peft"):
+        C.reset_dispatch_counts()
+        got = _logits(acc, batch)
+        _logits(acc, batch)
+    assert sum(C.dispatch_counts().values()) == 0 and torch.equal(got, _logits(pm, batch))
+    assert got.dtype == torch.float64
+    assert caplog.text.count("changed since accelerate: base weight is float64") == 14
+    assert all(r.status == dp.KEPT and "changed since accelerate" in r.reason
+               for r in dp.acceleration_report(acc).rows)
+    for m in (pm, acc):
+        m.to(torch.bfloat16)
+    C.reset_dispatch_counts()
+    _logits(acc, batch)
+    assert sum(C.dispatch_counts().values()) == 14  # bf16 W and adapters: served
+    acc.to(torch.float64)
+    again = dp.accelerate(acc, verbose=False)
+    assert all(r.status == dp.KEPT and r.reason.startswith("changed since accelerate: base weight is float64")
+               for r in again.rows)
+    assert not any(dp.is_accelerated(m) for m in acc.modules())
+
+
+def test_a_float64_model_is_kept_with_the_right_reason():
+    pm = _peft("llama").to(torch.float64)
+    report = dp.accelerate(pm, verbose=False)
+    assert not report.accelerated
+    assert all(r.reason.startswith("base weight is float64: dora_num's g is float32") for r in report.rows)
+
+
+def test_pickled_accelerated_model_and_restored_model(tmp_path):
+    """An accelerated model pickles with its variants (loading it needs dora_num); after ``restore`` no
+    object of dora_num is left in it (docs/peft.md)."""
+    import pickle
+
+    pm = _peft("llama")
+    dp.accelerate(pm, verbose=False)
+    batch = _batch("llama")
+    want = _logits(pm, batch)
+    blob = pickle.dumps(pm)
+    assert b"dora_num" in blob
+    back = pickle.loads(blob)
+    assert all(dp.is_accelerated(m) for m in back.modules() if hasattr(m, "lora_variant"))
+    assert torch.equal(_logits(back, batch), want)
+    dp.restore(pm)
+    assert b"dora_num" not in pickle.dumps(pm)
