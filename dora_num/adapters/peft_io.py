@@ -27,6 +27,16 @@ adapter (its ``adapter_config.json`` bytes, key spelling, extra entries) on the 
 bitwise the same ``adapter_model.safetensors`` for unchanged values and the same
 ``adapter_config.json`` (tested on adapters saved by PEFT itself).
 
+Export fills the fields PEFT's own ``save_pretrained`` fills: ``base_model_name_or_path`` (given,
+else the model's ``name_or_path`` where it has one) and, where ``task_type`` is None,
+``auto_mapping`` (the model's class and module), so ``AutoPeftModelFor*`` loads the folder.  A new
+export spells the magnitude key ``lora_magnitude_vector.weight`` (:data:`NEW_MAGNITUDE_KEY`: PEFT
+reads both spellings; transformers' ``from_pretrained`` of an adapter folder reads only this one).
+Provenance (:mod:`dora_num.repro.provenance`) goes outside the adapter folder by default, so the
+folder holds exactly PEFT's files (``sidecars=`` of :func:`export_peft_dora`).  A transformers model
+wrapped by :func:`apply_to_model` or :func:`dora_num.wrapper.wrap` saves in this format through its
+``save_pretrained`` (:class:`SavePeftFormat`).
+
 Files are untrusted (docs/contract.md, promise 6): safetensors is preferred; a ``.bin`` is read
 only with ``torch.load(weights_only=True)``, so a pickle that tries to run code is
 refused.  Every malformed input raises :class:`AdapterError` (a ``ValueError``)
@@ -36,6 +46,7 @@ naming the file or key and the problem.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -45,6 +56,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+_log = logging.getLogger("dora_num.adapters.peft_io")
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 BIN_NAME = "adapter_model.bin"
@@ -54,6 +66,12 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<name>.+?)\.(?P<part>lora_A\.wei
 
 
 SPEC_ATTR = "dora_num_adapter"  # attribute of a model that carries its AdapterSpec
+# The magnitude key of a new export.  PEFT 0.21 writes "lora_magnitude_vector" and reads both spellings;
+# transformers 5.24's from_pretrained(<adapter folder>) maps only "lora_magnitude_vector.weight" onto
+# PEFT's parameter and leaves the other at its initial value (load report: MISSING), so this one
+# (tests/test_wrap.py::test_save_pretrained_of_a_wrapped_model_writes_peft_s_format).
+NEW_MAGNITUDE_KEY = "lora_magnitude_vector.weight"
+SIDECARS = ("outside", "beside", "none")
 
 
 class AdapterError(ValueError):
@@ -98,7 +116,7 @@ class AdapterSpec:
 
     config: dict | None
     config_bytes: bytes | None = None
-    magnitude_suffix: str = "lora_magnitude_vector"
+    magnitude_suffix: str = NEW_MAGNITUDE_KEY
     extra: dict | None = None
     modules_to_save: list | None = None
 
@@ -154,6 +172,13 @@ def read_config(adapter_dir: str | os.PathLike) -> dict:
     if not Path(adapter_dir).is_dir():
         raise AdapterError(f"adapter folder not found: {adapter_dir}")
     if not path.is_file():
+        wrapped = _wrapped_state_keys(Path(adapter_dir))
+        if wrapped:
+            raise AdapterError(f"{adapter_dir} holds a dora_num-wrapped model's own state dict (keys such as "
+                               f"{wrapped[:2]}), not a PEFT adapter: load it into the wrapped model "
+                               "(dn.wrap(base, ...).load_state_dict(...)), then write the adapter with "
+                               "dn.export_peft_dora(model, dir) or a plain model with "
+                               "dora_num.wrapper.merge_and_unload(model).save_pretrained(dir)")
         raise AdapterError(f"{path} is missing: not a PEFT adapter folder")
     try:
         cfg = json.loads(path.read_text())
@@ -174,6 +199,24 @@ def read_config(adapter_dir: str | os.PathLike) -> dict:
     if cfg.get("fan_in_fan_out", False) not in (True, False):
         raise AdapterError(f"{path}: fan_in_fan_out must be a boolean")
     return cfg
+
+
+def _wrapped_state_keys(folder: Path) -> list[str]:
+    """Keys of a wrapped model's own state dict (``<module>.base.weight`` beside ``<module>.lora_A``) in
+    the folder's safetensors files (read from their headers), or []."""
+    from safetensors import safe_open
+
+    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+        try:
+            with safe_open(str(f), "pt") as st:
+                keys = list(st.keys())
+        except Exception:  # noqa: BLE001 - not a readable safetensors file: not this case
+            continue
+        mods = {k.removesuffix(".lora_A") for k in keys if k.endswith(".lora_A")}
+        hits = sorted(k for k in keys if k.endswith(".base.weight") and k.removesuffix(".base.weight") in mods)
+        if hits:
+            return hits
+    return []
 
 
 def _pattern_value(patterns: dict, name: str, default):
@@ -396,7 +439,7 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if not mods:
         raise AdapterError("model has no DoRALinear modules to export")
     spec = getattr(model, SPEC_ATTR, None)
-    mag = spec.magnitude_suffix if spec is not None else "lora_magnitude_vector"
+    mag = spec.magnitude_suffix if spec is not None else NEW_MAGNITUDE_KEY
     out = {}
     for n, mod in sorted(mods.items()):
         out[f"{_PREFIX}{n}.lora_A.weight"] = mod.lora_A.detach().cpu().contiguous().clone()
@@ -450,10 +493,31 @@ def peft_config_json(cfg: dict) -> bytes:
     return json.dumps(cfg, indent=2, sort_keys=True).encode()
 
 
-def new_peft_config(mods: dict, *, modules_to_save=None, base_model_name_or_path=None) -> dict:
+def _task_type(task_type):
+    """``task_type`` checked against PEFT's ``TaskType`` (None stays None)."""
+    if task_type is None:
+        return None
+    from peft import TaskType
+
+    names = [t.value for t in TaskType]
+    value = getattr(task_type, "value", task_type)
+    if value not in names:
+        raise ValueError(f"task_type must be one of PEFT's task types {names} or None, got {task_type!r}")
+    return value
+
+
+def _auto_mapping(model: nn.Module) -> dict:
+    """PEFT's ``auto_mapping`` of a config without ``task_type`` (``PeftModel.save_pretrained``): the base
+    model's class and module, from which ``AutoPeftModelFor*`` builds the base model."""
+    return {"base_model_class": type(model).__name__, "parent_library": type(model).__module__}
+
+
+def new_peft_config(mods: dict, *, modules_to_save=None, base_model_name_or_path=None, task_type=None,
+                    auto_mapping: dict | None = None) -> dict:
     """A PEFT ``LoraConfig`` (``use_dora=True``) for the DoRALinear modules ``mods``, built by
     PEFT itself (so every field has PEFT's default) and returned as the dict its
-    ``save_pretrained`` writes; ``target_modules`` lists the module names (sorted)."""
+    ``save_pretrained`` writes (with ``auto_mapping`` where given); ``target_modules`` lists the
+    module names (sorted)."""
     import tempfile
 
     from peft import LoraConfig
@@ -468,10 +532,10 @@ def new_peft_config(mods: dict, *, modules_to_save=None, base_model_name_or_path
         target_modules=sorted(mods), rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
         lora_dropout=_uniform(mods, "lora_dropout", _dropout_p), bias="none",
         modules_to_save=sorted(modules_to_save) if modules_to_save else None,
-        base_model_name_or_path=base_model_name_or_path, inference_mode=True,
+        base_model_name_or_path=base_model_name_or_path, inference_mode=True, task_type=task_type,
     )
     with tempfile.TemporaryDirectory() as tmp:
-        cfg.save_pretrained(tmp)
+        cfg.save_pretrained(tmp, auto_mapping_dict=auto_mapping if task_type is None else None)
         out = json.loads((Path(tmp) / CONFIG_NAME).read_text())
     for key in ("target_modules", "modules_to_save", "exclude_modules"):  # sets in PEFT: make the order fixed
         if isinstance(out.get(key), list):
@@ -479,46 +543,121 @@ def new_peft_config(mods: dict, *, modules_to_save=None, base_model_name_or_path
     return out
 
 
-def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None) -> dict:
+def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None, task_type=None) -> dict:
     """The PEFT ``LoraConfig`` dict (``use_dora``) for the model's DoRALinear modules: the config
-    the adapter was loaded with (checked to still describe the modules), or a new one."""
-    return _config_and_bytes(model, base_model_name_or_path)[0]
+    the adapter was loaded with (checked to still describe the modules), or a new one; the fields
+    PEFT's ``save_pretrained`` fills filled as it fills them (module docstring)."""
+    return _config_and_bytes(model, base_model_name_or_path, task_type)[0]
 
 
-def _config_and_bytes(model: nn.Module, base_model_name_or_path: str | None):
+def _config_and_bytes(model: nn.Module, base_model_name_or_path: str | None, task_type=None):
     mods = dora_linear_modules(model)
     if not mods:
         raise AdapterError("model has no DoRALinear modules to export")
+    task_type = _task_type(task_type)
+    # PEFT's save_pretrained: a missing base_model_name_or_path from the model's name_or_path
+    known_name = model.__dict__.get("name_or_path") or None
     spec = getattr(model, SPEC_ATTR, None)
     if spec is not None and spec.config is not None:
         check_config_matches(spec.config, mods)
         cfg = dict(spec.config)
-        if base_model_name_or_path is None or base_model_name_or_path == cfg.get("base_model_name_or_path"):
+        if base_model_name_or_path is not None or cfg.get("base_model_name_or_path") is None:
+            cfg["base_model_name_or_path"] = base_model_name_or_path or known_name
+        if task_type is not None:
+            cfg["task_type"] = task_type
+        elif cfg.get("task_type") is None and cfg.get("auto_mapping") is None:
+            cfg["auto_mapping"] = _auto_mapping(model)
+        if cfg == spec.config:  # written back as it was loaded
             return cfg, spec.config_bytes if spec.config_bytes is not None else peft_config_json(cfg)
-        cfg["base_model_name_or_path"] = base_model_name_or_path
         return cfg, peft_config_json(cfg)
     mts = spec.modules_to_save if spec is not None else None
-    cfg = new_peft_config(mods, modules_to_save=mts, base_model_name_or_path=base_model_name_or_path)
+    cfg = new_peft_config(mods, modules_to_save=mts, base_model_name_or_path=base_model_name_or_path or known_name,
+                          task_type=task_type, auto_mapping=_auto_mapping(model))
     return cfg, peft_config_json(cfg)
 
 
 def export_peft_dora(model: nn.Module, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None,
-                     **prov) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (with provenance sidecars),
-    in PEFT's format: ``PeftModel.from_pretrained`` loads it.  A model loaded by
+                     task_type=None, sidecars: str | None = None, **prov) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format:
+    ``PeftModel.from_pretrained`` and ``AutoPeftModelFor*`` load it.  A model loaded by
     :func:`apply_to_model` is written back as it was loaded (same config bytes, same keys;
-    values as they are now)."""
+    values as they are now), fields PEFT leaves empty filled as PEFT's ``save_pretrained``
+    fills them (module docstring).
+
+    ``base_model_name_or_path``: PEFT's field (default: the config's, else the model's
+    ``name_or_path``); ``task_type``: PEFT's ``TaskType`` (e.g. ``"CAUSAL_LM"``; default the
+    config's, and for a new config None with PEFT's ``auto_mapping``).  ``sidecars``: where the
+    provenance records (:mod:`dora_num.repro.provenance`) go: ``"outside"`` (in
+    ``<out_dir>.provenance/``, beside the folder: the folder holds only PEFT's files, so an upload of
+    it carries nothing else), ``"beside"`` (``<file>.provenance.json`` in the folder: the layout of
+    every artifact under ``data/``, which ``dora_num.repro.check`` verifies) or ``"none"``.  Default:
+    ``"beside"`` where provenance arguments (``params``, ``seed``, ``producer``, ...: the project's
+    recorders) are given, else ``"outside"``."""
     from safetensors.torch import save
 
     from ..repro.provenance import write_artifact
 
+    sidecars = sidecars if sidecars is not None else ("beside" if prov else "outside")
+    if sidecars not in SIDECARS:
+        raise ValueError(f"sidecars must be one of {SIDECARS}, got {sidecars!r}")
     out_dir = Path(out_dir)
-    _, config_bytes = _config_and_bytes(model, base_model_name_or_path)
+    _, config_bytes = _config_and_bytes(model, base_model_name_or_path, task_type)
     tensors = adapter_state_dict(model)
+    files = {SAFETENSORS_NAME: save(tensors, metadata={"format": "pt"}), CONFIG_NAME: config_bytes}
+    if sidecars == "none":
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (out_dir / name).write_bytes(data)
+        return out_dir
     prov.setdefault("producer", "dora_num.adapters.peft_io.export_peft_dora")
-    write_artifact(out_dir / SAFETENSORS_NAME, save(tensors, metadata={"format": "pt"}), **prov)
-    write_artifact(out_dir / CONFIG_NAME, config_bytes, **prov)
+    for name, data in files.items():
+        write_artifact(out_dir / name, data, **prov)
+        if sidecars == "outside":  # written beside by the provenance helper, moved out of the folder
+            side = out_dir / f"{name}.provenance.json"
+            if side.is_file():
+                dest = out_dir.parent / f"{out_dir.name}.provenance"
+                dest.mkdir(exist_ok=True)
+                os.replace(side, dest / side.name)
     return out_dir
+
+
+class SavePeftFormat:
+    """``save_pretrained`` of a transformers model wrapped by this package (set on the model by
+    :func:`apply_to_model` and :func:`dora_num.wrapper.wrap`): writes the DoRA adapter in PEFT's format
+    (:func:`export_peft_dora`, no provenance files), as a ``PeftModel``'s ``save_pretrained`` does,
+    instead of the wrapped model's own state dict (``q_proj.base.weight``, ``q_proj.lora_A``, ...: keys
+    a plain model's ``from_pretrained`` would re-initialise every targeted weight from).  A plain
+    checkpoint: ``dora_num.wrapper.merge_and_unload(model).save_pretrained(dir)``.  The HF ``Trainer``'s
+    ``save_model`` and checkpoints go through it too (its ``state_dict=`` is not used: the adapter is
+    read from the modules)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, save_directory, *, is_main_process: bool = True, state_dict=None,
+                 safe_serialization: bool = True, max_shard_size=None, push_to_hub: bool = False,
+                 base_model_name_or_path: str | None = None, task_type=None, **kwargs) -> Path | None:
+        if kwargs:
+            raise TypeError(f"save_pretrained of a dora_num-wrapped model (PEFT's adapter format) does not take "
+                            f"{sorted(kwargs)}")
+        if push_to_hub:
+            raise ValueError("save_pretrained(push_to_hub=True) of a dora_num-wrapped model: call "
+                             "model.push_to_hub(repo_id) (it saves through this method)")
+        if not safe_serialization:
+            raise ValueError("a dora_num-wrapped model saves its adapter as safetensors only")
+        if not is_main_process:
+            return None
+        out = export_peft_dora(self.model, save_directory, base_model_name_or_path=base_model_name_or_path,
+                               task_type=task_type, sidecars="none")
+        _log.info("dora_num: save_pretrained of a wrapped model wrote its DoRA adapter in PEFT's format to %s "
+                  "(a plain model: dora_num.wrapper.merge_and_unload(model).save_pretrained(dir))", out)
+        return out
+
+
+def install_save_pretrained(model: nn.Module) -> None:
+    """Give a wrapped transformers model (``PreTrainedModel``) the :class:`SavePeftFormat` ``save_pretrained``."""
+    if callable(getattr(type(model), "save_pretrained", None)) and hasattr(model, "config"):
+        model.__dict__["save_pretrained"] = SavePeftFormat(model)
 
 
 def _check_linear(name: str, mod) -> None:
@@ -555,7 +694,8 @@ def apply_to_model(model: nn.Module, states: list[DoRAModuleState], *, freeze: b
     the config (unless given in ``dora_kwargs``); every other entry of the file
     (``modules_to_save`` weights, biases saved with ``bias="all"/"lora_only"``) is copied
     into the model parameter of its name and made trainable; the adapter is recorded on
-    the model (:data:`SPEC_ATTR`) for :func:`export_peft_dora`.  ``freeze``: every other
+    the model (:data:`SPEC_ATTR`) for :func:`export_peft_dora`, and a transformers model's
+    ``save_pretrained`` writes that format (:class:`SavePeftFormat`).  ``freeze``: every other
     parameter of the model gets ``requires_grad=False`` (as PEFT's loader).  An extra entry
     whose dtype differs from its parameter's is copied only if that is exact, or with
     ``round_extra=True`` (PEFT's loader rounds it silently).  Everything is
@@ -598,6 +738,7 @@ def apply_to_model(model: nn.Module, states: list[DoRAModuleState], *, freeze: b
                          magnitude=nn.Parameter(st.m.detach().to(dev).clone()))
         if mod.scale != st.scale:
             raise AdapterError(f"module {st.name!r}: scale {mod.scale} differs from the adapter's {st.scale}")
+        mod.name = st.name
         parent, _, child = st.name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, mod)
     for e, p, t in extra_params:
@@ -607,6 +748,7 @@ def apply_to_model(model: nn.Module, states: list[DoRAModuleState], *, freeze: b
         setattr(model, SPEC_ATTR, AdapterSpec(config=cfg, config_bytes=getattr(states, "config_bytes", None),
                                               magnitude_suffix=states.magnitude_suffix,
                                               extra={e.key: e.name for e in extra}))
+        install_save_pretrained(model)
     return model
 
 

@@ -14,6 +14,7 @@ from dora_num.adapters.peft_io import AdapterError, load_peft_dora
 from ._tiny import D_HID, D_IN, D_OUT, RANK, make_base, make_dora
 
 NAMES = ["encoder.q", "encoder.up"]
+MAG = peft_io.NEW_MAGNITUDE_KEY  # how a new export spells the magnitude key
 
 
 def test_round_trip_is_bitwise(tiny_export):
@@ -131,13 +132,13 @@ def _edit_config(adir, **changes):
 CASES = {
     "missing_lora_B": (lambda a: _edit_weights(a, lambda t: t.pop("base_model.model.encoder.up.lora_B.weight")),
                        r"missing key\(s\) base_model\.model\.encoder\.up\.lora_B\.weight"),
-    "missing_magnitude": (lambda a: _edit_weights(a, lambda t: t.pop("base_model.model.encoder.q.lora_magnitude_vector")),
+    "missing_magnitude": (lambda a: _edit_weights(a, lambda t: t.pop(f"base_model.model.encoder.q.{MAG}")),
                           "no lora_magnitude_vector: not a DoRA adapter"),
     "B_wrong_shape": (lambda a: _edit_weights(a, lambda t: t.__setitem__("base_model.model.encoder.up.lora_B.weight",
                                                                           torch.zeros(D_OUT, RANK + 1))),
                       "shape mismatch"),
     "magnitude_wrong_shape": (lambda a: _edit_weights(a, lambda t: t.__setitem__(
-        "base_model.model.encoder.q.lora_magnitude_vector", torch.ones(D_HID + 1))), "shape mismatch"),
+        f"base_model.model.encoder.q.{MAG}", torch.ones(D_HID + 1))), "shape mismatch"),
     "use_dora_false": (lambda a: _edit_config(a, use_dora=False), "not DoRA"),
     "not_lora": (lambda a: _edit_config(a, peft_type="IA3"), "not 'LORA'"),
     "bad_rank": (lambda a: _edit_config(a, r=0), "r must be a positive integer"),
@@ -152,10 +153,10 @@ CASES = {
                      "no lora_A/lora_B/lora_magnitude_vector keys"),
     "nan_in_A": (lambda a: _edit_weights(a, lambda t: t["base_model.model.encoder.up.lora_A.weight"].view(-1).__setitem__(
         3, float("nan"))), r"encoder\.up\.lora_A\.weight contains non-finite values \(1 NaN, 0 Inf\)"),
-    "inf_in_magnitude": (lambda a: _edit_weights(a, lambda t: t["base_model.model.encoder.q.lora_magnitude_vector"].view(
+    "inf_in_magnitude": (lambda a: _edit_weights(a, lambda t: t[f"base_model.model.encoder.q.{MAG}"].view(
         -1).__setitem__(0, float("inf"))), r"encoder\.q\.lora_magnitude_vector contains non-finite values \(0 NaN, 1 Inf\)"),
     "integer_magnitude": (lambda a: _edit_weights(a, lambda t: t.__setitem__(
-        "base_model.model.encoder.q.lora_magnitude_vector", torch.ones(D_HID, dtype=torch.int32))),
+        f"base_model.model.encoder.q.{MAG}", torch.ones(D_HID, dtype=torch.int32))),
         "lora_magnitude_vector has dtype torch.int32; adapter tensors must be floating point"),
 }
 
@@ -244,3 +245,78 @@ def test_reads_an_adapter_written_by_peft(tmp_path):
         assert torch.equal(st.A, lyr.lora_A["default"].weight) and torch.equal(st.B, lyr.lora_B["default"].weight)
         assert torch.equal(st.m, lyr.lora_magnitude_vector["default"].weight)
         assert st.scale == lyr.scaling["default"] == 4 / math.sqrt(RANK)
+
+
+# --------------------------------------------------------------------------
+# PEFT's fields filled; provenance outside the adapter folder
+# --------------------------------------------------------------------------
+
+def _wrapped_llama(tmp_path):
+    import dora_num as dn
+    from dora_num.oracles import tiny_hf_model
+    from transformers import LlamaForCausalLM
+
+    tiny_hf_model("llama").save_pretrained(str(tmp_path / "base"))
+    model = dn.wrap(LlamaForCausalLM.from_pretrained(str(tmp_path / "base")), ["q_proj", "v_proj"], r=2,
+                    verbose=False)
+    return model
+
+
+def test_export_fills_peft_s_fields_and_auto_peft_loads_it(tmp_path):
+    """``base_model_name_or_path`` from the model (as PEFT's save_pretrained takes it), ``auto_mapping``
+    where ``task_type`` is None (PEFT's own rule), or the ``task_type`` given: ``AutoPeftModelForCausalLM``
+    loads both folders (a PeftModelForCausalLM with the task type)."""
+    from peft import AutoPeftModelForCausalLM, PeftModelForCausalLM
+
+    model = _wrapped_llama(tmp_path)
+    auto = json.loads((peft_io.export_peft_dora(model, tmp_path / "auto") / "adapter_config.json").read_text())
+    assert auto["base_model_name_or_path"] == str(tmp_path / "base") and auto["task_type"] is None
+    assert auto["auto_mapping"] == {"base_model_class": "LlamaForCausalLM",
+                                    "parent_library": "transformers.models.llama.modeling_llama"}
+    typed_dir = peft_io.export_peft_dora(model, tmp_path / "typed", task_type="CAUSAL_LM",
+                                         base_model_name_or_path=str(tmp_path / "base"))
+    typed = json.loads((typed_dir / "adapter_config.json").read_text())
+    assert typed["task_type"] == "CAUSAL_LM" and typed["auto_mapping"] is None  # as PEFT writes a typed config
+    for d in ("auto", "typed"):
+        loaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / d))
+        assert type(loaded) is PeftModelForCausalLM
+    with pytest.raises(ValueError, match="task_type must be one of PEFT's task types"):
+        peft_io.export_peft_dora(model, tmp_path / "bad", task_type="CAUSAL")
+
+
+def test_a_loaded_config_gets_the_fields_peft_fills(tmp_path, tiny_export):
+    """A loaded adapter is written back as loaded, except where PEFT's save_pretrained fills a field it left
+    empty (the base model's name where the model knows it) or the caller sets one (task_type)."""
+    base, model, adir, bdir = tiny_export
+    loaded = peft_io.load_adapter(make_base(), adir)
+    same = peft_io.export_peft_dora(loaded, tmp_path / "same")
+    assert (same / "adapter_config.json").read_bytes() == (adir / "adapter_config.json").read_bytes()
+    loaded.name_or_path = "org/tiny"  # what a transformers model loaded from "org/tiny" knows
+    named = json.loads((peft_io.export_peft_dora(loaded, tmp_path / "named", task_type="FEATURE_EXTRACTION")
+                        / "adapter_config.json").read_text())
+    want = json.loads((adir / "adapter_config.json").read_text())
+    assert named == {**want, "base_model_name_or_path": "org/tiny", "task_type": "FEATURE_EXTRACTION"}
+
+
+def test_provenance_goes_outside_the_adapter_folder(tmp_path):
+    """By default the folder holds exactly PEFT's two files (an upload of it carries nothing else) and the
+    provenance records sit in ``<folder>.provenance/``; with provenance arguments (a recorder of data/)
+    they sit beside each file, as every artifact under data/ has them; ``sidecars="none"`` writes none."""
+    import hashlib
+
+    model = make_dora(make_base())
+    out = peft_io.export_peft_dora(model, tmp_path / "adapter")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    side_dir = tmp_path / "adapter.provenance"
+    for f in out.iterdir():
+        side = json.loads((side_dir / f"{f.name}.provenance.json").read_text())
+        assert side["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+        assert side["producer"] == "dora_num.adapters.peft_io.export_peft_dora"
+    rec = peft_io.export_peft_dora(model, tmp_path / "recorded", params={"run": 1}, seed=0)
+    assert sorted(p.name for p in rec.iterdir()) == sorted(
+        ["adapter_config.json", "adapter_model.safetensors", "adapter_config.json.provenance.json",
+         "adapter_model.safetensors.provenance.json"])
+    none = peft_io.export_peft_dora(model, tmp_path / "plain", sidecars="none")
+    assert len(list(none.iterdir())) == 2 and not (tmp_path / "plain.provenance").exists()
+    with pytest.raises(ValueError, match="sidecars must be one of"):
+        peft_io.export_peft_dora(model, tmp_path / "x", sidecars="inside")
