@@ -11,7 +11,10 @@ Everything else is frozen; the adapters and the ``modules_to_save`` modules are
 trainable.  One difference from PEFT: a ``modules_to_save`` module is trained in place
 (PEFT trains a copy and keeps the original); its parameters are exported under PEFT's
 keys, so ``PeftModel.from_pretrained`` loads them.  :func:`export_peft_dora
-<dora_num.adapters.peft_io.export_peft_dora>` writes the adapter in PEFT's format.
+<dora_num.adapters.peft_io.export_peft_dora>` writes the adapter in PEFT's format, and so does
+``save_pretrained`` of a wrapped transformers model (:class:`~dora_num.adapters.peft_io.SavePeftFormat`:
+as a ``PeftModel``'s, never the wrapped modules' own keys, which a plain model would load as
+missing weights).
 
 :func:`merge` merges every :class:`~dora_num.DoRALinear` of a model for inference
 (:meth:`~dora_num.DoRALinear.merge`: the original weights are kept, :func:`unmerge`
@@ -20,6 +23,9 @@ the merged layer's output (in the base dtype) against the unmerged forward on pr
 inputs (the layer's inputs in a forward of ``example_inputs``, or Gaussian rows),
 beside the a-priori bound :func:`~dora_num.numerics.merge_bound.merged_linear_bound`, and
 both outputs' distance to the fp64 oracle (:func:`~dora_num.oracles.dora_linear_ref64`).
+:func:`merge_and_unload` merges (with that report) and puts each merged base ``nn.Linear`` back in
+place of its wrapper: the plain model, whose ``save_pretrained`` / ``from_pretrained`` are the
+original class's.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .adapters.peft_io import SPEC_ATTR, AdapterError, AdapterSpec, UnsupportedAdapterError, dora_linear_modules
+from .adapters.peft_io import (SPEC_ATTR, AdapterError, AdapterSpec, SavePeftFormat, UnsupportedAdapterError,
+                                dora_linear_modules, install_save_pretrained)
 from .ops.layer import DoRALinear
+from .ops.norm import clear_base_sq_cache
 
 _log = logging.getLogger("dora_num.wrapper")
 ALL_LINEAR = "all-linear"
@@ -101,7 +109,9 @@ def wrap(model: nn.Module, target_modules, *, r: int = 8, alpha: float = 8, use_
     ``lora_dropout``: as PEFT's ``LoraConfig``; ``adapter_dtype``: dtype of A, B and m (default
     float32 whatever the base dtype, as PEFT's ``autocast_adapter_dtype=True``; None: each
     layer's W dtype).  ``layer_kwargs`` go to :class:`~dora_num.DoRALinear`.  Prints (with
-    ``verbose``) and logs the trainable-parameter count (:func:`trainable_parameters`).
+    ``verbose``) and logs the trainable-parameter count (:func:`trainable_parameters`).  A
+    transformers model's ``save_pretrained`` then writes the adapter in PEFT's format (module
+    docstring); :func:`merge_and_unload` gives the plain model.
     A targeted module that is not an ``nn.Linear`` raises :class:`UnsupportedAdapterError`;
     no module matched raises ``ValueError``.
     """
@@ -139,6 +149,7 @@ def wrap(model: nn.Module, target_modules, *, r: int = 8, alpha: float = 8, use_
         lin = model.get_submodule(n)
         layer = DoRALinear(lin, r, alpha, use_rslora=use_rslora, lora_dropout=lora_dropout,
                            adapter_dtype=adapter_dtype, **layer_kwargs)
+        layer.name = n
         parent, _, child = n.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
     extra = {}
@@ -148,6 +159,7 @@ def wrap(model: nn.Module, target_modules, *, r: int = 8, alpha: float = 8, use_
             extra[f"base_model.model.{mname}.{pname}"] = f"{mname}.{pname}"
     setattr(model, SPEC_ATTR, AdapterSpec(config=None, extra=extra,
                                           modules_to_save=sorted(modules_to_save) if modules_to_save else None))
+    install_save_pretrained(model)
     counts = trainable_parameters(model)
     _log.info("dora_num.wrapper: %d DoRALinear modules; %s", len(names), counts)
     if verbose:
@@ -324,3 +336,32 @@ def unmerge(model: nn.Module) -> int:
             m.unmerge()
             n += 1
     return n
+
+
+def merge_and_unload(model: nn.Module, example_inputs=None, *, probe_rows: int = 64, seed: int = 0,
+                     verbose: bool = False) -> nn.Module:
+    """The plain model: every :class:`~dora_num.DoRALinear` merged (:func:`merge`, with its fidelity
+    report, for the layers not merged yet) and replaced by its base ``nn.Linear``, which holds the merged
+    weight ``W' = fl_t(g (W + sBA))`` in the base dtype ``t`` (PEFT's ``merge_and_unload``).  In place;
+    returns ``model``, with the :class:`MergeReport` as ``model.dora_num_merge_report`` (None where
+    every layer was merged already: :func:`merge` returned its report).  The adapter record and the
+    PEFT-format ``save_pretrained`` are removed, so ``save_pretrained`` / ``from_pretrained`` of the
+    original class give back these outputs bit for bit.  The original weights kept by the merge are
+    dropped (no :func:`unmerge` after this).  ``example_inputs``, ``probe_rows``, ``seed``,
+    ``verbose``: as :func:`merge`."""
+    mods = dora_linear_modules(model)
+    if not mods:
+        raise ValueError("the model has no DoRALinear modules: nothing to merge and unload")
+    report = None
+    if any(not m.merged for m in mods.values()):
+        report = merge(model, example_inputs, probe_rows=probe_rows, seed=seed, verbose=verbose)
+    for n, m in mods.items():
+        clear_base_sq_cache(m.base.weight)
+        parent, _, child = n.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, m.base)
+    for key in (SPEC_ATTR, "save_pretrained"):
+        if key != "save_pretrained" or isinstance(model.__dict__.get(key), SavePeftFormat):
+            model.__dict__.pop(key, None)
+    model.__dict__["dora_num_merge_report"] = report
+    _log.info("dora_num.wrapper.merge_and_unload: %d DoRALinear modules merged into their base nn.Linear", len(mods))
+    return model

@@ -5,12 +5,14 @@ fidelity report."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from torch import nn
 
 import dora_num as dn
+import dora_num.wrapper
 from dora_num.adapters import peft_io
 from dora_num.adapters.peft_io import AdapterError, UnsupportedAdapterError
 from dora_num.oracles import DoRALinearRef64, dora_linear_ref64, peft_dora_linear, peft_dora_params, \
@@ -297,3 +299,109 @@ def test_wrapped_model_at_init_is_its_base_bitwise(kind, dtype):
                                y0.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), n
     got = _hidden(model, ids)
     assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------
+# The way back to a plain checkpoint, and save_pretrained in PEFT's format
+# --------------------------------------------------------------------------
+
+def _saved_base(kind, tmp_path, dtype=torch.float32):
+    """The base model saved and loaded back, so that it knows its name_or_path (as a hub model does)."""
+    base = _minilm(dtype) if kind == "minilm" else tiny_hf_model("llama", dtype=dtype)
+    base.save_pretrained(str(tmp_path / "base"))
+    return type(base).from_pretrained(str(tmp_path / "base")).eval()
+
+
+def _ids(kind):
+    return torch.randint(0, 1000 if kind == "minilm" else 64, (2, 9), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("kind,dtype", [("minilm", torch.float32), ("llama", torch.float32),
+                                        ("llama", torch.bfloat16)], ids=["minilm", "llama", "llama-bf16"])
+def test_merge_and_unload_gives_the_plain_model(kind, dtype, tmp_path):
+    """Every wrapped module back to a plain ``nn.Linear`` holding the merged weight in the base dtype, the
+    merge report within its bound, and ``save_pretrained`` / ``from_pretrained`` of the original class give
+    back the merged model's outputs bit for bit (no missing or unexpected keys)."""
+    model = _saved_base(kind, tmp_path, dtype)
+    cls = type(model)
+    targets = INIT_MODELS[kind][1]
+    dn.wrap(model, targets, r=4, verbose=False)
+    _perturb(model)
+    names = sorted(peft_io.dora_linear_modules(model))
+    ids = _ids(kind)
+    plain = dora_num.wrapper.merge_and_unload(model, {"input_ids": ids})
+    assert plain is model and not peft_io.dora_linear_modules(plain)
+    assert all(type(plain.get_submodule(n)) is nn.Linear and plain.get_submodule(n).weight.dtype == dtype
+               for n in names)
+    report = plain.dora_num_merge_report
+    assert len(report.rows) == len(names) and report.within_bound, str(report)
+    assert not hasattr(plain, peft_io.SPEC_ATTR) and "save_pretrained" not in plain.__dict__
+    want = _hidden(plain, ids)
+    plain.save_pretrained(str(tmp_path / "plain"))
+    assert not (tmp_path / "plain" / peft_io.CONFIG_NAME).exists()
+    back, info = cls.from_pretrained(str(tmp_path / "plain"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert torch.equal(_hidden(back.eval(), ids), want)
+    with pytest.raises(ValueError, match="no DoRALinear modules"):
+        dora_num.wrapper.merge_and_unload(plain)
+
+
+@pytest.mark.parametrize("kind", ["minilm", "llama"])
+def test_save_pretrained_of_a_wrapped_model_writes_peft_s_format(kind, tmp_path):
+    """``save_pretrained`` (and the HF Trainer's ``save_model``) of a wrapped model write PEFT's adapter
+    folder: PEFT's ``PeftModel.from_pretrained``, ``AutoPeftModel*``, transformers' own ``from_pretrained``
+    of the adapter folder (which reads the magnitude key only as ``lora_magnitude_vector.weight``) and
+    this package's loader all give back the model: PEFT's three bitwise alike and held to the fp64 oracle
+    as tests/test_wrap.py's round trip holds them; ours bitwise the wrapped model.  A folder with the
+    wrapped model's own keys is refused by the loader with what to do."""
+    from peft import AutoPeftModel, AutoPeftModelForCausalLM, PeftModel
+    from transformers import Trainer, TrainingArguments
+
+    model = _saved_base(kind, tmp_path)
+    cls = type(model)
+    dn.wrap(model, INIT_MODELS[kind][1], r=4, verbose=False)
+    _perturb(model)
+    ids = _ids(kind)
+    y_ours = _hidden(model, ids)
+    model.save_pretrained(str(tmp_path / "saved"))
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [peft_io.CONFIG_NAME, peft_io.SAFETENSORS_NAME]
+    cfg = json.loads((tmp_path / "saved" / peft_io.CONFIG_NAME).read_text())
+    assert cfg["base_model_name_or_path"] == str(tmp_path / "base")
+    assert cfg["auto_mapping"] == {"base_model_class": cls.__name__, "parent_library": cls.__module__}
+    Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True)
+            ).save_model(str(tmp_path / "trainer"))
+    assert (tmp_path / "trainer" / peft_io.SAFETENSORS_NAME).read_bytes() == \
+        (tmp_path / "saved" / peft_io.SAFETENSORS_NAME).read_bytes()
+
+    y_peft = _hidden(PeftModel.from_pretrained(cls.from_pretrained(str(tmp_path / "base")),
+                                               str(tmp_path / "saved")).eval(), ids)
+    auto = AutoPeftModel if kind == "minilm" else AutoPeftModelForCausalLM
+    assert torch.equal(_hidden(auto.from_pretrained(str(tmp_path / "saved")).eval(), ids), y_peft)
+    assert torch.equal(_hidden(cls.from_pretrained(str(tmp_path / "saved")).eval(), ids), y_peft)
+    back = dn.load_adapter(cls.from_pretrained(str(tmp_path / "base")), tmp_path / "saved").eval()
+    assert torch.equal(_hidden(back, ids), y_ours)
+    ref = copy.deepcopy(model).double()
+    for n, m in peft_io.dora_linear_modules(model).items():
+        parent, _, leaf = n.rpartition(".")
+        setattr(ref.get_submodule(parent), leaf,
+                DoRALinearRef64(m.base.weight, m.base.bias, m.lora_A, m.lora_B, m.magnitude, m.scale))
+    y_ref = _hidden(ref, ids)
+    e_ours, e_peft = float((y_ours.double() - y_ref).abs().max()), float((y_peft.double() - y_ref).abs().max())
+    floor = U32 * float(y_ref.abs().max())
+    assert e_ours <= 2 * e_peft + floor and float((y_ours - y_peft).abs().max()) <= 3 * e_peft + floor
+
+    type(model).save_pretrained(model, str(tmp_path / "wrapped_keys"))  # the class's own method: wrapped keys
+    with pytest.raises(AdapterError, match=r"holds a dora_num-wrapped model's own state dict .*merge_and_unload"):
+        dn.load_adapter(cls.from_pretrained(str(tmp_path / "base")), tmp_path / "wrapped_keys")
+
+
+def test_nonfinite_error_of_a_wrapped_model_names_the_module_and_step():
+    model = dn.wrap(tiny_hf_model("llama"), "all-linear", r=4, verbose=False)
+    ids = _ids("llama")
+    for _ in range(2):
+        _hidden(model, ids)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.lora_B[3, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.mlp\.up_proj \(DoRALinear\(32->48, r=4\)\), forward "
+                                         r"call 3: B contains non-finite values \(0 NaN, 1 Inf\)"):
+        _hidden(model, ids)
