@@ -527,6 +527,20 @@ def test_adapters_added_after_accelerate_are_accelerated(tmp_path, caplog):
     assert dp.restore(pm) == 2 * 14 + 2 and "add_adapter" not in pm.__dict__
 
 
+def test_adapters_added_to_a_model_that_is_not_a_peft_model_are_reported():
+    """``accelerate`` on the LoraModel inside (``peft_model.base_model``): nothing to wrap, so an adapter
+    added later keeps PEFT's path, and ``acceleration_report`` says so (accelerate again serves it)."""
+    from peft import LoraConfig
+
+    pm = _peft("llama")
+    dp.accelerate(pm.base_model, verbose=False)
+    pm.add_adapter("later", LoraConfig(r=2, use_dora=True, target_modules=["q_proj"]))
+    later = [r for r in dp.acceleration_report(pm).rows if r.adapter == "later"]
+    assert len(later) == 2 and all(r.status == dp.KEPT and r.reason == "not accelerated: call accelerate"
+                                   for r in later)
+    assert len(dp.accelerate(pm, verbose=False).accelerated) == 14 + 2
+
+
 def test_a_dtype_change_after_accelerate_is_seen_at_the_next_call(caplog):
     """``.to(torch.float64)``: the next call takes PEFT's float64 path (logged once per layer; bitwise
     PEFT's), the report says so, and accelerate again reports the layers kept (PEFT's variant back);
@@ -581,3 +595,66 @@ def test_pickled_accelerated_model_and_restored_model(tmp_path):
     assert torch.equal(_logits(back, batch), want)
     dp.restore(pm)
     assert b"dora_num" not in pickle.dumps(pm)
+
+
+# --------------------------------------------------------------------------
+# Known differences from PEFT (docs/peft.md), each shown
+# --------------------------------------------------------------------------
+
+def test_peft_s_eval_norm_cache_is_not_followed(monkeypatch):
+    """With PEFT's ``ENABLE_DORA_CACHING`` (off by default) PEFT keeps the weight norm of an eval-mode
+    layer until ``.train()``; after an in-place change of B in eval, PEFT's output uses the stale norm.
+    The accelerated layer keeps its own cache policy (``OpConfig.norm_cache``: recomputed each forward
+    by default), so it gives PEFT's output without the cache (bitwise, dense norm)."""
+    import peft.tuners.lora.dora as peft_dora
+
+    pm = _peft("llama")
+    acc = copy.deepcopy(pm)
+    dp.accelerate(acc, verbose=False, norm="dense")
+    batch = _batch("llama")
+    monkeypatch.setattr(peft_dora, "ENABLE_DORA_CACHING", True)
+    _logits(pm, batch), _logits(acc, batch)  # PEFT caches its norms here
+    with torch.no_grad():
+        for m in (pm, acc):
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(1.5)
+    stale, got = _logits(pm, batch), _logits(acc, batch)
+    monkeypatch.setattr(peft_dora, "ENABLE_DORA_CACHING", False)
+    fresh = _logits(pm, batch)
+    assert torch.equal(got, fresh) and not torch.equal(stale, fresh)
+
+
+def test_training_dropout_base_of_a_16bit_model_with_fp32_adapters():
+    """bf16 base, fp32 adapters (PEFT's default), training with dropout: PEFT forms the compose's base
+    ``dropout(x) W^T`` in the adapters' dtype (fp32, from the fp32 dropped input), the accelerated layer in
+    W's dtype (the dropped input rounded to bf16): not bitwise PEFT's even with the dense norm, and held
+    to the fp64 oracle of that function by the per-tensor criterion (bf16's u).  In eval it is bitwise."""
+    from peft import LoraConfig, get_peft_model
+
+    from dora_num.oracles import _Holder, dora_linear_ref64, peft_dora_params
+
+    torch.manual_seed(3)
+    pm = get_peft_model(_Holder(nn.Linear(40, 24).to(torch.bfloat16)),
+                        LoraConfig(r=4, lora_alpha=8, use_dora=True, lora_dropout=0.3, target_modules=["lin"]))
+    perturb_peft_dora(pm, seed=4)
+    acc = copy.deepcopy(pm)
+    dp.accelerate(acc, verbose=False, norm="dense")
+    x = torch.randn(64, 40, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out = {}
+    for mode in ("eval", "train"):
+        for name, model in (("peft", pm), ("acc", acc)):
+            getattr(model, mode)()
+            torch.manual_seed(9)
+            with torch.no_grad():
+                out[mode, name] = model(x).double()
+    assert torch.equal(out["eval", "acc"], out["eval", "peft"])
+    assert not torch.equal(out["train", "acc"], out["train", "peft"])
+    lyr = pm.base_model.model.lin
+    torch.manual_seed(9)
+    xd = lyr.lora_dropout["default"](x.float()).double()
+    W, b = lyr.get_base_layer().weight.double(), lyr.get_base_layer().bias.double()
+    A, B, m = (t.detach().double() for t in peft_dora_params(lyr))
+    ref = dora_linear_ref64(xd, W, None, A, B, m, float(lyr.scaling["default"])) - xd @ W.T + x.double() @ W.T + b
+    f_acc, f_peft = (float((out["train", k] - ref).norm()) for k in ("acc", "peft"))
+    assert f_acc <= TENSOR_FACTOR * f_peft + U["bf16-autocast"] * float(ref.norm()), (f_acc, f_peft)

@@ -405,3 +405,32 @@ def test_nonfinite_error_of_a_wrapped_model_names_the_module_and_step():
     with pytest.raises(ValueError, match=r"^model\.layers\.1\.mlp\.up_proj \(DoRALinear\(32->48, r=4\)\), forward "
                                          r"call 3: B contains non-finite values \(0 NaN, 1 Inf\)"):
         _hidden(model, ids)
+
+
+def test_trainer_checkpoints_of_a_wrapped_model_are_adapter_folders(tmp_path):
+    """The HF Trainer saves a wrapped model's checkpoints through its save_pretrained: PEFT adapter folders.
+    transformers resumes adapter checkpoints only into a PeftModel and refuses the folder loudly; deleting
+    the instance's save_pretrained gives back transformers' own (the wrapped state dict), which resumes
+    (docs/peft.md)."""
+    from transformers import Trainer, TrainingArguments
+
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (i := torch.randint(0, 64, (8,), generator=gen)), "labels": i} for _ in range(6)]
+
+    def run(model, out, steps, resume=None):
+        args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, report_to=[],
+                                 use_cpu=True, save_strategy="steps", save_steps=2, logging_strategy="no",
+                                 disable_tqdm=True, dataloader_num_workers=0)
+        Trainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint=resume)
+
+    wrapped = lambda: dn.wrap(tiny_hf_model("llama"), "all-linear", r=4, verbose=False)  # noqa: E731
+    run(wrapped(), tmp_path / "a", 2)
+    assert (tmp_path / "a" / "checkpoint-2" / peft_io.CONFIG_NAME).is_file()
+    with pytest.raises(ValueError, match="Can't find a checkpoint index"):
+        run(wrapped(), tmp_path / "a", 4, resume=str(tmp_path / "a" / "checkpoint-2"))
+    first = wrapped()
+    del first.save_pretrained
+    run(first, tmp_path / "b", 2)
+    second = wrapped()
+    del second.save_pretrained
+    run(second, tmp_path / "b", 4, resume=str(tmp_path / "b" / "checkpoint-2"))
