@@ -465,6 +465,26 @@ def test_nonfinite_error_names_module_tensor_and_step(tensor):
         _logits(pm, batch)
 
 
+@pytest.mark.gpu
+def test_nonfinite_error_on_cuda_is_deferred_and_names_the_step():
+    """On CUDA the flag is read without a sync: the error comes at a later call of the operator (a later
+    layer of the same forward, or ``check_pending``), naming the layer and the forward call that produced it."""
+    import dora_num as dn
+
+    pm = _peft("llama").to("cuda")
+    dp.accelerate(pm, verbose=False)
+    batch = _batch("llama", device="cuda")
+    for _ in range(2):
+        _logits(pm, batch)
+    dn.check_pending()
+    with torch.no_grad():
+        pm.base_model.model.model.layers[0].mlp.up_proj.lora_magnitude_vector["default"].weight[2] = float("nan")
+    with pytest.raises(ValueError, match=r"^base_model\.model\.model\.layers\.0\.mlp\.up_proj \[default\] "
+                                         r"\(DoRALinear\(32->48, r=4\)\), forward call 3: m contains non-finite"):
+        _logits(pm, batch)
+        dn.check_pending()
+
+
 def test_nonfinite_under_the_trainer_raises_where_peft_runs_on(tmp_path):
     """A NaN written into one layer's m before step 3: PEFT's Trainer runs on (NaN loss), the
     accelerated one stops at that step's forward naming the layer (docs/peft.md: the stricter choice)."""

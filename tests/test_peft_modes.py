@@ -207,8 +207,9 @@ def test_disable_adapter_in_training_and_eval(kind):
         _check(pm, acc, batch, seed=1)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_the_report_sequence_with_the_default_norm(kind):
+def test_the_report_sequence_with_the_default_norm(kind, device):
     """eval, ``add_adapter(..., lora_dropout=0.1)``, ``set_adapter``, default (factored, cached) norm: two
     identical calls give the same output and it is held to PEFT's by the fp64 oracle (per tensor:
     ``F_acc <= 4 F_peft + u ||ref||_F``, tests/test_peft.py)."""
@@ -223,11 +224,16 @@ def test_the_report_sequence_with_the_default_norm(kind):
     _same_new_adapter((pm, acc), kind, "other", seed=3, lora_dropout=0.1)
     for m in (pm, acc):
         m.set_adapter("other")
+        m.to(device)
     dp.accelerate(acc, verbose=False)
-    batch = _batch(kind)
+    batch = {k: v.to(device) for k, v in _batch(kind).items()}
     with torch.no_grad():
         got, again, want = _out(acc, batch, 0), _out(acc, batch, 1), _out(pm, batch, 0)
         ref = _out(peft_model_ref64(pm), batch, 0)
+        if device == "cuda":
+            import dora_num as dn
+
+            dn.check_pending()
     assert torch.equal(got, again)
     f_acc, f_peft = float((got.double() - ref).norm()), float((want.double() - ref).norm())
     assert f_acc <= TENSOR_FACTOR * f_peft + U["fp32"] * float(ref.norm()), (f_acc, f_peft)

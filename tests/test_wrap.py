@@ -276,15 +276,17 @@ def _hidden(model, ids):
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", list(INIT_MODELS))
-def test_wrapped_model_at_init_is_its_base_bitwise(kind, dtype):
+def test_wrapped_model_at_init_is_its_base_bitwise(kind, dtype, device):
     """A fresh adapter (B = 0, m from the layer's own norm: g == 1 exactly): every wrapped layer's output
     and the model's output are the base model's, bit for bit, with and without a bias (the base output
     ``x W^T + b`` is formed as the base layer forms it and ``delta`` added to it, PEFT's order)."""
     build, targets = INIT_MODELS[kind]
-    base = build(dtype)
+    base = build(dtype).to(device)  # wrapped where it runs: m from the norm of that device
     ids = torch.randint(0, 1000 if kind == "minilm" else 64, (3, 11), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
     want = _hidden(base, ids)
     model = dn.wrap(copy.deepcopy(base), targets, r=4, verbose=False)
     mods = peft_io.dora_linear_modules(model)
@@ -292,8 +294,8 @@ def test_wrapped_model_at_init_is_its_base_bitwise(kind, dtype):
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n, m in mods.items():
-            x = torch.randn(3, 7, m.in_features, generator=gen).to(dtype)
-            assert torch.equal(m.magnitude_scale(), torch.ones(m.out_features)), n
+            x = torch.randn(3, 7, m.in_features, generator=gen).to(device=device, dtype=dtype)
+            assert torch.equal(m.magnitude_scale(), torch.ones(m.out_features, device=device)), n
             y, y0 = m(x), m.base(x)
             assert torch.equal(y.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                y0.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), n
