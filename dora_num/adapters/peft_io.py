@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -656,7 +657,8 @@ class SavePeftFormat:
 
 def install_save_pretrained(model: nn.Module) -> None:
     """Give a wrapped transformers model (``PreTrainedModel``) the :class:`SavePeftFormat` ``save_pretrained``."""
-    if callable(getattr(type(model), "save_pretrained", None)) and hasattr(model, "config"):
+    transformers = sys.modules.get("transformers")  # not imported: the model is not one of its models
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
         model.__dict__["save_pretrained"] = SavePeftFormat(model)
 
 
