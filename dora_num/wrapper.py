@@ -41,7 +41,7 @@ from torch import nn
 from .adapters.peft_io import (SPEC_ATTR, AdapterError, AdapterSpec, SavePeftFormat, UnsupportedAdapterError,
                                 dora_linear_modules, install_save_pretrained)
 from .ops.layer import DoRALinear
-from .ops.norm import clear_base_sq_cache
+from .ops.weight_norm import clear_base_sq_cache
 
 _log = logging.getLogger("dora_num.wrapper")
 ALL_LINEAR = "all-linear"
