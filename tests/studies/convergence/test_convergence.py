@@ -197,7 +197,12 @@ def test_ddp_two_gloo_ranks_match_single_process(tmp_path):
     rounding-level change.  Tolerance: the measured effect of a rounding-level change
     of the same training, the single-process run with every initial magnitude moved
     by one fp32 ulp (``TrainConfig.perturb_seed``): DDP may not move the loss or the
-    gradient norm further than that does, step by step.
+    gradient norm further than that does, step by step.  Rounding-level changes share a scale
+    but not a size (one perturbation left the loss unchanged on some CPUs, and DDP exceeded the
+    largest of three by 2% on another), so the tolerance is 4 times the largest effect of three
+    perturbations (random signs); the defect this guards against, a gradient summed over the two
+    ranks instead of averaged (the single process at twice the learning rate), must exceed it
+    (the test's power, asserted).
     """
     steps = 3
     args = ["--smoke", "--no-dropout", "--seeds", "0", "--no-repeat", "--paths", "eager", "--steps", str(steps),
@@ -214,15 +219,23 @@ def test_ddp_two_gloo_ranks_match_single_process(tmp_path):
     spec = cc.RunSpec("eager", 0)
     hooks = cv.make_hooks(cfg, cv.Distributed())
     single = train(cc.train_config(cfg, spec, evals=False), hooks=hooks)
-    perturbed = train(dataclasses.replace(cc.train_config(cfg, spec, evals=False), perturb_seed=1), hooks=hooks)
     s = pd.DataFrame(single.history).set_index("step")
-    p = pd.DataFrame(perturbed.history).set_index("step")
+    tol = None
+    for seed in (1, 2, 3):
+        perturbed = train(dataclasses.replace(cc.train_config(cfg, spec, evals=False), perturb_seed=seed),
+                          hooks=hooks)
+        effect = (pd.DataFrame(perturbed.history).set_index("step")[["loss", "grad_norm"]]
+                  - s[["loss", "grad_norm"]]).abs()
+        tol = effect if tol is None else np.maximum(tol, effect)
+    tol = 4 * tol.max()
+    base = cc.train_config(cfg, spec, evals=False)
+    summed = train(dataclasses.replace(base, lr=2 * base.lr), hooks=hooks)
+    defect = (pd.DataFrame(summed.history).set_index("step")[["loss", "grad_norm"]] - s[["loss", "grad_norm"]]).abs()
+    assert (tol > 0).all() and (defect.max() > tol).all(), (tol, defect)  # a baseline, and power against the defect
     assert len(ddp) == steps
-    tol = (p[["loss", "grad_norm"]] - s[["loss", "grad_norm"]]).abs()
     diff = (ddp[["loss", "grad_norm"]] - s[["loss", "grad_norm"]]).abs()
-    assert (tol.loss.max() > 0) and (tol.grad_norm.max() > 0)  # the baseline does measure something
-    assert (diff.loss <= tol.loss.max()).all(), (diff, tol)
-    assert (diff.grad_norm <= tol.grad_norm.max()).all(), (diff, tol)
+    assert (diff.loss <= tol.loss).all(), (diff, tol)
+    assert (diff.grad_norm <= tol.grad_norm).all(), (diff, tol)
 
 
 def test_ulp_runs_are_planned_tagged_and_compared(tmp_path):
