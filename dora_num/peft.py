@@ -1,46 +1,11 @@
 """PEFT drop-in: a ``PeftModel``'s DoRA ``Linear`` layers on this package's operator, in place.
 
-:func:`accelerate` replaces, for every PEFT DoRA ``lora.Linear`` it can serve, the
-adapter's entry of the layer's ``lora_variant`` table (PEFT's extension point for LoRA
-variants: ``peft.tuners.lora.layer.LoraVariant``, whose ``forward`` PEFT's
-``Linear.forward`` calls with the base result) by a :class:`DoRAKernelVariant`.  Its
-forward runs :class:`~dora_num.DoRALinear` built by :meth:`~dora_num.DoRALinear.from_peft`
-on PEFT's own parameters (the same ``nn.Parameter`` objects) and PEFT's base result
-(``forward(x, base_out=result)``: the base product is not recomputed), so the factored
-norm with the cached ``rowsum(W*W)``, the compose kernels and their dispatch serve the
-layer while everything else stays PEFT's:
-
-- the state dict is untouched (the variant is not a module), so ``save_pretrained``
-  writes bitwise the files it writes without :func:`accelerate`, and ``from_pretrained``,
-  ``load_adapter`` and the HF ``Trainer`` see a plain ``PeftModel``;
-- merging (``merge_and_unload``, ``merge_adapter``, ``unmerge_adapter``) is PEFT's own
-  (the variant inherits ``DoraLinearVariant``'s merge methods);
-- ``set_adapter``, ``disable_adapter()`` and merged layers are handled by PEFT's
-  ``Linear.forward`` before the variant is reached.
-
-PEFT's modes, read as PEFT's ``DoraLinearVariant.forward`` reads them at each call: where the
-LoRA layer is not training (``module.training``) or its dropout is ``nn.Identity``, no dropout
-and ``base = result - b``; else ``x = dropout(x)`` (the dropout module's own mode) and the
-compose's base recomputed as ``dropout(x) W^T``.  The two flags disagree after e.g.
-``model.eval(); add_adapter(..., lora_dropout=0.1)`` (the new dropout module is in training
-mode): PEFT's rule decides.  The scale is read from ``layer.scaling`` at each call
-(``set_scale``/``scale_layer`` work).  What differs is how ``g`` and the compose are evaluated
-(this package's numerical contract); outputs and gradients are held to PEFT's through their
-distances to the fp64 oracle (``tests/test_peft.py``); every known difference is listed in
-docs/peft.md with the test that shows it.
-
-Not served (the module keeps PEFT's path; the report says which and why): Embedding and Conv
-DoRA, quantized or otherwise non-``nn.Linear`` base layers, float64 base weights (this
-package's ``g`` is fp32), ``fan_in_fan_out`` (transformers' ``Conv1D``), DoRA combined with
-another LoRA variant, ``lora_bias``, ``ephemeral_gpu_offload``.  At call time a layer with more
-than one active adapter (PEFT stacks them), a call with extra variant arguments (aLoRA
-offsets), and a layer whose dtypes or devices changed since :func:`accelerate` into something
-not served (``model.to(torch.float64)``) take PEFT's path too (logged once per layer and
-reason).  On a ``PeftModel``, adapters added by its ``add_adapter``/``load_adapter`` after
-:func:`accelerate` are accelerated when they are added (with the same options; logged).
-:func:`acceleration_report` says where every layer adapter runs now; :func:`restore` puts
-PEFT's variant objects back (the very objects), its methods back, and drops the norm cache
-from the base weights.
+:func:`accelerate` replaces the adapter's entry of each served layer's ``lora_variant`` table (PEFT's
+extension point) by a :class:`DoRAKernelVariant`, whose forward runs :class:`~dora_num.DoRALinear` on
+PEFT's own parameters and PEFT's base result; the state dict, ``save_pretrained``, merging, adapter
+switching and PEFT's training/eval rule for dropout stay PEFT's.  Layers it cannot serve keep PEFT's
+path and are reported with the reason; :func:`restore` undoes it.  Every known difference from PEFT,
+with the test that shows it, and how the module works in full: docs/peft.md.
 """
 
 from __future__ import annotations

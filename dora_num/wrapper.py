@@ -1,31 +1,10 @@
-"""DoRA on any torch / HF model in one call, and merging for inference.
+"""DoRA on any torch / HF model in one call (:func:`wrap`), and merging for inference.
 
-:func:`wrap` (``dn.wrap``) puts a :class:`~dora_num.DoRALinear` on every targeted
-``nn.Linear`` of a model, in place, with PEFT's conventions: ``target_modules`` is a list
-of module names or name suffixes (``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``),
-a regular expression matched against the whole name, or ``"all-linear"`` (every
-``nn.Linear`` except the output embedding of a transformers ``PreTrainedModel``);
-``exclude_modules`` likewise; modules inside ``modules_to_save`` are never targeted.
-Matching is PEFT's own function (``peft.tuners.tuners_utils.check_target_module_exists``).
-Everything else is frozen; the adapters and the ``modules_to_save`` modules are
-trainable.  One difference from PEFT: a ``modules_to_save`` module is trained in place
-(PEFT trains a copy and keeps the original); its parameters are exported under PEFT's
-keys, so ``PeftModel.from_pretrained`` loads them.  :func:`export_peft_dora
-<dora_num.adapters.peft_io.export_peft_dora>` writes the adapter in PEFT's format, and so does
-``save_pretrained`` of a wrapped transformers model (:class:`~dora_num.adapters.peft_io.SavePeftFormat`:
-as a ``PeftModel``'s, never the wrapped modules' own keys, which a plain model would load as
-missing weights).
-
-:func:`merge` merges every :class:`~dora_num.DoRALinear` of a model for inference
-(:meth:`~dora_num.DoRALinear.merge`: the original weights are kept, :func:`unmerge`
-restores them bit for bit) and returns a :class:`MergeReport`: per layer, the error of
-the merged layer's output (in the base dtype) against the unmerged forward on probe
-inputs (the layer's inputs in a forward of ``example_inputs``, or Gaussian rows),
-beside the a-priori bound :func:`~dora_num.numerics.merge_bound.merged_linear_bound`, and
-both outputs' distance to the fp64 oracle (:func:`~dora_num.oracles.dora_linear_ref64`).
-:func:`merge_and_unload` merges (with that report) and puts each merged base ``nn.Linear`` back in
-place of its wrapper: the plain model, whose ``save_pretrained`` / ``from_pretrained`` are the
-original class's.
+:func:`wrap` puts a :class:`~dora_num.DoRALinear` on every targeted ``nn.Linear`` in place, matching
+``target_modules`` with PEFT's own function; a wrapped transformers model saves in PEFT's adapter
+format.  :func:`merge` merges every layer (the original weights kept: :func:`unmerge` restores them bit
+for bit) and reports each merged output's error beside its a-priori bound (lemma 10 of
+docs/bounds.md); :func:`merge_and_unload` returns the plain model.  In full: docs/peft.md.
 """
 
 from __future__ import annotations

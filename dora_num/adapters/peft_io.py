@@ -1,46 +1,11 @@
 """Read and write PEFT DoRA adapters (``adapter_config.json`` + weights).
 
-Format (PEFT >= 0.9; what ``PeftModel.save_pretrained`` writes):
-
-* ``adapter_config.json``: ``peft_type == "LORA"``, ``use_dora == true``, ``r``,
-  ``lora_alpha``, ``use_rslora``, ``target_modules``, optional per-module
-  ``rank_pattern`` / ``alpha_pattern``, ``fan_in_fan_out``.
-* ``adapter_model.safetensors`` (or legacy ``adapter_model.bin``) with, per
-  module ``<name>``: ``base_model.model.<name>.lora_A.weight [r, d_in]``,
-  ``...lora_B.weight [d_out, r]``, ``...lora_magnitude_vector [d_out]``
-  (older writers add ``.weight`` to the magnitude key; both are read).
-
-Scale: ``s = alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
-
-Other entries of the weights file are applied, never dropped: ``modules_to_save``
-copies (``base_model.model.<module>.<param>``, e.g. a classifier head) and the biases
-saved with ``bias="all"`` / ``"lora_only"`` (``<module>.base_layer.bias``) are copied into
-the model's parameters of those names (:func:`apply_to_model`); an entry the model has
-no parameter for is an error.  What is not supported is called so: Embedding DoRA
-(``lora_embedding_A/B``), Conv DoRA (3-D/4-D ``lora_A``), ``lora_B.bias``, and base
-modules that are not ``nn.Linear`` (e.g. transformers' ``Conv1D`` with
-``fan_in_fan_out``).
-
-Round trip: :func:`apply_to_model` keeps the dtypes of A, B, m and records the
-adapter (its ``adapter_config.json`` bytes, key spelling, extra entries) on the model
-(:data:`SPEC_ATTR`), so :func:`export_peft_dora` writes the same file content back:
-bitwise the same ``adapter_model.safetensors`` for unchanged values and the same
-``adapter_config.json`` (tested on adapters saved by PEFT itself).
-
-Export fills the fields PEFT's own ``save_pretrained`` fills: ``base_model_name_or_path`` (given,
-else the model's ``name_or_path`` where it has one) and, where ``task_type`` is None,
-``auto_mapping`` (the model's class and module), so ``AutoPeftModelFor*`` loads the folder.  A new
-export spells the magnitude key ``lora_magnitude_vector.weight`` (:data:`NEW_MAGNITUDE_KEY`: PEFT
-reads both spellings; transformers' ``from_pretrained`` of an adapter folder reads only this one).
-Provenance (:mod:`dora_num.repro.provenance`) goes outside the adapter folder by default, so the
-folder holds exactly PEFT's files (``sidecars=`` of :func:`export_peft_dora`).  A transformers model
-wrapped by :func:`apply_to_model` or :func:`dora_num.wrapper.wrap` saves in this format through its
-``save_pretrained`` (:class:`SavePeftFormat`).
-
-Files are untrusted (docs/contract.md, promise 6): safetensors is preferred; a ``.bin`` is read
-only with ``torch.load(weights_only=True)``, so a pickle that tries to run code is
-refused.  Every malformed input raises :class:`AdapterError` (a ``ValueError``)
-naming the file or key and the problem.
+The format PEFT's ``save_pretrained`` writes (``lora_A``, ``lora_B``, ``lora_magnitude_vector`` per
+module; ``s = alpha / r`` or ``alpha / sqrt(r)``); every other entry is applied or refused, never
+dropped; A, B and m keep their dtypes and an unchanged adapter is written back bitwise.  Files are
+untrusted: safetensors preferred, ``.bin`` only through ``torch.load(weights_only=True)``; a malformed
+input raises :class:`AdapterError` naming the file or key.  The format, the round trip and the export
+fields in full: docs/peft.md.
 """
 
 from __future__ import annotations

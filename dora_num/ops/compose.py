@@ -1,42 +1,12 @@
-"""``compose``: the differentiable DoRA compose, its custom op and its dispatch.
+"""``compose``: the differentiable DoRA compose ``delta = (g-1) base + g (s lora)``, its tiers and dispatch.
 
-Three tiers, one function (every tier computes the contract's forward bit for bit
-and the same elementwise backward; ``dg`` differs only in summation order):
-
-``eager``
-    the torch reference of :mod:`dora_num.ops.reference` inside
-    :class:`ComposeFunction`, whose backward is the documented sequence of
-    :func:`~dora_num.ops.reference.compose_backward_ref` (not autograd's own
-    derivative of the forward, whose operation order is not under our control).
-``fused forward`` (inference)
-    one Triton pass (:func:`dora_num.ops.kernels.compose.compose_fwd`).
-``fused training``
-    a Triton forward and a Triton backward writing ``dlora``, ``dbase`` and the
-    deterministic two-stage ``dg``; when ``g`` needs a gradient the forward saves
-    ``base`` and ``lora`` and the backward recomputes ``inner = s*lora + base``
-    (``OpConfig.recompute_inner``, the default), or the forward writes ``inner``.
-
-``path="auto"`` takes the fused forward for inference on CUDA, the fused
-training tier on CUDA when ``base.numel() >= FUSED_TRAIN_MIN_ELEMENTS`` and the
-eager tier otherwise.  ``path=`` overrides per call; ``OpConfig.compose_path``
-(:mod:`dora_num.ops.config`; environment ``DORA_NUM_COMPOSE_PATH``, read once)
-says what ``"auto"`` resolves to.  The tier taken is counted
-(:func:`dispatch_counts`) and logged at DEBUG level on the ``dora_num.dispatch``
-logger, so tests can assert it.
-
-Configuration.  :func:`compose` reads :func:`~dora_num.ops.config.get_config` once
-per call; the autograd Function keeps that configuration for its backward (which
-autograd may run on another thread, one that does not see the caller's
-:func:`~dora_num.ops.config.override`).
-
-Under ``torch.compile`` the same tiers run inside the ``torch.library`` custom
-ops ``dora_num::compose_fwd`` / ``dora_num::compose_bwd`` (opaque to the
-compiler, so a model compiles with ``fullgraph=True`` and no graph break; the
-fused kernels or the eager reference run inside).  Checks that read tensor
-values (``g`` finite) run inside the op, at run time.  The configuration is a
-trace-time constant there: the tier, and the configuration the ops receive (as
-``OpConfig.key``), are fixed when the graph is traced; TorchDynamo guards on the
-configuration and traces again when it changes (:mod:`dora_num.ops.config`).
+Three tiers, one function, the contract's forward bit for bit on each (docs/contract.md): ``eager``
+(the torch reference in :class:`ComposeFunction`, whose backward is the documented sequence),
+``fused forward`` (one Triton pass) and ``fused training`` (Triton forward and backward, ``dg`` by a
+deterministic two-stage sum).  ``path="auto"`` picks the fused tiers on CUDA (training above
+``FUSED_TRAIN_MIN_ELEMENTS``); the tier taken is counted (:func:`dispatch_counts`).  Under
+``torch.compile`` the same tiers run inside the custom ops ``dora_num::compose_fwd``/``compose_bwd``
+(no host read of ``g``).  In full: docs/operator.md.
 """
 
 from __future__ import annotations

@@ -1,60 +1,13 @@
-"""The operator's switches, in one frozen configuration object.
+"""The operator's switches, in one frozen configuration object (:class:`OpConfig`).
 
-Every choice of implementation that is not an argument of a call lives here: the
-compose tier taken by ``path="auto"``, where the factored norm's tail runs, whether
-``DoRALinear`` folds its output add into the compose pass, where ``dg``'s second
-stage runs, whether the fused backward recomputes ``inner``, the kernels' tile
-sizes, whether Triton runs under its CPU interpreter, how ``DoRALinear`` checks that
-``g`` is finite, and whether kernel launchers poison their buffers (tests).  Nothing in
-the package assigns to another module's globals to change these; studies and tests use
-:func:`override`, and code reads them with :func:`get_config` once per public call
-(the kernel launchers take the caller's configuration as ``config=``, so an autograd
-backward runs under the configuration of its forward, even on autograd's device
-threads, which do not see the forward thread's overrides).
-
-Sources, in order:
-
-1. the process default, built from the environment by :func:`from_env` the first
-   time :func:`get_config` is called (so a variable set after ``import dora_num``
-   but before the first operator call is honoured); :func:`reload` builds it again.
-   (A ``torch.compile`` trace that runs before any eager operator call sees the
-   environment as it was when this module was imported: Dynamo cannot trace
-   :func:`from_env`, so a copy is built at import for it.);
-2. :func:`override`, a context manager whose changes are visible only inside the
-   ``with`` block and only to the thread that entered it (``threading.local``: a
-   thread started inside the block sees the process default), so concurrent
-   studies do not see each other's switches.  (Not ``contextvars``: TorchDynamo
-   cannot trace ``ContextVar.get`` and would break the graph of every compiled
-   layer; it traces a ``threading.local`` lookup and guards on it, below.)
-
-Environment variables (each validated; an invalid value raises ``ValueError``
-naming the variable):
-
-=============================  ===========================================  =========
-variable                       field                                        default
-=============================  ===========================================  =========
-``DORA_NUM_COMPOSE_PATH``      ``compose_path``: auto / eager / fused        auto
-``DORA_NUM_NORM_TAIL``         ``norm_tail``: auto / triton / torch          auto
-``DORA_NUM_FOLD_OUTPUT_ADD``   ``fold_output_add`` (0 / 1)                   1
-``DORA_NUM_DG_TWO_LAUNCH``     ``dg_stage2_in_kernel`` is its negation       0
-``DORA_NUM_RECOMPUTE_INNER``   ``recompute_inner`` (0 / 1)                   1
-``DORA_NUM_RECOMPUTE_LORA``    ``recompute_lora`` (0 / 1)                    1
-``TRITON_INTERPRET``           ``interpret`` (read only: Triton reads it     0
-                               itself at import, so it cannot be overridden)
-=============================  ===========================================  =========
-
-``torch.compile``.  The configuration is a trace-time constant of each compiled graph:
-the compose tier, the output-add fold and the configuration the custom ops receive (the
-string :attr:`OpConfig.key`, so a backward op on another thread cannot see another one)
-are fixed when the graph is traced.  TorchDynamo also guards on what :func:`get_config`
-read (this thread's override slot and the configuration's fields), so a call under
-another configuration is not served by that graph: it is traced again, and a call under
-a configuration seen before reuses its graph (observed with torch 2.13 on CPU,
-``tests/ops/test_compose.py::test_compiled_layer_under_override``: default, override,
-default, the same override, another override: three graphs).  Each distinct
-configuration costs one trace, counted against Dynamo's recompile limit
-(``torch._dynamo.config.recompile_limit``).  Do not enter :func:`override` inside a
-compiled function.
+Every choice of implementation that is not an argument of a call lives here (compose tier, norm tail,
+folds, dg's second stage, recomputes, tiles, finiteness checks, the norm cache).  Sources: the process
+default from the environment (:func:`from_env`, read at the first :func:`get_config`; every variable
+validated and named in its error), and :func:`override`, a thread-local context.  Code reads
+:func:`get_config` once per public call and hands the result down (kernel launchers take
+``config=``), so a backward keeps its forward's configuration.  Under ``torch.compile`` the
+configuration is a trace-time constant guarded by Dynamo (another one traces again).  The
+environment table and the compile behaviour in full: docs/operator.md.
 """
 
 from __future__ import annotations
@@ -83,16 +36,12 @@ _FALSE = ("0", "false", "no", "off")
 class ComposeTiles:
     """Launch geometry of the compose kernels (:mod:`dora_num.ops.kernels.compose`).
 
-    From the GPU suite's tile sweep at 8192x8192 bf16 on the H200
-    (``data/gpu/tile_sweep.csv``).  Forward: every tile of 2048..16384 elements with
-    4 or 8 warps reached 92.0-93.4% of the copy bandwidth, so 4096 / 4 warps.
-    Backward: 64 x 128 with 4 warps was best for both kernels (saved inner 89.1%,
-    recomputed inner 84.0%), against 61-86% / 60-82% for 32-row tiles and 37-88% /
-    31-81% for 128-row tiles; taller tiles also keep the number of row blocks, which
-    enters the dg bound, small.  ``bwd_block_m`` and ``fin_chunk`` fix the order of
-    ``dg``'s sum (its bound: :func:`dora_num.ops.kernels.compose.dg_error_bound`).
-    Under the CPU interpreter each program costs about a millisecond, so
-    :func:`from_env` takes :meth:`for_interpreter` there.
+    From the tile sweep at 8192x8192 bf16 on the H200 (``data/gpu/tile_sweep.csv``): forward tiles of
+    2048..16384 elements all reached 92-93% of the copy bandwidth (4096 / 4 warps kept); backward 64 x 128
+    / 4 warps was best for both kernels, and taller tiles keep the row blocks (which enter the dg bound)
+    few.  ``bwd_block_m`` and ``fin_chunk`` fix the order of ``dg``'s sum
+    (:func:`dora_num.ops.kernels.compose.dg_error_bound`).  The interpreter pays per program:
+    :meth:`for_interpreter`.
     """
 
     fwd_tile_elems: int = 4096  # elements per forward program (BLOCK_M * BLOCK_N)

@@ -1,39 +1,11 @@
 """Finiteness checks that do not drain the device.
 
-The operator's public calls (:func:`~dora_num.ops.compose.compose`,
-:func:`~dora_num.ops.norm.factored_row_norm`, :class:`~dora_num.ops.layer.DoRALinear`) check
-the small ``[d_out]`` vectors they form (``g``, ``wnorm``) for NaN/Inf.  Reading a device
-flag on the host (``bool(t.any())``) waits until the device has run everything queued before
-it: at 8192x8192 bf16 that wait made ``compose``'s public call 2-3x slower than its kernel on
-the H200 (0.19-0.29 ms against 0.10 ms).  Here a device flag is copied into pinned host
-memory behind a CUDA event (``non_blocking``: no wait) and read according to
-``OpConfig.finite_check`` (:func:`watch`):
-
-``"deferred"`` (default)
-    the flag joins this thread's pending list and is read once its event has completed, at
-    the start of any later public call of the operator (:func:`poll`, which never waits:
-    ``Event.query``) or at :func:`check_pending` (which waits).  A non-finite value raises
-    ``ValueError`` there, naming the call that produced it (and, where the inputs are still
-    non-finite, the input at fault); the call itself returned the non-finite result, as any
-    torch operation does.  No host wait anywhere on the fast path:
-    ``torch.cuda.set_sync_debug_mode("error")`` passes and the host keeps running ahead.
-``"late"``
-    :meth:`Watched.check` at the end of the call waits for the event (the work queued up
-    to the flag, not the work queued after it).
-``"sync"``
-    read at once (the device is drained); the A/B baseline.
-``"off"``
-    nothing is checked (timing only).
-
-On the CPU every mode but ``"off"`` reads the flag at once (there is no device to wait for).
-A caller that wants the flag itself asks for it (``return_flag=True`` of ``compose`` and
-``factored_row_norm``) and gets a 0-dim device bool, true iff something was not finite.
-Under CUDA-graph capture no flag is registered (a captured copy would replay into a host
-buffer nobody reads); under ``torch.compile`` the custom ops check inside the op.
-
-Pending flags live per thread (the thread that made the call), at most
-:data:`MAX_PENDING`; beyond that the oldest is waited for (a wait on an event long
-completed in any realistic use).  Pinned buffers are reused once read.
+The operator's public calls check the small ``[d_out]`` vectors they form (``g``, ``wnorm``) through a
+device flag copied to pinned host memory behind a CUDA event and read by ``OpConfig.finite_check``:
+``"deferred"`` (default: at a later call of the operator or at :func:`check_pending`, naming the call;
+no host wait), ``"late"`` (at the end of the call), ``"sync"`` (at once) or ``"off"``.  Reading the flag
+at once made ``compose``'s public call 2-3x slower than its kernel at 8192x8192 bf16 (H200).  On the CPU
+every mode but ``"off"`` reads at once.  In full: docs/operator.md.
 """
 
 from __future__ import annotations

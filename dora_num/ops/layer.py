@@ -1,89 +1,16 @@
 """``DoRALinear``: a frozen ``nn.Linear`` with a DoRA adapter.
 
-``y = x W^T + b + delta``, ``delta = (g-1) * (x W^T) + g * s * (x A^T B^T)``,
-``g = m / ||W + s B A||_row`` with the norm detached (DoRA paper, section 4.3; PEFT
-does the same; ``m / eps`` only on a zero row).  Initialisation follows PEFT's LoRA
-defaults: ``A ~ kaiming_uniform(a=sqrt(5))``, ``B = 0``, ``m = ||W||_row`` (fp32) computed
-by the layer's own norm (:func:`~dora_num.ops.norm.initial_magnitude`: ``eps`` on a zero
-row), so ``g == 1`` exactly at init on every row, rows with tiny or subnormal norms included,
-and the layer's output equals the base layer's bit for bit, with or without a bias (the base output
-``x W^T + b`` is formed as the base layer forms it, ``F.linear(x, W, b)``; the compose takes
-``base = (x W^T + b) - b`` and the layer returns ``(x W^T + b) + delta``: PEFT's order).  This holds
-when the forward recomputes the norm with the code, device and configuration of the init
-(moving the layer to another device recomputes the norm in another summation order).
-``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
-
-``on_cancellation`` (default ``"recompute"``): what the factored norm's cancellation guard does
-with rows it cannot guarantee (:mod:`dora_num.ops.guard`): recompute them in float64,
-``"warn"`` (once per layer), ``"raise"`` (also at construction, where the initial
-magnitude's norm has a row the guard cannot certify: e.g. a row of W with subnormal
-entries), or ``"off"``.  On CUDA the flagged rows are recomputed inside the norm's tail
-kernel (no sync, no second compose); what is to be reported joins the finiteness flag of ``g``
-(deferred: :mod:`dora_num.ops.finite`).  On the CPU the guard acts at once.  Under
-``OpConfig.finite_check="off"`` (a timing switch) the flag is not read, so nothing is reported
-(the recompute still happens).
-
-The norm is the factored one (:func:`~dora_num.ops.norm.factored_row_norm`); the
-forward takes ``g`` from :func:`~dora_num.ops.weight_norm.magnitude_scale_and_flag` (on CUDA
-the norm's tail, the guard, the denominator and a flag are one Triton launch, the flag read
-without a sync: :mod:`dora_num.ops.finite`), and under ``torch.compile`` through the custom op of
-:func:`~dora_num.ops.weight_norm.weight_den`, so the layer compiles with
-``fullgraph=True``.  ``rowsum(W*W)`` is cached for the frozen W and recomputed when W
-changes (its storage, version counter, shape or dtype).  Without bias and dropout
-the output add ``base + delta`` runs in the compose's pass (bitwise the same;
-``OpConfig.fold_output_add``).
-
-Seams for studies (instead of replacing this module's functions):
-
-- ``norm=``: ``"cached"`` (the default above), ``"factored"`` (the factored norm
-  without the cache of ``rowsum(W*W)``) or ``"dense"``
-  (:func:`~dora_num.ops.norm.dense_row_norm`, which materialises ``W + sBA``); the
-  magnitude's initial value comes from the same norm.  (``"dense"`` does not compile
-  with ``fullgraph=True``: it checks its inputs' values eagerly; measured with torch 2.13,
-  ``"cached"`` and ``"factored"`` do.)
-- ``compose_fn=``: called instead of :func:`dora_num.ops.compose.compose`, with its
-  signature ``compose_fn(base, lora, g, scale, *, path, out)``; it returns ``delta``
-  and the layer adds ``base`` (and the bias) itself.
-- ``forward(x, g=...)``: a given fp32 ``g [out_features]`` is used as it is (the
-  layer's own norm is not computed; ``g`` is still checked for finiteness).
-
-Adapter dtypes.  ``A``, ``B`` and ``m`` keep the dtype they are given: freshly
-initialised ones are ``adapter_dtype`` (default float32, as PEFT's
-``autocast_adapter_dtype=True`` keeps them whatever the base dtype), given ones
-(``lora_A=``, ``lora_B=``, ``magnitude=``: the same ``nn.Parameter`` objects, not copies)
-keep theirs.  What runs in which dtype (``t`` the dtype of W):
-
-- ``torch.autocast`` (e.g. bf16) on, fp32 adapters: the base product ``x W^T`` and the
-  two LoRA products run in the autocast dtype (autocast casts ``x``, ``A`` and ``B`` per
-  call; fp32 accumulation on tensor cores), ``base`` and ``lora`` come out in it and the
-  compose runs its fp32 sequence on them and rounds once to it.  The norm runs with
-  autocast off: ``base_sq`` fp32 (cached), ``U = W A^T`` and ``G = A A^T`` in fp32,
-  ``g`` fp32.  Gradients: ``dlora`` in the autocast dtype (as PEFT's under autocast),
-  ``A.grad``, ``B.grad`` and ``m.grad`` fp32, so an optimizer updates fp32 values.
-- autocast off, adapters wider than ``t`` (fp32 ``A``, ``B`` on a bf16 W): ``x`` is
-  cast to the adapter dtype for the LoRA products (exact), ``lora`` is fp32, ``base``
-  is promoted to fp32 (exact), the compose runs in fp32, ``base + delta`` is summed in
-  fp32 and rounded once to ``t`` (PEFT's sequence: its fp32 ``result_dora`` is added to
-  the 16-bit ``result`` and the sum cast back); ``dlora`` stays fp32.
-- adapters of W's dtype: as before (one dtype throughout).
-
-PEFT drop-in.  ``forward(x, base_out=...)`` takes the base layer's output
-``x W^T + b`` already computed by the caller (PEFT's ``lora.Linear`` computes it
-before its DoRA variant runs): the base product is not recomputed, ``base =
-base_out - b`` (PEFT's own arithmetic) enters the compose, and the layer returns
-``base_out + delta``; ``x`` may then be in the adapter dtype (PEFT casts it).
-:meth:`from_peft` builds a layer on a PEFT DoRA ``Linear``'s own parameters
-(:func:`dora_num.peft.accelerate` uses it).
-
-Merging (inference): :meth:`merge` writes ``W' = g * (W + s B A)`` (fp32, rounded once
-to W's dtype) into W in place and keeps a copy of the original W, so :meth:`unmerge`
-restores it bit for bit (``W'`` cannot be inverted exactly: the rounding of ``W'`` to
-a 16-bit dtype and of ``W'/g - sBA`` lose about ``u |W|`` per element).  While merged,
-the forward is the base layer's.  Error bound of the merged output:
-:func:`dora_num.numerics.merge_bound.merged_linear_bound`; per-layer report:
-:func:`dora_num.wrapper.merge`.
-
-The switches of :mod:`dora_num.ops.config` are read once per forward.
+``y = x W^T + b + delta``, ``delta = (g-1) (x W^T) + g s (x A^T B^T)``, ``g = m / ||W + s B A||_row``
+with the norm detached (``m / eps`` only on a zero row).  PEFT's initialisation (``B = 0``, ``m`` the
+layer's own norm), so ``g == 1`` exactly at init and the layer is bitwise its base layer, bias or not.
+The norm is the cached factored one with its cancellation guard (:mod:`dora_num.ops.weight_norm`: one
+Triton launch and a flag read late on CUDA; a stateless custom op under ``torch.compile``); the
+compose is :mod:`dora_num.ops.compose`, in training one node with the up-projection that keeps ``x A^T``
+instead of ``lora`` (:mod:`dora_num.ops.lora_compose`).  Adapters keep their dtype (fp32 by default,
+as PEFT keeps them); under autocast the products run in the autocast dtype and the compose in fp32.
+Seams (``norm=``, ``compose_fn=``, ``forward(x, g=..., base_out=...)``), the dtype rules, the PEFT
+drop-in and merging in full: docs/operator.md.  :func:`check_flags` reads what compiled forwards
+flagged.
 """
 
 from __future__ import annotations

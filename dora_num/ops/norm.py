@@ -206,12 +206,8 @@ def _base_and_zero_rows(W: torch.Tensor, chunk_bytes, cfg: OpConfig, zero: bool 
         return acc, zero_rows
 
 
-# Temporaries of the torch tail's cross/Gram terms: three [rows, r] fp32 blocks.  24 MiB
-# keeps 8192 x r=384 to two row blocks, since the loop is bound by launches (on the H200,
-# seven blocks of 6 MiB cost ~0.9 ms of the cached norm at 8192x8192 against ~0.1 ms of
-# GEMMs; a reading not kept in data/).  With 24 MiB the cached norm takes 0.46 ms there,
-# and 0.23 ms with the tail kernel that replaced this loop on CUDA (bf16, r=384:
-# data/gpu/norm_bench.csv).
+# The torch tail's three [rows, r] fp32 blocks: 24 MiB keeps 8192 x r=384 to two row blocks, since the
+# loop is bound by its launches (the CUDA default is the tail kernel: data/gpu/norm_bench.csv)
 ROW_CHUNK_BYTES = 24 * 2**20
 
 

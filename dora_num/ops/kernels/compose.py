@@ -1,60 +1,15 @@
 """Fused Triton kernels of the DoRA compose: forward, training forward, backward.
 
-Math and operation order (the contract, docs/contract.md; the sequences of
-:mod:`dora_num.numerics.formulas` under :class:`~dora_num.numerics.arithmetic.TorchFP32`,
-as evaluated by :mod:`dora_num.ops.reference`).  Per element, ``g = g[col]``,
-inputs upcast to fp32 (exact), every operation one fp32 rounding::
+Per element, inputs upcast to fp32, each operation one rounding (the sequence of
+:mod:`dora_num.numerics.formulas`, as :mod:`dora_num.ops.reference` evaluates it)::
 
-    gm1   = g - 1              # exact for g in [0.5, 2] (Sterbenz)
-    sl    = s * lora
-    t     = g * sl
-    out   = gm1 * base + t     # mul, then add: two roundings, NOT an FMA
-    inner = sl + base          # == muladd(s, lora, base) of compose_inner
-    -> out rounded once to the activation dtype
-    y     = base + out         # ADD_BASE (the layer's output): out rounded first, then
-                               # one fp32 add rounded once: torch's add of the two tensors
+    gm1 = g - 1;  sl = s * lora;  out = gm1 * base + g * sl  (mul, then add: no FMA)
+    inner = sl + base;  backward: dlora = (g s) D,  dbase = gm1 D,  dg = sum_rows(inner D)
 
-Backward, upstream gradient ``D``::
-
-    gs    = g * s              # once per column
-    dlora = gs * D             # rounded once to D's dtype
-    dbase = gm1 * D            # ADD_GRAD: D + dbase (rounded first), as autograd
-                               # accumulates base's two gradients under ADD_BASE
-    dg    = sum_rows(inner * D)   # two-stage, deterministic (below)
-
-Contraction.  Triton contracts ``a*b + c`` into ``fma.rn.f32`` by default
-(docs/platform.md: 23.5% of compose outputs then differ from eager on unit-size operands).  We launch
-every kernel with ``enable_fp_fusion=False`` rather than inserting store/reload
-barriers: it is one compile flag, it removes *every* contraction in the kernel
-(a barrier protects only the place it is put), it costs nothing at run time
-(the kernel is memory bound; mul+add vs fma is invisible), and the emitted PTX
-is checked for the absence of ``fma.rn.f32`` by the GPU suite.
-
-dg reduction and its bound.  Stage 1: program ``(i, j)`` sums the fp32 products
-``inner*D`` of its ``BLOCK_M`` rows with ``tl.sum`` (in an order fixed at compile
-time by the tile's layout: on the H200 each thread adds its column's 64 rows in one
-chain) into ``partials[i, cols_j]``.  Stage 2: for each column
-block, the ``nb = ceil(M / BLOCK_M)`` partials are added in a fixed order
-(chunks of ``fin_chunk`` row blocks in sequence, an order inside each chunk fixed
-by the tile shape), by the last program of that column block to finish stage 1 (found with
-an integer arrival counter; ``OpConfig.dg_stage2_in_kernel``, the default) or by a
-second launch.  The in-kernel mode saves a launch because the fused training step is
-bound by the host at 8192x8192 bf16 (H200: 474 us of wall time per step, all of it
-host time; ``data/gpu/host_overhead.log``); its order is fixed but belongs to the backward's
-``bwd_block_m x bwd_max_block_n`` tile rather than to the stage-2 kernel's
-``fin_chunk x fin_block_n`` tile, so the two modes need not agree bitwise (each is
-deterministic and within the same bound).  No
-float atomics: the result is bitwise reproducible run to run.  With products ``p_k`` each
-rounded once, standard model: ``|dg_hat - dg| <= gamma_{A+1} * sum_k |inner_k D_k|``
-where ``A`` is the most additions any product passes through:
-``BLOCK_M - 1`` in stage 1 (any order ``tl.sum`` takes), then inside a chunk of
-partials and along the sequence of chunk sums in stage 2
-(:func:`dora_num.numerics.bounds.dg_max_additions` counts them; :func:`dg_error_bound`),
-``gamma_n = n u / (1 - n u)``, ``u = 2^-24``.
-
-Non-contiguous inputs are copied to contiguous (documented cost: one extra
-pass); the in-place forward refuses a non-contiguous destination.  Empty
-inputs return empty outputs without a launch.
+Every kernel is launched with ``enable_fp_fusion=False``, so the outputs are bitwise the eager
+reference's.  ``dg`` is a fixed-order two-stage sum (per-block partials, then chunks in sequence; no
+float atomics): ``|dg^ - dg| <= gamma_{A+1} sum |inner D|`` (:func:`dg_error_bound`).  The sequence,
+the ``ADD_BASE``/``ADD_GRAD`` folds and the reduction order in full: docs/operator.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Triton norm assembly ``wnorm = sqrt(max(base_sq + 2s*cross + s^2*ba, 0))``, in variants.
 
-The sequence is :func:`dora_num.numerics.formulas.norm_assembly`::
-
-    t = 2s * cross + base_sq      # place 1 where a compiler may contract
-    t = s^2 * ba + t              # place 2
-    t = max(t, 0)                 # NaN propagates, as torch.clamp_min
-    wnorm = sqrt(t)
-
-Variants (the FMA/sqrt study of notebook 02):
-
-- ``fp_fusion``: ``False`` launches with ``enable_fp_fusion=False`` (mul then add,
-  two roundings, bitwise equal to eager torch); ``True`` lets Triton contract
-  both places into ``fma.rn.f32``.
-- ``sqrt``: ``"approx"`` is ``tl.sqrt`` (``sqrt.approx.ftz.f32`` on the H200,
-  1 ulp off on ~17% of inputs); ``"rn"`` is ``tl.sqrt_rn`` (``sqrt.rn.f32``);
-  ``"ptx"`` is inline PTX ``sqrt.rn.f32`` (not available under the interpreter).
-
-Production: ``fp_fusion=False, sqrt="rn"``: bitwise equal to
-``norm_assembly(TorchFP32, ...)`` on CUDA (whose ``torch.sqrt`` is correctly
-rounded) and to :class:`~dora_num.numerics.arithmetic.TorchFP32CorrectSqrt`
-everywhere.  The assembly is O(d_out) work; this kernel exists to study (and pin
-down) what a fused implementation does, and its sequence (:func:`assemble`) is the
-one the production tail kernel of :mod:`.norm_tail` runs on every forward.
+The sequence of :func:`dora_num.numerics.formulas.norm_assembly` (:func:`assemble`, shared with the
+production tail of :mod:`.norm_tail`).  Variants for notebook 02's study: ``fp_fusion`` (contraction of
+the two multiply-adds into FMA) and ``sqrt`` (``"approx"``: ``tl.sqrt``, 1 ulp off on about 17% of
+inputs on the H200; ``"rn"``: ``tl.sqrt_rn``; ``"ptx"``: inline ``sqrt.rn.f32``).  Production,
+``fp_fusion=False, sqrt="rn"``, is bitwise ``norm_assembly(TorchFP32CorrectSqrt, ...)``.  In full:
+docs/operator.md.
 """
 
 from __future__ import annotations
