@@ -212,7 +212,7 @@ def _():
 @section("bench")
 def _():
     sys.path.insert(0, ".")
-    from dora_num.studies.speed.model_bench import Shape, adapter_state, build_base, make_variant, set_checkpointing
+    from dora_num.studies.speed.model_variants import Shape, adapter_state, build_base, make_variant
     out = {}
     shape = Shape(layers=1)
     base = build_base(shape, "cuda")

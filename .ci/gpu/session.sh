@@ -12,6 +12,10 @@
 #   final  at the commit to be resolved: all gpu-marked tests beside the exhaustive checks (a
 #          correctness record: its timings are not claims), then alone on the GPU the guard's cost
 #          and the model-level suite with the time left                      -> $OUT/session_final.tgz
+#   compiled the compile-native operator's device probe (.ci/gpu/compile_probe.py), the gpu tests of the
+#          operator and the PEFT paths, then the model rows under torch.compile (default and
+#          reduce-overhead) at $MODEL_RANKS (default 64; one call per rank: each compile ~35 s)
+#                                                                            -> $OUT/session_compiled.tgz
 #   verify the gpu-marked tests of $VERIFY_TESTS (default: all), then the guard's cost
 #                                                                            -> $OUT/session_verify.tgz
 #
@@ -79,10 +83,19 @@ case "${1:-}" in
       --git-sha "$SHA"
     pack final
     ;;
+  compiled)  # the compile-native operator: its device probe, the ops/PEFT gpu tests, then the compiled model rows
+    job probe 200 python3 .ci/gpu/compile_probe.py "$W" kernels layer peft
+    job pytest 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests/ops tests/test_peft.py \
+      tests/test_peft_modes.py tests/test_wrap.py tests/test_compiled_peft.py
+    left=$(( 575 - ($(date +%s) - t0) ))
+    job model "$left" python3 -m dora_num record model --out "$W/model" --rounds "${MODEL_ROUNDS:-2}" \
+      --ranks ${MODEL_RANKS:-64} --compile default reduce-overhead --git-sha "$SHA"
+    pack compiled
+    ;;
   verify)  # after fixes: the gpu-marked tests of the named files (VERIFY_TESTS), then the guard's cost alone
     job pytest 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 ${VERIFY_TESTS:-tests}
     job guard 420 python3 -m dora_num record guard-cost --out "$W/guard" --git-sha "$SHA"
     pack verify
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|verify" >&2; exit 2 ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|verify" >&2; exit 2 ;;
 esac

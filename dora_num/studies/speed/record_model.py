@@ -32,6 +32,9 @@ from .model_variants import (FULL, MODES, RANKS, SEED, SMOKE, SMOKE_RANKS, VARIA
 
 ROUNDS, REPS = 5, 3
 SMOKE_ROUNDS, SMOKE_REPS = 2, 2
+# torch.compile of the PEFT-default variants (fp32 adapters): what a PEFT user who compiles runs
+COMPILE_MODES = ("default", "reduce-overhead")
+COMPILED_VARIANTS = ("lora_fp32", "peft_fp32", "dora_num_fp32")
 
 
 def _log(msg: str) -> None:
@@ -127,9 +130,126 @@ def bench_rank(shape: Shape, r: int, device: str, *, rounds: int, reps: int, var
     return rows, full_fid
 
 
+class CompiledRunner:
+    """``train`` (forward + backward) and ``infer`` of ``torch.compile(model, mode=...)``.  Under
+    ``reduce-overhead`` every step starts with ``cudagraph_mark_step_begin`` (the previous step's
+    outputs may be overwritten: a training loop's contract with CUDA graphs)."""
+
+    def __init__(self, model, ids, device: str, mode: str, backend: str = "inductor"):
+        self.ids, self.device, self.mode = ids, device, mode
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.model = torch.compile(model, mode=None if mode == "default" else mode, backend=backend)
+
+    def _step_begin(self):
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def train(self):
+        self._step_begin()
+        for p in self.params:
+            p.grad = None
+        with torch.autocast(self.device, dtype=torch.bfloat16):
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        loss.backward()
+        return loss.detach()
+
+    def infer(self):
+        self._step_begin()
+        with torch.no_grad(), torch.autocast(self.device, dtype=torch.bfloat16):
+            return self.model(input_ids=self.ids).logits.clone()
+
+
+def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int, base, state,
+                   modes=COMPILE_MODES, variants=COMPILED_VARIANTS, checkpointing=(False, True),
+                   backend: str = "inductor") -> list[dict]:
+    """Rows of :func:`bench_rank`'s schema with ``compile`` set: each variant compiled in each mode,
+    ``train`` (and ``infer`` without checkpointing), interleaved rounds, the compile time (the warm-up
+    calls) and the peak extra memory."""
+    from ...ops.layer import check_flags
+
+    gen = torch.Generator(device="cpu").manual_seed(SEED + r)
+    ids = torch.randint(0, shape.vocab, (1, shape.tokens), generator=gen).to(device)
+    rows = []
+    for ckpt in checkpointing:
+        phases = ("train",) if ckpt else ("train", "infer")
+        for mode in modes:
+            runners, compile_s, peaks = {}, {}, {}
+            for v in variants:
+                model = make_variant(v, base, r, state)
+                set_checkpointing(model, ckpt)
+                run = runners[v] = CompiledRunner(model, ids, device, mode, backend)
+                for ph in phases:
+                    t = time.time()
+                    for _ in range(3):  # trace, compile, record (CUDA graphs), replay
+                        getattr(run, ph)()
+                    _sync(device)
+                    compile_s[v, ph] = time.time() - t
+                    peaks[v, ph] = peak_extra(getattr(run, ph), device)
+                if v.startswith("dora_num"):
+                    check_flags(model)  # every flag the compiled steps raised: read once, here
+            times = {(v, ph): [] for v in runners for ph in phases}
+            for _ in range(rounds):
+                for v, run in runners.items():
+                    for ph in phases:
+                        times[v, ph].append(statistics.median(time_steps(getattr(run, ph), reps, device)))
+            for (v, ph), per_round in times.items():
+                rows.append({"variant": v, "rank": r, "checkpointing": ckpt, "mode": ph, "compile": mode,
+                             "ms": statistics.median(per_round), "ms_min_round": min(per_round),
+                             "ms_max_round": max(per_round), "rounds_ms": ";".join(f"{t:.4f}" for t in per_round),
+                             "reps_per_round": reps, "peak_extra_bytes": peaks[v, ph],
+                             "compile_s": compile_s[v, ph], "tokens": shape.tokens, "layers": shape.layers,
+                             "hidden": shape.hidden, "intermediate": shape.intermediate, "device": device})
+            _log(f"r={r} checkpointing={ckpt} compile={mode}: " + ", ".join(
+                f"{v} {statistics.median(times[v, 'train']):.1f} ms" for v in runners))
+            del runners
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 # --------------------------------------------------------------------------
 # Fidelity
 # --------------------------------------------------------------------------
+
+
+def g_error_rows(base, r: int, state: dict, device: str, *, backend: str = "inductor") -> list[dict]:
+    """The error of ``g`` each path pays, per projection of the first layer: PEFT's DoRA layer
+    (its own ``get_weight_norm`` on its ``W + s lora_B(lora_A(I))``, under bf16 autocast as in training)
+    eager and compiled, and this operator's (``weight_den``) eager and compiled, against ``m / ||W +
+    sBA||`` in float64 from the same fp32 adapter: ``max |g - g64| / |g64|`` and the same over
+    ``max |g64 - 1|`` (the error against the signal ``g - 1`` the compose scales)."""
+    from ...ops.weight_norm import weight_den
+    from ...oracles import row_norm_ref64
+
+    pm = make_variant("peft_fp32", base, r, state)
+    rows = []
+    layer0 = pm.get_base_model().model.layers[0]
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.down_proj"):
+        mod = layer0.get_submodule(name)
+        W = mod.get_base_layer().weight.detach()
+        A, B = mod.lora_A["default"].weight.detach(), mod.lora_B["default"].weight.detach()
+        dora, s = mod.lora_magnitude_vector["default"], mod.scaling["default"]
+        m = dora.weight.detach()
+        g64 = m.double() / row_norm_ref64(W, A, B, s)
+
+        def peft_g():
+            x_eye = torch.eye(A.shape[1], device=A.device, dtype=A.dtype)  # PEFT's DoRA forward, up to g
+            lora_weight = mod.lora_B["default"](mod.lora_A["default"](x_eye)).T
+            wn = dora.get_weight_norm(W.to(A.dtype), lora_weight.detach(), s).detach()
+            return m / wn
+
+        paths = {"peft_eager": peft_g, "peft_compiled": torch.compile(peft_g, backend=backend),
+                 "dora_num_eager": lambda: m / weight_den(W, A, B, s, m),
+                 "dora_num_compiled": torch.compile(lambda: m / weight_den(W, A, B, s, m), backend=backend)}
+        for path, fn in paths.items():
+            with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+                g = fn().double()
+            err = (g - g64).abs().max() / g64.abs().max()
+            rows.append({"probe": "g_error", "what": path, "shape": f"{name} {W.shape[1]}->{W.shape[0]} r={r}",
+                         "value": float(err), "unit": "max rel",
+                         "rel_to_gm1": float((g - g64).abs().max() / (g64 - 1).abs().max())})
+    del pm
+    return rows
 
 
 # --------------------------------------------------------------------------
@@ -224,11 +344,14 @@ def probe(device: str, *, smoke: bool, copy_gbps: float | None) -> list[dict]:
 
 def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps: float | None = None,
         ranks=None, rounds: int | None = None, reps: int | None = None, shape: Shape | None = None,
-        checkpointing=(False, True)) -> dict:
+        checkpointing=(False, True), compile_modes=None, compile_backend: str = "inductor") -> dict:
     """The whole section: timings, agreement, probe, predictions; CSVs under ``out``
     (``model_bench.csv``, ``model_agreement.csv``, ``model_probe.csv``, ``model_predictions.csv``).
     Full sizes on CUDA; tiny ones with ``smoke`` or on the CPU (the eager tier).  ``ranks``,
-    ``rounds``, ``reps``, ``shape``, ``checkpointing`` override the defaults (tests)."""
+    ``rounds``, ``reps``, ``shape``, ``checkpointing`` override the defaults (tests);
+    ``compile_modes`` (e.g. :data:`COMPILE_MODES`; default none: each compile of the 4-layer decoder
+    takes about 35 s): the compiled rows (``compile`` column; ``"eager"`` for the others) and the
+    per-path g error (``model_probe.csv``)."""
     import pandas as pd
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -244,22 +367,30 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
     t0 = time.time()
     rows, fid = [], []
     base = build_base(shape, device)
+    compile_modes = tuple(compile_modes or ())
+    g_rows = []
     for r in ranks:
         rr, ff = bench_rank(shape, r, device, rounds=rounds, reps=reps, base=base, checkpointing=checkpointing)
-        rows += rr
+        rows += [dict(row, compile="eager") for row in rr]
         fid += ff
+        if compile_modes:
+            state = adapter_state(base, r)
+            rows += bench_compiled(shape, r, device, rounds=rounds, reps=reps, base=base, state=state,
+                                   modes=compile_modes, checkpointing=checkpointing, backend=compile_backend)
+            g_rows += g_error_rows(base, r, state, device, backend=compile_backend)
+            del state
         pd.DataFrame(rows).to_csv(out / "model_bench.csv", index=False, lineterminator="\n")
     del base
     fid += agreement(device, ranks=(ranks[0],) if small else (16, 64))
     pd.DataFrame(fid).to_csv(out / "model_agreement.csv", index=False, lineterminator="\n")
-    pd.DataFrame(probe(device, smoke=smoke, copy_gbps=copy_gbps)).to_csv(out / "model_probe.csv", index=False,
-                                                                          lineterminator="\n")
+    pd.DataFrame(probe(device, smoke=smoke, copy_gbps=copy_gbps) + g_rows).to_csv(
+        out / "model_probe.csv", index=False, lineterminator="\n")
     preds = [{"rank": r, "checkpointing": c, "variant": v, "predicted_ms": t}
              for r in ranks for c in (False, True) for v, t in predict(shape, r, c, **(
                  {"copy_gbps": copy_gbps} if copy_gbps else {})).items()]
     pd.DataFrame(preds).to_csv(out / "model_predictions.csv", index=False, lineterminator="\n")
     summary = {"shape": asdict(shape), "ranks": list(ranks), "rounds": rounds, "reps": reps, "device": device,
-               "wall_s": time.time() - t0, "smoke": smoke}
+               "compile_modes": list(compile_modes), "wall_s": time.time() - t0, "smoke": smoke}
     _log(f"model section done in {summary['wall_s']:.0f} s")
     return summary
 
@@ -298,6 +429,9 @@ def build_parser(prog: str = "dora-num record model", name: str = "model"):
                         out="output folder (model_*.csv, device.json)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
     p.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {ROUNDS}; smoke {SMOKE_ROUNDS})")
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help=f"ranks (default {' '.join(map(str, RANKS))})")
+    p.add_argument("--compile", nargs="+", choices=(*COMPILE_MODES, "none"), default=None,
+                   help="torch.compile modes of the compiled rows (default: none, eager only)")
     return p
 
 
@@ -314,6 +448,8 @@ def record(a) -> int:
     desc = describe(device, a.smoke)
     if a.git_sha:
         desc["git_sha"] = a.git_sha
-    desc["model"] = run(out, smoke=a.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"), rounds=a.rounds)
+    modes = None if a.compile is None else tuple(m for m in a.compile if m != "none")
+    desc["model"] = run(out, smoke=a.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"), rounds=a.rounds,
+                        ranks=a.ranks, compile_modes=modes)
     (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
     return 0
