@@ -27,9 +27,9 @@ def _underflow_sites(X, Y) -> np.ndarray:
     return n
 
 
-def _factored_parts(W, A, B, s, tensor_core_products):
+def _factored_parts(W, A, B, s, products: str):
     """Exact terms (float64, with their evaluation error) and a-priori term error bounds
-    of the factored norm (lemma 4, docs/bounds.md)."""
+    of the factored norm (lemma 4, docs/bounds.md) under the product model ``products``."""
     W, A, B = (finite64(n, x) for n, x in (("W", W), ("A", A), ("B", B)))
     d, r = W.shape[1], A.shape[0]
     u, eta = U32, ETA32
@@ -46,16 +46,22 @@ def _factored_parts(W, A, B, s, tensor_core_products):
     M_a = (BAA * aB).sum(1)  # || |B| |A| ||^2
     cross = (B * fo.matmul(W, A.T)).sum(1)
     ba = (fo.matmul(B, A) ** 2).sum(1)
-    # products exact on tensor cores (16-bit inputs) but the accumulator may truncate: 2u per addition
-    dp = 2 * d if tensor_core_products else d
-    add_abs = (d - 1) * TINY32 if tensor_core_products else 0.0  # a subnormal partial sum flushed to 0
+    # per entry of U and G: |dU_jk| <= c (|W||A|^T)_jk + abs_jk (lemma 4's product models)
     n_base = ((W != 0) & (W * W < TINY32)).sum(1)  # squares that may underflow
-    n_U = _underflow_sites(W, A)  # [d_out, r]
-    n_G = _underflow_sites(A, A)  # [r, r]
-    g_b, g_c, g_a = gamma(d, u), gamma(dp + r, u), gamma(dp + 2 * r, u)
-    # |U^ - U| <= gamma_dp (|W||A|^T) + (1 + gamma_dp)(n_U eta + add_abs); the r products B*U^, r - 1 adds
-    uf_c = (1 + g_c) * ((aB * (n_U * eta + add_abs)).sum(1) + r * eta)
-    uf_a = (1 + g_a) * (fo.matmul(aB, n_G * eta + add_abs) * aB).sum(1) + (1 + g_a) * (aB.sum(1) * r * eta + r * eta)
+    if products == "fp64":  # float64 sums of exact products, rounded once to fp32 (one underflow site)
+        c = u + (1 + u) * gamma(2 * d, U64)
+        abs_U, abs_G = np.full((W.shape[0], r), eta), np.full((r, r), eta)
+    else:
+        tc = products == "tensor_core"  # exact products, an accumulator that may truncate and flush partial sums
+        c = gamma(2 * d if tc else d, u)
+        add_abs = (d - 1) * TINY32 if tc else 0.0
+        abs_U = _underflow_sites(W, A) * eta + add_abs  # [d_out, r]: every product an underflow site
+        abs_G = _underflow_sites(A, A) * eta + add_abs  # [r, r]
+    g_b, g_r, g_2r = gamma(d, u), gamma(r, u), gamma(2 * r, u)
+    g_c, g_a = g_r + (1 + g_r) * c, g_2r + (1 + g_2r) * c
+    # cross = sum_k B_k U^_k (r products, r - 1 additions); ba = sum_l (B G^)_l B_l (r more of each)
+    uf_c = (1 + g_r) * ((aB * abs_U).sum(1) + r * eta)
+    uf_a = (1 + g_2r) * ((fo.matmul(aB, abs_G) * aB).sum(1) + aB.sum(1) * r * eta + r * eta)
     e_base = g_b * base + (1 + g_b) * n_base * eta
     e_cross = g_c * M_c + uf_c
     e_ba = g_a * M_a + uf_a
@@ -76,7 +82,7 @@ def _factored_parts(W, A, B, s, tensor_core_products):
 
 
 def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False, split_pieces: int | None = None,
-                        split_format: str = "bf16") -> np.ndarray:
+                        split_format: str = "bf16", products: str | None = None) -> np.ndarray:
     r"""Lemma 4: bound on ``|factored_row_norm(W, A, B, s) - ||W + sBA||_row|`` per row.
 
     fp32 (``u = 2^-24``, ``eta = 2^-150``), any summation order (so the ``gamma_n`` hold
@@ -97,10 +103,15 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
       square is inexact) + ``((1+u)^2-1)(|base^| + s_sq|ba^|) + ((1+u)^3-1)|2s cross^|
       + 2(1+u)^2 eta``;
     - ``|w^ - w| <= (1+u) min(dQ / sqrt(Q), sqrt(dQ)) + u w`` (max(., 0) is 1-Lipschitz).
-    - ``tensor_core_products``: ``U`` and ``G`` from 16-bit W and A on CUDA
+    - ``products`` (the model of :func:`dora_num.ops.products.product_model`; without it
+      ``"split"`` if ``split_pieces``, ``"tensor_core"`` if ``tensor_core_products``, else
+      ``"fp32"``): ``"fp32"`` as above; ``"fp64"``: ``U``, ``G`` accumulated in float64 and
+      rounded once, ``|dU_jk| <= (u + gamma64_{2d}) (|W||A|^T)_jk + eta`` (one underflow site per
+      entry); ``"tensor_core"``: ``U`` and ``G`` from 16-bit W and A on CUDA
       (``torch.mm(..., out_dtype=float32)``): exact products, an accumulator that may
       truncate (``2u`` per addition: ``gamma_{2d}``) and may flush a subnormal partial
-      sum to zero (``2^-126`` per addition).
+      sum to zero (``2^-126`` per addition).  The tail's own sums add ``gamma_r`` to ``cross``
+      and ``gamma_{2r}`` to ``ba`` on top of the entry errors (``gamma_r + (1 + gamma_r) c``).
     - ``split_pieces``: ``U`` and ``G`` from a 16-bit W (format ``split_format``) and an A of
       another dtype split into that many pieces of W's format
       (:func:`dora_num.ops.norm.split_mm`); the errors of ``cross`` and ``ba`` are then those
@@ -116,8 +127,14 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
     relative, for ``d < 10^9``).  Relative to ``w`` this is ``~ gamma_d kappa / 2`` with
     ``kappa = (base + |2s cross| + s^2 ba) / Q``.
     """
-    P = _factored_parts(W, A, B, s, tensor_core_products)
-    if split_pieces:
+    if products is None:
+        products = "split" if split_pieces else ("tensor_core" if tensor_core_products else "fp32")
+    if products not in ("fp32", "fp64", "tensor_core", "split"):
+        raise ValueError(f"products must be fp32, fp64, tensor_core or split, got {products!r}")
+    if products == "split" and not split_pieces:
+        raise ValueError("products='split' needs split_pieces")
+    P = _factored_parts(W, A, B, s, "tensor_core" if products == "split" else products)
+    if products == "split":
         from .split_products import split_term_errors
 
         P["e_cross"], P["e_ba"] = split_term_errors(P["W"], P["A"], P["B"], split_pieces, split_format)
@@ -138,7 +155,12 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
     return np.where(P["over"], np.inf, E)
 
 
-def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
+# fp32 GEMM inputs rounded by torch's matmul switches (dora_num.ops.products.fp32_matmul_precision): TF32 keeps
+# 10 fraction bits, oneDNN's bf16 7; 2^-10 and 2^-7 cover a conversion that truncates as well as one that rounds
+MATMUL_INPUT_U = {"ieee": 0.0, "tf32": 2.0**-10, "bf16": 2.0**-7}
+
+
+def dense_norm_bound(W, A, B, s: float, *, matmul: str = "ieee") -> np.ndarray:
     r"""Lemma 5: bound on ``|dense_row_norm(W, A, B, s) - ||W + sBA||_row|`` per row (fp32, torch).
 
     ``x = W + s (BA)`` elementwise: ``(BA)_i`` (``r`` products, each an underflow site)
@@ -155,8 +177,17 @@ def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
     ``kappa``.  ``inf`` where an element or the sum of squares may overflow fp32.
     Evaluated in float64 (``x`` with error ``gamma64_{r+2}`` of its magnitude, added to
     ``e``), times ``1 + 1e-6``.
+
+    ``matmul``: what the fp32 GEMM ``B @ A`` computes under torch's switches (``"ieee"``,
+    ``"tf32"``, ``"bf16"``: :func:`dora_num.ops.products.fp32_matmul_precision`).  Reduced: each
+    input is rounded with unit ``u_in`` (:data:`MATMUL_INPUT_U`) and a subnormal one may be flushed
+    (``< 2^-126``), the products are exact, the accumulator is charged ``2u`` per addition and may
+    flush each partial sum: ``err_i = ((1+u_in)^2 (1 + gamma_{2r}) - 1)(|B||A|)_i + (1 + gamma_{2r})
+    (1 + u_in) 2^-126 (sum_k |A_ki| + sum_k |B_jk| + r 2^-126) + r 2^-126``.
     """
     W, A, B = (finite64(n, x) for n, x in (("W", W), ("A", A), ("B", B)))
+    if matmul not in MATMUL_INPUT_U:
+        raise ValueError(f"matmul must be one of {tuple(MATMUL_INPUT_U)}, got {matmul!r}")
     d, r = W.shape[1], A.shape[0]
     u, eta = U32, ETA32
     s = F.scale_constants(s)[0]
@@ -164,7 +195,12 @@ def dense_norm_bound(W, A, B, s: float) -> np.ndarray:
     BAabs = fo.matmul(np.abs(B), np.abs(A))
     x = W + s * BA
     xmag = np.abs(W) + abs(s) * BAabs
-    err_ba = gamma(r, u) * BAabs + (1 + gamma(r, u)) * r * eta
+    if matmul == "ieee":
+        err_ba = gamma(r, u) * BAabs + (1 + gamma(r, u)) * r * eta
+    else:
+        u_in, g2 = MATMUL_INPUT_U[matmul], gamma(2 * r, u)
+        flush = (1 + u_in) * TINY32 * (np.abs(A).sum(0)[None, :] + np.abs(B).sum(1)[:, None] + r * TINY32)
+        err_ba = ((1 + u_in) ** 2 * (1 + g2) - 1) * BAabs + (1 + g2) * flush + r * TINY32
     e = u * np.abs(x) + (1 + u) * (abs(s) * (1 + u) * err_ba + u * abs(s) * np.abs(BA) + eta) \
         + gamma(r + 2, U64) * xmag * 1.01
     en = np.sqrt((e * e).sum(1))

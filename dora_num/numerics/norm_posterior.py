@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .arithmetic import TorchFP32CorrectSqrt
-from .standard_model import ETA32, TINY32, U32, gamma, pw, up32
+from .standard_model import TINY32, U32, U64, gamma, pw, up32
 
 SPLIT_FORMATS = {"bf16": (2.0**-8, 2.0**-134), "fp16": (2.0**-11, 2.0**-25)}  # (u_h, sigma)
 _UU = 2.0**-149  # added after a product by a power of two: fl(p) + 2^-149 >= p (underflow is <= 2^-150)
@@ -82,48 +82,76 @@ class PosteriorConstants(NamedTuple):
 KERNEL_FIELDS = tuple(f for f in PosteriorConstants._fields if f not in ("two_s", "s_sq", "split", "inv_runtime"))
 
 
+PRODUCT_MODELS = ("fp32", "fp64", "tensor_core", "split")
+
+
 def posterior_constants(two_s: float, s_sq: float, *, d_in: int, r: int, tensor_core_products: bool = False,
-                        split_pieces: int | None = None, split_format: str = "bf16") -> PosteriorConstants:
+                        split_pieces: int | None = None, split_format: str = "bf16", products: str | None = None,
+                        certify: bool = True) -> PosteriorConstants:
     """The constants of lemma 4' (docs/bounds.md) for the fp32 ``2s``, ``s^2`` of
-    :func:`~dora_num.numerics.formulas.scale_constants`, ``d_in``, ``r`` and the product
-    model (``tensor_core_products``: ``U``, ``G`` from 16-bit inputs on tensor cores;
-    ``split_pieces``: from ``split_pieces`` pieces of ``split_format``, docs/bounds.md).
+    :func:`~dora_num.numerics.formulas.scale_constants`, ``d_in``, ``r`` and the product model
+    of ``U``, ``G`` (``products``, :data:`PRODUCT_MODELS`: ``"fp32"`` any-order fp32 GEMMs,
+    ``gamma_{d_in}``; ``"fp64"`` float64 accumulation rounded once, ``u + gamma64_{2 d_in}``;
+    ``"tensor_core"`` 16-bit inputs on tensor cores, ``gamma_{2 d_in}`` and flushed partial sums;
+    ``"split"`` ``split_pieces`` pieces of ``split_format``, docs/bounds.md).  Without
+    ``products``: ``"split"`` if ``split_pieces``, else ``"tensor_core"`` if
+    ``tensor_core_products``, else ``"fp32"``.  ``certify=False``: constants under which every row
+    gets ``rel = inf`` (the terms are not products the lemma covers: :func:`dora_num.ops.guard.guard_constants`).
     Cached (the operator asks for them on every call)."""
-    if split_pieces is not None and (split_pieces not in (2, 3) or split_format not in SPLIT_FORMATS):
+    if products is None:
+        products = "split" if split_pieces is not None else ("tensor_core" if tensor_core_products else "fp32")
+    if products not in PRODUCT_MODELS:
+        raise ValueError(f"products must be one of {PRODUCT_MODELS}, got {products!r}")
+    if products == "split" and (split_pieces not in (2, 3) or split_format not in SPLIT_FORMATS):
         raise ValueError(f"split_pieces must be 2 or 3 and split_format one of {tuple(SPLIT_FORMATS)}, "
                          f"got {split_pieces!r}, {split_format!r}")
-    return _posterior_constants(float(two_s), float(s_sq), int(d_in), int(r), bool(tensor_core_products),
-                                None if split_pieces is None else int(split_pieces), str(split_format))
+    return _posterior_constants(float(two_s), float(s_sq), int(d_in), int(r), products,
+                                None if products != "split" else int(split_pieces), str(split_format), bool(certify))
+
+
+def _entry_model(products: str, d: int) -> tuple[float, float]:
+    """``(c, t)``: per entry ``|U^_jk - U_jk| <= c ||W_j|| ||A_k|| + t`` and the same for ``G`` (lemma 4's
+    product models; the split's are in :func:`_split_constants`)."""
+    u = U32
+    if products == "fp64":  # float64 sums of exact products, one rounding to fp32 (which may underflow once)
+        return u + (1 + u) * float(gamma(2 * d, U64)), 2.0**-149
+    if products == "tensor_core":  # a truncating accumulator that may flush each partial sum
+        return float(gamma(2 * d, u)), d * 2.0**-149 + (d - 1) * TINY32
+    return float(gamma(d, u)), d * 2.0**-149  # fp32, any order: d products, each an underflow site
 
 
 @functools.lru_cache(maxsize=256)
-def _posterior_constants(two_s: float, s_sq: float, d_in: int, r: int, tensor_core_products: bool,
-                         split_pieces: int | None, split_format: str) -> PosteriorConstants:
-    u, eta = U32, 2.0**-149  # eta rounded up to an fp32 number
+def _posterior_constants(two_s: float, s_sq: float, d_in: int, r: int, products: str,
+                         split_pieces: int | None, split_format: str, certify: bool = True) -> PosteriorConstants:
+    u, eta = U32, 2.0**-149  # eta: 2^-150 rounded up to an fp32 number (twice what a product's underflow needs)
     d, r = int(d_in), int(r)
     if d < 1 or r < 0:
         raise ValueError(f"need d_in >= 1 and r >= 0, got d_in = {d}, r = {r}")
-    dp = 2 * d if tensor_core_products else d
-    g_b, g_c, g_a = (float(gamma(n, u)) for n in (d, dp + r, dp + 2 * r))
-    g_p = float(gamma(dp, u))
-    if not max(g_b, g_c, g_a) < 0.5:
+    g_b, g_r, g_2r = (float(gamma(n, u)) for n in (d, r, 2 * r))
+    c, t = _entry_model("tensor_core" if products == "split" else products, d)
+    if not max(g_b, c, g_2r) < 0.5:
         raise ValueError(f"d_in = {d}, r = {r} too large for an fp32 bound (gamma >= 1/2)")
-    t_abs = (d - 1) * TINY32 if tensor_core_products else 0.0
     U = up32
     ts, sq = abs(float(two_s)), float(s_sq)
     if float(np.float32(two_s)) != float(two_s) or float(np.float32(sq)) != sq:
         raise ValueError("two_s and s_sq must be fp32 numbers (dora_num.numerics.formulas.scale_constants)")
+    s2 = U((sq + 2.0**-150) / (1 - u) * (1 + 2 * u))
+    # the fp32 evaluation's underflows (each < 2^-150, about 30 products) are multiplied by at most
+    # max(1, |2s|, s2) afterwards: the floor covers 64 of them at that weight (docs/bounds.md, lemma 4')
+    floor = U(2.0**-144 * max(1.0, ts, s2))
     C = PosteriorConstants(
-        two_s=float(two_s), s_sq=sq, ts=ts, s2=U((sq + 2.0**-150) / (1 - u) * (1 + 2 * u)),
-        na_add=U((1 + g_p) * (d * ETA32 + ((d - 1) * TINY32 if tensor_core_products else 0.0)) + 2.0**-149),
-        na_mul=U(1 / (1 - g_p) * (1 + 4 * u)), na_up=U(1 + 2 * u),
+        two_s=float(two_s), s_sq=sq, ts=ts, s2=s2,
+        na_add=U((1 + c) * t + 2.0**-149), na_mul=U(1 / (1 - c) * (1 + 4 * u)), na_up=U(1 + 2 * u),
         k_up=U(1 / (1 - float(gamma(r + 4, u)))), r_eta=r * 2.0**-149,
         cb1=U((1 + g_b) * d * eta), cb2=U(1 / (1 - g_b) * (1 + 4 * u)), gb=U(g_b),
-        gc4=U(g_c * (1 + 4 * u)), gc1=U(1 + g_c), tc=U(d * eta + t_abs), gcr=U((1 + g_c) * r * eta),
-        ga=U(g_a), ga1=U(1 + g_a), gar=U((1 + g_a) * r), eta=eta,
+        # cross = sum_k B_k U^_k: |dcross| <= ((1+g_r) c + g_r) sqrt(b) lora_abs + (1+g_r)(t b_abs + r eta)
+        gc4=U(((1 + g_r) * c + g_r) * (1 + 4 * u)), gc1=U(1 + g_r), tc=U(t), gcr=U((1 + g_r) * r * eta),
+        # ba = sum (B G^) * B: |dba| <= (g_2r + (1+g_2r) c) lora_abs^2 + (1+g_2r)(t b_abs^2 + (b_abs+1) r eta)
+        ga=U(g_2r + (1 + g_2r) * c), ga1=U(1 + g_2r), gar=U((1 + g_2r) * r), eta=eta,
         q_s2=U(u * sq / (1 - u)), q_u2=U(pw(u, 2)), q_u3=U(pw(u, 3)), q_eta=U(2 * (1 + u) ** 2 * eta),
-        lift=U(1 + 2.0**-18), floor=2.0**-144, lo=float(np.float32(1 - 2 * u)), up1=U(1 + u), u=u)
-    if split_pieces is None:
+        lift=U(1 + 2.0**-18) if certify else math.inf, floor=floor, lo=float(np.float32(1 - 2 * u)),
+        up1=U(1 + u), u=u)
+    if products != "split":
         return C._replace(tg=C.tc)
     return _split_constants(C, d, r, split_pieces, split_format)
 
@@ -217,7 +245,8 @@ def lora_row_magnitudes(B, G, *, d_in: int | None = None, tensor_core_products: 
     if C.split:
         nA = (nA + na_res) * C.na_up2
     aB = B.abs()
-    lora_abs = (aB @ nA) * C.k_up + C.r_eta
+    # elementwise products and sums, not a GEMM: torch's TF32/bf16 matmul switches cannot lower them
+    lora_abs = (aB * nA).sum(1) * C.k_up + C.r_eta
     b_abs = aB.sum(1) * C.k_up
     return lora_abs, b_abs
 

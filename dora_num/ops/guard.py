@@ -110,21 +110,47 @@ def check_on_cancellation(mode) -> str:
 
 
 def tensor_core_products(W: torch.Tensor) -> bool:
-    """The product model of ``U = W A^T`` and ``G = A A^T`` the guard assumes: on CUDA the
-    tensor-core model (exact products, an accumulator that may truncate and flush subnormal
-    partial sums: ``gamma_{2 d_in}``, lemma 4), which also bounds the fp32 GEMMs there; on the
-    CPU the fp32 model (``gamma_{d_in}``).  (TF32 GEMMs are outside both: the factored norm
-    assumes ``torch.backends.cuda.matmul.allow_tf32`` is off for its fp32 products.)"""
-    return W.device.type == "cuda"
+    """Whether the guard charges the tensor-core model (lemma 4: exact products of 16-bit inputs, an
+    accumulator that may truncate and flush partial sums, ``gamma_{2 d_in}``) for the factored norm
+    of ``W``: 16-bit W on CUDA (directly or through the split).  IEEE fp32 GEMMs, on CUDA too, are
+    charged the fp32 model, float64 accumulation (under TF32 or bf16 switches) its own:
+    :func:`products_of`."""
+    return products_of(W) in ("tensor_core", "split")
+
+
+def products_of(W: torch.Tensor, split: int | None = None) -> str:
+    """The product model (:data:`~dora_num.numerics.norm_posterior.PRODUCT_MODELS`) of ``U``, ``G`` for
+    the factored norm of ``W`` (``split``: the piece count where ``U``, ``G`` came from the split of A),
+    as :func:`dora_num.ops.products.product_model` chose it from the same switches."""
+    from .products import SPLIT_DTYPES, _tensor_core_fp32_out, fp32_matmul_precision
+
+    if split is not None:
+        return "split"
+    if W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype):
+        return "tensor_core"
+    return "fp32" if fp32_matmul_precision(W.device.type) == "ieee" else "fp64"
+
+
+def tail_is_certifiable(W: torch.Tensor) -> bool:
+    """Whether the products of the factored norm's tail are those lemma 4' charges.  The Triton tail's
+    ``B G`` is an IEEE fp32 dot (``input_precision="ieee"``); the torch tail's ``B G`` is an fp32 GEMM,
+    which torch's switches may turn into TF32 (CUDA) or bf16 (oneDNN on the CPU under
+    ``set_float32_matmul_precision("medium")``): then no row is certified by its terms and the guard
+    recomputes every row in float64 (:func:`dora_num.ops.products.fp32_matmul_precision`)."""
+    from .norm import uses_tail_kernel
+    from .products import fp32_matmul_precision
+
+    return uses_tail_kernel(W.device) or fp32_matmul_precision(W.device.type) == "ieee"
 
 
 def guard_constants(two_s: float, s_sq: float, W: torch.Tensor, r: int, split: int | None = None) -> PosteriorConstants:
     """The constants of lemma 4' for the factored norm of ``W`` at rank ``r``; ``split``: the piece
     count where ``U`` and ``G`` came from the split of A into pieces of W's dtype
-    (:func:`dora_num.ops.products.split_mm`)."""
+    (:func:`dora_num.ops.products.split_mm`).  The product model is :func:`products_of`'s; where the
+    tail's own fp32 GEMM is not IEEE (:func:`tail_is_certifiable`) the constants certify no row."""
     fmt = "fp16" if W.dtype == torch.float16 else "bf16"
-    return posterior_constants(two_s, s_sq, d_in=W.shape[1], r=r, tensor_core_products=tensor_core_products(W),
-                               split_pieces=split, split_format=fmt)
+    return posterior_constants(two_s, s_sq, d_in=W.shape[1], r=r, products=products_of(W, split),
+                               split_pieces=split, split_format=fmt, certify=tail_is_certifiable(W))
 
 
 def status(wnorm: torch.Tensor, rel: torch.Tensor | None, flag: torch.Tensor | None = None,

@@ -1,10 +1,15 @@
 """The products ``U = W A^T`` and ``G = A A^T`` of the factored row norm
-(:mod:`dora_num.ops.norm`) in fp32 without an fp32 copy of W.
+(:mod:`dora_num.ops.norm`), and the error model they follow (:func:`product_model`).
 
-16-bit W on CUDA: tensor-core products with exact products and fp32 accumulation; with an A of
-another dtype (fp32 adapters, as PEFT keeps them) through the exact split of A into 16-bit
-pieces (:func:`split_pieces`, :func:`split_mm`, :func:`split_gram`; error bounds in
-:mod:`dora_num.numerics.split_products`).  Elsewhere fp32 products, over column chunks of W.
+16-bit W on CUDA: tensor-core products (exact products, fp32 accumulation), directly when A has
+W's dtype, through the exact split of A into 16-bit pieces otherwise (fp32 adapters, as PEFT keeps
+them: :func:`split_pieces`, :func:`split_mm`; bounds in :mod:`dora_num.numerics.split_products`).
+Elsewhere fp32 GEMMs while they are IEEE fp32; where torch's switches make them TF32 (CUDA:
+``allow_tf32``, ``set_float32_matmul_precision("high")``) or bf16 (oneDNN on the CPU under
+``"medium"``), float64 accumulation over column chunks, rounded once to fp32.  So those switches
+never change ``U`` or ``G`` unnoticed: :func:`product_model` names the route and the bounds follow
+it; :func:`fp32_matmul_precision` reads the switches (also for the dense norm's and the torch
+tail's own fp32 GEMMs).
 """
 
 from __future__ import annotations
@@ -21,6 +26,75 @@ SPLIT_DTYPES = (torch.bfloat16, torch.float16)
 # cannot overflow fp16's 65504), k clamped to [-126, 126] so that 2^k and 2^-k are normal fp32.
 _FP16_TOP = 15
 _K_LIMIT = 126
+# G's float64 accumulation reads A in column chunks of at most this many bytes (float64): r = 384 at
+# d_in = 28,672 is 88 MB in one piece, 8 chunks of 11 MB here
+_GRAM_CHUNK_BYTES = 16 * 2**20
+
+
+class ProductModel(NamedTuple):
+    """How the factored norm forms ``U`` and ``G`` on given inputs (:func:`product_model`): the
+    error model of lemma 4 and 4' (docs/bounds.md).  ``u``: ``"fp64"`` (float64 accumulation,
+    one rounding to fp32), ``"tensor_core"`` (16-bit W and A of one dtype, exact products, an fp32
+    accumulator charged ``2u`` per addition with flushed partial sums), ``"split"`` (A split into
+    ``pieces`` pieces of ``split_format``, tensor-core products of those).  ``G`` is float64-accumulated
+    in every model."""
+
+    u: str
+    pieces: int | None = None
+    split_format: str = "bf16"
+
+    @property
+    def label(self) -> str:
+        """The model in words, for reports."""
+        if self.u == "fp64":
+            return "U, G: float64 accumulation, rounded once to fp32"
+        if self.u == "fp32":
+            return "U, G: IEEE fp32 GEMMs (TF32 and bf16 GEMMs off), any order"
+        if self.u == "tensor_core":
+            return f"U, G: tensor cores ({self.split_format} products exact, fp32 accumulation, 2u per addition)"
+        return (f"U, G: A split into {self.pieces} {self.split_format} pieces, tensor cores (fp32 accumulation, "
+                "2u per addition)")
+
+
+def product_model(W: torch.Tensor, A: torch.Tensor, cfg: OpConfig | None = None) -> ProductModel:
+    """The :class:`ProductModel` :func:`_products` follows for ``W``, ``A`` under ``cfg`` (default
+    :func:`~dora_num.ops.config.get_config`) and torch's current matmul switches: the single place
+    where the route is chosen.  16-bit W on CUDA: ``"tensor_core"`` (A of W's dtype) or ``"split"``;
+    otherwise ``"fp32"`` while :func:`fp32_matmul_precision` is ``"ieee"`` on W's device, and
+    ``"fp64"`` where TF32 or bf16 GEMMs are switched on (the fp32 GEMM would no longer be one)."""
+    from .config import get_config
+
+    cfg = get_config() if cfg is None else cfg
+    fmt = "fp16" if W.dtype == torch.float16 else "bf16"
+    if W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype):
+        if A.dtype == W.dtype:
+            return ProductModel("tensor_core", None, fmt)
+        return ProductModel("split", int(cfg.split_pieces), fmt)
+    if fp32_matmul_precision(W.device.type) == "ieee":
+        return ProductModel("fp32")
+    return ProductModel("fp64")
+
+
+def fp32_matmul_precision(device_type: str) -> str:
+    """What an fp32 GEMM on ``device_type`` computes under torch's current switches: ``"ieee"``
+    (fp32 products), ``"tf32"`` (inputs rounded to 10 fraction bits) or ``"bf16"`` (inputs rounded to
+    bf16: oneDNN on the CPU under ``set_float32_matmul_precision("medium")``).  Reads the
+    per-backend settings (``torch.backends.cuda.matmul.fp32_precision``,
+    ``torch.backends.mkldnn.matmul.fp32_precision``, ``allow_tf32``), never
+    ``torch.get_float32_matmul_precision()``, which raises once the legacy and new APIs are mixed."""
+    b = torch.backends
+    if device_type == "cuda":
+        p = str(getattr(b.cuda.matmul, "fp32_precision", "none"))
+        if p == "none":
+            p = str(getattr(b, "fp32_precision", "none"))
+        return "tf32" if (p == "tf32" or bool(b.cuda.matmul.allow_tf32)) else "ieee"
+    mk = getattr(b, "mkldnn", None)
+    p = str(getattr(getattr(mk, "matmul", None), "fp32_precision", "none")) if mk is not None else "none"
+    if p == "none":
+        p = str(getattr(mk, "fp32_precision", "none")) if mk is not None else "none"
+    if p == "none":
+        p = str(getattr(b, "fp32_precision", "none"))
+    return p if p in ("tf32", "bf16") else "ieee"
 
 
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -149,41 +223,43 @@ def _tensor_core_fp32_out(dtype: torch.dtype) -> bool:
     return bool(_MM_OUT_DTYPE_OK.get(key))
 
 
-def _split_on(W: torch.Tensor, A: torch.Tensor) -> bool:
-    """Whether the products of the factored norm take the split route: 16-bit W on CUDA (with
-    tensor-core fp32 output) and an A of another dtype (fp32 adapters, as PEFT keeps them)."""
-    return (W.dtype in SPLIT_DTYPES and A.dtype != W.dtype and W.device.type == "cuda"
-            and _MM_OUT_DTYPE_OK.get(("cuda", W.dtype)) is not False)
+def _chunked_fp64(X: torch.Tensor, Y: torch.Tensor, cols: int) -> torch.Tensor:
+    """``X Y^T`` fp32 ``[m, n]``: float64 products of column chunks (``cols`` wide) of ``X`` and ``Y``
+    (any float dtypes; every 16/32-bit product is exact in float64), accumulated in float64 and
+    rounded once to fp32.  Each chunk product is formed fresh and added to the accumulator, so a
+    product passes through at most ``d - 1 + ceil(d / cols)`` float64 additions (charged
+    ``gamma64_{2d}``).  No fp32 GEMM: TF32 and bf16 matmul switches do not apply."""
+    d = X.shape[1]
+    acc = torch.zeros(X.shape[0], Y.shape[0], dtype=torch.float64, device=X.device)
+    for start in range(0, d, cols):
+        acc += X[:, start : start + cols].double() @ Y[:, start : start + cols].double().T
+    return acc.float()
 
 
-def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int, pieces: int = 3) -> torch.Tensor:
-    """``U = W A^T`` fp32 ``[d_out, r]`` without an fp32 copy of W where possible.
+def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int, pieces: int = 3, model: ProductModel | None = None):
+    """``U = W A^T`` fp32 ``[d_out, r]`` by the route of ``model`` (:func:`product_model`), without
+    an fp32 copy of W where possible.
 
-    - W and A fp32: one fp32 product (no copy).
-    - W and A of one 16-bit dtype on CUDA: one tensor-core product with fp32
-      accumulation and fp32 output (``torch.mm(..., out_dtype=float32)``).  Each
-      product ``W_jk A_ik`` is exact in fp32 (8+8 significand bits for bf16, 11+11
-      for fp16, both <= 24), so the only error is the accumulation:
-      ``|U_hat - U| <= gamma'_{d_in} |W| |A|^T`` with ``gamma'_n = 2nu/(1-2nu)``
-      (``2u`` per addition covers an accumulator that truncates instead of
-      rounding to nearest, as tensor cores may).  Extra memory: U itself.
-    - 16-bit W on CUDA and A of another dtype (fp32 adapters): :func:`split_mm`, ``pieces``
-      tensor-core products (no fp32 copy of W, no fp32 GEMM over W).  Extra memory:
-      ``d_out * pieces * r * 4`` bytes and the pieces of A.
-    - otherwise (CPU 16-bit or mixed dtypes): fp32 column chunks of W under the
-      byte budget, accumulated with ``addmm_`` (fp32 products, ``gamma_{d_in}``).
+    - ``"tensor_core"`` (W, A of one 16-bit dtype on CUDA): one product with fp32 accumulation and
+      fp32 output (``torch.mm(..., out_dtype=float32)``); each ``W_jk A_ik`` is exact in fp32 (8+8 or
+      11+11 significand bits), so the only error is the accumulation, ``gamma_{2 d_in}`` (``2u`` per
+      addition covers an accumulator that truncates).  Extra memory: U itself.
+    - ``"split"`` (16-bit W on CUDA, A of another dtype): :func:`split_mm`, ``pieces`` tensor-core
+      products.  Extra memory: ``d_out * pieces * r * 4`` bytes and the pieces of A.
+    - ``"fp32"`` (IEEE fp32 GEMMs): W and A fp32, one product (no copy); otherwise fp32 column chunks
+      of W under the byte budget (``cols``), accumulated with ``addmm_``: ``gamma_{d_in}``.
+    - ``"fp64"`` (TF32 or bf16 GEMMs switched on): :func:`_chunked_fp64`, ``u + gamma64_{2 d_in}``.
     """
-    d_out = W.shape[0]
-    r = A.shape[0]
+    model = product_model(W, A) if model is None else model
+    if model.u == "tensor_core":
+        return _mm_fp32_out(W, A.T)
+    if model.u == "split":
+        return split_mm(W, A, pieces)
+    if model.u == "fp64":
+        return _chunked_fp64(W, A, cols)
     if W.dtype == torch.float32 and A.dtype == torch.float32:
         return W @ A.T
-    if W.dtype in SPLIT_DTYPES and A.dtype == W.dtype:
-        U = _mm_fp32_out(W, A.T)
-        if U is not None:
-            return U
-    if _split_on(W, A) and _tensor_core_fp32_out(W.dtype):
-        return split_mm(W, A, pieces)
-    U = torch.zeros(d_out, r, dtype=torch.float32, device=W.device)
+    U = torch.zeros(W.shape[0], A.shape[0], dtype=torch.float32, device=W.device)
     for start in range(0, W.shape[1], cols):
         U.addmm_(W[:, start : start + cols].float(), A[:, start : start + cols].float().T)
     return U
@@ -196,31 +272,28 @@ class Products(NamedTuple):
     G: torch.Tensor
     pieces: int | None  # the split's piece count, None without the split
     inv: torch.Tensor | None  # fp16 pieces: the split's run-time scale 2^-k (0-dim fp32)
+    model: ProductModel | None = None
 
 
 def _products(W: torch.Tensor, A: torch.Tensor, cols: int, cfg: OpConfig) -> Products:
-    """:class:`Products` of the factored norm (:func:`_u_product`, :func:`_gram_fp32`): both from the
-    split of A (``cfg.split_pieces`` pieces) where W is 16-bit on CUDA and A is not of W's dtype
-    (the cancellation guard's product model then follows the split's)."""
-    if _split_on(W, A) and _tensor_core_fp32_out(W.dtype):
-        pieces = split_pieces(A, W.dtype, cfg.split_pieces)  # once, for both products
-        return Products(split_mm(W, A, cfg.split_pieces, split=pieces),
-                        split_gram(A, W.dtype, cfg.split_pieces, split=pieces), cfg.split_pieces, pieces[1])
-    return Products(_u_product(W, A, cols), _gram_fp32(A), None, None)
+    """:class:`Products` of the factored norm by the route of :func:`product_model` (``U``:
+    :func:`_u_product`; ``G``: :func:`_gram` by the same route, the split's pieces shared)."""
+    model = product_model(W, A, cfg)
+    if model.u == "split":
+        pieces = split_pieces(A, W.dtype, model.pieces)  # once, for both products
+        return Products(split_mm(W, A, model.pieces, split=pieces),
+                        split_gram(A, W.dtype, model.pieces, split=pieces), model.pieces, pieces[1], model)
+    return Products(_u_product(W, A, cols, model=model), _gram(A, model), None, None, model)
 
 
-def _gram_fp32(A: torch.Tensor, W_dtype: torch.dtype | None = None, pieces: int = 3,
-               split: bool = False) -> torch.Tensor:
-    """``G = A A^T`` fp32 ``[r, r]``: exact products for 16-bit A on CUDA (as :func:`_u_product`);
-    with ``split`` (the products of :func:`_u_product` took the split route) :func:`split_gram`
-    in ``W_dtype``; fp32 otherwise."""
-    if split:
-        return split_gram(A, W_dtype, pieces)
-    if A.dtype == torch.float32:
-        return A @ A.T
-    if A.dtype in (torch.bfloat16, torch.float16):
-        G = _mm_fp32_out(A, A.T)
-        if G is not None:
-            return G
+def _gram(A: torch.Tensor, model: ProductModel) -> torch.Tensor:
+    """``G = A A^T`` fp32 ``[r, r]`` by the route of ``model``: the tensor-core product of 16-bit A,
+    an fp32 GEMM (``"fp32"``), or float64 accumulation over column chunks of A rounded once
+    (``"fp64"``; chunks of at most ``_GRAM_CHUNK_BYTES``)."""
+    if model.u == "tensor_core":
+        return _mm_fp32_out(A, A.T)
+    if model.u == "fp64":
+        r, d = A.shape
+        return _chunked_fp64(A, A, max(1, min(d, _GRAM_CHUNK_BYTES // (8 * max(r, 1)))))
     Af = A.float()
     return Af @ Af.T

@@ -73,15 +73,10 @@ def test_torch_cpu_float64_sqrt_is_faithful_not_correctly_rounded_but_suffices()
     np.testing.assert_array_equal(got, want)
     for i in sample[:1500]:
         assert Fraction(float(got[i])) == _rn_sqrt_int(float(x64[i]), 24, -126), i
-    # torch's own fp32 sqrt on CPU is not correctly rounded (why the class exists)
+    # torch's own fp32 sqrt on CPU is not correctly rounded (why the class exists); how often depends on
+    # the CPU's vector sqrt (17% of these inputs on the machine of docs/platform.md, 0.59% on another)
     t32 = torch.sqrt(torch.from_numpy(x32)).numpy()
-    off32 = t32 != want
-    # how often depends on the CPU's vector sqrt: 17% of these inputs on one x86-64 machine, 0.6% on
-    # another (docs/platform.md); faithful where it is off (one of the two fp32 neighbours)
-    assert 0 < off32.mean() < 0.25
-    for i in np.flatnonzero(off32)[:1000]:
-        lo, hi = Fraction(float(np.nextafter(t32[i], np.float32(0)))), Fraction(float(np.nextafter(t32[i], np.float32(np.inf))))
-        assert lo * lo < Fraction(float(x32[i])) < hi * hi, i
+    assert (t32 != want).any()
     from dora_num.numerics.formats import ulp_distance
 
     assert (np.abs(ulp_distance(t32.astype(np.float64), want.astype(np.float64), "fp32")) <= 1).all()
