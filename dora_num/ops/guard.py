@@ -178,49 +178,89 @@ def decode(flag: torch.Tensor) -> tuple[int, int]:
     return int((f % FLAG_COUNT).max()), int((f // FLAG_COUNT).sum())
 
 
-def report_kernel(code: int, aux: torch.Tensor, mode: str, *, where: str, warn: bool = True) -> None:
+def report_kernel(code: int, aux: torch.Tensor, mode: str, *, where: str, warn: bool = True,
+                  wnorm: torch.Tensor | None = None, d_in: int | None = None) -> None:
     """What the Triton tail's recompute leaves to be reported, once its flag was read with the
     largest code ``code`` (< ``FLAG_NONFINITE``): ``aux`` the kernel's ``[3, d_out]`` rows
-    ``kappa``, ``rel`` (lemma 4', of the factored value) and ``rel_out`` (of the returned value).
-    The values were recomputed already; the reports are those of :func:`resolve` (:func:`_report`).
-    Reads ``aux`` (a sync: the rare path)."""
+    ``kappa``, ``rel`` (lemma 4', of the factored value) and ``rel_out`` (of the returned value);
+    ``wnorm`` the returned norm and ``d_in`` W's width (for naming the cause, :func:`_report`).
+    The values were recomputed already; the reports are those of :func:`resolve`.  Reads ``aux``
+    (a sync: the rare path)."""
     if code < FLAG_CANCELLATION or mode == "off":
         return
     kappa, rel, rel_out = (t.cpu() for t in aux)
     rows = torch.nonzero(rel > CANCELLATION_REL).flatten()
-    _report(where, mode, warn, rows, kappa[rows], rel[rows], rel_out[rows], stacklevel=5)
+    w = None if wnorm is None else wnorm.detach().cpu()[rows]
+    _report(where, mode, warn, rows, kappa[rows], rel[rows], rel_out[rows], stacklevel=5, w=w, d_in=d_in)
 
 
-CANCELLING_KAPPA = 2.0  # a flagged row with kappa above this cancels; at or below it, its fp32 terms underflowed
+CANCELLING_KAPPA = 2.0  # a flagged row with kappa above this cancels (the update cancels the row of W)
+# A flagged row that does not cancel either has terms near fp32's underflow (Q below d_in 2^-140: the
+# terms' absolute errors, d_in 2^-149 each, are then more than 2^-9 of Q) or a large update (the
+# bound's relative floor, which grows with d_in, r and ||sBA|| / ||W||, passed 2^-6: docs/bounds.md)
+UNDERFLOW_Q_PER_COLUMN = 2.0**-140
 
 
-def _report(where: str, mode: str, warn: bool, idx, kappa, rel, rel_out, stacklevel: int) -> None:
+def causes(kappa, w, d_in: int | None) -> list[str]:
+    """Why each flagged row was flagged: ``"cancellation"`` (``kappa > CANCELLING_KAPPA``),
+    ``"underflow"`` (``w^2 < d_in UNDERFLOW_Q_PER_COLUMN``: the fp32 terms carry absolute errors of
+    fp32's subnormal range) or ``"large update"`` (neither: the guarantee's relative floor, which
+    grows with ``d_in``, the rank and ``||sBA|| / ||W||``, exceeds ``2^-6``).  ``w``: the row's
+    accurate (recomputed) norm; without it (or ``d_in``) a non-cancelling row is ``"underflow or
+    large update"``."""
+    out = []
+    for j in range(len(kappa)):
+        if float(kappa[j]) > CANCELLING_KAPPA:
+            out.append("cancellation")
+        elif w is None or d_in is None:
+            out.append("underflow or large update")
+        elif float(w[j]) ** 2 < d_in * UNDERFLOW_Q_PER_COLUMN:
+            out.append("underflow")
+        else:
+            out.append("large update")
+    return out
+
+
+_CAUSE_TEXT = {
+    "cancellation": "cancellation (the update cancels the row of W: W ~ -s B A)",
+    "underflow": "fp32 terms near the underflow range (a tiny norm, no cancellation)",
+    "large update": ("a large update (no cancellation: ||sBA|| is a large part of ||W|| at this rank and width, "
+                     "and the factored norm's guaranteed error bound passes 2^-6)"),
+    "underflow or large update": "no cancellation (fp32 terms near the underflow range, or a large update)",
+}
+
+
+def _report(where: str, mode: str, warn: bool, idx, kappa, rel, rel_out, stacklevel: int, w=None,
+            d_in: int | None = None) -> None:
     """The reports of the flagged rows ``idx`` (host tensors: their ``kappa``, the factored value's bound
-    ``rel`` and the returned value's ``rel_out``).  A flagged row either cancels (``kappa >
-    CANCELLING_KAPPA``: the adapter nearly cancels the row of W) or has fp32 terms that underflow (a
-    tiny norm, ``kappa`` about 1: nothing to do with the adapter); both were recomputed.  ``"raise"``:
-    :class:`CancellationError` for the cancelling rows that are not exactly zero and for the rows still
-    not certified; ``"warn"`` (if ``warn``): a :class:`CancellationWarning` naming every recomputed row
-    and its cause; rows still above the threshold after the recompute are warned about in every mode."""
+    ``rel``, the returned value's ``rel_out`` and, if given, the returned norm ``w``).  Each flagged row
+    has a cause (:func:`causes`): cancellation, fp32 terms near the underflow range, or a large update;
+    all were recomputed.  ``"raise"``: :class:`CancellationError` for the cancelling rows that are not
+    exactly zero and for the rows still not certified; ``"warn"`` (if ``warn``): a
+    :class:`CancellationWarning` naming every recomputed row by cause; rows still above the threshold
+    after the recompute are warned about in every mode."""
     exact = rel_out == 0
-    cancelling = (kappa > CANCELLING_KAPPA) & ~exact
+    cause = causes(kappa, w, d_in)
+    cancelling = torch.tensor([c == "cancellation" for c in cause], dtype=torch.bool) & ~exact
     bad = rel_out > CANCELLATION_REL
     if mode == "raise" and bool((cancelling | bad).any()):
-        keep = cancelling | bad
-        raise CancellationError(
-            f"{where}: the factored norm cannot guarantee {int(keep.sum())} row(s): "
-            f"{_rows_text(idx[keep], kappa[keep], rel[keep])}"
-            f" (kappa = (base + |2s cross| + s^2 ba) / ||W + sBA||^2; rel = the factored norm's guaranteed relative "
-            f"error bound from its fp32 terms, above {CANCELLATION_REL:.3g}).  The adapter cancels these rows of W "
-            "(W ~ -s B A).  Pass on_cancellation='recompute' to have them recomputed in float64.")
-    if mode == "warn" and warn:
         parts = []
         if bool(cancelling.any()):
-            parts.append(f"cancellation: {_rows_text(idx[cancelling], kappa[cancelling], rel[cancelling])}")
-        under = ~cancelling & ~exact
-        if bool(under.any()):
-            parts.append("fp32 terms underflowing (a tiny norm, no cancellation): "
-                         f"{_rows_text(idx[under], kappa[under], rel[under])}")
+            parts.append(f"cancellation (the update cancels the row of W, W ~ -s B A): "
+                         f"{_rows_text(idx[cancelling], kappa[cancelling], rel[cancelling])}")
+        still = bad & ~cancelling
+        if bool(still.any()):
+            parts.append(f"not certified even in float64: {_rows_text(idx[still], kappa[still], rel_out[still])}")
+        raise CancellationError(
+            f"{where}: the factored norm cannot guarantee {int((cancelling | bad).sum())} row(s): {'; '.join(parts)}"
+            f" (kappa = (base + |2s cross| + s^2 ba) / ||W + sBA||^2; rel = the guaranteed relative error bound, "
+            f"above {CANCELLATION_REL:.3g}).  Pass on_cancellation='recompute' to have them recomputed in float64.")
+    if mode == "warn" and warn:
+        parts = []
+        for name in _CAUSE_TEXT:
+            sel = torch.tensor([c == name for c in cause], dtype=torch.bool) & ~exact
+            if bool(sel.any()):
+                parts.append(f"{_CAUSE_TEXT[name]}: {_rows_text(idx[sel], kappa[sel], rel[sel])}")
         if parts:
             warnings.warn(f"{where}: {int((~exact).sum())} row(s) recomputed in float64 ({'; '.join(parts)})",
                           CancellationWarning, stacklevel=stacklevel)
@@ -229,6 +269,21 @@ def _report(where: str, mode: str, warn: bool, idx, kappa, rel, rel_out, stackle
                       f"is below fp32's normal range 1.2e-38, or W + sBA cancels to float64 roundoff): rows "
                       f"{_rows_text(idx[bad], kappa[bad], rel_out[bad])} (rel now: the float64 bound); "
                       "returned: the float64 norm rounded to fp32", CancellationWarning, stacklevel=stacklevel)
+
+
+_NO_BITS = 1 << 20  # the lsb exponent given to zeros: they constrain nothing
+
+
+def _lsb_exponent(x: torch.Tensor) -> torch.Tensor:
+    """Per element of a float64 tensor the exponent of its lowest set bit (``x`` is an odd multiple of
+    ``2^e``); ``_NO_BITS`` for zeros."""
+    bits = x.contiguous().view(torch.int64)
+    field = (bits >> 52) & 0x7FF
+    sig = (bits & ((1 << 52) - 1)) | torch.where(field > 0, 1 << 52, 0)
+    low = sig & (-sig)  # the lowest set bit of the significand, a power of two <= 2^52 (exact in float64)
+    tz = torch.frexp(low.double()).exponent.to(torch.int64) - 1
+    e = torch.where(field > 0, field - 1075, torch.full_like(field, -1074)) + tz
+    return torch.where(x == 0, torch.full_like(e, _NO_BITS), e)
 
 
 def dense_rows_fp64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float, rows: torch.Tensor, *,
@@ -241,11 +296,15 @@ def dense_rows_fp64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
 
     Error: the products ``B_jk A_ki`` of fp32 numbers are exact in float64 (48 bits, no
     underflow above ``2^-298``), so ``|x^_i - x_i| <= e_i = gamma64_{r+1} (|W_i| + |s| (|B||A|)_i)``;
-    ``| ||x^|| - ||x|| | <= ||e||``; the float64 sum of squares and the faithful square root add
-    ``gamma64_{d+2} w64``; the rounding to fp32 ``u32 w64`` (``2^-150`` below ``2^-126``).  With
-    ``E`` their sum (``||e||`` evaluated in float64, raised by ``1 + 2^-30``),
-    ``rel = E / (w64 - ||e|| - gamma64_{d+2} w64)`` where that is positive.  ``A`` is read in
-    float64 column chunks under ``chunk_bytes``; memory ``O(k d_in)``."""
+    and ``e_i = 0`` where float64 forms ``x_i`` exactly: every product is a multiple of
+    ``2^(qB_j + qA_i)`` (the smallest quanta of ``B_j`` and of column ``i`` of ``A``), so where
+    ``M_i = (|B||A|)_i < 2^(53 + qB_j + qA_i)`` every partial sum is representable, and
+    ``s (BA)_i`` and ``W_i + s (BA)_i`` likewise where ``|s| M_i`` and ``|W_i| + |s| M_i`` stay below
+    ``2^53`` times the quanta involved.  ``| ||x^|| - ||x|| | <= ||e||``; the float64 sum of squares
+    and the faithful square root add ``gamma64_{d+2} w64``; the rounding to fp32 ``u32 w64``
+    (``2^-150`` below ``2^-126``).  With ``E`` their sum (``||e||`` evaluated in float64, raised by
+    ``1 + 2^-30``), ``rel = E / (w64 - ||e|| - gamma64_{d+2} w64)`` where that is positive.  ``A`` is
+    read in float64 column chunks under ``chunk_bytes``; memory ``O(k d_in)``."""
     k, (r, d_in) = rows.numel(), A.shape
     dev = W.device
     if k == 0:
@@ -254,6 +313,8 @@ def dense_rows_fp64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
     sf = float(s)
     Br = B[rows].double()
     aBr = Br.abs()
+    qB = _lsb_exponent(Br).amin(dim=1)  # [k]: every B_jk is a multiple of 2^qB_j
+    q_s = int(_lsb_exponent(torch.tensor([sf], dtype=torch.float64))[0])
     sumsq = torch.zeros(k, dtype=torch.float64, device=dev)
     esq = torch.zeros(k, dtype=torch.float64, device=dev)
     base = torch.zeros(k, dtype=torch.float64, device=dev)
@@ -261,6 +322,7 @@ def dense_rows_fp64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
     ba = torch.zeros(k, dtype=torch.float64, device=dev)
     cols = max(1, min(d_in, chunk_bytes // (8 * (3 * k + 2 * r))))
     g_r = float(gamma(r + 1, U64))
+    lim = 2.0**53 * (1 - 2.0**-40)  # float64 evaluation of the magnitudes below: a few roundings each
     for c0 in range(0, d_in, cols):
         Ac = A[:, c0:c0 + cols].double()
         Wc = W[rows, c0:c0 + cols].double()  # gathered per chunk: O(k cols) in memory
@@ -270,9 +332,17 @@ def dense_rows_fp64(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
         base += (Wc * Wc).sum(1)
         ba += (BAc * BAc).sum(1)
         U += Wc @ Ac.T
-        e = g_r * (Wc.abs() + abs(sf) * (aBr @ Ac.abs()))
+        M = aBr @ Ac.abs()
+        # where float64 forms x exactly (the docstring's quanta), e_i = 0
+        qA = _lsb_exponent(Ac).amin(dim=0)  # [cols]
+        q = (qB[:, None] + qA[None, :]).clamp(max=_NO_BITS).double()
+        qW = _lsb_exponent(Wc).double()
+        q_sx = (q + q_s).clamp(max=_NO_BITS)
+        exact = (M < lim * torch.exp2(q)) & (abs(sf) * M < lim * torch.exp2(q_sx)) \
+            & (Wc.abs() + abs(sf) * M < lim * torch.exp2(torch.minimum(qW, q_sx)))
+        e = torch.where(exact, torch.zeros_like(M), g_r * (Wc.abs() + abs(sf) * M))
         esq += (e * e).sum(1)
-        del Ac, Wc, x, e, BAc
+        del Ac, Wc, x, e, BAc, M, exact
     w64 = torch.sqrt(sumsq)
     en = torch.sqrt(esq) * (1 + 2.0**-30)
     g_d = float(gamma(d_in + 2, U64))
@@ -307,7 +377,8 @@ def resolve(W, A, B, s: float, wnorm: torch.Tensor, rel: torch.Tensor, mode: str
     if rows.numel() == 0:
         return wnorm
     w_new, rel_new, kappa64 = dense_rows_fp64(W, A, B, s, rows)
-    _report(where, mode, warn, rows.cpu(), kappa64.float().cpu(), rel[rows].cpu(), rel_new.cpu(), stacklevel=4)
+    _report(where, mode, warn, rows.cpu(), kappa64.float().cpu(), rel[rows].cpu(), rel_new.cpu(), stacklevel=4,
+            w=w_new.cpu(), d_in=W.shape[1])
     out = wnorm.clone()
     out[rows] = w_new
     return out

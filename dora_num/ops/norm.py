@@ -324,7 +324,7 @@ def _watch_core(core: "_Core", W, A, B, base_sq, s: float, check: bool, cfg: OpC
             if on_report is not None:
                 on_report(code, flagged)
             if guard and core.aux is not None:
-                _guard.report_kernel(code, core.aux, mode, where=where)
+                _guard.report_kernel(code, core.aux, mode, where=where, wnorm=core.wnorm, d_in=W.shape[1])
             return True
 
         watched = finite.watch(core.flag, where, cfg.finite_check, on_fail=on_fail)

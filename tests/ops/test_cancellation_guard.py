@@ -27,10 +27,10 @@ from dora_num.numerics.bounds import dense_norm_bound
 from dora_num.numerics.formulas import scale_constants
 from dora_num.numerics.ground_truth import mp_dense_row_norm
 from dora_num.numerics.norm_bounds import lora_row_magnitudes, posterior_constants, posterior_from_terms
-from dora_num.ops.config import override
+from dora_num.ops.config import get_config, override
 from dora_num.ops.guard import (CANCELLATION_REL, FLAG_CANCELLATION, CancellationError, CancellationWarning, decode,
                                 dense_rows_fp64)
-from dora_num.ops.norm import factored_terms
+from dora_num.ops.norm import _factored_core, chunk_columns, factored_terms
 from dora_num.ops.weight_norm import magnitude_scale_and_flag
 from dora_num.oracles import measure_cpu_allocations, perturbed_adapter
 from dora_num.studies.inputs import conditioning_rows as conditioning_inputs
@@ -181,13 +181,23 @@ def test_modes_recompute_warn_raise_off():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rec = dn.factored_row_norm(W, A, B, s)  # the default: silent, accurate
-    assert float(np.max(np.abs(rec.double().numpy() - exact) / exact)) < 2**-23  # the float64 norm, rounded once
+    # the rows the guard recomputed are the float64 norm rounded once (2^-24, and float64's own error);
+    # every other row is the factored value, within its own bound rel (lemma 4', from the same terms)
+    d_out, d_in = W.shape
+    core = _factored_core(W, A, B, scale_constants(s), chunk_columns(d_out, d_in, None), None, None, get_config())
+    flagged = (core.rel > CANCELLATION_REL).numpy()
+    assert list(np.flatnonzero(flagged)) == [2, 7]
+    err = np.abs(rec.double().numpy() - exact) / exact
+    assert float(err[flagged].max()) < 2**-23
+    assert torch.equal(rec[~torch.from_numpy(flagged)], core.wnorm[~torch.from_numpy(flagged)])
+    assert bool((err[~flagged] <= core.rel.double().numpy()[~flagged] * (1 + 1e-12)).all())
     bare = dn.factored_row_norm(W, A, B, s, on_cancellation="off")
     assert float(np.max(np.abs(bare.double().numpy() - exact) / exact)) > 0.5  # wrong in the leading digit
-    with pytest.warns(CancellationWarning, match=r"2 row\(s\) recomputed in float64 .*: 2 \(kappa .*\), 7 \(kappa"):
+    with pytest.warns(CancellationWarning, match=r"2 row\(s\) recomputed in float64 \(cancellation .*: 2 \(kappa .*\), 7 \(kappa"):
         warned = dn.factored_row_norm(W, A, B, s, on_cancellation="warn")
     assert torch.equal(warned, rec)
-    with pytest.raises(CancellationError, match=r"cannot guarantee 2 row\(s\): 2 \(kappa [0-9.]+e\+1[0-9], rel inf\), 7 "):
+    with pytest.raises(CancellationError, match=r"cannot guarantee 2 row\(s\): cancellation \(.*\): "
+                                                r"2 \(kappa [0-9.]+e\+1[0-9], rel inf\), 7 "):
         dn.factored_row_norm(W, A, B, s, on_cancellation="raise")
     with pytest.raises(ValueError, match="on_cancellation must be one of"):
         dn.factored_row_norm(W, A, B, s, on_cancellation="ignore")
@@ -251,7 +261,7 @@ def test_layer_warn_once_and_raise():
         warnings.simplefilter("error")
         layer(x)  # once per layer
     strict = _cancelling_layer("raise")
-    with pytest.raises(CancellationError, match=r"DoRALinear\(64->48, r=4\): .* 2 row\(s\): 2 \(kappa"):
+    with pytest.raises(CancellationError, match=r"DoRALinear\(64->48, r=4\): .* 2 row\(s\): cancellation .*: 2 \(kappa"):
         strict(x)
     off = _cancelling_layer("off")
     assert float((off.magnitude_scale().detach() - 1).abs().max()) > 0.5  # the bare norm: wrong g
@@ -349,5 +359,71 @@ def test_underflowing_rows_are_recomputed_not_blamed_on_the_adapter(tail):
         dn.factored_row_norm(W, A, B, 1.0, on_cancellation="warn")
     assert abs(float(w[0]) - exact[0]) <= 2**-23 * exact[0]
     text = " ".join(str(c.message) for c in caught)
-    assert "underflowing" in text and "cancellation:" not in text, text
+    assert "fp32 terms near the underflow range (a tiny norm, no cancellation): 0 (kappa 1" in text, text
+    assert "cancellation (the update" not in text and "large update" not in text, text
     assert "kappa 0" not in text, text
+
+
+# ---------------------------------------------------------------------------- what the reports say
+
+def _exactly_formed_rows(d_in=16, c=(1, 3, -2, 5)):
+    """Rows where float64 forms ``x = W + s B A`` exactly although W and sBA cancel to 2^-48: W = 1,
+    B_j = [1, 2^-24], A_0 = -1 + 2^-24, A_1 = -1 + 2^-24 c_i, so x_i = 2^-48 c_i (every product and
+    sum exact in float64; the norm a few 2^-48 against ||W|| = 4)."""
+    ci = torch.tensor([c[i % len(c)] for i in range(d_in)], dtype=torch.float64)
+    W = torch.ones(2, d_in)
+    A = torch.stack([torch.full((d_in,), -1 + 2.0**-24, dtype=torch.float64), -1 + 2.0**-24 * ci]).float()
+    B = torch.tensor([[1.0, 2.0**-24], [1.0, 2.0**-24]])
+    return W, A, B, 1.0
+
+
+def test_exactly_formed_row_is_certified_not_reported():
+    """Lemma 5' charges an element only where float64 may round it: a row formed exactly (its norm a
+    correctly rounded fp32 value) is certified to fp32's rounding, not reported as "no accurate fp32
+    norm even in float64", and "raise" does not raise for it."""
+    W, A, B, s = _exactly_formed_rows()
+    exact = _exact_norms(W.numpy(), A.numpy(), B.numpy(), s)
+    w, rel, _ = dense_rows_fp64(W, A, B, s, torch.arange(2))
+    assert np.allclose(exact, 2.0**-48 * math.sqrt(4 * (1 + 9 + 4 + 25)), rtol=1e-15)
+    assert float(w[0]) == float(np.float32(exact[0]))  # correctly rounded
+    assert float(rel.max()) <= 2.0**-23  # the fp32 rounding and float64's sums of squares only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no accurate fp32 norm" warning
+        out = dn.factored_row_norm(W, A, B, s, on_cancellation="recompute")
+    assert torch.equal(out, w)
+
+
+def test_flagged_rows_are_named_by_their_cause():
+    """Three flagged rows, three causes: a row the update cancels (kappa ~1e14), a row of fp32 terms near
+    the underflow range (norm 4e-25, B = 0), and a row with an update as large as W at rank 384 and
+    d_in 4096 under the tensor-core model (no cancellation: kappa ~1): named as such, never as each other."""
+    from dora_num.ops.guard import _report, causes
+
+    assert causes(torch.tensor([1e14, 1.0, 1.1]), torch.tensor([1.0, 4e-25, 1.0]), 4096) == [
+        "cancellation", "underflow", "large update"]
+    idx, kappa = torch.tensor([3, 5, 9]), torch.tensor([1e14, 1.0, 1.1])
+    rel, rel_out, w = torch.full((3,), math.inf), torch.full((3,), 2.0**-24), torch.tensor([1.0, 4e-25, 1.0])
+    with pytest.warns(CancellationWarning) as got:
+        _report("layer", "warn", True, idx, kappa, rel, rel_out, stacklevel=2, w=w, d_in=4096)
+    text = str(got[0].message)
+    assert "cancellation (the update cancels the row of W: W ~ -s B A): 3 (kappa 1e+14" in text, text
+    assert "fp32 terms near the underflow range (a tiny norm, no cancellation): 5 (kappa 1" in text, text
+    assert "a large update (no cancellation" in text and ": 9 (kappa 1.1" in text, text
+    with pytest.raises(CancellationError) as err:  # "raise": only the cancelling row is the adapter's doing
+        _report("layer", "raise", True, idx, kappa, rel, rel_out, stacklevel=2, w=w, d_in=4096)
+    assert "1 row(s): cancellation" in str(err.value) and " 5 (" not in str(err.value) and " 9 (" not in str(err.value)
+
+
+def test_large_update_rows_are_called_large_updates():
+    """rho = ||sBA|| / ||W|| = 1 at r = 384, d_in = 4096: the guarantee passes 2^-6 on every row without
+    any cancellation (kappa ~1); the warning calls them large updates, not underflow or cancellation."""
+    d_out, d_in, r, s = 16, 4096, 384, 192 / math.sqrt(384)
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(d_out, d_in, generator=gen) / math.sqrt(d_in)
+    A = (torch.rand(r, d_in, generator=gen) * 2 - 1) / math.sqrt(d_in)
+    B, _ = perturbed_adapter(W, A, s, seed=2, update_ratio=1.0)
+    with pytest.warns(CancellationWarning) as got:
+        dn.factored_row_norm(W, A, B, s, on_cancellation="warn")
+    text = " ".join(str(w.message) for w in got)
+    assert f"{d_out} row(s) recomputed in float64 (a large update (no cancellation" in text, text
+    assert "underflow" not in text and "cancels the row" not in text, text
