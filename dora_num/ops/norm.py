@@ -308,8 +308,11 @@ def _watch_core(core: "_Core", W, A, B, base_sq, s: float, check: bool, cfg: OpC
     :func:`dora_num.ops.finite.watch` (deferred on CUDA by default), which, when set, raises the
     finiteness error (``check``) or reports the guard (:func:`dora_num.ops.guard.report_kernel`;
     ``on_report(code, flagged)`` is called first, for the layer's own warning).  Torch tail: the
-    decision is read now (``_guard.status``: free on the CPU, a sync on CUDA), the finiteness error
-    raised (``check``) and the flagged rows recomputed on the host (:func:`dora_num.ops.guard.resolve`).
+    decision is read now (``_guard.status``: free on the CPU, a sync on CUDA); with the guard, rows
+    whose fp32 intermediates overflowed although the inputs are finite are formed in float64 first
+    (:func:`_recompute_not_finite`: their norm often fits in fp32), the finiteness error is raised
+    (``check``) only for rows whose norm itself exceeds fp32, and the flagged rows are recomputed on
+    the host (:func:`dora_num.ops.guard.resolve`).
     """
     from . import finite
 
@@ -320,7 +323,7 @@ def _watch_core(core: "_Core", W, A, B, base_sq, s: float, check: bool, cfg: OpC
             if code >= _guard.FLAG_NONFINITE:
                 if not check:
                     return True
-                _raise_norm_not_finite(W, A, B, base_sq)
+                _raise_norm_not_finite(W, A, B, base_sq, s=s, wnorm=core.wnorm)
             if on_report is not None:
                 on_report(code, flagged)
             if guard and core.aux is not None:
@@ -335,21 +338,48 @@ def _watch_core(core: "_Core", W, A, B, base_sq, s: float, check: bool, cfg: OpC
     if not guard:
         if check:
             watched = finite.watch(finite.all_finite(wnorm), where, cfg.finite_check, is_ok=True,
-                                   on_fail=lambda _: _raise_norm_not_finite(W, A, B, base_sq))
+                                   on_fail=lambda _: _raise_norm_not_finite(W, A, B, base_sq, s=s, wnorm=wnorm))
             if watched is not None:
                 watched.check()
         return wnorm
-    code = int(_guard.status(wnorm, core.rel))  # one read: finiteness and the guard
-    if check and code >= _guard.FLAG_NONFINITE:
-        _raise_norm_not_finite(W, A, B, base_sq)
+    rel = core.rel
+    code = int(_guard.status(wnorm, rel))  # one read: finiteness and the guard
+    if code >= _guard.FLAG_NONFINITE:
+        wnorm, rel = _recompute_not_finite(W, A, B, s, wnorm, rel, base_sq, check)
+        code = int(_guard.status(wnorm, rel))
     if code >= _guard.FLAG_CANCELLATION:
         with torch.no_grad(), _autocast_off(W.device.type):
-            wnorm = _guard.resolve(W, A, B, s, wnorm, core.rel, mode, where=where)
+            wnorm = _guard.resolve(W, A, B, s, wnorm, rel, mode, where=where)
     return wnorm
 
 
-def _raise_norm_not_finite(W, A, B, base_sq) -> None:
-    """Raise ``ValueError`` naming why a factored norm was not finite (syncs: the error path)."""
+def _recompute_not_finite(W, A, B, s: float, wnorm, rel, base_sq, check: bool):
+    """``(wnorm, rel)`` with the rows whose factored value is not finite formed in float64
+    (:func:`dora_num.ops.guard.dense_rows_fp64`, lemma 5'), where W, A and B are finite: the fp32
+    intermediates (``U``, ``G``, the terms) may overflow while the norm fits in fp32 (``s = 2^-100``,
+    ``A = B = 2^60``: ``ba = 2^240``, norm ``2^20``).  Raises (``check``) where the norm itself
+    exceeds fp32, or an input (or the cached ``base_sq``) is not finite; without ``check`` such rows
+    are left as they are."""
+    inputs_ok = all(bool(torch.isfinite(t).all()) for t in (W, A, B)) and (
+        base_sq is None or bool(torch.isfinite(base_sq).all()))
+    if not inputs_ok:  # a non-finite input or a corrupt cached base_sq: named, or left as is (check=False)
+        if check:
+            _raise_norm_not_finite(W, A, B, base_sq)
+        return wnorm, rel
+    rows = torch.nonzero(~torch.isfinite(wnorm)).flatten()
+    with torch.no_grad(), _autocast_off(W.device.type):
+        w_new, rel_new, _ = _guard.dense_rows_fp64(W, A, B, s, rows)
+    if check and not bool(torch.isfinite(w_new).all()):
+        _raise_norm_not_finite(W, A, B, base_sq, s=s, wnorm=wnorm)
+    wnorm, rel = wnorm.clone(), rel.clone()
+    wnorm[rows], rel[rows] = w_new, rel_new
+    return wnorm, rel
+
+
+def _raise_norm_not_finite(W, A, B, base_sq, *, s: float | None = None, wnorm=None) -> None:
+    """Raise ``ValueError`` naming why a factored norm was not finite (syncs: the error path): a
+    non-finite input, a corrupt ``base_sq``, fp32 intermediates that overflowed although the norm fits
+    in fp32 (the float64 norm of those rows, when ``s`` and ``wnorm`` are given), or a norm beyond fp32."""
     for name, t in (("W", W), ("A", A), ("B", B)):
         check_finite(name, t)
     if base_sq is not None:
@@ -358,6 +388,21 @@ def _raise_norm_not_finite(W, A, B, base_sq) -> None:
         except ValueError as e:
             raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
                              "overflowed float32 (exceeds 3.4e38; rescale W)") from None
+    if s is not None and wnorm is not None:
+        rows = torch.nonzero(~torch.isfinite(wnorm)).flatten()
+        with torch.no_grad(), _autocast_off(W.device.type):
+            w64 = _guard.dense_rows_fp64(W, A, B, s, rows)[0]
+        fits = torch.isfinite(w64)
+        shown = rows[:8].tolist()
+        if bool(fits.all()) and rows.numel():
+            raise ValueError(
+                f"factored row norm: fp32 intermediates (U = W A^T, G = A A^T, or a term of the assembly) "
+                f"overflowed on rows {shown} although their norms fit in float32 (formed in float64: up to "
+                f"{float(w64.max()):.6g}); the guard (on_cancellation='recompute', the default) forms such rows in "
+                "float64, or rescale the adapter")
+        raise ValueError(
+            f"factored row norm overflowed float32 (inputs are finite): the row norm of W + sBA exceeds 3.4e38 on "
+            f"rows {rows[~fits][:8].tolist()}; rescale W or the adapter")
     raise ValueError(
         "factored row norm overflowed float32 (inputs are finite): the squared row norm "
         "exceeds 3.4e38; rescale W or the adapter"

@@ -427,3 +427,23 @@ def test_large_update_rows_are_called_large_updates():
     text = " ".join(str(w.message) for w in got)
     assert f"{d_out} row(s) recomputed in float64 (a large update (no cancellation" in text, text
     assert "underflow" not in text and "cancels the row" not in text, text
+
+
+def test_rows_whose_fp32_intermediates_overflow_are_formed_in_float64():
+    """s = 2^-100, A = B = 2^60: G = 2^120 and ba = 2^240 overflow fp32 while ||W + sBA|| = 2^20 + 1
+    fits; with the guard that norm is returned (exactly: one rounding of an fp32 number), the rows
+    beside it untouched; without the guard the error says what overflowed and that the norm fits;
+    a norm beyond fp32 is still an error naming its row."""
+    s = 2.0**-100
+    W = torch.tensor([[1.0, 0.0], [0.5, 0.25]])
+    A = torch.tensor([[2.0**60, 0.0]])
+    B = torch.tensor([[2.0**60], [0.0]])
+    exact = [math.sqrt(Fr(2**20 + 1) ** 2), math.sqrt(Fr(5, 16))]  # row 1: B = 0, the norm of W
+    w = dn.factored_row_norm(W, A, B, s)
+    assert float(w[0]) == 2.0**20 + 1 == exact[0]
+    assert float(w[1]) == float(np.float32(exact[1]))
+    with pytest.raises(ValueError, match=r"overflowed on rows \[0\] although their norms fit in float32 "
+                                         r"\(formed in float64: up to 1\.04858e\+06\)"):
+        dn.factored_row_norm(W, A, B, s, on_cancellation="off")
+    with pytest.raises(ValueError, match=r"the row norm of W \+ sBA exceeds 3\.4e38 on rows \[0\]"):
+        dn.factored_row_norm(torch.tensor([[3e38, 3e38], [0.5, 0.25]]), A, B, s)
