@@ -57,7 +57,10 @@ def _compose_parts(formula, base, lora, g, s, fmt, variant, g_in):
     ``E_w`` (after that rounding), ``E`` (the full bound vs ``X`` with the given ``g``,
     after a final rounding to ``fmt`` where the variant has one), ``over`` (overflow
     possible), ``X`` (an upper bound on ``|X'|``), ``Xtrue`` (float64 ``X`` with ``g``),
-    ``dgL = |g' - g| |L + base|`` and the formats."""
+    ``dgL = |g' - g| |L + base|`` (plus, for ``per_op``, the storage rounding of ``base`` and
+    ``lora`` when given in a wider format: ``|g - 1| |base' - base| + |g s| |lora' - lora|``) and the
+    formats.  Where ``g'`` (or a stored input) overflows the format, ``over`` is set and the
+    arithmetic uses 0 there, so no NaN arises."""
     if formula not in ("compose_stable", "compose_naive"):
         raise ValueError(f"formula must be compose_stable or compose_naive, got {formula!r}")
     fmt = get_format(fmt)
@@ -66,7 +69,22 @@ def _compose_parts(formula, base, lora, g, s, fmt, variant, g_in):
     base, lora, g = (finite64(n, x) for n, x in (("base", base), ("lora", lora), ("g", g)))
     s = F.scale_constants(s)[0]
     gp = _g_used(g, fmt, variant, g_in)
-    dg = np.abs(gp - g)
+    # g held in the format may overflow it (g = m / eps = 1e5 on a zero row, in fp16 or e5m2): the computed
+    # compose is then not finite and no finite bound exists; the arithmetic below uses 0 there (never NaN)
+    g_over = ~np.isfinite(gp)
+    gp = np.where(g_over, 0.0, gp)
+    dg = np.where(g_over, 0.0, np.abs(gp - g))
+    d_store = np.zeros(np.broadcast(base, lora, g).shape)
+    if variant == "per_op":
+        # per-op stores base and lora in the format first (emulate's `store`); given values of wider formats
+        # round there, and X is affine in both: charged |g - 1| |base' - base| + |g s| |lora' - lora|
+        base_s, lora_s = round_to(base, fmt), round_to(lora, fmt)
+        g_over = g_over | ~np.isfinite(base_s) | ~np.isfinite(lora_s)
+        base_s, lora_s = np.where(np.isfinite(base_s), base_s, 0.0), np.where(np.isfinite(lora_s), lora_s, 0.0)
+        d_store = np.abs(g - 1.0) * np.abs(base_s - base) + np.abs(g) * abs(s) * np.abs(lora_s - lora)
+        base_given, lora_given, base, lora = base, lora, base_s, lora_s
+    else:
+        base_given, lora_given = base, lora
     L = s * lora  # exact in float64 (24-bit s times a <= 24-bit value)
     aL, ab, ag = np.abs(L), np.abs(base), np.abs(gp)
     # g'-1 is exact in float64; the products and every later float64 operation of the bound round
@@ -92,15 +110,16 @@ def _compose_parts(formula, base, lora, g, s, fmt, variant, g_in):
         mags = [aL * (1 + us) + eta, (aL + ab) * (1 + u) ** 2 + eta, ag * (aL + ab) * (1 + u) ** 3 + 2 * eta,
                 X + E_pre]
     E_w = E_pre + u * (X + E_pre) + (eta if fma else 0.0)
-    over = np.zeros(np.broadcast(base, lora, g).shape, dtype=bool)
+    over = np.broadcast_to(g_over, np.broadcast(base, lora, g).shape).copy()
     for m in mags:
         over |= m * (1 + u) >= w.max
     E = E_w
     if out_fmt is not None:
         over |= (X + E_w) * (1 + out_fmt.u) >= out_fmt.max
         E = E_w + out_fmt.u * (X + E_w) + out_fmt.min_subnormal / 2
-    dgL = dg * np.abs(L + base)
-    Xtrue = (g - 1.0) * base + g * L
+    # X(g', stored) - X(g, given) = (g' - g)(base + L) + (g - 1)(base - base_given) + g s (lora - lora_given)
+    dgL = dg * np.abs(L + base) + d_store
+    Xtrue = (g - 1.0) * base_given + g * (s * lora_given)
     return {"E_pre": E_pre, "E_w": E_w, "E": E, "over": over, "X": X, "Xtrue": Xtrue, "dgL": dgL,
             "out_fmt": out_fmt if out_fmt is not None else w, "final_round_in_w": out_fmt is None}
 
@@ -172,30 +191,41 @@ def assembly_bound(base_sq, cross, ba, s: float, fmt, variant: str) -> np.ndarra
     """Lemma 3: bound on ``|computed - exact|`` of :func:`~dora_num.numerics.formulas.norm_assembly`
     as evaluated by ``emulate("norm_assembly", ...)``; exact = ``sqrt(max(Q, 0))`` of the
     given terms with the fp32 constants ``2s``, ``s^2 = fl32(s*s)`` (what the assembly
-    receives).  ``inf`` where overflow is possible."""
+    receives).  ``inf`` where overflow is possible: a partial sum, a term stored in the format
+    (``per_op``), or the constants themselves (``s^2`` beyond fp32 for ``|s| > 1.8e19``); ``s = 0``
+    multiplies nothing (no ``0 * inf``).  Never NaN."""
     fmt = get_format(fmt)
     w, us, eta, _, fma = working_arithmetic(fmt, variant)
     u = w.u
     b, c, a = (finite64(n, x) for n, x in (("base_sq", base_sq), ("cross", cross), ("ba", ba)))
     _, two_s, s_sq = F.scale_constants(s)
-    Sb, Sc, Sa = np.abs(b), np.abs(two_s * c), np.abs(s_sq * a)  # exact products in float64
+    shape = np.broadcast(b, c, a).shape
+    # 2s or s^2 beyond fp32 (|s| > 1.8e19): the fp32 constants are inf, no finite bound; 0 below (never NaN)
+    const_over = not (abs(two_s) <= FORMATS["fp32"].max and np.isfinite(s_sq))
+    if const_over:
+        two_s, s_sq = 0.0, 0.0
+    mul = lambda k, x: np.where(x == 0, 0.0, k * x) if k != 0 else np.zeros_like(x)  # noqa: E731  (0 * inf = 0)
+    Sb, Sc, Sa = np.abs(b), np.abs(mul(two_s, c)), np.abs(mul(s_sq, a))  # exact products in float64
     S = Sb + Sc + Sa
     if fma:
         dQ = pw(u, 2) * (Sb + Sc) + u * Sa + (2 + u) * eta
     else:
         dQ = pw(u, 2) * Sb + ((1 + us) * (1 + u) ** 2 - 1) * Sc + ((1 + us) * (1 + u) - 1) * Sa \
             + 2 * (1 + u) ** 2 * eta
-    if variant == "per_op":
-        d_in = np.abs(round_to(b, w) - b) + np.abs(two_s) * np.abs(round_to(c, w) - c) \
-            + s_sq * np.abs(round_to(a, w) - a)
+    store_over = np.zeros(shape, dtype=bool)
+    if variant == "per_op":  # the terms stored in the format first: a term beyond it is inf there
+        rb, rc, ra = (round_to(x, w) for x in (b, c, a))
+        store_over = ~(np.isfinite(rb) & np.isfinite(rc) & np.isfinite(ra))
+        fin = lambda r, x: np.where(np.isfinite(r), np.abs(r - x), 0.0)  # noqa: E731
+        d_in = fin(rb, b) + abs(two_s) * fin(rc, c) + s_sq * fin(ra, a)
         dQ = dQ + d_in * (1 + u) ** 3
-    Q64 = b + two_s * c + s_sq * a
+    Q64 = b + mul(two_s, c) + mul(s_sq, a)
     Q_lo = np.maximum(Q64 - 4 * U64 * S, 0.0)
     w_hi = np.sqrt(np.maximum(Q64 + 4 * U64 * S, 0.0))
     with np.errstate(divide="ignore", invalid="ignore"):
         lin = np.where(Q_lo > 0, dQ / np.sqrt(np.where(Q_lo > 0, Q_lo, 1.0)), np.inf)
     E = ((1 + u) * np.minimum(lin, np.sqrt(dQ)) + u * w_hi) * SAFE
-    over = (S + dQ) * (1 + u) ** 3 >= w.max
+    over = ((S + dQ) * (1 + u) ** 3 >= w.max) | store_over | const_over
     return np.where(over, np.inf, E)
 
 

@@ -25,10 +25,12 @@ def scale_constants(scale: float) -> tuple[float, float, float]:
     """``(s, 2s, s^2)`` as Python floats exactly representable in fp32.
 
     ``s = fl32(scale)``; ``2s`` is exact (a power-of-two multiple);
-    ``s^2 = fl32(s*s)`` (one rounding, relative error <= u32 = 2^-24).
+    ``s^2 = fl32(s*s)`` (one rounding, relative error <= u32 = 2^-24), ``inf`` for ``|s| > 1.8e19``
+    (and ``2s`` beyond fp32 for ``|s| > 1.7e38``: callers that need fp32 constants check them).
     """
-    s = float(np.float32(scale))
-    return s, 2.0 * s, float(np.float32(s) * np.float32(s))
+    with np.errstate(over="ignore"):
+        s = float(np.float32(scale))
+        return s, 2.0 * s, float(np.float32(s) * np.float32(s))
 
 
 # --------------------------------------------------------------------------

@@ -375,3 +375,79 @@ def test_assembly_bound_over_the_domain(fmt, record):
             assert _within(float(out[i]), float(E[i]), max(q[i], Fr(0))), (fmt, variant, i)
             worst = max(worst, _ratio(float(out[i]), float(E[i]), max(q[i], Fr(0))))
         record("assembly", case=f"{fmt}/{variant}", ratio_err_over_bound=worst, n_no_bound=int(np.isinf(E).sum()))
+
+
+# ----------------------------------------------------------------------- never NaN, and the domain's edges
+
+def _exact_compose(base, lora, g, s):
+    sf = Fr(F.scale_constants(s)[0])
+    return [(Fr(g[i]) - 1) * Fr(base[i]) + Fr(g[i]) * (sf * Fr(lora[i])) for i in range(len(base))]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8_e5m2", "fp8_e4m3fn", "bf16"])
+def test_compose_bounds_with_g_beyond_the_format_are_inf_not_nan(fmt):
+    """g = m / eps = 1e5 on a zero row held in fp16 or e5m2 overflows to inf there (e4m3fn saturates to
+    448, bf16 holds it): at base = lora = 0 and beside it the computed compose is not finite, so the
+    bound and the ulp bound are inf there, never NaN, and hold exactly wherever they are finite."""
+    base = np.array([0.0, 0.0, 1.5, -2.0])
+    lora = np.array([0.0, 1.0, 0.0, 3.0])
+    g = np.full(4, 1e5)
+    s = 0.5
+    exact = _exact_compose(base, lora, g, s)
+    for formula in ("compose_stable", "compose_naive"):
+        for variant, g_in in (("per_op", "storage"), ("fp32", "storage"), ("fp32_fma", "storage"), ("fp32", "fp32")):
+            E = compose_bound(formula, base, lora, g, s, fmt, variant, g_in)
+            ub = compose_ulp_bound(formula, base, lora, g, s, fmt, variant, g_in)
+            assert not np.isnan(E).any() and not np.isnan(ub).any(), (formula, variant, g_in, E, ub)
+            out = emulate(formula, {"base": base, "lora": lora, "g": g, "s": s}, fmt, variant, g_in)
+            for i in range(4):
+                if not np.isfinite(out[i]):
+                    assert np.isinf(E[i]) and np.isinf(ub[i]), (formula, variant, g_in, i)
+                elif np.isfinite(E[i]):
+                    assert abs(Fr(out[i]) - exact[i]) <= Fr(E[i]), (formula, variant, g_in, i)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"])
+def test_per_op_compose_bound_charges_the_storage_of_wider_inputs(fmt):
+    """Per-op stores base and lora in the format before it computes; given fp32 values (not values of the
+    format) the exact result is that of the given values, and the bound charges their storage rounding."""
+    rng = np.random.default_rng([17, len(fmt)])
+    n = 4000
+    f = FORMATS[fmt]
+    base = F32(rng.standard_normal(n) * np.exp2(rng.uniform(np.log2(f.min_subnormal), np.log2(f.max) - 8, n)))
+    lora = F32(base * rng.standard_normal(n) * np.exp2(rng.uniform(-12, 2, n)))
+    g = F32(np.where(rng.random(n) < 0.5, 1 + rng.standard_normal(n) * np.exp2(rng.uniform(-14, 0, n)),
+                     rng.choice([-1, 1], n) * np.exp2(rng.uniform(-20, 10, n))))
+    s = 16 / math.sqrt(5)
+    exact = _exact_compose(base, lora, g, s)
+    for formula in ("compose_stable", "compose_naive"):
+        out = emulate(formula, {"base": base, "lora": lora, "g": g, "s": s}, fmt, "per_op", "storage")
+        E = compose_bound(formula, base, lora, g, s, fmt, "per_op", "storage")
+        assert not np.isnan(E).any()
+        for i in np.flatnonzero(np.isfinite(E)):
+            assert abs(Fr(out[i]) - exact[i]) <= Fr(E[i]), (formula, i, base[i], lora[i], g[i])
+
+
+def test_assembly_bound_at_the_scale_extremes_is_inf_or_holds_never_nan():
+    """s^2 beyond fp32 (s = 2e19: the fp32 constant s^2 is inf) and s = 0 under per-op with a term beyond
+    the format (stored as inf, multiplied by 0: NaN in the computation): inf there, never NaN; the
+    exact check wherever the bound is finite."""
+    from dora_num.numerics.bounds import assembly_bound
+
+    b = F32(np.array([1.0, 4.0, 0.0, 2.0]))
+    c = F32(np.array([0.0, -1.0, 0.0, 1e30]))
+    a = F32(np.array([0.0, 1e30, 0.0, 1e30]))
+    for s in (2e19, 0.0, 1e-30, 3e38):
+        _, two_s, s_sq = F.scale_constants(s)
+        for fmt in ("bf16", "fp16", "fp32", "fp8_e4m3fn"):
+            for variant in ("per_op", "fp32", "fp32_fma"):
+                E = assembly_bound(b, c, a, s, fmt, variant)
+                assert not np.isnan(E).any(), (s, fmt, variant, E)
+                with np.errstate(all="ignore"):
+                    out = emulate("norm_assembly", {"base_sq": b, "cross": c, "ba": a, "s": s}, fmt, variant)
+                for i in range(4):
+                    if not np.isfinite(out[i]):
+                        assert np.isinf(E[i]), (s, fmt, variant, i)
+                    elif np.isfinite(E[i]):
+                        q = Fr(b[i]) + Fr(two_s) * Fr(c[i]) + Fr(s_sq) * Fr(a[i])
+                        assert _within(float(out[i]), float(E[i]), max(q, Fr(0))), (s, fmt, variant, i)
