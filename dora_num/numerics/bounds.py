@@ -249,12 +249,14 @@ def magnitude_scale_bound(m, wnorm, eps: float, rel_wnorm) -> np.ndarray:
     ``d(w^) = d(w)(1 + r)`` with ``|r| <= rel``; the division adds ``(1 + d)`` and an underflow
     ``e``: ``g^ = g (1 + d) / (1 + r) + e``, hence
 
-        |g^ - g| <= |g| (u + rel) / (1 - rel) + eta,
+        |g^ - g| <= |g| (u + rel) / (1 - rel) + eta  (+ (1 + u) |fl32(m) - m| / d(w^)),
 
     exact to second order (``(1+u)/(1-rel) - 1``; the former ``u + (1 + u) rel`` misses
     the ``rel^2`` term and fails for ``rel > ~2^-12``).  ``inf`` for ``rel >= 1`` or where
     ``g^`` may overflow.  ``|g|`` is evaluated from the inputs as ``|m| / max(w^, eps) /
-    (1 - rel)`` (an upper bound), times ``1 + 2^-40``."""
+    (1 - rel)`` (an upper bound), times ``1 + 2^-40``.  An ``m`` that is not fp32 (float64
+    magnitudes) is rounded to fp32 before the division, as the operator does: the term in
+    parentheses charges that rounding (0 for fp32 ``m``)."""
     m = finite64("m", m)
     wn = finite64("wnorm", wnorm)
     rel = np.broadcast_to(finite64("rel_wnorm", rel_wnorm), np.broadcast(m, wn).shape)
@@ -265,9 +267,11 @@ def magnitude_scale_bound(m, wnorm, eps: float, rel_wnorm) -> np.ndarray:
         raise ValueError(f"eps must be positive in fp32, got {eps!r}")
     u, eta = U32, ETA32
     den = np.where(wn == 0, e32, wn)
+    # m given in float64 is rounded to fp32 before the division (the operator's m.float()): charged exactly
+    dm = np.abs(round_to(m, "fp32") - m)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         g_up = np.abs(m) / den / np.where(rel < 1, 1.0 - rel, 1.0) * (1 + 2 * U64)
-        E = (g_up * (u + rel) / np.where(rel < 1, 1.0 - rel, 1.0) + eta) * SAFE
+        E = (g_up * (u + rel) / np.where(rel < 1, 1.0 - rel, 1.0) + eta + (1 + u) * dm / den) * SAFE
     bad = (rel >= 1) | ~np.isfinite(E) | (g_up * (1 + u) >= FORMATS["fp32"].max)
     return np.where(bad, np.inf, E)
 

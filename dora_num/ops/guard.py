@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -382,3 +383,54 @@ def resolve(W, A, B, s: float, wnorm: torch.Tensor, rel: torch.Tensor, mode: str
     out = wnorm.clone()
     out[rows] = w_new
     return out
+
+
+class GuardRows(NamedTuple):
+    """Per row, what the guard of the factored norm's torch tail decides (:func:`guard_rows`)."""
+
+    bare: torch.Tensor  # fp32: the factored value (on_cancellation="off")
+    kappa: torch.Tensor  # fp32: the assembly's condition from the fp32 terms (lemma 4')
+    rel: torch.Tensor  # fp32: lemma 4''s guaranteed relative error of `bare` (inf: not certified)
+    recomputed: torch.Tensor  # bool: rows formed in float64 (rel > CANCELLATION_REL, or bare not finite)
+    guarded: torch.Tensor  # fp32: the returned norm (on_cancellation="recompute")
+    rel_out: torch.Tensor  # fp32: its guaranteed relative error (rel, or lemma 5''s where recomputed)
+    products: str  # the product model charged (norm_posterior.PRODUCT_MODELS)
+
+
+def guard_rows(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> GuardRows:
+    """The guard's decision row by row, from the same public pieces and in the same order as the
+    torch tail of :func:`dora_num.ops.norm.factored_row_norm` (no cached zero-row mask): its terms
+    (:func:`~dora_num.ops.norm.factored_terms`), products (:func:`~dora_num.ops.products.factored_products`),
+    row magnitudes and lemma 4' (:func:`~dora_num.numerics.norm_posterior.posterior_from_terms`), and the
+    float64 recompute (:func:`dense_rows_fp64`) of the flagged rows and of rows whose fp32 value is not
+    finite.  ``guarded`` is bitwise the torch tail's result; the reviewer's kit checks each row against
+    the lemma that covers it."""
+    from ..numerics.arithmetic import TorchFP32CorrectSqrt
+    from ..numerics.formulas import norm_assembly, scale_constants
+    from ..numerics.norm_posterior import lora_row_magnitudes, posterior_from_terms
+    from .norm import factored_terms
+    from .products import factored_products
+
+    base, cross, ba, two_s, s_sq = factored_terms(W, A, B, scale)
+    s = scale_constants(scale)[0]
+    r = A.shape[0]
+    with torch.no_grad():
+        if s == 0.0:
+            C, inv = guard_constants(two_s, s_sq, W, r), None
+            la = bb = torch.zeros_like(base)
+            products = products_of(W)
+        else:
+            prod = factored_products(W, A)
+            C = guard_constants(two_s, s_sq, W, r, prod.pieces)
+            inv = prod.inv if C.inv_runtime else None
+            la, bb = lora_row_magnitudes(B, prod.G, constants=C, inv=inv)
+            products = products_of(W, prod.pieces)
+        kappa, rel = posterior_from_terms(base, cross, ba, la, bb, C, inv)
+        bare = norm_assembly(TorchFP32CorrectSqrt, base, cross, ba, two_s, s_sq)
+        guarded, rel_out = bare.clone(), rel.clone()
+        redo = ~torch.isfinite(bare) | (rel > CANCELLATION_REL)
+        rows = torch.nonzero(redo).flatten()
+        if rows.numel():
+            w64, rel64, _ = dense_rows_fp64(W, A, B, s, rows)
+            guarded[rows], rel_out[rows] = w64, rel64
+    return GuardRows(bare, kappa, rel, redo, guarded, rel_out, products)

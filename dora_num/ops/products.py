@@ -297,3 +297,16 @@ def _gram(A: torch.Tensor, model: ProductModel) -> torch.Tensor:
         return _chunked_fp64(A, A, max(1, min(d, _GRAM_CHUNK_BYTES // (8 * max(r, 1)))))
     Af = A.float()
     return Af @ Af.T
+
+
+def factored_products(W: torch.Tensor, A: torch.Tensor, *, chunk_bytes: int | None = None,
+                      cfg: OpConfig | None = None) -> Products:
+    """The :class:`Products` (``U``, ``G``, the split's pieces and ``inv``, the model) the factored norm
+    forms for ``W``, ``A`` (the same call as :func:`dora_num.ops.norm.factored_row_norm`'s; for studies and
+    the reviewer's kit, which re-derive the guard's decision from them).  No gradient, autocast off."""
+    from .config import get_config
+    from .norm import _autocast_off, chunk_columns
+
+    cfg = get_config() if cfg is None else cfg
+    with torch.no_grad(), _autocast_off(W.device.type):
+        return _products(W, A, chunk_columns(W.shape[0], W.shape[1], chunk_bytes), cfg)
