@@ -201,8 +201,7 @@ def _peft_adapter(tmp_path):
     """A PEFT DoRA adapter folder of the tests' tiny two-linear model, and its base weights file."""
     from safetensors.torch import save_file as save
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "adapters"))
-    from _tiny import make_base, make_dora
+    from adapters._tiny import make_base, make_dora
 
     from dora_num.adapters.peft_io import export_peft_dora
 

@@ -131,3 +131,34 @@ def sqrt_round_ref(name: str, q: Fraction) -> float:
     if k == top:
         return float("inf") if LAYOUTS[name][3] else float(v)
     return float(nxt)
+
+
+# ---------------------------------------------------------------------------- row norms of W + s B A, exactly
+
+def exact_row_norm_sq(W, A, B, s):
+    """``||W_j + s (BA)_j||^2`` per row, in rationals, with ``s = fl32(scale)`` (the real ``s^2``); W, A, B
+    numpy or torch (their values taken exactly)."""
+    import numpy as np
+
+    sf = Fraction(float(np.float32(s)))
+    tolist = lambda t: np.asarray(t.double() if hasattr(t, "double") else t, dtype=np.float64).tolist()  # noqa: E731
+    Af = [[Fraction(v) for v in row] for row in tolist(A)]
+    out = []
+    for j, wrow in enumerate(tolist(W)):
+        b = [Fraction(v) for v in tolist(B)[j]]
+        q = Fraction(0)
+        for i, w in enumerate(wrow):
+            x = Fraction(w) + sf * sum(b[k] * Af[k][i] for k in range(len(b)))
+            q += x * x
+        out.append(q)
+    return out
+
+
+def norm_within(w: float, E: float, q: Fraction) -> bool:
+    """``|w - sqrt(q)| <= E``, decided exactly (``E = inf``: vacuous)."""
+    import math
+
+    if math.isinf(E):
+        return True
+    lo = max(Fraction(w) - Fraction(E), Fraction(0))
+    return lo * lo <= q <= (Fraction(w) + Fraction(E)) ** 2

@@ -28,7 +28,7 @@ from dora_num.numerics.emulate import emulate
 from dora_num.numerics.formats import FORMATS, round_to
 from dora_num.ops.norm import dense_row_norm, factored_row_norm
 
-from ._exact_ref import round_float
+from ._exact_ref import exact_row_norm_sq, norm_within, round_float
 
 F32 = lambda x: round_to(np.asarray(x, dtype=np.float64), "fp32")  # noqa: E731
 SCALES = {"0.5": 0.5, "rslora_2/sqrt7": 2 / math.sqrt(7), "rslora_16/sqrt5": 16 / math.sqrt(5), "alpha/r_8/3": 8 / 3}
@@ -36,27 +36,7 @@ SCALES = {"0.5": 0.5, "rslora_2/sqrt7": 2 / math.sqrt(7), "rslora_16/sqrt5": 16 
 
 # ----------------------------------------------------------------------- exact helpers
 
-def _exact_q(W, A, B, s):
-    """``||W_j + s (BA)_j||^2`` per row, in rationals, with ``s = fl32(scale)`` (real ``s^2``)."""
-    sf = Fr(F.scale_constants(s)[0])
-    Af = [[Fr(float(v)) for v in row] for row in A]
-    out = []
-    for j in range(W.shape[0]):
-        b = [Fr(float(v)) for v in B[j]]
-        q = Fr(0)
-        for i in range(W.shape[1]):
-            x = Fr(float(W[j, i])) + sf * sum(b[k] * Af[k][i] for k in range(len(b)))
-            q += x * x
-        out.append(q)
-    return out
-
-
-def _within(w: float, E: float, q: Fr) -> bool:
-    """``|w - sqrt(q)| <= E`` decided exactly."""
-    if math.isinf(E):
-        return True
-    lo = max(Fr(w) - Fr(E), Fr(0))
-    return lo * lo <= q <= (Fr(w) + Fr(E)) ** 2
+_exact_q, _within = exact_row_norm_sq, norm_within
 
 
 def _ratio(w: float, E: float, q: Fr) -> float:

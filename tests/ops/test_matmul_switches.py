@@ -22,6 +22,7 @@ from dora_num.numerics.formulas import scale_constants
 from dora_num.ops.config import get_config
 from dora_num.ops.guard import CANCELLATION_REL
 from dora_num.ops.norm import _factored_core, chunk_columns
+from numerics._exact_ref import exact_row_norm_sq, norm_within
 
 MKL = torch.backends.mkldnn.matmul
 
@@ -46,27 +47,7 @@ def _layer(d_out=6, d_in=128, r=64, seed=0, rho=1.0):
     return W, A, B, 1.0
 
 
-def _exact_q(W, A, B, s):
-    """``||W_j + s (BA)_j||^2`` per row in rationals (``s = fl32(scale)``)."""
-    sf = Fr(scale_constants(s)[0])
-    Af = [[Fr(float(v)) for v in row] for row in A.tolist()]
-    out = []
-    for j, wrow in enumerate(W.tolist()):
-        b = [Fr(float(v)) for v in B[j].tolist()]
-        q = Fr(0)
-        for i, w in enumerate(wrow):
-            x = Fr(w) + sf * sum(b[k] * Af[k][i] for k in range(len(b)))
-            q += x * x
-        out.append(q)
-    return out
-
-
-def _within(w: float, E: float, q: Fr) -> bool:
-    """``|w - sqrt(q)| <= E``, decided exactly."""
-    if math.isinf(E):
-        return True
-    lo = max(Fr(w) - Fr(E), Fr(0))
-    return lo * lo <= q <= (Fr(w) + Fr(E)) ** 2
+_exact_q, _within = exact_row_norm_sq, norm_within
 
 
 def test_the_switch_is_real_on_this_cpu_and_is_read(bf16_gemms):
