@@ -14,7 +14,7 @@ import numpy as np
 from . import fixed_order as fo
 from . import formulas as F
 from .formats import FORMATS
-from .standard_model import ETA32, TINY32, U32, U64, finite64, gamma, pw, up32
+from .standard_model import ETA32, TINY32, U32, U64, finite64, gamma, pw, tc_additions, up32
 
 
 def _underflow_sites(X, Y) -> np.ndarray:
@@ -53,7 +53,7 @@ def _factored_parts(W, A, B, s, products: str):
         abs_U, abs_G = np.full((W.shape[0], r), eta), np.full((r, r), eta)
     else:
         tc = products == "tensor_core"  # exact products, an accumulator that may truncate and flush partial sums
-        c = gamma(2 * d if tc else d, u)
+        c = gamma(tc_additions(d) if tc else d, u)
         add_abs = (d - 1) * TINY32 if tc else 0.0
         abs_U = _underflow_sites(W, A) * eta + add_abs  # [d_out, r]: every product an underflow site
         abs_G = _underflow_sites(A, A) * eta + add_abs  # [r, r]

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .arithmetic import TorchFP32CorrectSqrt
-from .standard_model import TINY32, U32, U64, gamma, pw, up32
+from .standard_model import TINY32, U32, U64, gamma, pw, tc_additions, up32
 
 SPLIT_FORMATS = {"bf16": (2.0**-8, 2.0**-134), "fp16": (2.0**-11, 2.0**-25)}  # (u_h, sigma)
 _UU = 2.0**-149  # added after a product by a power of two: fl(p) + 2^-149 >= p (underflow is <= 2^-150)
@@ -116,7 +116,7 @@ def _entry_model(products: str, d: int) -> tuple[float, float]:
     if products == "fp64":  # float64 sums of exact products, one rounding to fp32 (which may underflow once)
         return u + (1 + u) * float(gamma(2 * d, U64)), 2.0**-149
     if products == "tensor_core":  # a truncating accumulator that may flush each partial sum
-        return float(gamma(2 * d, u)), d * 2.0**-149 + (d - 1) * TINY32
+        return float(gamma(tc_additions(d), u)), d * 2.0**-149 + (d - 1) * TINY32
     return float(gamma(d, u)), d * 2.0**-149  # fp32, any order: d products, each an underflow site
 
 
@@ -165,7 +165,7 @@ def _split_constants(C: PosteriorConstants, d: int, r: int, p: int, fmt: str) ->
     rho = 0.0 if p == 3 else u_h**2
     sigma_r = (sigma if p == 3 else sigma * (1 + u_h)) + (2.0**-150 if fp16 else 0.0)
     tau = 5 * sigma + (2.0**-149 if fp16 else 0.0)  # per unit of inv
-    g_u, g_G = float(gamma(2 * d + p - 1, u)), float(gamma(2 * d + p * p - 1, u))
+    g_u, g_G = float(gamma(tc_additions(d) + p - 1, u)), float(gamma(tc_additions(d) + p * p - 1, u))
     g_r, g_2r = float(gamma(r, u)), float(gamma(2 * r, u))
     gG = g_G * c_h**2 + 2 * rho + 3 * rho**2
     if not max(g_u, g_G, gG, g_r, g_2r) < 0.5:

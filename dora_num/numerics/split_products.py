@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import get_format, round_to
+from .standard_model import tc_additions
 
 U32 = 2.0**-24
 MAX32 = float(np.finfo(np.float32).max)
@@ -82,7 +83,7 @@ def split_u_error(W, A, pieces: int, fmt) -> np.ndarray:
     W = np.asarray(W, dtype=np.float64)
     res, S, _, inv = split_residual(A, fmt, pieces)
     d = W.shape[1]
-    g = _gamma(2 * d + pieces - 1)
+    g = _gamma(tc_additions(d) + pieces - 1)
     P, _ = split_pieces_np(A, fmt, pieces)
     n = _flush_sites(W, P)
     aW = np.abs(W)
@@ -103,7 +104,7 @@ def split_gram_error(A, pieces: int, fmt) -> np.ndarray:
     res, S, At, inv = split_residual(A, fmt, pieces)
     d = np.asarray(A).shape[1]
     q = pieces * pieces
-    g = _gamma(2 * d + q - 1)
+    g = _gamma(tc_additions(d) + q - 1)
     P, _ = split_pieces_np(A, fmt, pieces)
     S_all = P.reshape(-1, d)
     n = _flush_sites(S_all, P).reshape(pieces, -1, P.shape[1]).sum(axis=0)  # [r, r] over the left pieces

@@ -54,3 +54,24 @@ def up32(x: float) -> float:
     if float(f) < x:
         f = np.nextafter(f, np.float32(np.inf))
     return float(f)
+
+
+# Tensor-core products over a long inner dimension are formed in column blocks of at most this many terms,
+# each a fresh fp32 product, added in sequence (dora_num.ops.products): a product then passes through at most
+# 2 TC_BLOCK_K + 2 ceil(d / TC_BLOCK_K) roundings' worth of the 2u-per-addition charge instead of 2 d.  8192
+# keeps every layer up to d_in = 8192 one GEMM (the 8B/70B attention projections, the 8B MLP's up/gate) and
+# makes the guarantee 3.5x sharper at the 70B MLP's d_in = 28,672 (docs/bounds.md, lemma 4').
+TC_BLOCK_K = 8192
+
+
+def tc_blocks(d: int) -> list[tuple[int, int]]:
+    """The column blocks ``[(start, stop), ...]`` of a tensor-core product of inner dimension ``d``."""
+    return [(b, min(b + TC_BLOCK_K, d)) for b in range(0, max(int(d), 1), TC_BLOCK_K)]
+
+
+def tc_additions(d: int) -> int:
+    """Additions charged ``u`` each (``2u`` for a truncating accumulator: twice this count) to a product
+    of the blocked tensor-core sum of :func:`tc_blocks`: ``2 d`` for one block, ``2 (K_b + n_b)`` for
+    ``n_b`` blocks of at most ``K_b`` terms (the accumulation inside a block, then the block sums)."""
+    n_b = len(tc_blocks(d))
+    return 2 * int(d) if n_b == 1 else 2 * (min(int(d), TC_BLOCK_K) + n_b)

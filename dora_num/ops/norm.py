@@ -398,8 +398,8 @@ def _raise_norm_not_finite(W, A, B, base_sq, *, s: float | None = None, wnorm=No
             raise ValueError(
                 f"factored row norm: fp32 intermediates (U = W A^T, G = A A^T, or a term of the assembly) "
                 f"overflowed on rows {shown} although their norms fit in float32 (formed in float64: up to "
-                f"{float(w64.max()):.6g}); the guard (on_cancellation='recompute', the default) forms such rows in "
-                "float64, or rescale the adapter")
+                f"{float(w64.max()):.6g}); rescale W or the adapter (factored_row_norm's guard, on the torch tail, "
+                "forms such rows in float64)")
         raise ValueError(
             f"factored row norm overflowed float32 (inputs are finite): the row norm of W + sBA exceeds 3.4e38 on "
             f"rows {rows[~fits][:8].tolist()}; rescale W or the adapter")

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..numerics.standard_model import tc_blocks
 from .config import OpConfig
 
 _MM_OUT_DTYPE_OK: dict = {}  # (device type, dtype) -> whether torch.mm(..., out_dtype=fp32) runs
@@ -168,13 +169,27 @@ def _mm_cpu_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _mm32(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
-    """``a @ b`` of 16-bit operands with fp32 output: ``mm`` if given (the tests' tensor-core
-    emulation), else the tensor-core product (:func:`_mm_fp32_out`), else fp32 products."""
+def _mm32_once(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
     if mm is not None:
         return mm(a, b)
     out = _mm_fp32_out(a, b)
     return _mm_cpu_fp32(a, b) if out is None else out
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
+    """``a @ b`` of 16-bit operands with fp32 output: ``mm`` if given (the tests' tensor-core
+    emulation), else the tensor-core product (:func:`_mm_fp32_out`), else fp32 products.  Over an inner
+    dimension longer than ``TC_BLOCK_K`` in column blocks (``numerics.standard_model.tc_blocks``), each a
+    fresh product added in sequence: the accumulation charge of lemma 4 is then per block
+    (``tc_additions``).  Extra memory beyond one block: one product of the output's shape."""
+    blocks = tc_blocks(a.shape[1])
+    if len(blocks) == 1:
+        return _mm32_once(a, b, mm)
+    out = None
+    for b0, b1 in blocks:
+        part = _mm32_once(a[:, b0:b1], b[b0:b1], mm)
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None) -> torch.Tensor:
@@ -243,7 +258,8 @@ def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int, pieces: int = 3, mod
     - ``"tensor_core"`` (W, A of one 16-bit dtype on CUDA): one product with fp32 accumulation and
       fp32 output (``torch.mm(..., out_dtype=float32)``); each ``W_jk A_ik`` is exact in fp32 (8+8 or
       11+11 significand bits), so the only error is the accumulation, ``gamma_{2 d_in}`` (``2u`` per
-      addition covers an accumulator that truncates).  Extra memory: U itself.
+      addition covers an accumulator that truncates; in column blocks beyond ``d_in = TC_BLOCK_K``,
+      :func:`_mm32`).  Extra memory: U itself (and one block product beyond ``TC_BLOCK_K``).
     - ``"split"`` (16-bit W on CUDA, A of another dtype): :func:`split_mm`, ``pieces`` tensor-core
       products.  Extra memory: ``d_out * pieces * r * 4`` bytes and the pieces of A.
     - ``"fp32"`` (IEEE fp32 GEMMs): W and A fp32, one product (no copy); otherwise fp32 column chunks
@@ -252,7 +268,7 @@ def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int, pieces: int = 3, mod
     """
     model = product_model(W, A) if model is None else model
     if model.u == "tensor_core":
-        return _mm_fp32_out(W, A.T)
+        return _mm32(W, A.T)
     if model.u == "split":
         return split_mm(W, A, pieces)
     if model.u == "fp64":
@@ -291,7 +307,7 @@ def _gram(A: torch.Tensor, model: ProductModel) -> torch.Tensor:
     an fp32 GEMM (``"fp32"``), or float64 accumulation over column chunks of A rounded once
     (``"fp64"``; chunks of at most ``_GRAM_CHUNK_BYTES``)."""
     if model.u == "tensor_core":
-        return _mm_fp32_out(A, A.T)
+        return _mm32(A, A.T)
     if model.u == "fp64":
         r, d = A.shape
         return _chunked_fp64(A, A, max(1, min(d, _GRAM_CHUNK_BYTES // (8 * max(r, 1)))))

@@ -443,7 +443,7 @@ def test_rows_whose_fp32_intermediates_overflow_are_formed_in_float64():
     assert float(w[0]) == 2.0**20 + 1 == exact[0]
     assert float(w[1]) == float(np.float32(exact[1]))
     with pytest.raises(ValueError, match=r"overflowed on rows \[0\] although their norms fit in float32 "
-                                         r"\(formed in float64: up to 1\.04858e\+06\)"):
+                                         r"\(formed in float64: up to 1\.04858e\+06\); rescale"):
         dn.factored_row_norm(W, A, B, s, on_cancellation="off")
     with pytest.raises(ValueError, match=r"the row norm of W \+ sBA exceeds 3\.4e38 on rows \[0\]"):
         dn.factored_row_norm(torch.tensor([[3e38, 3e38], [0.5, 0.25]]), A, B, s)

@@ -207,3 +207,22 @@ def test_two_pieces_measured_against_three():
     errs = {p: float(((split_mm(W, A, p, mm=_emulated_mm).double() - U64).abs() / mag).max()) for p in (2, 3)}
     assert errs[3] < errs[2]
     assert 2.0**-22 < errs[2] < 2.0**-15, errs
+
+
+def test_products_past_tc_block_k_are_blocked_and_within_the_blocked_bound():
+    """d_in = TC_BLOCK_K + 77: the tensor-core products are two fresh blocks added in sequence, and on the
+    truncating emulated accumulator U and G stay within the blocked charge (gamma of tc_additions(d), not
+    2 d).  Inputs of few bits (bf16 W = k 2^-4, A = k 2^-16) make the float64 reference exact."""
+    from dora_num.numerics.standard_model import TC_BLOCK_K, tc_additions, tc_blocks
+
+    d = TC_BLOCK_K + 77
+    assert tc_blocks(d) == [(0, TC_BLOCK_K), (TC_BLOCK_K, d)] and tc_additions(d) == 2 * (TC_BLOCK_K + 2)
+    gen = torch.Generator().manual_seed(4)
+    W = (torch.randint(-8, 9, (3, d), generator=gen).double() / 16).bfloat16()
+    A = torch.randint(-2**15, 2**15, (2, d), generator=gen).float() / 2**16
+    U = split_mm(W, A, 3, mm=_emulated_mm)
+    G = split_gram(A, torch.bfloat16, 3, mm=_emulated_mm)
+    U64, G64 = W.double() @ A.double().T, A.double() @ A.double().T  # exact: multiples of 2^-20 below 2^33
+    assert bool(((U.double() - U64).abs() <= torch.from_numpy(split_u_error(W.double().numpy(), A.double().numpy(),
+                                                                            3, "bf16"))).all())
+    assert bool(((G.double() - G64).abs() <= torch.from_numpy(split_gram_error(A.double().numpy(), 3, "bf16"))).all())
