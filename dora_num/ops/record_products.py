@@ -1,0 +1,203 @@
+"""Recorder (one H200 call): what the factored norm's products and guard do on the GPU.
+
+``python -m dora_num.ops.record_products --out DIR [--smoke]`` writes, with provenance sidecars:
+
+- ``tf32.csv``: fp32 W, A, B at 1024 x 4096, r = 64 (the LoRA term as large as W, and W = 0), the
+  factored and the dense norm's largest relative error and err/bound with TF32 off, with
+  ``allow_tf32`` and with ``set_float32_matmul_precision("high")``, the product model named;
+- ``bf16_base.csv``: a bf16 base with fp32 adapters (the split route) and with bf16 adapters, the same
+  columns (the factored norm's error there against the dense fp32 norm's, and how tight its bound is);
+- ``accumulation_findings.json``: the accumulation probe of ``dora_num.studies.bounds.accumulation`` at
+  the GEMM shapes the operator calls (U: d_out x 3r and d_out x r, G: r x r and 3r x 3r, inner
+  dimensions up to one ``TC_BLOCK_K`` block) and a probe of subnormal 16-bit inputs, each with the
+  analysis and what it implies for the charge (``bound_factor``);
+- ``guard_fire_rate.csv``: at the 8B and 70B projection shapes (bf16 W; fp32 and bf16 adapters; ranks
+  16, 64, 256; ``||sBA|| = rho ||W||``, rho 0.05, 0.1, 0.2) the rows the guard flags (the tail kernel's
+  count) and the norm's median time with the guard and without (``triton.testing.do_bench``).
+
+Nothing here is imported by the operator; the tests of ``tests/ops/test_products_gpu.py`` check the
+same statements as assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PROJECTIONS = {  # (d_out, d_in) of the linear layers of Llama-3-8B and -70B
+    "8B q/o": (4096, 4096), "8B k/v": (1024, 4096), "8B gate/up": (14336, 4096), "8B down": (4096, 14336),
+    "70B q/o": (8192, 8192), "70B k/v": (1024, 8192), "70B gate/up": (28672, 8192), "70B down": (8192, 28672),
+}
+
+
+def _adapter(d_out, d_in, r, rho, *, w_dtype, a_dtype, seed=0, device="cuda"):
+    from ..oracles import perturbed_adapter
+
+    gen = torch.Generator().manual_seed(seed + d_in + r)
+    W = torch.randn(d_out, d_in, generator=gen) / math.sqrt(d_in)
+    A = (torch.rand(r, d_in, generator=gen) * 2 - 1) / math.sqrt(d_in)
+    B, _ = perturbed_adapter(W, A, 2.0, seed=r, update_ratio=rho)
+    return W.to(device, w_dtype), A.to(device, a_dtype), B.to(device, a_dtype), 2.0
+
+
+def _norm_errors(W, A, B, s) -> dict:
+    """Largest relative errors of the factored (bare) and dense norms against the float64 norm, and their
+    largest err/bound under the models the operator reports."""
+    import dora_num as dn
+
+    from ..numerics.norm_bounds import dense_norm_bound, factored_norm_bound
+    from .products import fp32_matmul_precision, product_model
+
+    ref = torch.linalg.vector_norm(W.double() + float(np.float32(s)) * (B.double() @ A.double()), dim=1)
+    fac = dn.factored_row_norm(W, A, B, s, on_cancellation="off").double()
+    den = dn.dense_row_norm(W, A, B, s).double()
+    model = product_model(W, A)
+    W64, A64, B64 = (t.double().cpu().numpy() for t in (W, A, B))
+    fmt = "fp16" if W.dtype == torch.float16 else "bf16"
+    bf = factored_norm_bound(W64, A64, B64, s, products=model.u, split_pieces=model.pieces, split_format=fmt)
+    bd = dense_norm_bound(W64, A64, B64, s, matmul=fp32_matmul_precision("cuda"))
+    refc = ref.cpu().numpy()
+    ef, ed = np.abs(fac.cpu().numpy() - refc), np.abs(den.cpu().numpy() - refc)
+    nz = refc > 0
+    return {"model": model.label, "fp32_gemm": fp32_matmul_precision("cuda"),
+            "rel_err_factored_max": float((ef[nz] / refc[nz]).max()), "rel_err_dense_max": float((ed[nz] / refc[nz]).max()),
+            "err_over_bound_factored_max": float((ef / bf).max()), "err_over_bound_dense_max": float((ed / bd).max())}
+
+
+def record_tf32(smoke: bool) -> list[dict]:
+    rows = []
+    d_out, d_in, r = (256, 1024, 16) if smoke else (1024, 4096, 64)
+    for case in ("lora as large as W", "W = 0"):
+        W, A, B, s = _adapter(d_out, d_in, r, 1.0, w_dtype=torch.float32, a_dtype=torch.float32)
+        if case == "W = 0":
+            W = torch.zeros_like(W)
+        for setting in ("off", "allow_tf32", 'set_float32_matmul_precision("high")'):
+            saved = torch.backends.cuda.matmul.allow_tf32
+            try:
+                if setting == "allow_tf32":
+                    torch.backends.cuda.matmul.allow_tf32 = True
+                elif setting != "off":
+                    torch.set_float32_matmul_precision("high")
+                rows.append({"case": case, "tf32": setting, "d_out": d_out, "d_in": d_in, "r": r,
+                             **_norm_errors(W, A, B, s)})
+            finally:
+                torch.set_float32_matmul_precision("highest")
+                torch.backends.cuda.matmul.allow_tf32 = saved
+    return rows
+
+
+def record_bf16_base(smoke: bool) -> list[dict]:
+    rows = []
+    d_out, d_in, r = (256, 1024, 16) if smoke else (1024, 4096, 64)
+    for a_dtype in (torch.float32, torch.bfloat16):
+        for rho in (0.05, 1.0):
+            W, A, B, s = _adapter(d_out, d_in, r, rho, w_dtype=torch.bfloat16, a_dtype=a_dtype)
+            rows.append({"adapters": str(a_dtype).removeprefix("torch."), "rho": rho, "d_out": d_out, "d_in": d_in,
+                         "r": r, **_norm_errors(W, A, B, s)})
+    return rows
+
+
+def _subnormal_input_probe(fmt: str) -> dict:
+    """Are 16-bit subnormal inputs kept by torch.mm(out_dtype=float32)?  a = the format's smallest subnormal
+    times 3, b = a power of two that makes the product a normal fp32 number: the output is the exact
+    product if the input is kept, 0 if it is flushed."""
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+    tiny = torch.finfo(dt).smallest_normal / 2 ** (7 if fmt == "bf16" else 10) * 3  # 3 subnormal steps
+    a = torch.zeros(16, 16, dtype=dt, device="cuda")
+    b = torch.zeros(16, 16, dtype=dt, device="cuda")
+    a[0, 0], b[0, 0] = tiny, 2.0**8
+    out = float(torch.mm(a, b, out_dtype=torch.float32)[0, 0])
+    return {"format": fmt, "input": float(a[0, 0]), "times": 2.0**8, "output": out, "exact": float(a[0, 0]) * 2.0**8,
+            "subnormal_inputs_kept": out == float(a[0, 0]) * 2.0**8}
+
+
+def record_accumulation(smoke: bool) -> list[dict]:
+    from ..numerics.standard_model import TC_BLOCK_K
+    from ..studies.bounds.accumulation import analyze, bound_factor, run_probes
+
+    def mm(a, b):
+        return torch.mm(a, b, out_dtype=torch.float32)
+
+    ks = (384,) if smoke else (64, 384, 4096, TC_BLOCK_K)
+    shapes = [("U", 4096, 3 * 16)] if smoke else [
+        (p, m, n) for r in (8, 16, 64, 256, 384) for p, m, n in
+        (("U split", 8192, 3 * r), ("U", 8192, r), ("G split", 3 * r, 3 * r), ("G", r, r))]
+    out = []
+    for fmt in ("bf16", "fp16"):
+        for shape in shapes:
+            for K in ks:
+                rec = run_probes(mm, fmt, K, shape=shape, device="cuda", positions=(0, K - 1) if smoke else None)
+                f = analyze(rec)
+                out.append({"format": fmt, "product": shape[0], "M": shape[1], "N": shape[2], "K": K, **f,
+                            "bound": bound_factor(f)})
+        out.append({"format": fmt, "probe": "subnormal inputs", **_subnormal_input_probe(fmt)})
+    return out
+
+
+def record_fire_rate(smoke: bool, shapes: dict | None = None) -> list[dict]:
+    import triton
+
+    import dora_num as dn
+
+    from .guard import decode
+    from .norm import _factored_core, chunk_columns
+    from .config import get_config
+    from ..numerics.formulas import scale_constants
+
+    rows = []
+    shapes = shapes or ({"8B q/o": (512, 4096)} if smoke else PROJECTIONS)
+    for name, (d_out, d_in) in shapes.items():
+        for a_dtype in (torch.float32, torch.bfloat16):
+            for r in ((16,) if smoke else (16, 64, 256)):
+                for rho in ((0.1,) if smoke else (0.05, 0.1, 0.2)):
+                    W, A, B, s = _adapter(d_out, d_in, r, rho, w_dtype=torch.bfloat16, a_dtype=a_dtype)
+                    core = _factored_core(W, A, B, scale_constants(s), chunk_columns(d_out, d_in, None), None, None,
+                                          get_config())
+                    _, flagged = decode(core.flag)
+                    t_on = triton.testing.do_bench(lambda: dn.factored_row_norm(W, A, B, s), quantiles=[0.5, 0.2, 0.8])
+                    t_off = triton.testing.do_bench(lambda: dn.factored_row_norm(W, A, B, s, on_cancellation="off"),
+                                                    quantiles=[0.5, 0.2, 0.8])
+                    rel = core.aux[1].float()
+                    rows.append({"shape": name, "d_out": d_out, "d_in": d_in, "adapters": str(a_dtype)[6:], "r": r,
+                                 "rho": rho, "flagged": flagged, "rel_max": float(rel.max()),
+                                 "ms_guarded": t_on[0], "ms_guarded_p20": t_on[1], "ms_guarded_p80": t_on[2],
+                                 "ms_bare": t_off[0], "ms_bare_p20": t_off[1], "ms_bare_p80": t_off[2]})
+                    del W, A, B, core
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    import pandas as pd
+
+    from ..repro.provenance import save_dataframe, write_artifact
+
+    p = argparse.ArgumentParser(prog="python -m dora_num.ops.record_products", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--smoke", action="store_true", help="one small case of each (minutes less)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("record_products: needs a CUDA GPU")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prov = dict(params={"smoke": args.smoke}, producer="python -m dora_num.ops.record_products")
+    for name, fn in (("tf32.csv", record_tf32), ("bf16_base.csv", record_bf16_base),
+                     ("guard_fire_rate.csv", record_fire_rate)):
+        df = pd.DataFrame(fn(args.smoke))
+        save_dataframe(df, out / name, **prov)
+        print(f"[record_products] {name}\n{df.to_string(index=False)}", flush=True)
+    acc = record_accumulation(args.smoke)
+    write_artifact(out / "accumulation_findings.json", (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
+    bad = [f for f in acc if "bound" in f and not (f["bound"].get("valid") and f["bound"]["factor"] <= 1)]
+    print(f"[record_products] accumulation: {len(acc)} records, {len(bad)} where the order-free 2u charge is not "
+          "confirmed by the blocked model", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
