@@ -1,0 +1,102 @@
+"""Numbers in docs/bounds.md and docs/contract.md that come from data or from a measurement are
+written between ``<!-- value:NAME -->`` and ``<!-- /value -->``; each NAME is recomputed here from the
+data or the test that produces it, and the text must be what it gives (a stale typed number fails).
+Every test and function the documents cite must exist."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from functools import cache
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "docs" / "bounds.md", ROOT / "docs" / "contract.md"]
+MARK = re.compile(r"<!-- value:([A-Za-z0-9_.]+) -->(.*?)<!-- /value -->", re.S)
+
+
+def _g_sweep():
+    return json.loads((ROOT / "data" / "01_cancellation_at_g1" / "headline.json").read_text())["g_sweep"]
+
+
+def _guard_cost(ab_dtype: str) -> float:
+    d = pd.read_csv(ROOT / "data" / "gpu" / "guard_cost.csv")
+    r = d[(d.variant == "ratio_on_over_off") & (d.measure == "tail") & (d.ab_dtype == ab_dtype)]
+    return float(r.ms.median())
+
+
+@cache
+def _bf16_base():
+    from ops.test_split_products import _emulated_mm, bf16_base_errors
+
+    return bf16_base_errors(accumulate=_emulated_mm), bf16_base_errors(accumulate=lambda a, b: a.float() @ b.float())
+
+
+def _guard_rel(d: int, r: int, rho: float) -> str:
+    from ops.test_guard_fire_rate import _adapter, _rel
+
+    W, A, B, s = _adapter(d, r, rho)
+    return f"{float(_rel(W, A, B, s, 'tensor_core').max()):.2g}/{float(_rel(W, A, B, s, 'fp32').max()):.2g}"
+
+
+def _lemma6() -> str:
+    from numerics.test_bounds_domain import former_magnitude_bound_violations
+
+    n, total = former_magnitude_bound_violations()
+    return f"{n} of {total}"
+
+
+VALUES = {
+    "g_sweep_within_1ulp": lambda: (lambda g: f"{round(g['stable_fp32_frac_within_1ulp'] * (n := g['stable_fp32_n_well_conditioned'] + g['stable_fp32_n_ill_conditioned'])):,} of {n:,}")(_g_sweep()),
+    "g_sweep_ill": lambda: f"{_g_sweep()['stable_fp32_n_ill_conditioned']:,}",
+    "guard_cost_bf16": lambda: f"{100 * (_guard_cost('bfloat16') - 1):.0f}%",
+    "guard_cost_fp32": lambda: f"{100 * (1 - _guard_cost('float32')):.0f}% faster",
+    "lemma6_former_violations": _lemma6,
+    "bf16_base_rz_median": lambda: f"{_bf16_base()[0]['factored_median']:.2g}",
+    "bf16_base_rz_max": lambda: f"{_bf16_base()[0]['factored_max']:.2g}",
+    "bf16_base_dense": lambda: f"{_bf16_base()[0]['dense_max']:.2g}",
+    "bf16_base_rn_max": lambda: f"{_bf16_base()[1]['factored_max']:.2g}",
+    "bf16_base_rz_ratio": lambda: f"{_bf16_base()[0]['err_over_bound_max']:.2g}",
+}
+for _d in (4096, 8192, 14336, 28672):
+    for _r, _rho in ((64, 0.1), (64, 0.2), (256, 0.1), (256, 0.2)):
+        VALUES[f"guard_rel_{_d}_{_r}_{_rho}"] = (lambda d=_d, r=_r, rho=_rho: _guard_rel(d, r, rho))
+
+
+def _marked():
+    return [(p.name, m.group(1), m.group(2)) for p in DOCS for m in MARK.finditer(p.read_text())]
+
+
+@pytest.mark.parametrize("doc, name, text", _marked(), ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "")
+def test_marked_value_is_what_its_source_gives(doc, name, text):
+    assert name in VALUES, f"{doc}: no producer registered for value {name!r}"
+    assert text == VALUES[name](), f"{doc}: {name} says {text!r}, its source gives {VALUES[name]()!r}"
+
+
+def test_every_registered_value_is_used():
+    used = {name for _, name, _ in _marked()}
+    assert set(VALUES) <= used, sorted(set(VALUES) - used)
+
+
+def test_cited_tests_and_functions_exist():
+    """``tests/...py::test_name`` and ``dora_num.mod:name`` references of the documents resolve."""
+    text = "\n".join(p.read_text() for p in DOCS)
+    missing = []
+    for path, name in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text):
+        f = ROOT / path
+        if not f.is_file() or not re.search(rf"^def {name}\(", f.read_text(), re.M):
+            missing.append(f"{path}::{name}")
+    for path in re.findall(r"`(tests/[\w/]+\.py)`", text):
+        if not (ROOT / path).is_file():
+            missing.append(path)
+    for mod, name in re.findall(r"`(dora_num(?:\.\w+)+):(\w+)(?:\.\w+)?`", text):
+        try:
+            if not hasattr(importlib.import_module(mod), name):
+                missing.append(f"{mod}:{name}")
+        except ImportError:
+            missing.append(f"{mod}:{name}")
+    assert not missing, missing
