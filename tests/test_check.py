@@ -332,3 +332,28 @@ def test_cuda_kit_applies_the_operators_product_model():
     rep = check_bounds(W, A, B, m, scale=0.37)
     assert rep.ok, rep.to_string()
     assert "split into 3 bf16 pieces" in rep.table.set_index("check").loc["factored row norm, bare", "model"]
+
+
+@pytest.mark.slow
+def test_readme_kit_example_is_current(tmp_path):
+    """The README's kit example on the committed trained adapter: the same checks, lemmas, counts, violations
+    and verdicts as a fresh run (the float columns depend on the CPU's fp32 GEMMs in their last digits)."""
+    import re
+    from pathlib import Path
+
+    from dora_num.studies.carry import main as carry  # the bf16-rounded MiniLM the adapter was trained on
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme.split("<!-- kit-example:start -->")[1].split("<!-- kit-example:end -->")[0]
+    base = tmp_path / "minilm_bf16"
+    carry([str(base)])
+    adapter = root / "data" / "adapters" / "trained" / "exported" / "r16_lr0.001"
+    one = check_bounds(file=adapter, base=base, module="encoder.layer.0.attention.self.query", top=1)
+    assert f"**{one.verdict}**" in block
+    rows = [ln.split(" | ") for ln in block.splitlines() if ln.startswith("| encoder.")]
+    table = [r for r in rows if len(r) == 13]
+    assert [(r[1], r[2], r[4], r[5], r[6]) for r in table] == [
+        (t.check, t.lemma, str(t.n), str(t.violations), str(t.no_bound)) for t in one.table.itertuples()]
+    every = check_bounds(file=adapter, base=base)
+    assert re.search(r"<!-- kit-all -->`(.*?)`<!-- /kit-all -->", readme).group(1) == every.verdict
