@@ -98,3 +98,33 @@ def test_underflowing_terms_at_large_scales():
             cross, ba = (_f32(float(k) * 2.0**-149) for k in rng.integers(0, 2**12, 2))
             base = _f32(2.0 ** rng.uniform(-125, -100))
             _check(base, cross, ba, la, bb, s)
+
+
+def test_a_saturated_gram_certifies_no_row_that_uses_it():
+    """Under the project's truncating accumulator model a Gram diagonal past fp32 saturates at 3.4e38
+    instead of becoming inf (mm_truncating_fp32): the guard's row magnitudes become inf (or NaN, 0 * inf)
+    for every row, so no row is certified from such terms; the row that uses the saturated entry is wrong
+    far beyond fp32's accuracy, which only the recompute repairs."""
+    from dora_num.numerics.arithmetic import TorchFP32CorrectSqrt
+    from dora_num.numerics.formulas import norm_assembly
+    from dora_num.numerics.norm_posterior import lora_row_magnitudes
+    from dora_num.numerics.split_products import mm_truncating_fp32
+
+    d = 8
+    A = np.zeros((2, d))
+    A[0], A[1] = 2.0**64, 1.0  # G_00 = 8 2^128 > 3.4e38: saturates
+    W = np.ones((3, d))
+    B = np.array([[2.0**-70, 0.0], [2.0**-70, 1.0], [0.0, 1.0]])
+    G, U = mm_truncating_fp32(A, A.T), mm_truncating_fp32(W, A.T)
+    assert G[0, 0] == float(np.finfo(np.float32).max)
+    Gt, Ut, Bt, Wt = (torch.tensor(x, dtype=torch.float32) for x in (G, U, B, W))
+    base, cross, ba = (Wt * Wt).sum(1), (Bt * Ut).sum(1), ((Bt @ Gt) * Bt).sum(1)
+    _, two_s, s_sq = scale_constants(1.0)
+    C = posterior_constants(two_s, s_sq, d_in=d, r=2, tensor_core_products=True)
+    la, bb = lora_row_magnitudes(Bt, Gt, constants=C)
+    _, rel = posterior_from_terms(base, cross, ba, la, bb, C)
+    assert bool(torch.isinf(rel).all()), rel
+    w = norm_assembly(TorchFP32CorrectSqrt, base, cross, ba, two_s, s_sq).double()
+    exact = [math.sqrt(sum((Fr(W[j, i]) + sum(Fr(B[j, k]) * Fr(A[k, i]) for k in range(2))) ** 2 for i in range(d)))
+             for j in range(3)]
+    assert abs(float(w[0]) - exact[0]) > 1e-5 * exact[0]  # row 0 wrong far beyond fp32: rel = inf is needed
