@@ -28,9 +28,12 @@ def scale_constants(scale: float) -> tuple[float, float, float]:
     ``s^2 = fl32(s*s)`` (one rounding, relative error <= u32 = 2^-24), ``inf`` for ``|s| > 1.8e19``
     (and ``2s`` beyond fp32 for ``|s| > 1.7e38``: callers that need fp32 constants check them).
     """
-    with np.errstate(over="ignore"):
-        s = float(np.float32(scale))
-        return s, 2.0 * s, float(np.float32(s) * np.float32(s))
+    s = float(np.float32(scale))
+    ss = s * s  # exact in float64 (24-bit s); fl32 of it is fp32's correctly rounded product
+    return s, 2.0 * s, float(np.float32(ss)) if ss < _FP32_OVERFLOW else float("inf")
+
+
+_FP32_OVERFLOW = (2.0 - 2.0**-24) * 2.0**127  # fp32's largest value plus half an ulp: at and above it RN gives inf
 
 
 # --------------------------------------------------------------------------

@@ -377,17 +377,18 @@ def _exactly_formed_rows(d_in=16, c=(1, 3, -2, 5)):
     return W, A, B, 1.0
 
 
-def test_exactly_formed_row_is_certified_not_reported():
+@pytest.mark.parametrize("tail", TAILS)
+def test_exactly_formed_row_is_certified_not_reported(tail):
     """Lemma 5' charges an element only where float64 may round it: a row formed exactly (its norm a
     correctly rounded fp32 value) is certified to fp32's rounding, not reported as "no accurate fp32
-    norm even in float64", and "raise" does not raise for it."""
+    norm even in float64", and "raise" does not raise for it (the host's recompute and the kernel's)."""
     W, A, B, s = _exactly_formed_rows()
     exact = _exact_norms(W.numpy(), A.numpy(), B.numpy(), s)
     w, rel, _ = dense_rows_fp64(W, A, B, s, torch.arange(2))
     assert np.allclose(exact, 2.0**-48 * math.sqrt(4 * (1 + 9 + 4 + 25)), rtol=1e-15)
     assert float(w[0]) == float(np.float32(exact[0]))  # correctly rounded
     assert float(rel.max()) <= 2.0**-23  # the fp32 rounding and float64's sums of squares only
-    with warnings.catch_warnings():
+    with override(norm_tail=tail), warnings.catch_warnings():
         warnings.simplefilter("error")  # no "no accurate fp32 norm" warning
         out = dn.factored_row_norm(W, A, B, s, on_cancellation="recompute")
     assert torch.equal(out, w)

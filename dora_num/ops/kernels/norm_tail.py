@@ -124,13 +124,37 @@ def _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, 
 
 
 @triton.jit
+def _lsb_exp(x):
+    """Per element of a float64 tensor the exponent of its lowest set bit (``_NO_BITS`` for zeros), as
+    :func:`dora_num.ops.guard._lsb_exponent`."""
+    bits = x.to(tl.int64, bitcast=True)
+    field = (bits >> 52) & 0x7FF
+    sig = (bits & 0xFFFFFFFFFFFFF) | tl.where(field > 0, 0x10000000000000, 0)
+    low = (sig & (-sig)).to(tl.float64)  # a power of two <= 2^52: exact
+    tz = ((low.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023
+    e = tl.where(field > 0, field - 1075, -1074) + tz
+    return tl.where(x == 0.0, 1 << 20, e)
+
+
+@triton.jit
+def _pow2(q):
+    """``2^q`` as float64 for int64 ``q``, clamped to [-1022, 960] (above, 2^53 times it stays finite:
+    a "no constraint" that never overflows)."""
+    qq = tl.minimum(tl.maximum(q, -1022), 960)
+    return ((qq + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
 def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar, stride_ak, d_in, r, s, g_r,
                     g_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """``(w64, rel64)`` for the rows ``need`` of this program (zeros elsewhere): lemma 5', the
-    arithmetic of :func:`dora_num.ops.guard.dense_rows_fp64` in float64."""
+    arithmetic of :func:`dora_num.ops.guard.dense_rows_fp64` in float64, every element that float64 forms
+    exactly charged nothing (the lowest set bits of B's row, A's column, W and s decide it)."""
     rows64 = rows.to(tl.int64)
     s64 = tl.cast(s, tl.float64)
     as64 = tl.abs(s64)
+    q_s = _lsb_exp(tl.zeros([BLOCK_M], dtype=tl.float64) + s64)
+    lim = 9007199254740992.0 * (1.0 - 2.0**-40)  # 2^53, less the evaluation's few roundings
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float64)
     esq = tl.zeros([BLOCK_M], dtype=tl.float64)
     for c0 in range(0, d_in, BLOCK_D):
@@ -140,14 +164,22 @@ def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, strid
                      mask=need[:, None] & cmask[None, :], other=0.0).to(tl.float64)
         bav = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float64)
         bam = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float64)
+        qB = tl.full([BLOCK_M], 1 << 20, tl.int64)
+        qA = tl.full([BLOCK_D], 1 << 20, tl.int64)
         for k in range(0, r):
             bk = tl.load(b_ptr + rows64 * r + k, mask=need, other=0.0).to(tl.float64)
             ak = tl.load(a_ptr + k * stride_ar + cols * stride_ak, mask=cmask, other=0.0).to(tl.float64)
             bav += bk[:, None] * ak[None, :]  # exact products; the sum rounds (any order: lemma 5')
             bam += tl.abs(bk)[:, None] * tl.abs(ak)[None, :]
+            qB = tl.minimum(qB, _lsb_exp(bk))
+            qA = tl.minimum(qA, _lsb_exp(ak))
         x = wv + s64 * bav
         sumsq += tl.sum(x * x, axis=1)
-        e = g_r * (tl.abs(wv) + as64 * bam)
+        q = tl.minimum(qB[:, None] + qA[None, :], 1 << 20)
+        q_sx = tl.minimum(q + q_s[:, None], 1 << 20)
+        exact = (bam < lim * _pow2(q)) & (as64 * bam < lim * _pow2(q_sx)) \
+            & (tl.abs(wv) + as64 * bam < lim * _pow2(tl.minimum(_lsb_exp(wv), q_sx)))
+        e = tl.where(exact, 0.0, g_r * (tl.abs(wv) + as64 * bam))
         esq += tl.sum(e * e, axis=1)
     w64 = tl.sqrt(sumsq)  # float64: sqrt.rn.f64
     en = tl.sqrt(esq) * (1.0 + 2.0**-30)
