@@ -1,6 +1,7 @@
 """Recorder (one H200 call): what the factored norm's products and guard do on the GPU.
 
-``python -m dora_num.ops.record_products --out DIR [--smoke]`` writes, with provenance sidecars:
+``python -m dora_num.ops.record_products --out DIR [--smoke] [--only PART ...]`` writes, with provenance
+sidecars (``--only``: tf32, bf16_base, fire_rate, accumulation, to split the run over device calls):
 
 - ``tf32.csv``: fp32 W, A, B at 1024 x 4096, r = 64 (the LoRA term as large as W, and W = 0), the
   factored and the dense norm's largest relative error and err/bound with TF32 off, with
@@ -36,13 +37,17 @@ PROJECTIONS = {  # (d_out, d_in) of the linear layers of Llama-3-8B and -70B
 
 
 def _adapter(d_out, d_in, r, rho, *, w_dtype, a_dtype, seed=0, device="cuda"):
-    from ..oracles import perturbed_adapter
-
+    """``(W, A, B, s)`` on ``device``: W ~ N(0, 1/d_in), A PEFT's kaiming_uniform, B Gaussian scaled so that
+    ``||s B A||_F = rho ||W||_F`` (as ``dora_num.oracles.perturbed_adapter``, formed on the device: the 70B
+    shapes are too large for the host's float64 reference)."""
     gen = torch.Generator().manual_seed(seed + d_in + r)
-    W = torch.randn(d_out, d_in, generator=gen) / math.sqrt(d_in)
-    A = (torch.rand(r, d_in, generator=gen) * 2 - 1) / math.sqrt(d_in)
-    B, _ = perturbed_adapter(W, A, 2.0, seed=r, update_ratio=rho)
-    return W.to(device, w_dtype), A.to(device, a_dtype), B.to(device, a_dtype), 2.0
+    W = (torch.randn(d_out, d_in, generator=gen) / math.sqrt(d_in)).to(device)
+    A = ((torch.rand(r, d_in, generator=gen) * 2 - 1) / math.sqrt(d_in)).to(device)
+    B = torch.randn(d_out, r, generator=gen).to(device)
+    s = 2.0
+    upd = torch.linalg.matrix_norm(s * (B.double() @ A.double()))
+    B = B * float(rho * torch.linalg.matrix_norm(W.double()) / upd)
+    return W.to(w_dtype), A.to(a_dtype), B.to(a_dtype), s
 
 
 def _norm_errors(W, A, B, s) -> dict:
@@ -180,17 +185,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dora_num.ops.record_products", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--smoke", action="store_true", help="one small case of each (minutes less)")
+    p.add_argument("--only", nargs="+", choices=("tf32", "bf16_base", "fire_rate", "accumulation"),
+                   help="record only these parts (default: all)")
     args = p.parse_args(argv)
+    only = set(args.only or ("tf32", "bf16_base", "fire_rate", "accumulation"))
     if not torch.cuda.is_available():
         raise SystemExit("record_products: needs a CUDA GPU")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prov = dict(params={"smoke": args.smoke}, producer="python -m dora_num.ops.record_products")
-    for name, fn in (("tf32.csv", record_tf32), ("bf16_base.csv", record_bf16_base),
-                     ("guard_fire_rate.csv", record_fire_rate)):
+    for part, name, fn in (("tf32", "tf32.csv", record_tf32), ("bf16_base", "bf16_base.csv", record_bf16_base),
+                           ("fire_rate", "guard_fire_rate.csv", record_fire_rate)):
+        if part not in only:
+            continue
         df = pd.DataFrame(fn(args.smoke))
         save_dataframe(df, out / name, **prov)
         print(f"[record_products] {name}\n{df.to_string(index=False)}", flush=True)
+    if "accumulation" not in only:
+        return 0
     acc = record_accumulation(args.smoke)
     write_artifact(out / "accumulation_findings.json", (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
     bad = [f for f in acc if "bound" in f and not (f["bound"].get("valid") and f["bound"]["factor"] <= 1)]
