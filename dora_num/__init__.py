@@ -4,8 +4,9 @@ Public API (docs/design.md)::
 
     dense_row_norm, factored_row_norm, base_row_norm_sq, magnitude_scale    (dora_num.ops.norm)
     compose_naive, compose_stable, compose, DoRALinear                      (dora_num.ops)
+    check_flags          (what compiled DoRALinear forwards flagged: dora_num.ops.layer)
     NotFiniteError, check_pending        (deferred finiteness checks: dora_num.ops.finite)
-    wrap, merge, unmerge, trainable_parameters                              (dora_num.wrapper)
+    wrap, merge, unmerge, merge_and_unload, trainable_parameters            (dora_num.wrapper)
     load_peft_dora, load_adapter, export_peft_dora                          (dora_num.adapters.peft_io)
     collapse_table (dora_num.adapters.collapse), check_bounds (dora_num.check), setup (notebooks)
 
@@ -29,6 +30,7 @@ _LAZY = {  # heavier modules (PEFT, transformers, pandas) load on first use
     "load_adapter": "dora_num.adapters.peft_io",
     "export_peft_dora": "dora_num.adapters.peft_io",
     "wrap": "dora_num.wrapper",
+    "merge_and_unload": "dora_num.wrapper",
     "merge": "dora_num.wrapper",
     "unmerge": "dora_num.wrapper",
     "trainable_parameters": "dora_num.wrapper",
@@ -56,6 +58,7 @@ __all__ = [
     "wrap",
     "merge",
     "unmerge",
+    "merge_and_unload",
     "trainable_parameters",
     "compose",
     "compose_naive",

@@ -20,6 +20,7 @@ from torch import nn
 from .adapters.peft_io import (SPEC_ATTR, AdapterError, AdapterSpec, SavePeftFormat, UnsupportedAdapterError,
                                 dora_linear_modules, install_save_pretrained)
 from .ops.layer import DoRALinear
+from .ops.products import fp32_matmul_precision
 from .ops.weight_norm import clear_base_sq_cache
 
 _log = logging.getLogger("dora_num.wrapper")
@@ -157,14 +158,14 @@ def gemm_units(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     u32 = 2.0**-24
     if dtype == torch.float64:
         return 0.0, 2.0**-53
-    if torch.device(device).type != "cuda":
-        return 0.0, u32
+    if torch.device(device).type != "cuda":  # the CPU's fp32 GEMM under a bf16 switch rounds its inputs to bf16
+        return (2.0**-8 if dtype == torch.float32 and fp32_matmul_precision("cpu") == "bf16" else 0.0), u32
     m = torch.backends.cuda.matmul
     if dtype == torch.bfloat16:
         return 0.0, 2.0**-8 if m.allow_bf16_reduced_precision_reduction else u32
     if dtype == torch.float16:
         return 0.0, 2.0**-11 if m.allow_fp16_reduced_precision_reduction else u32
-    return (2.0**-11 if (m.allow_tf32 or torch.get_float32_matmul_precision() != "highest") else 0.0), u32
+    return (2.0**-11 if fp32_matmul_precision("cuda") != "ieee" else 0.0), u32
 
 
 @dataclass(frozen=True)

@@ -352,7 +352,8 @@ class DoRALinear(nn.Module):
             self._warned_many = True
             warnings.warn(f"{where}: the cancellation guard recomputes {n} of {self.out_features} rows in float64 "
                           "(O(rows d_in r) work per forward): the factored norm's guaranteed error bound exceeds "
-                          "2^-6 on them (strong cancellation, or updates as large as W at a large rank).  "
+                          "2^-6 on them (the update cancelling the rows, fp32 terms that underflow, or updates as large as W "
+                          "at a large rank: the guard's report names which).  "
                           "on_cancellation='off' skips the guard.", CancellationWarning, stacklevel=2)
         if aux is not None:
             _guard.report_kernel(code, aux, self.on_cancellation, where=where, warn=not self._warned_cancellation)

@@ -54,8 +54,11 @@ RECORDERS = {
     "sqrt-census": Recorder("dora_num.studies.fma.record_census", "CPU: the exhaustive fp32 sqrt census (02)"),
     "compose-fp8": Recorder("dora_num.studies.bounds.record_fp8", "CPU: the exhaustive fp8 compose check (01, 03)"),
     "carry": Recorder("dora_num.studies.record_carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
+    "products": Recorder("dora_num.studies.bounds.record_products",
+                         "GPU: the norm's products under TF32 switches, a bf16 base, the accumulation probe, the guard's fire rate (03)"),
 }
 TOOLS = ("carry",)  # recorders of no data set: what a GPU run needs carried along
+PENDING = ("products",)  # recorders whose data set is declared once a GPU run has recorded it
 
 
 def parser(prog: str, description: str | None, *, ingest: str | None = "DIR", many: bool = False,

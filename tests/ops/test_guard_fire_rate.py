@@ -4,7 +4,7 @@ product model (fp32 GEMMs) and under the tensor-core model the H200 runs (lemma 
 terms: the guarantee depends on the terms' magnitudes, which the two devices share to a few ulps).
 The fire rate depends on W, A, B only (not on tokens); rows are independent, so 48 rows per shape
 estimate it.  At the 70B down projection each row's guarantee is also checked against the norm.
-The measurement on the H200 itself: ``python -m dora_num.ops.record_products --only fire_rate``."""
+The measurement on the H200 itself: ``dora-num record products --only fire_rate``."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """The factored norm's products and guard on the GPU (marked gpu; skip visibly on the CPU): TF32 switches,
 a bf16 base with fp32 adapters, the accumulation probe at the GEMM shapes the operator calls, subnormal
 16-bit inputs, the guard at the 70B down projection.  The recorder of the same measurements:
-``python -m dora_num.ops.record_products --out DIR``."""
+``dora-num record products --out DIR``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dora_num.ops.record_products import (_adapter, _norm_errors, _subnormal_input_probe, record_accumulation,
+from dora_num.studies.bounds.record_products import (_adapter, _norm_errors, _subnormal_input_probe, record_accumulation,
                                           record_fire_rate)
 
 pytestmark = pytest.mark.gpu

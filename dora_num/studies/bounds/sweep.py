@@ -209,8 +209,9 @@ def conditioning_markdown(cond: pd.DataFrame, scale: float, tau_min: float) -> s
         f"{float(cond['rel_guarded'].max()):.2g}.",
         f"**Where it stops meaning much.** The factored bound reaches a relative size 1 (no correct digit "
         f"guaranteed) from log10(kappa) = {vac_f:.1f}; the factored norm's measured error reaches 50% from "
-        f"log10(kappa) = {lead_f:.1f}, the dense norm's from {lead_d:.1f} (nan: never, in this range). The dense "
-        "norm degrades like sqrt(kappa), the bare factored one like kappa.",
+        f"log10(kappa) = {lead_f:.1f}, the dense norm's "
+        + (f"from {lead_d:.1f}" if np.isfinite(lead_d) else f"never up to log10(kappa) = {float(lk.max()):.1f}")
+        + ". The dense norm degrades like sqrt(kappa), the bare factored one like kappa.",
     ])
 
 

@@ -1,6 +1,6 @@
-"""Recorder (one H200 call): what the factored norm's products and guard do on the GPU.
+"""What the factored norm's products and guard do on the GPU (one H200 call per part).
 
-``python -m dora_num.ops.record_products --out DIR [--smoke] [--only PART ...]`` writes, with provenance
+``dora-num record products --out DIR [--smoke] [--only PART ...]`` writes, with provenance
 sidecars (``--only``: tf32, bf16_base, fire_rate, accumulation, to split the run over device calls):
 
 - ``tf32.csv``: fp32 W, A, B at 1024 x 4096, r = 64 (the LoRA term as large as W, and W = 0), the
@@ -22,7 +22,6 @@ same statements as assertions.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -55,8 +54,8 @@ def _norm_errors(W, A, B, s) -> dict:
     largest err/bound under the models the operator reports."""
     import dora_num as dn
 
-    from ..numerics.norm_bounds import dense_norm_bound, factored_norm_bound
-    from .products import fp32_matmul_precision, product_model
+    from ...numerics.norm_bounds import dense_norm_bound, factored_norm_bound
+    from ...ops.products import fp32_matmul_precision, product_model
 
     ref = torch.linalg.vector_norm(W.double() + float(np.float32(s)) * (B.double() @ A.double()), dim=1)
     fac = dn.factored_row_norm(W, A, B, s, on_cancellation="off").double()
@@ -122,8 +121,8 @@ def _subnormal_input_probe(fmt: str) -> dict:
 
 
 def record_accumulation(smoke: bool) -> list[dict]:
-    from ..numerics.standard_model import TC_BLOCK_K
-    from ..studies.bounds.accumulation import analyze, bound_factor, run_probes
+    from ...numerics.standard_model import TC_BLOCK_K
+    from .accumulation import analyze, bound_factor, run_probes
 
     def mm(a, b):
         return torch.mm(a, b, out_dtype=torch.float32)
@@ -149,10 +148,10 @@ def record_fire_rate(smoke: bool, shapes: dict | None = None) -> list[dict]:
 
     import dora_num as dn
 
-    from .guard import decode
-    from .norm import _factored_core, chunk_columns
-    from .config import get_config
-    from ..numerics.formulas import scale_constants
+    from ...numerics.formulas import scale_constants
+    from ...ops.config import get_config
+    from ...ops.guard import decode
+    from ...ops.norm import _factored_core, chunk_columns
 
     rows = []
     shapes = shapes or ({"8B q/o": (512, 4096)} if smoke else PROJECTIONS)
@@ -177,39 +176,39 @@ def record_fire_rate(smoke: bool, shapes: dict | None = None) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+PARTS = ("tf32", "bf16_base", "fire_rate", "accumulation")
+
+
+def build_parser(prog: str = "dora-num record products", name: str = "products"):
+    from ..cli import parser
+
+    p = parser(prog, __doc__.split("\n\n")[0], ingest=None, smoke="one small case of each (minutes less)")
+    p.add_argument("--only", nargs="+", choices=PARTS, help="record only these parts (default: all)")
+    return p
+
+
+def record(args) -> int:
     import pandas as pd
 
-    from ..repro.provenance import save_dataframe, write_artifact
-
-    p = argparse.ArgumentParser(prog="python -m dora_num.ops.record_products", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--smoke", action="store_true", help="one small case of each (minutes less)")
-    p.add_argument("--only", nargs="+", choices=("tf32", "bf16_base", "fire_rate", "accumulation"),
-                   help="record only these parts (default: all)")
-    args = p.parse_args(argv)
-    only = set(args.only or ("tf32", "bf16_base", "fire_rate", "accumulation"))
+    from ...repro.provenance import save_dataframe, write_artifact
     if not torch.cuda.is_available():
-        raise SystemExit("record_products: needs a CUDA GPU")
+        raise SystemExit("dora-num record products: needs a CUDA GPU (the H200); nothing was recorded")
+    only = set(args.only or PARTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prov = dict(params={"smoke": args.smoke}, producer="python -m dora_num.ops.record_products")
+    prov = dict(params={"smoke": args.smoke, "git_sha": args.git_sha}, producer="dora-num record products")
     for part, name, fn in (("tf32", "tf32.csv", record_tf32), ("bf16_base", "bf16_base.csv", record_bf16_base),
                            ("fire_rate", "guard_fire_rate.csv", record_fire_rate)):
         if part not in only:
             continue
         df = pd.DataFrame(fn(args.smoke))
         save_dataframe(df, out / name, **prov)
-        print(f"[record_products] {name}\n{df.to_string(index=False)}", flush=True)
+        print(f"[record products] {name}\n{df.to_string(index=False)}", flush=True)
     if "accumulation" not in only:
         return 0
     acc = record_accumulation(args.smoke)
     write_artifact(out / "accumulation_findings.json", (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
     bad = [f for f in acc if "bound" in f and not (f["bound"].get("valid") and f["bound"]["factor"] <= 1)]
-    print(f"[record_products] accumulation: {len(acc)} records, {len(bad)} where the order-free 2u charge is not "
+    print(f"[record products] accumulation: {len(acc)} records, {len(bad)} where the order-free 2u charge is not "
           "confirmed by the blocked model", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
