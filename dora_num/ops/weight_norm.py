@@ -24,8 +24,8 @@ from . import guard as _guard
 from .config import OpConfig, get_config
 from .guard import check_on_cancellation
 from .magnitude import _magnitude_div_op, default_eps, magnitude_scale
-from .norm import (_autocast_off, _base_and_zero_rows, _factored_core, _factored_row_norm, chunk_columns,
-                   resolve_chunk_bytes)
+from .norm import (_autocast_off, _base_and_zero_rows, _factored_core, _factored_row_norm, _recompute_not_finite,
+                   chunk_columns, resolve_chunk_bytes)
 from .validation import check_lora_factors, check_scale, check_tensor
 
 _CACHE_ATTR = "_dora_num_base_sq"
@@ -182,17 +182,22 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
         # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).
         return (m.float() / core.den if want_g else None), core.flag, core.den, core.aux
     wnorm = core.wnorm
+    rel = core.rel
     if guard:  # the torch tail: the guard's decision now (free on the CPU; a sync on CUDA's A/B baseline)
-        code = int(_guard.status(wnorm, core.rel))
+        code = int(_guard.status(wnorm, rel))
+        if code >= _guard.FLAG_NONFINITE:  # fp32 intermediates that overflow where the norm fits: float64
+            wnorm, rel = _recompute_not_finite(W.detach(), A.detach(), B.detach(), consts[0], wnorm, rel, base_sq,
+                                               False)
+            code = int(_guard.status(wnorm, rel))
         if _guard.FLAG_CANCELLATION <= code < _guard.FLAG_NONFINITE:
             with torch.no_grad(), _autocast_off(W.device.type):
-                wnorm = _guard.resolve(W.detach(), A.detach(), B.detach(), consts[0], wnorm, core.rel,
+                wnorm = _guard.resolve(W.detach(), A.detach(), B.detach(), consts[0], wnorm, rel,
                                        on_cancellation, where=where, warn=warn)
     with torch.no_grad():
         den = formulas.magnitude_denominator(TorchFP32, wnorm.detach(), eps)
     g = m.float() / den  # bitwise magnitude_scale(m, wnorm, eps=eps)
     bad = _guard.status(wnorm, None, None, g)
-    n = (core.rel > _guard.CANCELLATION_REL).sum().to(torch.int32) if guard else 0
+    n = (rel > _guard.CANCELLATION_REL).sum().to(torch.int32) if guard else 0
     if guard:  # the code and count of the rows the guard recomputed, as in the kernel's flag
         bad = torch.maximum(bad, (n > 0).to(torch.int32)) + _guard.FLAG_COUNT * n
     if acc is not None:

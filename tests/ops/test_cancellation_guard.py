@@ -28,8 +28,8 @@ from dora_num.numerics.formulas import scale_constants
 from dora_num.numerics.ground_truth import mp_dense_row_norm
 from dora_num.numerics.norm_bounds import lora_row_magnitudes, posterior_constants, posterior_from_terms
 from dora_num.ops.config import get_config, override
-from dora_num.ops.guard import (CANCELLATION_REL, FLAG_CANCELLATION, CancellationError, CancellationWarning, decode,
-                                dense_rows_fp64)
+from dora_num.ops.guard import (CANCELLATION_REL, FLAG_CANCELLATION, FLAG_COUNT, FLAG_NONFINITE, CancellationError,
+                                CancellationWarning, decode, dense_rows_fp64)
 from dora_num.ops.norm import _factored_core, chunk_columns, factored_terms
 from dora_num.ops.weight_norm import magnitude_scale_and_flag
 from dora_num.oracles import measure_cpu_allocations, perturbed_adapter
@@ -448,3 +448,21 @@ def test_rows_whose_fp32_intermediates_overflow_are_formed_in_float64():
         dn.factored_row_norm(W, A, B, s, on_cancellation="off")
     with pytest.raises(ValueError, match=r"the row norm of W \+ sBA exceeds 3\.4e38 on rows \[0\]"):
         dn.factored_row_norm(torch.tensor([[3e38, 3e38], [0.5, 0.25]]), A, B, s)
+
+
+@pytest.mark.parametrize("tail", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_layer_g_on_rows_whose_fp32_intermediates_overflow(tail):
+    """The layer's own path (the norm's tail with m: the Triton kernel's in-kernel recompute, or the torch
+    tail's host recompute) on the rows of the test above: g = m / (2^20 + 1) exactly, no flag raised, as
+    the public factored norm gives."""
+    s = 2.0**-100
+    W = torch.tensor([[1.0, 0.0], [0.5, 0.25]])
+    A = torch.tensor([[2.0**60, 0.0]])
+    B = torch.tensor([[2.0**60], [0.0]])
+    m = torch.tensor([3.0, 0.5])
+    with override(norm_tail=tail):
+        g, bad = magnitude_scale_and_flag(W, A, B, s, m)
+        want = m / dn.factored_row_norm(W, A, B, s)
+        assert torch.equal(g, want) and float(want[0]) == float(np.float32(3.0 / (2**20 + 1)))
+        code = decode(bad)[0] if bad.dim() else int(bad) % FLAG_COUNT
+        assert code < FLAG_NONFINITE

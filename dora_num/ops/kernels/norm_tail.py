@@ -262,8 +262,9 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
         rel_out = rel
         unresolved = tl.zeros([BLOCK_M], dtype=tl.int1)
         if RECOMPUTE:
-            need = flagged & (tl.abs(w) < float("inf"))  # a non-finite factored norm is an error, not recomputed
-            flagged = need
+            # a non-finite factored value has rel = inf: recomputed too, since fp32 intermediates may overflow
+            # where the norm fits (non-finite inputs stay non-finite in float64, and are reported)
+            need = flagged
             if tl.max(need.to(tl.int32), axis=0) > 0:  # program-uniform: the fast path pays this test only
                 g_r, g_d = tl.cast(gc[38], tl.float64), tl.cast(gc[39], tl.float64)
                 w64, rel64 = _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar,
