@@ -74,6 +74,19 @@ def _():
     return out
 
 
+def no_sync(fn):
+    """True if ``fn()`` runs under ``torch.cuda.set_sync_debug_mode("error")``, else the error's text."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return True
+    except RuntimeError as e:
+        return f"{e}"[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def _layer(r=64, d=4096, seed=0):
     torch.manual_seed(seed)
     lin = torch.nn.Linear(d, d, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -105,15 +118,7 @@ def _():
     out["default_bits_y"] = bits_equal(y0, y1)
     out["default_bits_grads"] = [bits_equal(a, b) for a, b in zip(g0, g1)]
     out["default_grad_max_rel"] = [float(((a.float() - b.float()).abs().max() / a.float().abs().max())) for a, b in zip(g0, g1)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _step(comp, x)
-        out["default_no_sync"] = True
-    except RuntimeError as e:
-        out["default_no_sync"] = f"{e}"[:300]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    out["default_no_sync"] = no_sync(lambda: _step(comp, x))
     ro = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
     ys = []
     for _ in range(4):
@@ -121,14 +126,7 @@ def _():
     torch.cuda.synchronize()
     out["ro_train_bits_y"] = bits_equal(ys[-1][0], y0)
     out["ro_train_bits_grads"] = [bits_equal(a, b) for a, b in zip(g0, ys[-1][1])]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _step(ro, x)
-        out["ro_no_sync"] = True
-    except RuntimeError as e:
-        out["ro_no_sync"] = f"{e}"[:300]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    out["ro_no_sync"] = no_sync(lambda: _step(ro, x))
     roi = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         yi = [roi(x).clone() for _ in range(4)]
@@ -187,15 +185,7 @@ def _():
         c = torch.compile(pm, fullgraph=True, mode=None if mode == "default" else mode)
         for _ in range(3):
             l1, g1 = step(c)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step(c)
-            ok = True
-        except RuntimeError as e:
-            ok = f"{e}"[:300]
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        ok = no_sync(lambda: step(c))
         out[mode] = {"logits_max_abs": float((l1.float() - l0.float()).abs().max()), "no_sync": ok,
                      "grads_equal": sum(bits_equal(g0[k], g1[k]) for k in g0), "grads": len(g0)}
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):

@@ -87,6 +87,27 @@ def peak_extra(fn, device: str) -> float:
     return float(torch.cuda.max_memory_allocated() - before)
 
 
+def interleaved(runners: dict, modes, rounds: int, reps: int, device: str) -> dict:
+    """``{(variant, mode): [per-round median ms]}``: ``rounds`` rounds, each every runner's every mode in
+    turn (so a drift of the machine reaches every variant alike), ``reps`` timed calls each."""
+    times = {(v, m): [] for v in runners for m in modes}
+    for _ in range(rounds):
+        for v, run in runners.items():
+            for mode in modes:
+                times[v, mode].append(statistics.median(time_steps(getattr(run, mode), reps, device)))
+    return times
+
+
+def timing_row(shape: Shape, variant: str, r: int, ckpt: bool, mode: str, per_round: list, reps: int,
+               peak: float, device: str) -> dict:
+    """One row of ``model_bench.csv``: the median over rounds, the spread and every round."""
+    return {"variant": variant, "rank": r, "checkpointing": ckpt, "mode": mode, "ms": statistics.median(per_round),
+            "ms_min_round": min(per_round), "ms_max_round": max(per_round),
+            "rounds_ms": ";".join(f"{t:.4f}" for t in per_round), "reps_per_round": reps, "peak_extra_bytes": peak,
+            "tokens": shape.tokens, "layers": shape.layers, "hidden": shape.hidden,
+            "intermediate": shape.intermediate, "device": device}
+
+
 def bench_rank(shape: Shape, r: int, device: str, *, rounds: int, reps: int, variants=VARIANTS,
                checkpointing=(False, True), base=None) -> tuple[list[dict], list[dict]]:
     """Every variant x checkpointing x mode at rank ``r``, interleaved rounds: ``(timing rows,
@@ -109,18 +130,9 @@ def bench_rank(shape: Shape, r: int, device: str, *, rounds: int, reps: int, var
                 for p in run.params:  # the peak then counts this step's gradients in full
                     p.grad = None
                 peaks[v, mode] = peak_extra(getattr(run, mode), device)
-        times = {(v, m): [] for v in runners for m in modes}
-        for _ in range(rounds):
-            for v, run in runners.items():
-                for mode in modes:
-                    times[v, mode].append(statistics.median(time_steps(getattr(run, mode), reps, device)))
+        times = interleaved(runners, modes, rounds, reps, device)
         for (v, mode), per_round in times.items():
-            rows.append({"variant": v, "rank": r, "checkpointing": ckpt, "mode": mode,
-                         "ms": statistics.median(per_round), "ms_min_round": min(per_round),
-                         "ms_max_round": max(per_round), "rounds_ms": ";".join(f"{t:.4f}" for t in per_round),
-                         "reps_per_round": reps, "peak_extra_bytes": peaks[v, mode], "tokens": shape.tokens,
-                         "layers": shape.layers, "hidden": shape.hidden, "intermediate": shape.intermediate,
-                         "device": device})
+            rows.append(timing_row(shape, v, r, ckpt, mode, per_round, reps, peaks[v, mode], device))
         _log(f"r={r} checkpointing={ckpt}: " + ", ".join(
             f"{v} {statistics.median(times[v, 'train']):.1f} ms" for v in runners))
     full_fid = full_size_agreement(runners, device, r)
@@ -187,18 +199,10 @@ def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int,
                     peaks[v, ph] = peak_extra(getattr(run, ph), device)
                 if v.startswith("dora_num"):
                     check_flags(model)  # every flag the compiled steps raised: read once, here
-            times = {(v, ph): [] for v in runners for ph in phases}
-            for _ in range(rounds):
-                for v, run in runners.items():
-                    for ph in phases:
-                        times[v, ph].append(statistics.median(time_steps(getattr(run, ph), reps, device)))
+            times = interleaved(runners, phases, rounds, reps, device)
             for (v, ph), per_round in times.items():
-                rows.append({"variant": v, "rank": r, "checkpointing": ckpt, "mode": ph, "compile": mode,
-                             "ms": statistics.median(per_round), "ms_min_round": min(per_round),
-                             "ms_max_round": max(per_round), "rounds_ms": ";".join(f"{t:.4f}" for t in per_round),
-                             "reps_per_round": reps, "peak_extra_bytes": peaks[v, ph],
-                             "compile_s": compile_s[v, ph], "tokens": shape.tokens, "layers": shape.layers,
-                             "hidden": shape.hidden, "intermediate": shape.intermediate, "device": device})
+                rows.append(dict(timing_row(shape, v, r, ckpt, ph, per_round, reps, peaks[v, ph], device),
+                                 compile=mode, compile_s=compile_s[v, ph]))
             _log(f"r={r} checkpointing={ckpt} compile={mode}: " + ", ".join(
                 f"{v} {statistics.median(times[v, 'train']):.1f} ms" for v in runners))
             del runners
