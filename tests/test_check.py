@@ -341,13 +341,13 @@ def test_readme_kit_example_is_current(tmp_path):
     import re
     from pathlib import Path
 
-    from dora_num.studies.carry import main as carry  # the bf16-rounded MiniLM the adapter was trained on
+    from dora_num.__main__ import main as dora_num_cli
 
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
     block = readme.split("<!-- kit-example:start -->")[1].split("<!-- kit-example:end -->")[0]
     base = tmp_path / "minilm_bf16"
-    carry([str(base)])
+    assert dora_num_cli(["record", "carry", str(base)]) == 0  # the bf16-rounded MiniLM the adapter was trained on
     adapter = root / "data" / "adapters" / "trained" / "exported" / "r16_lr0.001"
     one = check_bounds(file=adapter, base=base, module="encoder.layer.0.attention.self.query", top=1)
     assert f"**{one.verdict}**" in block

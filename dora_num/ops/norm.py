@@ -54,6 +54,7 @@ assembles, for studies of the assembly), :func:`magnitude_scale_and_flag` (the l
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -360,8 +361,7 @@ def _recompute_not_finite(W, A, B, s: float, wnorm, rel, base_sq, check: bool):
     ``A = B = 2^60``: ``ba = 2^240``, norm ``2^20``).  Raises (``check``) where the norm itself
     exceeds fp32, or an input (or the cached ``base_sq``) is not finite; without ``check`` such rows
     are left as they are."""
-    inputs_ok = all(bool(torch.isfinite(t).all()) for t in (W, A, B)) and (
-        base_sq is None or bool(torch.isfinite(base_sq).all()))
+    inputs_ok = all(bool(torch.isfinite(t).all()) for t in (W, A, B)) and _base_sq_ok(base_sq)
     if not inputs_ok:  # a non-finite input or a corrupt cached base_sq: named, or left as is (check=False)
         if check:
             _raise_norm_not_finite(W, A, B, base_sq)
@@ -376,18 +376,24 @@ def _recompute_not_finite(W, A, B, s: float, wnorm, rel, base_sq, check: bool):
     return wnorm, rel
 
 
+def _base_sq_ok(base_sq) -> bool:
+    """``base_sq`` is finite or ``+inf`` (W's squares overflowed fp32 on a row; the row is formed
+    again in float64 from W, A and B): a NaN or a negative infinity can only be a corrupt cache."""
+    return base_sq is None or bool((torch.isfinite(base_sq) | (base_sq == math.inf)).all())
+
+
 def _raise_norm_not_finite(W, A, B, base_sq, *, s: float | None = None, wnorm=None) -> None:
     """Raise ``ValueError`` naming why a factored norm was not finite (syncs: the error path): a
     non-finite input, a corrupt ``base_sq``, fp32 intermediates that overflowed although the norm fits
     in fp32 (the float64 norm of those rows, when ``s`` and ``wnorm`` are given), or a norm beyond fp32."""
     for name, t in (("W", W), ("A", A), ("B", B)):
         check_finite(name, t)
-    if base_sq is not None:
+    if not _base_sq_ok(base_sq):
         try:
             check_finite("base_sq", base_sq)
         except ValueError as e:
-            raise ValueError(f"{e} although W is finite: given corrupt, or a squared row norm of W "
-                             "overflowed float32 (exceeds 3.4e38; rescale W)") from None
+            raise ValueError(f"{e} although W is finite: a corrupt cache (a NaN or -inf is never a "
+                             "sum of squares)") from None
     if s is not None and wnorm is not None:
         rows = torch.nonzero(~torch.isfinite(wnorm)).flatten()
         with torch.no_grad(), _autocast_off(W.device.type):

@@ -169,15 +169,22 @@ def test_layer_with_tail_kernel_names_bad_input(device, tail_kernel):
         layer.magnitude[2] = float("inf")
     with pytest.raises(ValueError, match="m contains non-finite"):
         _forward_checked(layer, x)
-    with torch.no_grad():  # finite inputs whose row norm overflows fp32: wnorm = inf, g = 0
-        layer.magnitude[2] = 1.0
-        layer.base.weight[7] = 1e30
-    with pytest.raises(ValueError, match="base_sq contains non-finite .* overflowed float32"):
+    # finite rows whose fp32 squares overflow while the norm fits (W's own squares: base_sq = inf; then
+    # the terms of W + sBA): formed in float64 as the public norm does, so g is finite and equal to its
+    for w7, b7 in ((1e30, None), (2e18, 1e20)):
+        with torch.no_grad():
+            layer.magnitude[2] = 1.0
+            layer.base.weight[7] = w7
+            if b7 is not None:
+                layer.lora_B[7] = b7
         _forward_checked(layer, x)
-    with torch.no_grad():  # W's own squares fit, the terms of W + sBA do not; its norm (1e20) fits fp32
-        layer.base.weight[7] = 2e18
-        layer.lora_B[7] = 1e20
-    with pytest.raises(ValueError, match=r"overflowed on rows \[7\] although their norms fit in float32"):
+        with torch.no_grad():
+            want = layer.magnitude / dn.factored_row_norm(layer.base.weight, layer.lora_A, layer.lora_B, layer.scale)
+            assert torch.equal(layer.magnitude_scale(), want) and 0 < float(want[7]) < 1e-17
+    with torch.no_grad():  # a norm beyond fp32 stays an error naming its row
+        layer.base.weight[7] = 3e38
+        layer.lora_B[7] = 0.0
+    with pytest.raises(ValueError, match=r"forward call \d+: .*exceeds 3\.4e38 on rows \[7\]"):
         _forward_checked(layer, x)
 
 
