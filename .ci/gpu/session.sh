@@ -16,6 +16,8 @@
 #          operator and the PEFT paths, then the model rows under torch.compile (default and
 #          reduce-overhead) at $MODEL_RANKS (default 64; one call per rank: each compile ~35 s)
 #                                                                            -> $OUT/session_compiled.tgz
+#   operator the compile probe (all sections), the operator's and PEFT's gpu tests, then the products
+#          recorder's $PRODUCTS_ONLY parts (default: tf32 bf16_base)       -> $OUT/session_operator.tgz
 #   verify the gpu-marked tests of $VERIFY_TESTS (default: all), then the guard's cost
 #                                                                            -> $OUT/session_verify.tgz
 #
@@ -92,10 +94,20 @@ case "${1:-}" in
       --ranks ${MODEL_RANKS:-64} --compile default reduce-overhead --git-sha "$SHA"
     pack compiled
     ;;
+  operator)  # first look at a commit: the compile probe (bench section included, alone on the GPU), the
+    # gpu tests of the operator and the PEFT paths, then the products recorder's correctness parts
+    job probe 230 python3 .ci/gpu/compile_probe.py "$W" kernels layer peft bench
+    job pytest 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests/ops tests/test_peft.py \
+      tests/test_peft_modes.py tests/test_wrap.py tests/test_compiled_peft.py tests/test_check.py
+    left=$(( 570 - ($(date +%s) - t0) ))
+    job products "$left" python3 -m dora_num record products --out "$W/products" --only ${PRODUCTS_ONLY:-tf32 bf16_base} \
+      --git-sha "$SHA"
+    pack operator
+    ;;
   verify)  # after fixes: the gpu-marked tests of the named files (VERIFY_TESTS), then the guard's cost alone
     job pytest 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 ${VERIFY_TESTS:-tests}
     job guard 420 python3 -m dora_num record guard-cost --out "$W/guard" --git-sha "$SHA"
     pack verify
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|verify" >&2; exit 2 ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify" >&2; exit 2 ;;
 esac
