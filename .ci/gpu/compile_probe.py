@@ -5,6 +5,7 @@ Sections (each independent; a failure is recorded and the next runs):
   layer    DoRALinear 4096->4096 r=64 (bf16 base, fp32 adapters, autocast): compiled vs eager bits,
            no sync under torch.cuda.set_sync_debug_mode("error"), reduce-overhead train + infer, flags
   peft     a tiny accelerated PEFT Llama: fullgraph, reduce-overhead train + infer, no sync
+  host     host time of a compiled layer step at a tiny size, and its cProfile (host_cprofile.txt)
   bench    one 8B-shaped decoder layer, 4096 tokens: LoRA / PEFT / accelerate, eager and compiled
 Usage: python .ci/gpu/compile_probe.py OUT_DIR [section ...]
 """
@@ -204,6 +205,8 @@ def _():
     sys.path.insert(0, ".")
     from dora_num.studies.speed.model_variants import Shape, adapter_state, build_base, make_variant
     out = {}
+    from dora_num.studies.bench import lift_recompile_limits
+    lift_recompile_limits()
     shape = Shape(layers=1)
     base = build_base(shape, "cuda")
     ids = torch.randint(0, shape.vocab, (1, shape.tokens), device="cuda")
@@ -240,6 +243,42 @@ def _():
                 log(r, variant, mode, out[f"r{r}_{variant}_{mode}"])
             del model
             torch.cuda.empty_cache()
+    return out
+
+
+@section("host")
+def _():
+    """Host cost of a compiled (default mode) layer step at a size whose GPU work is microseconds
+    (512->512, r=16, 64 tokens), so wall time is host time: eager vs compiled, and cProfile of the
+    compiled step (own time and cumulative), written to host_cprofile.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    layer = _layer(r=16, d=512)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    comp = torch.compile(layer, fullgraph=True)
+    out = {}
+    for name, f in (("eager", layer), ("compiled", comp)):
+        for _ in range(5):
+            _step(f, x)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            _step(f, x)
+        torch.cuda.synchronize()
+        out[f"{name}_us_per_step"] = round((time.perf_counter() - t) / 200 * 1e6, 1)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        _step(comp, x)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+    with open(f"{OUT}/host_cprofile.txt", "w") as fh:
+        fh.write(text.getvalue())
     return out
 
 

@@ -16,8 +16,9 @@
 #          operator and the PEFT paths, then the model rows under torch.compile (default and
 #          reduce-overhead) at $MODEL_RANKS (default 64; one call per rank: each compile ~35 s)
 #                                                                            -> $OUT/session_compiled.tgz
-#   operator the compile probe (all sections), the operator's and PEFT's gpu tests, then the products
-#          recorder's $PRODUCTS_ONLY parts (default: tf32 bf16_base)       -> $OUT/session_operator.tgz
+#   operator the compile probe ($PROBE_SECTIONS), the gpu tests of $PYTEST_FILES (failures printed as they come),
+#          then the products recorder's $PRODUCTS_ONLY parts (default: tf32 bf16_base)
+#                                                                            -> $OUT/session_operator.tgz
 #   verify the gpu-marked tests of $VERIFY_TESTS (default: all), then the guard's cost
 #                                                                            -> $OUT/session_verify.tgz
 #
@@ -94,14 +95,18 @@ case "${1:-}" in
       --ranks ${MODEL_RANKS:-64} --compile default reduce-overhead --git-sha "$SHA"
     pack compiled
     ;;
-  operator)  # first look at a commit: the compile probe (bench section included, alone on the GPU), the
-    # gpu tests of the operator and the PEFT paths, then the products recorder's correctness parts
-    job probe 230 python3 .ci/gpu/compile_probe.py "$W" kernels layer peft bench
-    job pytest 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests/ops tests/test_peft.py \
-      tests/test_peft_modes.py tests/test_wrap.py tests/test_compiled_peft.py tests/test_check.py
-    left=$(( 570 - ($(date +%s) - t0) ))
-    job products "$left" python3 -m dora_num record products --out "$W/products" --only ${PRODUCTS_ONLY:-tf32 bf16_base} \
-      --git-sha "$SHA"
+  operator)  # first look at a commit: the compile probe's $PROBE_SECTIONS (default all; bench alone on the GPU),
+    # the gpu tests of $PYTEST_FILES (default: the operator's and the PEFT paths'; failures printed as they
+    # come), then the products recorder's $PRODUCTS_ONLY parts, one job each (default: tf32 bf16_base)
+    job probe 230 python3 .ci/gpu/compile_probe.py "$W" ${PROBE_SECTIONS:-kernels layer peft host bench}
+    PYTHONPATH=.:.ci/gpu job pytest "${PYTEST_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -p instafail \
+      -rs -n 6 ${PYTEST_FILES:-tests/ops tests/test_peft.py tests/test_peft_modes.py tests/test_wrap.py \
+      tests/test_compiled_peft.py tests/test_check.py}
+    for part in ${PRODUCTS_ONLY:-tf32 bf16_base}; do
+      left=$(( 570 - ($(date +%s) - t0) ))
+      job "products_$part" "$left" python3 -m dora_num record products --out "$W/products" --only "$part" \
+        --git-sha "$SHA"
+    done
     pack operator
     ;;
   verify)  # after fixes: the gpu-marked tests of the named files (VERIFY_TESTS), then the guard's cost alone

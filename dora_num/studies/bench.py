@@ -38,6 +38,15 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> Timing:
     return Timing(float(med), float(p20), float(p80))
 
 
+def lift_recompile_limits() -> None:
+    """Let dynamo compile the same code for every variant a benchmark builds (each variant's modules
+    are new guards on one code object; at the default limit of 8 it silently falls back to eager)."""
+    torch._dynamo.config.cache_size_limit = 4096
+    for name, value in (("recompile_limit", 4096), ("accumulated_recompile_limit", 1 << 16)):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, value)
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30, device: str = "cuda") -> dict:
     """Device-to-device copy: GB/s counting bytes read + bytes written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()

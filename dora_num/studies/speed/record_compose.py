@@ -26,7 +26,7 @@ from ...ops.kernels import compose as kc
 from ...oracles import dg_ref64
 from .. import inputs
 from ..inputs import suite_compose_torch
-from ..bench import bitwise_equal, compose_bytes, log, max_rel_err, time_ms, write_csv
+from ..bench import bitwise_equal, compose_bytes, lift_recompile_limits, log, max_rel_err, time_ms, write_csv
 
 SEED = inputs.SUITE_SEED
 SCALE = inputs.SUITE_COMPOSE_SCALE
@@ -48,11 +48,7 @@ BASELINE_TOL = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-21}
 
 def bench_compose(tokens_list, dout_list, dtypes, copy_gbps, compile_dtypes_shapes=None, rows=None,
                   checkpoint: Path | None = None) -> list[dict]:
-    torch._dynamo.config.cache_size_limit = 4096
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 4096
-    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
-        torch._dynamo.config.accumulated_recompile_limit = 1 << 16
+    lift_recompile_limits()
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     s = SCALE
     rows = [] if rows is None else rows

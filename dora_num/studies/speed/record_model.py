@@ -178,7 +178,9 @@ def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int,
     ``train`` (and ``infer`` without checkpointing), interleaved rounds, the compile time (the warm-up
     calls) and the peak extra memory."""
     from ...ops.layer import check_flags
+    from ..bench import lift_recompile_limits
 
+    lift_recompile_limits()
     gen = torch.Generator(device="cpu").manual_seed(SEED + r)
     ids = torch.randint(0, shape.vocab, (1, shape.tokens), generator=gen).to(device)
     rows = []
@@ -434,6 +436,8 @@ def build_parser(prog: str = "dora-num record model", name: str = "model"):
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
     p.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {ROUNDS}; smoke {SMOKE_ROUNDS})")
     p.add_argument("--ranks", type=int, nargs="+", default=None, help=f"ranks (default {' '.join(map(str, RANKS))})")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"decoder layers of the model (default {Shape().layers}; fewer: shorter compiles)")
     p.add_argument("--compile", nargs="+", choices=(*COMPILE_MODES, "none"), default=None,
                    help="torch.compile modes of the compiled rows (default: none, eager only)")
     return p
@@ -446,6 +450,8 @@ def ingest_args(a) -> list[Path]:
 def record(a) -> int:
     if a.rounds is not None and a.rounds < 1:
         raise SystemExit("dora-num record model: --rounds must be >= 1")
+    if a.layers is not None and a.layers < 1:
+        raise SystemExit("dora-num record model: --layers must be >= 1")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -454,6 +460,7 @@ def record(a) -> int:
         desc["git_sha"] = a.git_sha
     modes = None if a.compile is None else tuple(m for m in a.compile if m != "none")
     desc["model"] = run(out, smoke=a.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"), rounds=a.rounds,
-                        ranks=a.ranks, compile_modes=modes)
+                        ranks=a.ranks, compile_modes=modes,
+                        shape=None if a.layers is None else Shape(layers=a.layers))
     (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
     return 0
