@@ -436,6 +436,8 @@ def build_parser(prog: str = "dora-num record model", name: str = "model"):
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
     p.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {ROUNDS}; smoke {SMOKE_ROUNDS})")
     p.add_argument("--ranks", type=int, nargs="+", default=None, help=f"ranks (default {' '.join(map(str, RANKS))})")
+    p.add_argument("--no-checkpointing", action="store_true",
+                   help="only the rows without gradient checkpointing (half the compiles)")
     p.add_argument("--layers", type=int, default=None,
                    help=f"decoder layers of the model (default {Shape().layers}; fewer: shorter compiles)")
     p.add_argument("--compile", nargs="+", choices=(*COMPILE_MODES, "none"), default=None,
@@ -461,6 +463,7 @@ def record(a) -> int:
     modes = None if a.compile is None else tuple(m for m in a.compile if m != "none")
     desc["model"] = run(out, smoke=a.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"), rounds=a.rounds,
                         ranks=a.ranks, compile_modes=modes,
-                        shape=None if a.layers is None else Shape(layers=a.layers))
+                        shape=None if a.layers is None else Shape(layers=a.layers),
+                        checkpointing=(False,) if a.no_checkpointing else (False, True))
     (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
     return 0
