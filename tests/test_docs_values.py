@@ -43,6 +43,22 @@ def _guard_rel(d: int, r: int, rho: float) -> str:
     return f"{float(_rel(W, A, B, s, 'tensor_core').max()):.2g}/{float(_rel(W, A, B, s, 'fp32').max()):.2g}"
 
 
+def _products(name: str) -> pd.DataFrame:
+    return pd.read_csv(ROOT / "data" / "gpu" / "products" / name)
+
+
+def _fire_rate_time_ratio() -> pd.Series:
+    d = _products("guard_fire_rate.csv")
+    return d.ms_guarded / d.ms_bare
+
+
+def _tf32(column: str) -> str:
+    d = _products("tf32.csv")
+    on = d[d.tf32 == "allow_tf32"]
+    assert (d.err_over_bound_factored_max <= 1).all() and (d.err_over_bound_dense_max <= 1).all()
+    return f"{on[column].max():.2g}"
+
+
 def _lemma6() -> str:
     from numerics.test_bounds_domain import former_magnitude_bound_violations
 
@@ -62,6 +78,13 @@ VALUES = {
     "bf16_base_rn_max": lambda: f"{_bf16_base()[1]['factored_max']:.2g}",
     "bf16_base_tree_max": lambda: f"{_bf16_base()[2]['factored_max']:.2g}",
     "bf16_base_rz_ratio": lambda: f"{_bf16_base()[0]['err_over_bound_max']:.2g}",
+    "gpu_fire_rate_flagged": lambda: (lambda d: f"{int(d.flagged.sum())} rows flagged in {len(d)} cases")(
+        _products("guard_fire_rate.csv")),
+    "gpu_fire_rate_rel_max": lambda: f"{_products('guard_fire_rate.csv').rel_max.max():.2g}",
+    "gpu_fire_rate_time_ratio": lambda: f"{_fire_rate_time_ratio().median():.2f}",
+    "gpu_fire_rate_time_range": lambda: f"{_fire_rate_time_ratio().min():.2g}-{_fire_rate_time_ratio().max():.2g}",
+    "tf32_factored": lambda: _tf32("rel_err_factored_max"),
+    "tf32_dense": lambda: _tf32("rel_err_dense_max"),
 }
 for _d in (4096, 8192, 14336, 28672):
     for _r, _rho in ((64, 0.1), (64, 0.2), (256, 0.1), (256, 0.2)):

@@ -58,7 +58,7 @@ RECORDERS = {
                          "GPU: the norm's products under TF32 switches, a bf16 base, the accumulation probe, the guard's fire rate (03)"),
 }
 TOOLS = ("carry",)  # recorders of no data set: what a GPU run needs carried along
-PENDING = ("products",)  # recorders whose data set is declared once a GPU run has recorded it
+PENDING = ()  # recorders whose data set is declared once a GPU run has recorded it
 
 
 def parser(prog: str, description: str | None, *, ingest: str | None = "DIR", many: bool = False,

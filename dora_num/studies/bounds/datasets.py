@@ -13,4 +13,8 @@ ACCUMULATION = DataSet("accumulation", ("gpu/exhaustive/accumulation_probe.json.
                                         "gpu/exhaustive/accumulation_findings.json"),
                        recorder="exhaustive --only accumulation", optional=("03",))
 
-DATASETS = (COMPOSE_FP8, COMPOSE_GPU, ACCUMULATION)
+# the factored norm's products and guard on the GPU (the accumulation part: not yet recorded)
+PRODUCTS = DataSet("products", tuple(f"gpu/products/{f}" for f in ("tf32.csv", "bf16_base.csv", "guard_fire_rate.csv")),
+                   recorder="products --only tf32 bf16_base fire_rate")  # read by docs/bounds.md
+
+DATASETS = (COMPOSE_FP8, COMPOSE_GPU, ACCUMULATION, PRODUCTS)

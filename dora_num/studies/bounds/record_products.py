@@ -182,9 +182,33 @@ PARTS = ("tf32", "bf16_base", "fire_rate", "accumulation")
 def build_parser(prog: str = "dora-num record products", name: str = "products"):
     from ..cli import parser
 
-    p = parser(prog, __doc__.split("\n\n")[0], ingest=None, smoke="one small case of each (minutes less)")
+    p = parser(prog, __doc__.split("\n\n")[0], smoke="one small case of each (minutes less)")
     p.add_argument("--only", nargs="+", choices=PARTS, help="record only these parts (default: all)")
     return p
+
+
+def ingest_args(args) -> list[Path]:
+    """Record the parts found in the output folder ``args.ingest`` (one device call may hold some of
+    them) into ``data/gpu/products/``: the machine and the commit from each file's own sidecar."""
+    from ...repro.recording import ingest, machine_from_sidecar
+    from ...repro.provenance import read_provenance
+    from .datasets import PRODUCTS
+
+    src, written = Path(args.ingest), []
+    names = [Path(f).name for f in PRODUCTS.files]
+    found = [n for n in names if (src / n).is_file()]
+    if not found:
+        raise SystemExit(f"dora-num record products: {src} holds none of {', '.join(names)}")
+    for name in found:
+        params = read_provenance(src / name).get("parameters") or {}
+        if params.get("smoke"):
+            raise SystemExit(f"dora-num record products: {src / name} is a --smoke run; not recorded")
+        sha = args.git_sha or params.get("git_sha")  # --git-sha: the commit that ran, where the run's is wrong
+        extra = {"git_sha_given_on_device": params.get("git_sha")} if sha != params.get("git_sha") else None
+        written += ingest({name: src / name}, args.out or PRODUCTS.dest(), machine=machine_from_sidecar(src / name),
+                          producer=PRODUCTS.producer, git_sha=sha, params=dict(params, git_sha=sha), extra=extra,
+                          sources=[src])
+    return written
 
 
 def record(args) -> int:

@@ -10,6 +10,10 @@ NORM = DataSet("norm", ("gpu/norm_bench.csv",), recorder="norm", notebooks=("05"
 LAYER = DataSet("layer", ("gpu/layer_bench.csv", "gpu/layer_profile.txt"), recorder="layer", notebooks=("05",))
 MODEL = DataSet("model", tuple(f"gpu/model_{t}.csv" for t in ("bench", "agreement", "probe", "predictions")),
                 recorder="model", optional=("05",))
+# the compiled rows (torch.compile default and reduce-overhead) of one short device call: one decoder layer
+MODEL_COMPILED = DataSet("model-compiled", tuple(f"gpu/compiled/model_{t}.csv" for t in (
+    "bench", "agreement", "probe", "predictions")), recorder="model --compile default reduce-overhead --layers 1 "
+    "--ranks 384 --no-checkpointing")
 TRAIN_GRAPHS = DataSet("train-graphs", ("gpu/train_graphs.csv",), recorder="train-graphs", notebooks=("05",))
 OVERHEAD = DataSet("overhead", ("gpu/host_overhead.log",), recorder="overhead")
 GUARD_COST = DataSet("guard-cost", ("gpu/guard_cost.csv",), recorder="guard-cost")
@@ -21,8 +25,11 @@ LAYER_HOST_CPROFILE = DataSet("layer-host-cprofile", ("gpu/diagnostics/layer_hos
                               recorder="python3 .ci/gpu/layer_host_cprofile.py")
 LAYER_TIMELINE = DataSet("layer-timeline", ("gpu/diagnostics/layer_timeline_c658e09.log",),
                          recorder="python3 .ci/gpu/layer_timeline.py")
+COMPILE_PROBE = DataSet("compile-probe", tuple(f"gpu/diagnostics/{f}" for f in (
+    "compile_probe.json", "compile_probe_host.json", "compile_host_cprofile.txt")),
+    recorder="python3 .ci/gpu/compile_probe.py OUT (sections: kernels layer peft bench; then host)")
 LAYER_CHECK_AB = DataSet("layer-check-ab", ("gpu/layer_check_ab.log",),
                          recorder="python3 .ci/gpu/layer_check_ab.py (removed; at 7a50873)")
 
-DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, TRAIN_GRAPHS, OVERHEAD, GUARD_COST, LAYER_HOST,
-            LAYER_BREAKDOWN, LAYER_HOST_CPROFILE, LAYER_TIMELINE, LAYER_CHECK_AB)
+DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST, LAYER_HOST,
+            LAYER_BREAKDOWN, LAYER_HOST_CPROFILE, LAYER_TIMELINE, COMPILE_PROBE, LAYER_CHECK_AB)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..cli import parser as recorder_parser
-from .datasets import MODEL
+from .datasets import MODEL, MODEL_COMPILED
 from .model_agreement import agreement, full_size_agreement
 from .model_variants import (FULL, MODES, RANKS, SEED, SMOKE, SMOKE_RANKS, VARIANTS, Runner, Shape, _bump,
                              adapter_state, build_base, make_variant, predict, set_checkpointing)
@@ -404,11 +404,14 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
 def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
     """Copy the model section's files of a suite (or standalone) folder into ``data/gpu/`` with
     provenance (the device and git sha from the folder's ``device.json``), leaving the committed
-    ``device.json`` of the other sections alone."""
-    from ...repro.recording import ingest_folder
+    ``device.json`` of the other sections alone; a run with compiled rows (``--compile``) goes to
+    its own data set (``data/gpu/compiled/``: it times other shapes than the eager suite)."""
+    from ...repro.recording import ingest_folder, read_machine
 
-    return ingest_folder(Path(src), dest or MODEL.dest(), producer=MODEL.producer, git_sha=git_sha,
-                         names=tuple(Path(f).name for f in MODEL.files))
+    compiled = bool((read_machine(Path(src)).get("model") or {}).get("compile_modes"))
+    ds = MODEL_COMPILED if compiled else MODEL
+    return ingest_folder(Path(src), dest or ds.dest(), producer=ds.producer, git_sha=git_sha,
+                         names=tuple(Path(f).name for f in ds.files))
 
 
 def describe(device: str, smoke: bool) -> dict:
