@@ -224,8 +224,12 @@ def g_error_rows(base, r: int, state: dict, device: str, *, backend: str = "indu
     eager and compiled, and this operator's (``weight_den``) eager and compiled, against ``m / ||W +
     sBA||`` in float64 from the same fp32 adapter: ``max |g - g64| / |g64|`` and the same over
     ``max |g64 - 1|`` (the error against the signal ``g - 1`` the compose scales)."""
+    from ...ops.magnitude import _magnitude_div_op
     from ...ops.weight_norm import weight_den
     from ...oracles import row_norm_ref64
+
+    def layer_g(W, A, B, s, m):  # as the compiled layer forms g: its division op (inductor's fp32 `/` is not IEEE)
+        return _magnitude_div_op(m, weight_den(W, A, B, s, m))
 
     pm = make_variant("peft_fp32", base, r, state)
     rows = []
@@ -245,8 +249,8 @@ def g_error_rows(base, r: int, state: dict, device: str, *, backend: str = "indu
             return m / wn
 
         paths = {"peft_eager": peft_g, "peft_compiled": torch.compile(peft_g, backend=backend),
-                 "dora_num_eager": lambda: m / weight_den(W, A, B, s, m),
-                 "dora_num_compiled": torch.compile(lambda: m / weight_den(W, A, B, s, m), backend=backend)}
+                 "dora_num_eager": lambda: layer_g(W, A, B, s, m),
+                 "dora_num_compiled": torch.compile(lambda: layer_g(W, A, B, s, m), backend=backend)}
         for path, fn in paths.items():
             with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
                 g = fn().double()
