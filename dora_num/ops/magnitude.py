@@ -56,7 +56,8 @@ def _magnitude_div_setup(ctx, inputs, output):
 
 def _magnitude_div_backward(ctx, grad):
     (den,) = ctx.saved_tensors
-    return (grad / den).to(ctx.m_dtype), None
+    # d g / d m = 1 / den: the gradient divided by the same op (a traced division would be inductor's)
+    return _magnitude_div_op(grad, den).to(ctx.m_dtype), None
 
 
 _magnitude_div_op.register_autograd(_magnitude_div_backward, setup_context=_magnitude_div_setup)
