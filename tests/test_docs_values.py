@@ -1,4 +1,4 @@
-"""Numbers in docs/bounds.md and docs/contract.md that come from data or from a measurement are
+"""Numbers in docs/bounds.md, docs/contract.md and docs/peft.md that come from data or from a measurement are
 written between ``<!-- value:NAME -->`` and ``<!-- /value -->``; each NAME is recomputed here from the
 data or the test that produces it, and the text must be what it gives (a stale typed number fails).
 Every test and function the documents cite must exist."""
@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "docs" / "bounds.md", ROOT / "docs" / "contract.md"]
+DOCS = [ROOT / "docs" / "bounds.md", ROOT / "docs" / "contract.md", ROOT / "docs" / "peft.md"]
 MARK = re.compile(r"<!-- value:([A-Za-z0-9_.]+) -->(.*?)<!-- /value -->", re.S)
 
 
@@ -59,6 +59,19 @@ def _tf32(column: str) -> str:
     return f"{on[column].max():.2g}"
 
 
+def _compiled_ratio(compile_mode: str) -> str:
+    """PEFT's training step over this operator's, both under ``compile_mode`` (``eager``: not compiled)."""
+    d = pd.read_csv(ROOT / "data" / "gpu" / "compiled" / "model_bench.csv")
+    t = d[(d["compile"] == compile_mode) & (d["mode"] == "train") & ~d.checkpointing].set_index("variant").ms
+    return f"{t['peft_fp32'] / t['dora_num_fp32']:.2f}x"
+
+
+def _compiled_g_error(paths: tuple[str, ...]) -> str:
+    d = pd.read_csv(ROOT / "data" / "gpu" / "compiled" / "model_probe.csv")
+    v = d[(d.probe == "g_error") & d.what.isin(paths)].value
+    return f"{v.min():.2g}-{v.max():.2g}"
+
+
 def _lemma6() -> str:
     from numerics.test_bounds_domain import former_magnitude_bound_violations
 
@@ -83,6 +96,11 @@ VALUES = {
     "gpu_fire_rate_rel_max": lambda: f"{_products('guard_fire_rate.csv').rel_max.max():.2g}",
     "gpu_fire_rate_time_ratio": lambda: f"{_fire_rate_time_ratio().median():.2f}",
     "gpu_fire_rate_time_range": lambda: f"{_fire_rate_time_ratio().min():.2g}-{_fire_rate_time_ratio().max():.2g}",
+    "compiled_train_default": lambda: _compiled_ratio("default"),
+    "compiled_train_ro": lambda: _compiled_ratio("reduce-overhead"),
+    "eager_train": lambda: _compiled_ratio("eager"),
+    "compiled_g_error_peft": lambda: _compiled_g_error(("peft_compiled",)),
+    "compiled_g_error_ours": lambda: _compiled_g_error(("dora_num_eager",)),
     "tf32_factored": lambda: _tf32("rel_err_factored_max"),
     "tf32_dense": lambda: _tf32("rel_err_dense_max"),
 }
