@@ -47,11 +47,6 @@ def _products(name: str) -> pd.DataFrame:
     return pd.read_csv(ROOT / "data" / "gpu" / "products" / name)
 
 
-def _fire_rate_time_ratio() -> pd.Series:
-    d = _products("guard_fire_rate.csv")
-    return d.ms_guarded / d.ms_bare
-
-
 def _tf32(column: str) -> str:
     d = _products("tf32.csv")
     on = d[d.tf32 == "allow_tf32"]
@@ -66,10 +61,23 @@ def _compiled_ratio(compile_mode: str) -> str:
     return f"{t['peft_fp32'] / t['dora_num_fp32']:.2f}x"
 
 
+def _compiled_rounds() -> str:
+    d = pd.read_csv(ROOT / "data" / "gpu" / "compiled" / "model_bench.csv")
+    row = d[(d["compile"] == "default") & (d["mode"] == "train") & (d.variant == "dora_num_fp32")]
+    return f"{float(row.ms_min_round.iloc[0]):.1f}-{float(row.ms_max_round.iloc[0]):.1f} ms"
+
+
 def _compiled_g_error(paths: tuple[str, ...]) -> str:
     d = pd.read_csv(ROOT / "data" / "gpu" / "compiled" / "model_probe.csv")
     v = d[(d.probe == "g_error") & d.what.isin(paths)].value
     return f"{v.min():.2g}-{v.max():.2g}"
+
+
+def _gpu_bf16_base(column: str) -> str:
+    d = _products("bf16_base.csv")
+    row = d[(d.adapters == "float32") & (d.rho == 1.0)]
+    assert len(row) == 1
+    return f"{float(row[column].iloc[0]):.2g}"
 
 
 def _lemma6() -> str:
@@ -94,13 +102,15 @@ VALUES = {
     "gpu_fire_rate_flagged": lambda: (lambda d: f"{int(d.flagged.sum())} rows flagged in {len(d)} cases")(
         _products("guard_fire_rate.csv")),
     "gpu_fire_rate_rel_max": lambda: f"{_products('guard_fire_rate.csv').rel_max.max():.2g}",
-    "gpu_fire_rate_time_ratio": lambda: f"{_fire_rate_time_ratio().median():.2f}",
-    "gpu_fire_rate_time_range": lambda: f"{_fire_rate_time_ratio().min():.2g}-{_fire_rate_time_ratio().max():.2g}",
     "compiled_train_default": lambda: _compiled_ratio("default"),
     "compiled_train_ro": lambda: _compiled_ratio("reduce-overhead"),
+    "compiled_train_default_rounds": _compiled_rounds,
     "eager_train": lambda: _compiled_ratio("eager"),
     "compiled_g_error_peft": lambda: _compiled_g_error(("peft_compiled",)),
     "compiled_g_error_ours": lambda: _compiled_g_error(("dora_num_eager",)),
+    "gpu_bf16_base_factored": lambda: _gpu_bf16_base("rel_err_factored_max"),
+    "gpu_bf16_base_dense": lambda: _gpu_bf16_base("rel_err_dense_max"),
+    "gpu_bf16_base_ratio": lambda: _gpu_bf16_base("err_over_bound_factored_max"),
     "tf32_factored": lambda: _tf32("rel_err_factored_max"),
     "tf32_dense": lambda: _tf32("rel_err_dense_max"),
 }

@@ -227,7 +227,8 @@ def factored_row_norm(
     """``||W + s*B@A||_row`` in fp32 without forming ``B@A`` or an fp32 copy of W.
 
     ``base = rowsum(W*W)`` (fp32, over column chunks of W under ``chunk_bytes``,
-    unless the cached ``base_sq`` is given: fp32 ``[d_out]``), ``U = W A^T`` and ``G = A A^T`` in
+    unless the cached ``base_sq`` is given: fp32 ``[d_out]``, its values checked at once, a device
+    read, since a negative entry would give a zero norm unnoticed), ``U = W A^T`` and ``G = A A^T`` in
     fp32 (:mod:`dora_num.ops.products`: tensor-core products with exact products and fp32
     accumulation for 16-bit W on CUDA, no fp32 copy of W; with an fp32 A through its exact split
     into 16-bit pieces), then ``cross``, ``ba`` and the assembly of
@@ -273,12 +274,20 @@ def factored_row_norm(
 
 
 def _check_base_sq(base_sq, d_out: int, device) -> None:
+    """A given cached ``rowsum(W*W)``: its metadata, and its values, read once (a NaN or a negative
+    entry is no sum of squares, and a negative one would turn into a zero norm unnoticed; ``+inf`` is
+    a row whose squares overflowed fp32, formed again in float64)."""
     check_tensor("base_sq", base_sq, ndim=1, dtypes=(torch.float32,))
     if base_sq.shape[0] != d_out or base_sq.device != device:
         raise ValueError(
             f"base_sq must be float32 [d_out] = [{d_out}] on {device}, "
             f"got shape {tuple(base_sq.shape)} on {base_sq.device}"
         )
+    bad = ~(base_sq >= 0)
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).flatten()
+        raise ValueError(f"base_sq has {rows.numel()} entries that are NaN or negative (rows {rows[:8].tolist()}): "
+                         "not a sum of squares, a corrupt cache (recompute it with base_row_norm_sq(W))")
 
 
 def _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check: bool, cfg: OpConfig,
@@ -378,7 +387,8 @@ def _recompute_not_finite(W, A, B, s: float, wnorm, rel, base_sq, check: bool):
 
 def _base_sq_ok(base_sq) -> bool:
     """``base_sq`` is finite or ``+inf`` (W's squares overflowed fp32 on a row; the row is formed
-    again in float64 from W, A and B): a NaN or a negative infinity can only be a corrupt cache."""
+    again in float64 from W, A and B): a NaN or a negative infinity can only be a corrupt cache
+    (a given one is refused at entry, :func:`_check_base_sq`; the layer's own is computed here)."""
     return base_sq is None or bool((torch.isfinite(base_sq) | (base_sq == math.inf)).all())
 
 

@@ -108,7 +108,12 @@ RAISES = [
     ("norm-B-neg-inf-dense", lambda: dn.dense_row_norm(W_(), A_(), with_value(B_(), -INF), 0.5), ValueError,
      r"B contains non-finite values"),
     ("norm-base_sq-nan", lambda: dn.factored_row_norm(W_(), A_(), B_(), 0.5, base_sq=torch.full((D_OUT,), NAN)),
-     ValueError, r"base_sq contains non-finite"),
+     ValueError, r"base_sq has 8 entries that are NaN or negative \(rows \[0, 1, 2, 3, 4, 5, 6, 7\]\)"),
+    ("norm-base_sq-negative", lambda: dn.factored_row_norm(W_(), A_(), B_(), 0.5, base_sq=with_value(
+        dn.base_row_norm_sq(W_()), -1.0, 2), on_cancellation="off"), ValueError,
+     r"base_sq has 1 entries that are NaN or negative \(rows \[2\]\): not a sum of squares"),
+    ("norm-base_sq-neg-inf", lambda: dn.factored_row_norm(W_(), A_(), B_(), 0.5, base_sq=with_value(
+        dn.base_row_norm_sq(W_()), -INF, 1)), ValueError, r"base_sq has 1 entries that are NaN or negative"),
     ("norm-overflow", lambda: dn.factored_row_norm(torch.full((2, D_IN), 3e38), A_(), B_()[:2], 0.5), ValueError,
      r"overflowed float32 \(inputs are finite\): the row norm of W \+ sBA exceeds 3.4e38 on rows \[0, 1\]"),
     ("magnitude-m-nan", lambda: dn.magnitude_scale(with_value(torch.ones(D_OUT), NAN, 0), torch.ones(D_OUT)),

@@ -13,7 +13,7 @@ MODEL = DataSet("model", tuple(f"gpu/model_{t}.csv" for t in ("bench", "agreemen
 # the compiled rows (torch.compile default and reduce-overhead) of one short device call: one decoder layer
 MODEL_COMPILED = DataSet("model-compiled", tuple(f"gpu/compiled/model_{t}.csv" for t in (
     "bench", "agreement", "probe", "predictions")), recorder="model --compile default reduce-overhead --layers 1 "
-    "--ranks 384 --no-checkpointing")
+    "--ranks 384 --no-checkpointing --rounds 3")
 TRAIN_GRAPHS = DataSet("train-graphs", ("gpu/train_graphs.csv",), recorder="train-graphs", notebooks=("05",))
 OVERHEAD = DataSet("overhead", ("gpu/host_overhead.log",), recorder="overhead")
 GUARD_COST = DataSet("guard-cost", ("gpu/guard_cost.csv",), recorder="guard-cost")
