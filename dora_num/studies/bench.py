@@ -40,7 +40,9 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> Timing:
 
 def lift_recompile_limits() -> None:
     """Let dynamo compile the same code for every variant a benchmark builds (each variant's modules
-    are new guards on one code object; at the default limit of 8 it silently falls back to eager)."""
+    are new guards on one code object; at the default limit of 8 it silently falls back to eager).
+    For benchmark processes only (the setting is global and stays: every later compile there is one
+    more variant)."""
     torch._dynamo.config.cache_size_limit = 4096
     for name, value in (("recompile_limit", 4096), ("accumulated_recompile_limit", 1 << 16)):
         if hasattr(torch._dynamo.config, name):

@@ -189,25 +189,35 @@ def build_parser(prog: str = "dora-num record products", name: str = "products")
 
 def ingest_args(args) -> list[Path]:
     """Record the parts found in the output folder ``args.ingest`` (one device call may hold some of
-    them) into ``data/gpu/products/``: the machine and the commit from each file's own sidecar."""
-    from ...repro.recording import ingest, machine_from_sidecar
+    them) into ``data/gpu/products/``: the machine from each file's own sidecar, the commit from
+    ``--git-sha`` or the run's parameters (refused when neither names one). Every file is checked
+    before any is written."""
     from ...repro.provenance import read_provenance
+    from ...repro.recording import ingest, machine_from_sidecar
     from .datasets import PRODUCTS
 
-    src, written = Path(args.ingest), []
+    src = Path(args.ingest)
     names = [Path(f).name for f in PRODUCTS.files]
     found = [n for n in names if (src / n).is_file()]
     if not found:
         raise SystemExit(f"dora-num record products: {src} holds none of {', '.join(names)}")
+    plan = []
     for name in found:
-        params = read_provenance(src / name).get("parameters") or {}
+        side = read_provenance(src / name)
+        params = side.get("parameters") or {}
         if params.get("smoke"):
-            raise SystemExit(f"dora-num record products: {src / name} is a --smoke run; not recorded")
+            raise SystemExit(f"dora-num record products: {src / name} is a --smoke run; nothing was recorded")
         sha = args.git_sha or params.get("git_sha")  # --git-sha: the commit that ran, where the run's is wrong
-        extra = {"git_sha_given_on_device": params.get("git_sha")} if sha != params.get("git_sha") else None
+        if not sha:
+            raise SystemExit(f"dora-num record products: {src / name} names no commit; give --git-sha")
+        extra = {"device_git": side.get("git"), "device_argv": side.get("argv")}
+        if sha != params.get("git_sha"):
+            extra["git_sha_given_on_device"] = params.get("git_sha")
+        plan.append((name, sha, dict(params, git_sha=sha), extra))
+    written = []
+    for name, sha, params, extra in plan:
         written += ingest({name: src / name}, args.out or PRODUCTS.dest(), machine=machine_from_sidecar(src / name),
-                          producer=PRODUCTS.producer, git_sha=sha, params=dict(params, git_sha=sha), extra=extra,
-                          sources=[src])
+                          producer=PRODUCTS.producer, git_sha=sha, params=params, extra=extra, sources=[src])
     return written
 
 

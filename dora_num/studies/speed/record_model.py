@@ -224,12 +224,11 @@ def g_error_rows(base, r: int, state: dict, device: str, *, backend: str = "indu
     eager and compiled, and this operator's (``weight_den``) eager and compiled, against ``m / ||W +
     sBA||`` in float64 from the same fp32 adapter: ``max |g - g64| / |g64|`` and the same over
     ``max |g64 - 1|`` (the error against the signal ``g - 1`` the compose scales)."""
-    from ...ops.magnitude import _magnitude_div_op
-    from ...ops.weight_norm import weight_den
+    from ...ops.weight_norm import magnitude_scale_and_flag
     from ...oracles import row_norm_ref64
 
-    def layer_g(W, A, B, s, m):  # as the compiled layer forms g: its division op (inductor's fp32 `/` is not IEEE)
-        return _magnitude_div_op(m, weight_den(W, A, B, s, m))
+    def layer_g(W, A, B, s, m):  # the layer's own g, eager or compiled (there: weight_den and its division op)
+        return magnitude_scale_and_flag(W, A, B, s, m)[0]
 
     pm = make_variant("peft_fp32", base, r, state)
     rows = []
@@ -400,7 +399,8 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
                  {"copy_gbps": copy_gbps} if copy_gbps else {})).items()]
     pd.DataFrame(preds).to_csv(out / "model_predictions.csv", index=False, lineterminator="\n")
     summary = {"shape": asdict(shape), "ranks": list(ranks), "rounds": rounds, "reps": reps, "device": device,
-               "compile_modes": list(compile_modes), "wall_s": time.time() - t0, "smoke": smoke}
+               "compile_modes": list(compile_modes), "checkpointing": list(checkpointing),
+               "wall_s": time.time() - t0, "smoke": smoke}
     _log(f"model section done in {summary['wall_s']:.0f} s")
     return summary
 
@@ -412,7 +412,17 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
     its own data set (``data/gpu/compiled/``: it times other shapes than the eager suite)."""
     from ...repro.recording import ingest_folder, read_machine
 
-    compiled = bool((read_machine(Path(src)).get("model") or {}).get("compile_modes"))
+    desc = read_machine(Path(src))
+    run_ = desc.get("model") or {}
+    if desc.get("smoke") or run_.get("smoke"):
+        raise SystemExit(f"dora-num record model: {src} is a --smoke run; not recorded")
+    compiled = bool(run_.get("compile_modes"))
+    full = {"shape": asdict(FULL), "ranks": sorted(RANKS), "checkpointing": [False, True]}
+    got = {"shape": run_.get("shape"), "ranks": sorted(run_.get("ranks") or []),
+           "checkpointing": run_.get("checkpointing", [False, True])}
+    if not compiled and run_ and got != full:  # the eager suite's data set holds the full table only
+        raise SystemExit(f"dora-num record model: {src} is an eager run of {got}, not the suite's {full}; "
+                         "recording it would replace data/gpu/model_*.csv with a smaller table")
     ds = MODEL_COMPILED if compiled else MODEL
     return ingest_folder(Path(src), dest or ds.dest(), producer=ds.producer, git_sha=git_sha,
                          names=tuple(Path(f).name for f in ds.files))

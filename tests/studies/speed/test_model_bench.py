@@ -162,10 +162,46 @@ def test_report_tables_plot_and_verdicts(smoke_run):
     assert st.loc[("model_peak_memory_inverse_vs_peft", "r=64 ckpt"), "verdict"] == "met"  # 4 GB / 2 GB >= 1/0.6
 
 
+def _as_recorded(smoke_run, tmp_path, **model):
+    """The smoke run's files in a folder whose ``device.json`` reads as a full run (``model``: the
+    run summary's fields; none: a suite folder, which has no summary)."""
+    import json
+    import shutil
+
+    out, summary = smoke_run
+    folder = tmp_path / "run"
+    shutil.copytree(out, folder)
+    desc = dict(mb.describe("cpu", False), smoke=False)
+    if model:
+        desc["model"] = dict(summary, smoke=False, **model)
+    (folder / "device.json").write_text(json.dumps(desc, default=str))
+    return folder
+
+
+def test_ingest_refuses_a_smoke_run_and_an_eager_subset(smoke_run, tmp_path):
+    out, _ = smoke_run
+    with pytest.raises(SystemExit, match="is a --smoke run; not recorded"):
+        mb.ingest(out, tmp_path / "data")
+    sub = _as_recorded(smoke_run, tmp_path, compile_modes=[])
+    with pytest.raises(SystemExit, match="is an eager run of .* not the suite's .* smaller table"):
+        mb.ingest(sub, tmp_path / "data")
+    assert not (tmp_path / "data").exists()
+
+
+def test_ingest_sends_a_compiled_run_to_its_own_data_set(smoke_run, tmp_path, monkeypatch):
+    from dora_num.repro.paths import OUTPUT_ROOT_ENV
+
+    folder = _as_recorded(smoke_run, tmp_path, compile_modes=["default"])
+    monkeypatch.setenv(OUTPUT_ROOT_ENV, str(tmp_path / "root"))
+    written = mb.ingest(folder)
+    assert {p.parent for p in written} == {tmp_path / "root" / "data" / "gpu" / "compiled"}
+    assert not (tmp_path / "root" / "data" / "gpu" / "model_bench.csv").exists()
+
+
 def test_ingest_copies_the_model_files_with_provenance(smoke_run, tmp_path):
     import json
 
-    out, _ = smoke_run
+    out = _as_recorded(smoke_run, tmp_path)
     written = mb.ingest(out, tmp_path)
     assert sorted(p.name for p in written) == sorted(f.rsplit("/", 1)[1] for f in mb.MODEL.files)
     side = json.loads((tmp_path / "model_bench.csv.provenance.json").read_text())
@@ -178,7 +214,7 @@ def test_record_model_ingest_leaves_the_suites_device_json(smoke_run, tmp_path):
     is the suite's, whose copy bandwidth the other sections' percentages are taken against."""
     from dora_num.studies.cli import run
 
-    out, _ = smoke_run
+    out = _as_recorded(smoke_run, tmp_path)
     (tmp_path / "device.json").write_text('{"suite": true}\n')
     assert run("model", ["--ingest", str(out), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "device.json").read_text() == '{"suite": true}\n'
