@@ -1,9 +1,10 @@
 # Entry points (README): `make reproduce`, `make test`, `make lab`, `make lock`.
 # `make venv` builds .venv from the lock: every dependency at an exact version, every
 # file checked against its sha256 (requirements.lock, written by `make lock`).
-# torch is the CPU build 2.13.0+cpu (docs/platform.md): this machine's pip finds it via its find-links;
-# elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (an unpinned
-# torch from PyPI would be a multi-GB CUDA build, and a different binary).
+# torch is the CPU build 2.13.0+cpu (docs/platform.md), published on PyTorch's own index: where
+# pip does not already find it (a find-links folder or a mirror), set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (an unpinned torch from PyPI would be
+# a multi-GB CUDA build, and a different binary).
 PYTHON  ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
@@ -11,10 +12,11 @@ STAMP   := $(VENV)/.installed
 LOCK    := requirements.lock
 # `make lock`: a pinned uv in its own venv resolves pyproject.toml (+ test extra) for
 # CPython 3.11 / x86-64 Linux, with the build backend (setuptools, wheel) for the editable
-# install; TORCH_WHEELS is where the CPU torch wheel is found (a folder or an index page).
+# install; TORCH_WHEELS is where the CPU torch wheel is found (a folder of wheels or an HTML page
+# of links; default PyTorch's page of torch wheels; a local folder works offline: TORCH_WHEELS=DIR).
 UV_VERSION  := 0.13.9
 LOCK_VENV   := build/lock-venv
-TORCH_WHEELS ?= /opt/wheels
+TORCH_WHEELS ?= https://download.pytorch.org/whl/cpu/torch/
 # `make lab`: extra JupyterLab options, e.g. LAB_ARGS="--ip=0.0.0.0 --port=8888" in a container.
 LAB_ARGS ?=
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)

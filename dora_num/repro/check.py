@@ -7,7 +7,7 @@ rounded once from float64: :mod:`dora_num.repro.determinism`), so the same commi
 gives the same bytes on any x86-64 CPU.  An artifact that cannot be so is declared
 in :data:`RULES` with its kind and the reason beside it:
 
-- ``"timing"``: wall-clock measurements of this machine; values are reported,
+- ``"timing"``: wall-clock measurements of the machine that ran them; values are reported,
   never judged (the structure must match: same keys / columns).
 - ``"numeric"``: numbers may move by at most ``rtol`` (relative) / ``atol``
   (absolute) per value; everything that is not a number must be equal.

@@ -43,8 +43,8 @@ def environment_yml(pins: dict[str, dict]) -> str:
     lines = ["# Generated from requirements.lock by `make lock` (python -m dora_num.repro.lockfile); do not edit.",
              "# Conda users: `conda env create -f environment.yml`. The tested route is the Makefile's",
              "# venv (pip install --require-hashes -r requirements.lock); these are the same exact versions.",
-             "# torch is the CPU build: pip finds it through --find-links or the PyPI mirror of this machine,",
-             "# elsewhere add PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.",
+             "# torch is the CPU build (+cpu), published on PyTorch's own index: where pip does not already",
+             "# find it, add PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.",
              "name: dora-num", "channels:", "  - conda-forge", "dependencies:", "  - python=3.11", "  - pip",
              "  - pip:"]
     lines += [f"      - {name}=={p['version']}" for name, p in sorted(pins.items())]

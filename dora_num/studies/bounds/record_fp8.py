@@ -1,4 +1,4 @@
-"""``dora-num record compose-fp8``: the exhaustive fp8 compose check on this machine's CPU, into ``data/exhaustive/``.
+"""``dora-num record compose-fp8``: the exhaustive fp8 compose check on the CPU it runs on, into ``data/exhaustive/``.
 
 Every (base, lora) pair of e4m3fn and e5m2 at every configuration of :func:`.exhaustive.configurations`
 (:func:`.exhaustive.fp8_exhaustive`, about 3 min on 2 cores).

@@ -217,7 +217,7 @@ def summary(counts: pd.DataFrame, per_chunk: pd.DataFrame) -> pd.DataFrame:
 
 def check_against_record(record_chunks: pd.DataFrame, chunks=SMOKE_CHUNKS, impls=CPU_IMPLS,
                          fresh: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Recompute ``chunks`` here (or take ``fresh``, this machine's per-chunk census of them) and compare
+    """Recompute ``chunks`` here (or take ``fresh``, the per-chunk census of them on the CPU it runs on) and compare
     with the recorded per-chunk counts: a row per (chunk, implementation) with ``agrees``.  numpy's and
     the float64 route's rows are correctly rounded and agree on any machine; torch's own fp32 row
     depends on the CPU kernel torch runs, which the capability alone does not name (two AVX512 machines

@@ -1,4 +1,4 @@
-"""``dora-num record sqrt-census``: the exhaustive fp32 sqrt census on this machine's CPU, into ``data/exhaustive/``.
+"""``dora-num record sqrt-census``: the exhaustive fp32 sqrt census on the CPU it runs on, into ``data/exhaustive/``.
 
 All 2^32 patterns through numpy's and torch's CPU square roots (:func:`.census.census`, about 25 min
 on 2 cores), against the exact integer reference; the per-chunk counts let a SMOKE run recompute
