@@ -59,3 +59,16 @@ def test_entry_point_help_writes_nothing(module, tmp_path, monkeypatch, capsys):
 def test_the_package_docstring_names_every_public_name():
     doc = dora_num.__doc__
     assert [n for n in dora_num.__all__ if not re.search(rf"\b{n}\b", doc)] == []
+
+
+@pytest.mark.parametrize("name", ["memory", "suite", "exhaustive", "train-graphs", "overhead", "guard-cost"])
+def test_gpu_only_recorders_refuse_on_cpu_in_one_line(name, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run([sys.executable, "-m", "dora_num", "record", name, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, no traceback
+    assert f"dora-num record {name} needs a CUDA GPU" in proc.stderr, proc.stderr

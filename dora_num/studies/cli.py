@@ -61,6 +61,15 @@ TOOLS = ("carry",)  # recorders of no data set: what a GPU run needs carried alo
 PENDING = ()  # recorders whose data set is declared once a GPU run has recorded it
 
 
+def require_cuda(name: str, why: str | None = None) -> None:
+    """The one way a GPU-only recorder refuses on a machine without CUDA: a one-line message on
+    stderr and exit status 1 (``SystemExit`` with the message), no traceback."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"dora-num record {name} needs a CUDA GPU{f' ({why})' if why else ''}; this machine has none")
+
+
 def parser(prog: str, description: str | None, *, ingest: str | None = "DIR", many: bool = False,
            smoke: str | None = "tiny sizes (a check of the recorder)", out: str = "output folder",
            out_required: bool = True) -> argparse.ArgumentParser:

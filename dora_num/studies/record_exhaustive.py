@@ -47,8 +47,9 @@ def _log(msg: str) -> None:
 def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 480.0,
         git_sha: str | None = None) -> dict:
     """Run ``sections`` into ``out``; returns the ``device.json`` description."""
-    if not torch.cuda.is_available():
-        raise SystemExit("dora-num record exhaustive needs a CUDA GPU (this machine has none)")
+    from .cli import require_cuda
+
+    require_cuda("exhaustive")
     import triton
 
     out = Path(out)

@@ -32,8 +32,9 @@ SEED = inputs.SUITE_SEED
 
 
 def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_sha: str | None = None) -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu-suite needs a CUDA GPU (this machine has none)")
+    from .cli import require_cuda
+
+    require_cuda("suite")
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

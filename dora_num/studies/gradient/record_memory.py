@@ -31,7 +31,7 @@ from ...adapters.train import TrainConfig, inject_dora
 from ...ops.layer import DoRALinear
 from ...oracles import measure_cpu_allocations
 from ...repro import recording as recorded
-from ..cli import parser as recorder_parser
+from ..cli import parser as recorder_parser, require_cuda
 from .datasets import MEMORY
 from .memory_model import MINILM, NORMS, TOLERANCE, MemoryConfig, predict_peak
 
@@ -181,8 +181,7 @@ def gpu_configs(smoke: bool = False) -> list[MemoryConfig]:
 
 
 def run_measure(out: Path, *, base_path=None, smoke: bool = False, git_sha: str | None = None) -> Path:
-    if not torch.cuda.is_available():
-        raise RuntimeError("dora-num record memory needs a CUDA device (it records torch.cuda.max_memory_allocated)")
+    require_cuda("memory", "it records torch.cuda.max_memory_allocated")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for cfg in gpu_configs(smoke):

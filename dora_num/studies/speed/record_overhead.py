@@ -9,7 +9,6 @@ import cProfile
 import io
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -129,9 +128,9 @@ def ingest_args(a) -> list[Path]:
 
 
 def record(a) -> int:
-    if not torch.cuda.is_available():
-        print("dora-num record overhead needs a CUDA GPU", file=sys.stderr)
-        return 2
+    from ..cli import require_cuda
+
+    require_cuda("overhead")
     lines = []
 
     def emit(line: str) -> None:

@@ -5,7 +5,6 @@ The method in full: docs/methods.md, studies/speed/record_train_graphs.py.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +16,7 @@ from ...ops.compose import ComposeFunction
 from ...ops.config import get_config
 from ...repro import recording as recorded
 from ..bench import Timing, bitwise_equal, compose_bytes, copy_bandwidth, max_rel_err, time_ms
-from ..cli import parser as recorder_parser
+from ..cli import parser as recorder_parser, require_cuda
 from ..inputs import suite_compose_torch
 from .datasets import TRAIN_GRAPHS
 from .record_compose import BASELINE_TOL, SCALE, SEED, autograd_expr
@@ -125,9 +124,7 @@ def ingest_args(a) -> list[Path]:
 
 
 def record(a) -> int:
-    if not torch.cuda.is_available():
-        print("dora-num record train-graphs needs a CUDA GPU", file=sys.stderr)
-        return 2
+    require_cuda("train-graphs")
     a.out.mkdir(parents=True, exist_ok=True)
     shapes, repeats = (((1024, 1024),), 1) if a.smoke else (SHAPES, a.repeats)
     pd.DataFrame(measure(shapes, repeats=repeats)).to_csv(a.out / "train_graphs.csv", index=False)
