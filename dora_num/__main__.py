@@ -16,7 +16,7 @@ def _cmd_reproduce(args) -> int:
 
     from .repro import check as chk
     from .repro import paths
-    from .repro.runner import NotebookFailed, reproduce
+    from .repro.runner import Limits, NotebookFailed, reproduce
 
     dest = keep = None
     if args.check:
@@ -25,7 +25,13 @@ def _cmd_reproduce(args) -> int:
     elif args.out:
         dest = Path(args.out)
     try:
-        results = reproduce(args.only or None, smoke=args.smoke, dest=dest)
+        limits = Limits(cell_s=args.cell_timeout, notebook_s=args.timeout, retries=args.retries)
+    except ValueError as e:
+        print(f"dora-num reproduce: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = reproduce(args.only or None, smoke=args.smoke, dest=dest, limits=limits,
+                            progress=not args.no_progress)
     except NotebookFailed as e:
         print(f"dora-num reproduce: {e}", file=sys.stderr)
         return 1
@@ -84,12 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="--check regenerates into a temporary folder and compares every artifact with the committed one "
                "(bytes equal, or within the tolerance declared in dora_num/repro/check.py); exit status 1 on drift.")
     r.add_argument("--smoke", action="store_true", help="tiny sizes, outputs to a temporary folder (what CI runs)")
-    r.add_argument("--only", nargs="+", metavar="NN", help="notebook numbers or stems to run, e.g. 00 03")
+    r.add_argument("--only", nargs="+", metavar="NB", help="notebooks to run, by number, stem or name: 00 03, overview")
     r.add_argument("--check", action="store_true",
                    help="regenerate into a temporary folder and compare with the committed artifacts")
     r.add_argument("--out", metavar="DIR", help="write the artifacts under DIR instead of the repository "
                                                  "(with --check: keep the regenerated tree there)")
     r.add_argument("-v", "--verbose", action="store_true", help="with --check: list identical artifacts too")
+    from .repro.runner import Limits
+
+    r.add_argument("--cell-timeout", type=float, default=Limits.cell_s, metavar="S",
+                   help=f"seconds one cell may run (default {Limits.cell_s:.0f})")
+    r.add_argument("--timeout", type=float, default=Limits.notebook_s, metavar="S",
+                   help=f"seconds one notebook may run (default {Limits.notebook_s:.0f})")
+    r.add_argument("--retries", type=int, default=Limits.retries, metavar="N",
+                   help=f"runs again after a timeout or a dead kernel, N times (default {Limits.retries})")
+    r.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
     r.set_defaults(func=_cmd_reproduce)
     # Commands owned by other modules register themselves: register(subparsers).
     import importlib

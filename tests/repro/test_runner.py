@@ -13,7 +13,7 @@ nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (noteb
 
 from dora_num.repro import paths
 from dora_num.repro.kernel import KERNELSPEC
-from dora_num.repro.runner import NotebookFailed, list_notebooks, reproduce
+from dora_num.repro.runner import Limits, NotebookFailed, NotebookTimedOut, list_notebooks, reproduce
 
 NOTEBOOKS = list_notebooks()
 
@@ -30,7 +30,7 @@ def test_notebook_smoke(nb, tmp_path):
     (res,) = reproduce([nb.stem], smoke=True, build_dir=tmp_path, smoke_dir=tmp_path / "smoke")
     assert res.executed.is_file()
     assert res.out_root == tmp_path / "smoke" / nb.stem  # written under pytest's tmp_path, which it cleans
-    assert res.seconds < 120, f"{nb.stem} SMOKE run took {res.seconds:.0f} s (budget 60 s on 2 idle cores)"
+    # its time is reported by the runner against SMOKE_BUDGET_S, not judged here (it depends on the load)
     after = _tree_digest(paths.COMMITTED_DATA_DIR), _tree_digest(paths.COMMITTED_FIGURES_DIR)
     assert before == after
 
@@ -96,3 +96,43 @@ def test_full_run_skips_notebook_whose_recorded_data_is_missing(tmp_path, capsys
     (res,) = reproduce(notebooks_dir=nbdir, build_dir=tmp_path / "build")
     assert res.skipped == "recorded data missing: data/gpu/no_such_run/history.csv.gz"
     assert f"{stem}: SKIPPED" in capsys.readouterr().out
+
+
+def test_hung_cell_times_out_is_retried_and_named(tmp_path, capsys):
+    """A cell that never returns (as a kernel stalled on a widget comm) is stopped at the cell limit,
+    the notebook run again from a fresh kernel, then failed with one message naming the cell."""
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    stem = "96_hangs"
+    _write_notebook(nbdir / f"{stem}.ipynb", ["x = 1", "import time\ntime.sleep(600)  # hangs", "y = 2"])
+    with pytest.raises(NotebookTimedOut, match=rf"{stem}\.ipynb: the cell ran past its limit of 3 s \(--cell-timeout\) "
+                                               r"in cell 3 \[import time\].*\(after 2 attempts\)"):
+        reproduce(notebooks_dir=nbdir, build_dir=tmp_path / "build", limits=Limits(cell_s=3, retries=1))
+    assert "running it again (2 of 2)" in capsys.readouterr().err
+
+
+def test_notebook_limit_stops_a_run_of_slow_cells(tmp_path):
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    stem = "95_slow"
+    _write_notebook(nbdir / f"{stem}.ipynb", ["import time\ntime.sleep(2)"] * 10)
+    with pytest.raises(NotebookTimedOut, match=r"the notebook ran past its limit of 5 s \(--timeout\) in cell \d+ "
+                                               r"\[import time\].*\(after 1 attempt\)"):
+        reproduce(notebooks_dir=nbdir, build_dir=tmp_path / "build",
+                  limits=Limits(cell_s=60, notebook_s=5, retries=0))
+
+
+def test_limits_refuse_nonsense():
+    with pytest.raises(ValueError, match="limits must be positive"):
+        Limits(cell_s=0)
+    proc = subprocess.run([sys.executable, "-m", "dora_num", "reproduce", "--smoke", "--timeout", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "limits must be positive" in proc.stderr
+
+
+@pytest.mark.parametrize("names, stems", [
+    (["overview"], ["00_overview"]), (["0", "03"], ["00_overview", "03_ground_truth_and_bounds"]),
+    (["07_explore"], ["07_explore"]), (["notebooks/02_fma_and_sqrt.ipynb"], ["02_fma_and_sqrt"]),
+])
+def test_only_takes_numbers_stems_and_names(names, stems):
+    assert [p.stem for p in list_notebooks(names)] == stems
