@@ -14,12 +14,12 @@ The method in full: docs/methods.md, repro/notebook.py.
 from __future__ import annotations
 
 import ast
+import hashlib
 import io
 import json
 import os
 import random
 import re
-import tempfile
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +173,7 @@ def setup(name: str, namespace: dict | None = None, *, smoke: bool | None = None
     With ``namespace`` (the notebook's ``globals()``) the parameters come from the
     notebook's ``parameters`` cell (module docstring); ``smoke``, ``seed`` and ``params``
     then override what the cell gives.  Without it, they are the whole story."""
-    values = {}
+    values, changed = {}, {}
     if namespace is not None:
         declared = notebook_parameters(name)
         undefined = [p.name for p in declared if p.name not in namespace]
@@ -181,7 +181,9 @@ def setup(name: str, namespace: dict | None = None, *, smoke: bool | None = None
             raise NameError(f"parameters {undefined} of {name} are not defined: run the parameters cell first")
         is_smoke = bool(namespace.get("SMOKE", False)) if smoke is None else smoke
         for p in declared:
-            if is_smoke and p.has_smoke and namespace[p.name] == p.default:  # not passed explicitly
+            if namespace[p.name] != p.default:  # passed (papermill -p) or edited in the cell
+                changed[p.name] = namespace[p.name]
+            elif is_smoke and p.has_smoke:  # not passed explicitly
                 namespace[p.name] = p.smoke
             values[p.name] = namespace[p.name]
         smoke = is_smoke
@@ -200,6 +202,63 @@ def setup(name: str, namespace: dict | None = None, *, smoke: bool | None = None
     import torch
 
     torch.manual_seed(seed)
-    if smoke and not os.environ.get(paths.OUTPUT_ROOT_ENV):
-        os.environ[paths.OUTPUT_ROOT_ENV] = tempfile.mkdtemp(prefix="dora-num-smoke-")
+    _choose_output_root(name, smoke, changed)
     return NotebookContext(name=name, smoke=smoke, seed=seed, params=values)
+
+
+_CHOSEN_ROOT: str | None = None  # the output root the last setup() chose itself (not the caller's)
+
+
+def _choose_output_root(name: str, smoke: bool, changed: dict) -> Path:
+    """Where this run's artifacts go, printed when this function chose it.
+
+    ``DORA_NUM_OUTPUT_ROOT`` set by the caller (the runner's staging folder, a check run, a
+    user) wins.  Otherwise a run with the committed parameters writes in place (``data/``,
+    ``figures/``: the same bytes, a notebook being deterministic), and a SMOKE run or one with
+    any parameter changed (papermill ``-p``) writes under ``build/runs/<notebook>-<digest>/``,
+    never over the committed artifacts."""
+    global _CHOSEN_ROOT
+    env = os.environ.get(paths.OUTPUT_ROOT_ENV)
+    if env and env != _CHOSEN_ROOT:
+        return paths.output_root()
+    if env:  # chosen by an earlier setup() in this kernel: decide again
+        del os.environ[paths.OUTPUT_ROOT_ENV]
+        _CHOSEN_ROOT = None
+    if not smoke and not changed:
+        return paths.output_root()
+    digest = hashlib.sha256(json.dumps({"SMOKE": smoke, **changed}, sort_keys=True, default=repr).encode()).hexdigest()
+    root = paths.REPO_ROOT / "build" / "runs" / f"{name}-{digest[:10]}"
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ[paths.OUTPUT_ROOT_ENV] = _CHOSEN_ROOT = str(root)
+    why = ", ".join(f"{k}={v!r}" for k, v in changed.items()) or "SMOKE"
+    print(f"{name}: {why}; artifacts go to {root}/{{data,figures}}/{name}/ (the committed data/ and figures/ "
+          f"are not touched; {paths.OUTPUT_ROOT_ENV}=DIR chooses the folder)")
+    return root
+
+
+WIDGETS_ENV = "DORA_NUM_WIDGETS"
+
+
+def frontend_attached() -> bool:
+    """Whether live widgets have a frontend to talk to (notebook 07's panel).
+
+    ``DORA_NUM_WIDGETS=1`` / ``0`` decides (any other value is an error naming the variable).
+    Otherwise: True only inside a kernel whose current request came from an interactive
+    frontend, i.e. one that accepts ``input()`` (``allow_stdin``: JupyterLab, Notebook, VS Code
+    send it true; papermill, nbclient and nbconvert send it false).  A headless run never opens
+    a widget comm, so it cannot stall on one (nbclient waits on widget comms it cannot answer;
+    the runner also sets ``DORA_NUM_WIDGETS=0``)."""
+    env = os.environ.get(WIDGETS_ENV)
+    if env is not None and env != "":
+        if env not in ("0", "1"):
+            raise ValueError(f"{WIDGETS_ENV} must be 0 or 1, got {env!r}")
+        return env == "1"
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython is a dependency
+        return False
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None:
+        return False
+    parent = kernel.get_parent("shell") or {}  # ipykernel >= 6
+    return bool(parent.get("content", {}).get("allow_stdin", False))

@@ -110,3 +110,67 @@ def test_every_notebook_declares_its_parameters_once_and_its_recorded_inputs(nb)
     if missing:
         pytest.skip(f"{nb.stem}: recorded inputs not committed yet, its full run waits for them: "
                     + ", ".join(sorted({str(Path(r).parent) for r in missing})))
+
+
+def test_setup_writes_a_run_with_changed_parameters_under_build_and_says_where(tmp_path, monkeypatch, capsys):
+    """Committed parameters: in place (as `make reproduce`); any parameter changed or SMOKE: under
+    build/runs/, printed, so papermill -p never writes over the committed artifacts."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(paths.OUTPUT_ROOT_ENV, raising=False)
+    _notebook(tmp_path, "97_setup_selftest")
+    ns = {}
+    exec(CELL, ns)
+    ns["N"] = 7  # papermill -p N 7
+    N.setup("97_setup_selftest", ns)
+    root = paths.output_root()
+    assert root.parent == paths.REPO_ROOT / "build" / "runs" and root.name.startswith("97_setup_selftest-")
+    assert paths.data_dir("97_setup_selftest") == root / "data" / "97_setup_selftest"
+    out = capsys.readouterr().out
+    assert f"N=7; artifacts go to {root}/" in out and "committed data/ and figures/ are not touched" in out
+    same = {}
+    exec(CELL, same)
+    N.setup("97_setup_selftest", same)  # the same kernel, the committed parameters again: in place
+    assert paths.output_root() == paths.REPO_ROOT and capsys.readouterr().out == ""
+    smoke = {}
+    exec(CELL, smoke)
+    smoke["SMOKE"] = True
+    N.setup("97_setup_selftest", smoke)
+    assert paths.output_root().parent == paths.REPO_ROOT / "build" / "runs" and "SMOKE=True" in capsys.readouterr().out
+    monkeypatch.setenv(paths.OUTPUT_ROOT_ENV, str(tmp_path / "mine"))  # the caller's choice wins
+    N.setup("97_setup_selftest", dict(ns))
+    assert paths.output_root() == tmp_path / "mine" and capsys.readouterr().out == ""
+    import shutil
+
+    for d in (paths.REPO_ROOT / "build" / "runs").glob("97_setup_selftest-*"):
+        shutil.rmtree(d)
+
+
+def test_frontend_attached_outside_a_kernel_and_by_the_variable(monkeypatch):
+    monkeypatch.delenv(N.WIDGETS_ENV, raising=False)
+    assert N.frontend_attached() is False  # no kernel here (pytest)
+    monkeypatch.setenv(N.WIDGETS_ENV, "1")
+    assert N.frontend_attached() is True
+    monkeypatch.setenv(N.WIDGETS_ENV, "yes")
+    with pytest.raises(ValueError, match="DORA_NUM_WIDGETS must be 0 or 1"):
+        N.frontend_attached()
+
+
+def test_frontend_attached_in_a_kernel_follows_the_request(monkeypatch):
+    """An interactive frontend's request (allow_stdin, as JupyterLab sends it) vs a headless one
+    (nbclient/papermill send allow_stdin=False)."""
+    from jupyter_client.manager import start_new_kernel
+
+    monkeypatch.delenv(N.WIDGETS_ENV, raising=False)
+    km, kc = start_new_kernel(kernel_name="dora-num", extra_arguments=["--IPKernelApp.log_level=ERROR"])
+    try:
+        seen = {}
+        for allow in (True, False):
+            out = []
+            kc.execute_interactive("from dora_num.repro.notebook import frontend_attached\n"
+                                   "print(frontend_attached())", allow_stdin=allow, timeout=120,
+                                   output_hook=lambda m: out.append(m["content"].get("text", "")))
+            seen[allow] = "".join(out).strip()
+        assert seen == {True: "True", False: "False"}
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
