@@ -38,9 +38,26 @@ class SavedFigure(list):
         pass
 
 
+def _show_saved(fig, rel: str) -> None:
+    """In a notebook kernel: show ``fig`` now, its output tagged with the file it was saved to
+    (``figures/<rel>``: what the rendered page links, :mod:`dora_num.repro.render`), and close it,
+    so the inline backend does not show it a second time, untagged, at the end of the cell."""
+    from IPython import get_ipython
+
+    if getattr(get_ipython(), "kernel", None) is None:
+        return
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    from .render import FIGURE_META
+
+    display(fig, metadata={FIGURE_META: rel})
+    plt.close(fig)
+
+
 def save_figure(fig, notebook: str, name: str, *, formats=("png",), **prov) -> SavedFigure:
     """Save ``fig`` as ``figures/<notebook>/<name>.<ext>`` for each of ``formats`` ("png", "pdf"),
-    with provenance."""
+    with provenance; in a notebook, show it once, tagged with its file (:func:`_show_saved`)."""
     out = figures_dir(notebook)
     paths = SavedFigure()
     metas = {"png": _PNG_META, "pdf": _PDF_META}
@@ -52,4 +69,5 @@ def save_figure(fig, notebook: str, name: str, *, formats=("png",), **prov) -> S
             fig.savefig(buf, format=ext, metadata=meta)
 
         paths.append(write_artifact(out / f"{name}.{ext}", w, **prov))
+    _show_saved(fig, f"{notebook}/{name}.png" if "png" in formats else f"{notebook}/{name}.{formats[0]}")
     return paths

@@ -13,6 +13,7 @@ nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (noteb
 
 from dora_num.repro import paths
 from dora_num.repro.kernel import KERNELSPEC
+from dora_num.repro.render import page_problems, relative_links, render_text
 from dora_num.repro.runner import Limits, NotebookFailed, NotebookTimedOut, list_notebooks, reproduce
 
 NOTEBOOKS = list_notebooks()
@@ -25,7 +26,8 @@ def _tree_digest(root: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_smoke(nb, tmp_path):
-    """Each notebook runs headless in SMOKE mode and touches no committed file."""
+    """Each notebook runs headless in SMOKE mode, touches no committed file, and renders to a page
+    that shows every figure it made."""
     before = _tree_digest(paths.COMMITTED_DATA_DIR), _tree_digest(paths.COMMITTED_FIGURES_DIR)
     (res,) = reproduce([nb.stem], smoke=True, build_dir=tmp_path, smoke_dir=tmp_path / "smoke")
     assert res.executed.is_file()
@@ -33,6 +35,12 @@ def test_notebook_smoke(nb, tmp_path):
     # its time is reported by the runner against SMOKE_BUDGET_S, not judged here (it depends on the load)
     after = _tree_digest(paths.COMMITTED_DATA_DIR), _tree_digest(paths.COMMITTED_FIGURES_DIR)
     assert before == after
+    # rendered as `make reproduce` renders it: every figure the run made is saved and linked, every link resolves
+    page = paths.REPO_ROOT / "notebooks" / "rendered" / f"{nb.stem}.md"  # where the page would be
+    md = render_text(res.executed, nb.stem)
+    assert page_problems(md, page, figures=res.out_root / "figures") == []
+    saved = {p.name for p in (res.out_root / "figures" / nb.stem).glob("*.png")}
+    assert saved and {Path(t).name for t in relative_links(md) if f"figures/{nb.stem}/" in t and t.endswith(".png")} == saved
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
