@@ -5,11 +5,17 @@ dispatch on the instruction set (``ATEN_CPU_CAPABILITY``: default / avx2 / avx51
 MKL picks its GEMM code path by CPU vendor and ISA, oneDNN (bf16 matmul) likewise,
 and the split of a parallel reduction depends on the thread count.  Each changes
 the order of floating-point additions, hence the last bits of an fp32 MiniLM
-forward or training step.  Measured on an AMD EPYC (AVX-512) host, fp32 MiniLM
-hidden states on 16 texts: identical under ATen avx2/avx512, ``MKL_CBWR=AVX2``,
-``MKL_ENABLE_INSTRUCTIONS=AVX2`` and one thread; different under ATen ``default``
-and ``MKL_CBWR=COMPATIBLE`` (and, by the committed data, on an Intel AVX-512
-host, where MKL takes its AVX-512 path).
+forward or training step.  MKL's conditional numerical reproducibility holds a
+branch fixed across CPUs only for ``AUTO`` and ``COMPATIBLE`` on non-Intel
+processors: on an AMD CPU ``MKL_CBWR=AVX2`` silently falls back to ``AUTO`` (MKL's
+developer guide, "Specifying code branches"), which is why the artifacts recorded on
+an AMD EPYC under ``MKL_CBWR=AVX2`` drifted on an Intel Xeon (24 of 98 artifacts:
+every one downstream of an fp32 GEMM).  ``MKL_CBWR=COMPATIBLE`` (SSE2 without the
+approximate ``rcpps``/``rsqrtps``) is the one branch both vendors run; it costs
+about 1.7x in MKL's fp32 GEMM (MiniLM forward on 16 texts: 1.2 s vs 0.7 s, 2 cores).
+Measured on an Intel Xeon under the pins: fp32 MiniLM hidden states identical with
+``MKL_ENABLE_INSTRUCTIONS=AVX2`` (MKL as on an AVX2-only CPU) and under ATen avx2 /
+avx512; different under ATen ``default`` and under every other ``MKL_CBWR`` branch.
 
 What each platform does: docs/platform.md, repro/determinism.py.
 """
@@ -24,7 +30,7 @@ from pathlib import Path
 
 PINNED_ENV: dict[str, str] = {
     "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised kernels at AVX2 width, AVX-512 hosts included
-    "MKL_CBWR": "AVX2",  # MKL conditional numerical reproducibility: the AVX2 code path on every CPU
+    "MKL_CBWR": "COMPATIBLE",  # MKL's one reproducible branch on Intel and AMD alike (AVX2 is Intel-only)
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN (bf16/fp16 matmul on CPU): no AVX-512 / AMX kernels
     # numpy's AVX-512 kernels (float64 log/exp/... among them) round differently from its AVX2
     # ones: matplotlib's log-scale transforms moved a PDF coordinate in its 6th decimal.
