@@ -7,10 +7,12 @@ metadata too) for print."""
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
+from .layout import text_problems
 from .paths import figures_dir
-from .provenance import write_artifact
+from .provenance import carry_checks, read_provenance, write_artifact
 
 # Fixed metadata so the same data gives the same bytes (no timestamps, no version strings).
 _PNG_META = {"Software": None}
@@ -57,17 +59,28 @@ def _show_saved(fig, rel: str) -> None:
 
 def save_figure(fig, notebook: str, name: str, *, formats=("png",), **prov) -> SavedFigure:
     """Save ``fig`` as ``figures/<notebook>/<name>.<ext>`` for each of ``formats`` ("png", "pdf"),
-    with provenance; in a notebook, show it once, tagged with its file (:func:`_show_saved`)."""
+    with provenance; its text checked for overlaps and clipping (:mod:`dora_num.repro.layout`: a
+    warning on stderr, the result in the sidecar's ``extra.text_layout``); in a notebook, shown
+    once, tagged with its file (:func:`_show_saved`)."""
     out = figures_dir(notebook)
     paths = SavedFigure()
     metas = {"png": _PNG_META, "pdf": _PDF_META}
     unknown = set(formats) - set(metas)
     if unknown:
         raise ValueError(f"save_figure: formats must be among {sorted(metas)}, got {sorted(unknown)}")
+    problems = text_problems(fig)
+    if problems:
+        print(f"save_figure {notebook}/{name}: {len(problems)} text(s) overlap or are clipped: {problems[0]}"
+              + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), file=sys.stderr)
+    layout = {"check": "dora_num.repro.layout.text_problems", "problems": problems}
+    prov["extra"] = {**(prov.get("extra") or {}), "text_layout": layout}
     for ext, meta in ((e, metas[e]) for e in formats):
         def w(buf: io.BytesIO, ext=ext, meta=meta):
             fig.savefig(buf, format=ext, metadata=meta)
 
-        paths.append(write_artifact(out / f"{name}.{ext}", w, **prov))
+        path = write_artifact(out / f"{name}.{ext}", w, **prov)
+        if read_provenance(path).get("extra", {}).get("text_layout") != layout:  # the same bytes as before
+            carry_checks(path, {**read_provenance(path), "extra": prov["extra"]})
+        paths.append(path)
     _show_saved(fig, f"{notebook}/{name}.png" if "png" in formats else f"{notebook}/{name}.{formats[0]}")
     return paths

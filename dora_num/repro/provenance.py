@@ -233,6 +233,27 @@ def set_producer(path, producer: str) -> bool:
     return True
 
 
+# Results of checks made on an artifact's content (``extra.<key>``): a run that reproduces the bytes
+# brings the check's current result into the committed sidecar, which otherwise stays as it is.
+CHECK_FIELDS = ("text_layout",)
+
+
+def carry_checks(path, new_sidecar: dict) -> bool:
+    """Copy :data:`CHECK_FIELDS` of ``new_sidecar`` (a run that wrote the same bytes) into ``path``'s
+    sidecar where they differ; every other field stays.  Returns whether the sidecar changed."""
+    side = Path(str(path) + ".provenance.json")
+    prov = json.loads(side.read_text())
+    if prov.get("sha256") != sha256_file(path) or new_sidecar.get("sha256") != prov.get("sha256"):
+        raise ValueError(f"{side} and the new sidecar do not describe the same bytes of {path}")
+    new_extra, extra = new_sidecar.get("extra") or {}, dict(prov.get("extra") or {})
+    changes = {k: new_extra[k] for k in CHECK_FIELDS if k in new_extra and extra.get(k) != new_extra[k]}
+    if not changes:
+        return False
+    prov["extra"] = {**extra, **changes}
+    _atomic_write_bytes(side, (json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n").encode())
+    return True
+
+
 def read_provenance(path) -> dict[str, Any]:
     side = Path(str(path) + ".provenance.json")
     if not side.is_file():

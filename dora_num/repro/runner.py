@@ -147,9 +147,10 @@ def _cell_position(nb, cell) -> tuple[int | str, str]:
 
 def _promote(staging: Path, dest: Path) -> list[Path]:
     """Move every artifact under ``staging`` (with its sidecar) into ``dest``; one whose
-    bytes equal the file already there is dropped, so its committed sidecar stays.
+    bytes equal the file already there is dropped, so its committed sidecar stays (with the
+    current result of the checks on its content, :data:`~dora_num.repro.provenance.CHECK_FIELDS`).
     Returns the artifacts now at ``dest`` that this run produced (changed or not)."""
-    from .provenance import sha256_file, unchanged
+    from .provenance import carry_checks, sha256_file, unchanged
 
     out = []
     side = ".provenance.json"
@@ -157,6 +158,8 @@ def _promote(staging: Path, dest: Path) -> list[Path]:
         target = dest / src.relative_to(staging)
         src_side, target_side = Path(str(src) + side), Path(str(target) + side)
         if target.is_file() and unchanged(target, src.read_bytes()):
+            if src_side.is_file():  # the same bytes: the committed sidecar stays, with the checks' current result
+                carry_checks(target, json.loads(src_side.read_text()))
             src.unlink()
             src_side.unlink(missing_ok=True)
         else:

@@ -193,8 +193,11 @@ def compose_ulp_error_vs_gm1(agg: pd.DataFrame):
         ax.set_ylim(bottom=0)
         ax.axvline(f.spacing_below_one / 2 if side == "g < 1" else f.spacing_above_one / 2, color="k", lw=0.8, ls="--")
         ax.axvline(f.eps / 2, color="0.5", lw=0.8, ls=":")
-    g.set_axis_labels("|g - 1|", "mean |error| (ulps of the output)")
-    g.figure.suptitle("compose error vs |g-1| (dashed: exact zone end; dotted: the paper's eps/2)", y=1.02)
+    g.set_axis_labels("|g - 1|", "")
+    g.figure.supylabel("mean |error| (ulps of the output)")
+    g.figure.suptitle("compose error vs |g-1| on real activations (dashed: end of the zone fl(g) = 1; "
+                      "dotted: the paper's eps/2)")
+    g.tight_layout()
     return g.figure
 
 
@@ -212,9 +215,10 @@ def compose_ulp_error_vs_rho(canc: pd.DataFrame):
         ax.set_yscale("symlog", linthresh=1e-4)
         ax.set_ylim(bottom=0)
         ax.axvline(one_ulp_condition(fmt), color="k", lw=0.8, ls="--")
-    g.set_axis_labels("|base| / |X|  (power-of-two bins)", "mean |error| (ulps of the output)")
-    g.figure.suptitle("compose error vs the naive form's cancellation ratio, fp32 intermediates "
-                      "(dashed: 2^(22-p))", y=1.03)
+    g.set_axis_labels("|base| / |X|  (power-of-two bins)", "mean |error| (ulps)")
+    g.figure.suptitle("compose error vs the naive form's cancellation ratio |base|/|X|, fp32 intermediates\n"
+                      "dashed: 2^(22-p), the ratio beyond which the naive form can pass 1 ulp")
+    g.tight_layout()
     return g.figure
 
 
@@ -226,7 +230,8 @@ def compose_term_lost_vs_gm1(agg: pd.DataFrame):
         ax.set(xscale="log", yscale="log")
         ax.axhline(1.0, color="k", lw=0.8, ls=":")
     g.set_axis_labels("|g - 1|", "median |error| / |(g-1) base|")
-    g.figure.suptitle("how much of the (g-1)*base term is lost (1 = all of it)", y=1.02)
+    g.figure.suptitle("how much of the (g-1)*base term is lost (1 = all of it)")
+    g.tight_layout()
     return g.figure
 
 

@@ -10,18 +10,35 @@ import pandas as pd
 import seaborn as sns
 
 
+ASSEMBLY_SITES = {"s0": "2s·cross + base_sq", "s1": "s²·ba + t"}  # the contraction sites, in order
+SQRT_NAMES = {"rn": "sqrt RN", "faithful_other": "sqrt faithful"}
+
+
+def variant_name(placement: str, sqrt: str) -> str:
+    """A placement label (``s0:fma+s1:fma``) and a sqrt model, in words for a legend."""
+    sites = [part.split(":")[0] for part in placement.split("+") if part != "none"]
+    fma = "no FMA" if not sites else "FMA at " + " and ".join(sites)
+    return f"{fma}, {SQRT_NAMES.get(sqrt, sqrt)}" + (" (production)" if fma == "no FMA" and sqrt == "rn" else "")
+
+
 def assembly_ulp_hist(hist: pd.DataFrame, sets: list[str]):
     """ULP differences of each assembly placement x sqrt model from production, per input set."""
     h = hist.query("vs == 'production'").copy()
-    h["variant"] = h["placement"] + " / " + h["sqrt"]
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.4), sharey=False)
+    h["variant"] = [variant_name(p, q) for p, q in zip(h["placement"], h["sqrt"])]
+    fig, axes = plt.subplots(1, len(sets), figsize=(3.9 * len(sets) + 2.4, 3.9), sharey=False, layout="constrained")
     for ax, name in zip(axes, sets):
         tab = h[h["set"] == name].pivot_table(index="ulp", columns="variant", values="count", aggfunc="sum").fillna(0)
         for col in tab.columns:
             ax.plot(tab.index, tab[col].replace(0, np.nan), marker="o", ms=3, lw=1, label=col)
-        ax.set_yscale("log"); ax.set_title(name); ax.set_xlabel("ULP difference from production wnorm")  # noqa: E702
-    axes[0].set_ylabel("rows"); axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)  # noqa: E702
-    fig.suptitle("Norm assembly: each placement of contractions x sqrt model vs production")
+        ax.set_yscale("log"); ax.set_title(f"inputs: {name}"); ax.set_xlabel("ulps from production's wnorm")  # noqa: E702
+    axes[0].set_ylabel("rows")
+    handles, labels = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7, title="contraction, square root",
+               title_fontsize=8)
+    fig.suptitle("Norm assembly: every placement of FMA contractions and square-root model against production")
+    fig.supxlabel("sites: s0 = " + ASSEMBLY_SITES["s0"] + ", s1 = " + ASSEMBLY_SITES["s1"] + " (an FMA rounds the "
+                  "product and the sum once); sqrt RN: correctly rounded, faithful: each inexact root at its other "
+                  "neighbour", fontsize=7.5)
     return fig
 
 
