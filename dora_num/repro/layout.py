@@ -9,7 +9,7 @@ inline backend's), else the canvas.  Two texts *overlap* when their extents inte
 by more than :data:`TOLERANCE_PX` in both directions (a rotated text counts by its rotated
 box, the axis-aligned box of its glyphs).  :func:`dora_num.repro.plotting.save_figure`
 runs it on every figure it saves and records the result in the sidecar (``layout``);
-``tests/repro/test_layout.py`` holds every committed figure to an empty list.
+``tests/repro/test_figure_text.py`` holds every committed figure to an empty list.
 """
 
 from __future__ import annotations

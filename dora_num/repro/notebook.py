@@ -108,6 +108,7 @@ class NotebookContext:
     seed: int
     params: dict = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)  # recorded data this run went without, and why
+    changed: dict = field(default_factory=dict)  # parameters other than SMOKE that differ from the cell's
 
     @property
     def data_dir(self) -> Path:
@@ -203,7 +204,8 @@ def setup(name: str, namespace: dict | None = None, *, smoke: bool | None = None
 
     torch.manual_seed(seed)
     _choose_output_root(name, smoke, changed)
-    return NotebookContext(name=name, smoke=smoke, seed=seed, params=values)
+    return NotebookContext(name=name, smoke=smoke, seed=seed, params=values,
+                           changed={k: v for k, v in changed.items() if k != "SMOKE"})
 
 
 _CHOSEN_ROOT: str | None = None  # the output root the last setup() chose itself (not the caller's)

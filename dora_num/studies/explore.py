@@ -9,7 +9,11 @@ arithmetic), the exact value rounded once to the format, the error in ULPs, the 
 (:func:`~dora_num.numerics.bounds.compose_condition`) against lemma 1's 1-ulp threshold
 (:func:`~dora_num.numerics.bounds.one_ulp_condition`), and where ``g`` sits against the format's
 collapse zone ``fl(g) = 1`` (``1 - eps/4 <= g <= 1 + eps/2``).  :func:`sweep` does the same
-over a range of ``g - 1`` for the plot; :func:`widgets` wires both to ipywidgets.
+over a range of ``g - 1`` for the plot; :func:`arithmetics` sweeps both formulas under the three
+settings of :data:`SETTINGS` (where the naive form collapses, where the final rounding hides it,
+where ``g`` itself rounds to 1), :func:`effects` reads the sweeps' facts; :func:`widgets` wires
+:func:`point` and :func:`sweep` to ipywidgets, only where a frontend is attached
+(:func:`dora_num.repro.notebook.frontend_attached`).
 """
 
 from __future__ import annotations
@@ -93,29 +97,154 @@ def sweep(fmt="bf16", formula="compose_stable", arith="fp32", s=0.5, base=1.0, l
     return pd.DataFrame(rows).drop_duplicates("g_minus_1").sort_values("g_minus_1").reset_index(drop=True)
 
 
-def plot(sw: pd.DataFrame, pt: dict, ax=None):
-    """Error and bound (ULPs of the format) against ``g - 1`` (symlog), the collapse zone shaded."""
+# (format, arithmetic, what it shows): the settings notebook 07 compares on the same (s, base, lora)
+SETTINGS = (
+    ("fp32", "fp32", "fp32 activations: nothing hides the naive form's cancellation"),
+    ("bf16", "fp32", "bf16 activations, fp32 intermediates (the contract): one final rounding hides most of it"),
+    ("bf16", "per_op", "bf16 activations, every op in bf16 (eager bf16 PyTorch): g itself rounds to 1"),
+)
+
+
+def arithmetics(s=0.5, base=1.0, lora=1e-5, *, n: int = 121, settings=SETTINGS) -> pd.DataFrame:
+    """:func:`sweep` of both formulas under each of ``settings``, in one tidy table (columns
+    ``format``, ``arith``, ``setting``, ``formula``, ``g_minus_1``, ``err_ulps``, ``bound_ulps``,
+    ``g_rounds_to_1``, ``opposite_signs``: ``(g-1)*base`` and ``s*lora`` of opposite signs)."""
+    rows = []
+    for fmt, arith, what in settings:
+        lo, hi = collapse_zone(fmt)
+        for formula in FORMULAS:
+            sw = sweep(fmt, formula, arith, s, base, lora, n=n)
+            g = 1.0 + sw["g_minus_1"]
+            _, _, _, b, l_ = _inputs(fmt, 1.0, s, base, lora)
+            rows.append(sw.assign(format=get_format(fmt).name, arith=arith, setting=what, formula=formula,
+                                  g_rounds_to_1=(g >= lo) & (g <= hi),
+                                  opposite_signs=np.sign(sw["g_minus_1"] * b) * np.sign(s * l_) < 0))
+    cols = ["format", "arith", "setting", "formula", "g_minus_1", "err_ulps", "bound_ulps", "g_rounds_to_1",
+            "opposite_signs", "computed", "exact"]
+    return pd.concat(rows, ignore_index=True)[cols]
+
+
+def effects(sw: pd.DataFrame) -> dict:
+    """Per setting of :func:`arithmetics`' table: the largest error of each formula (ULPs), where the
+    stable form is the worse, and whether those points lie in the collapse zone with the two terms of
+    opposite signs; and every point within its bound."""
+    out = {}
+    for (fmt, arith), d in sw.groupby(["format", "arith"], sort=False):
+        st = d[d.formula == "compose_stable"].set_index("g_minus_1")
+        nv = d[d.formula == "compose_naive"].set_index("g_minus_1").reindex(st.index)
+        worse = st["err_ulps"] > nv["err_ulps"]
+        w = st[worse]
+        out[f"{fmt}/{arith}"] = {
+            "stable_max_ulps": float(st["err_ulps"].max()), "naive_max_ulps": float(nv["err_ulps"].max()),
+            "naive_over_stable": float(nv["err_ulps"].max() / max(st["err_ulps"].max(), 1e-300)),
+            "points": int(len(st)), "stable_worse_points": int(worse.sum()),
+            "stable_worse_in_zone_opposite_signs": int((w["g_rounds_to_1"] & w["opposite_signs"]).sum()),
+            "all_within_bound": bool((d["err_ulps"] <= d["bound_ulps"]).all()),
+        }
+    return out
+
+
+def _symlog_ticks(ax, lin: float, hi: float) -> None:
+    """Readable ticks on a symmetric-log ``g - 1`` axis: ``0`` and ``+-10^k`` every other decade."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    top = math.ceil(math.log10(hi))
+    decades = list(range(top, int(math.log10(lin)) - 1, -2))
+    ticks = sorted([-(10.0**k) for k in decades] + [0.0] + [10.0**k for k in decades])
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+
+    def fmt(v, _):
+        if v == 0:
+            return "0"
+        return f"{'-' if v < 0 else ''}$10^{{{round(math.log10(abs(v)))}}}$"
+
+    ax.xaxis.set_major_formatter(FuncFormatter(fmt))
+
+
+def _y_symlog(ax) -> None:
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_yscale("symlog", linthresh=0.1)
+    top = max(1, math.ceil(math.log10(max(ax.get_ylim()[1], 1.0))))
+    ax.yaxis.set_major_locator(FixedLocator([0.0] + [10.0**k for k in range(-1, top + 1)]))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: "0" if v == 0 else f"$10^{{{round(math.log10(v))}}}$"))
+
+
+def plot(sw: pd.DataFrame, pt: dict, ax=None, *, y_ticks: bool = True):
+    """Error and bound (ULPs of the format) against ``g - 1`` (symlog), the collapse zone shaded
+    (``y_ticks=False``: the caller sets the y axis once the data of every shared panel is drawn)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.6))
-    lin = 10.0 ** math.floor(math.log10(max(min(abs(sw["g_minus_1"][sw["g_minus_1"] != 0]).min(), 1e-9), 1e-12)))
-    ax.plot(sw["g_minus_1"], sw["err_ulps"], ".", ms=3, label="measured |error| (ULPs)")
-    ax.plot(sw["g_minus_1"], sw["bound_ulps"], "-", lw=1, color="C3", label="a-priori bound (ULPs)")
+    gm1 = sw["g_minus_1"]
+    lin = 10.0 ** math.floor(math.log10(max(abs(gm1[gm1 != 0]).min(), 1e-12)))
+    ax.plot(gm1, sw["err_ulps"], ".", ms=3, label="measured |error| (ULPs)")
+    ax.plot(gm1, sw["bound_ulps"], "-", lw=1, color="C3", label="a-priori bound (ULPs)")
     ax.axvspan(pt["zone_lo"] - 1.0, pt["zone_hi"] - 1.0, color="grey", alpha=0.25, label=f"fl(g) = 1 in {pt['format']}")
     ax.axvline(pt["g_minus_1"], color="k", lw=0.8, ls=":")
     ax.plot([pt["g_minus_1"]], [pt["err_ulps"]], "o", color="k", label="this point")
     ax.set_xscale("symlog", linthresh=lin)
-    ax.set_yscale("symlog", linthresh=0.1)
-    ax.set(xlabel="g - 1", ylabel=f"error in ULPs of {pt['format']}",
-           title=f"{pt['formula']}, {pt['arith']}, s={pt['s']:.4g}, base={pt['base']:.4g}, lora={pt['lora']:.4g}")
+    _symlog_ticks(ax, lin, abs(gm1).max())
+    if y_ticks:
+        _y_symlog(ax)
+    ax.set(xlabel="g - 1", ylabel=f"error in ULPs of {pt['format']}")
+    ax.set_title(f"{pt['formula']}, {pt['arith']}\ns={pt['s']:.4g}, base={pt['base']:.4g}, lora={pt['lora']:.4g}",
+                 fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     return ax
 
 
+def point_figure(fmt, arith, s, base, lora, g_minus_1, n: int = 121):
+    """Both formulas in one arithmetic, side by side (notebook 07's first figure)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True, layout="constrained")
+    for ax, formula in zip(axes, FORMULAS):
+        plot(sweep(fmt, formula, arith, s, base, lora, n=n), point(fmt, formula, arith, 1.0 + g_minus_1, s, base, lora),
+             ax=ax, y_ticks=False)
+    _y_symlog(axes[0])
+    axes[1].set_ylabel("")
+    return fig
+
+
+def arithmetics_figure(sw: pd.DataFrame):
+    """:func:`arithmetics`' table: per setting, both formulas' errors against ``g - 1``, the zone shaded."""
+    import matplotlib.pyplot as plt
+
+    settings = list(dict.fromkeys(zip(sw["format"], sw["arith"], sw["setting"])))
+    fig, axes = plt.subplots(len(settings), 1, figsize=(9, 2.9 * len(settings)), sharex=True, layout="constrained")
+    for ax, (fmt, arith, what) in zip(np.atleast_1d(axes), settings):
+        d = sw[(sw["format"] == fmt) & (sw["arith"] == arith)]
+        for formula, style in zip(FORMULAS, ("o-", "s--")):
+            e = d[d["formula"] == formula]
+            ax.plot(e["g_minus_1"], e["err_ulps"], style, ms=2.5, lw=0.8, label=formula)
+        lo, hi = collapse_zone(fmt)
+        ax.axvspan(lo - 1.0, hi - 1.0, color="grey", alpha=0.25, label=f"fl(g) = 1 in {fmt}")
+        gm1 = d["g_minus_1"]
+        lin = 10.0 ** math.floor(math.log10(max(abs(gm1[gm1 != 0]).min(), 1e-12)))
+        ax.set_xscale("symlog", linthresh=lin)
+        _symlog_ticks(ax, lin, abs(gm1).max())
+        _y_symlog(ax)
+        ax.set_title(f"{fmt} / {arith}: {what}", fontsize=9.5)
+        ax.set_ylabel(f"ulps of {fmt}")
+        ax.legend(fontsize=7, loc="upper left", ncol=3)
+    np.atleast_1d(axes)[-1].set_xlabel("g - 1")
+    return fig
+
+
 def widgets(fmt="bf16", formula="compose_stable", arith="fp32", log10_gm1=-3.0, gm1_sign=1.0, s=0.5, base=1.0,
             lora=1e-3, n_sweep: int = 61):
-    """An ipywidgets panel: controls, a table of :func:`point` and the plot of :func:`sweep`."""
+    """An ipywidgets panel: controls, a table of :func:`point` and the plot of :func:`sweep`; ``None``
+    where no frontend is attached (papermill, nbclient: a widget comm there can stall the run)."""
+    from ..repro.notebook import frontend_attached
+
+    if not frontend_attached():
+        print("no live panel: no interactive frontend is attached (papermill/nbclient run); open the notebook "
+              "in JupyterLab, or set DORA_NUM_WIDGETS=1")
+        return None
     import ipywidgets as W
     import matplotlib.pyplot as plt
     from IPython.display import display

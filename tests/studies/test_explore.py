@@ -44,3 +44,44 @@ def test_point_refuses_bad_input(kwargs, match):
     args = dict(fmt="fp16", formula="compose_stable", arith="fp32", g=1.001, s=0.5, base=1.0, lora=1e-3) | kwargs
     with pytest.raises(ValueError, match=match):
         X.point(**args)
+
+
+def _defaults():
+    from dora_num.repro.notebook import notebook_parameters
+
+    return {p.name: p.default for p in notebook_parameters("07_explore")}
+
+
+def test_the_notebook_defaults_show_the_naive_collapse_and_where_the_stable_form_is_worse():
+    d = _defaults()
+    assert (d["FORMAT"], d["ARITH"]) == ("fp32", "fp32")  # the arithmetic where nothing hides the cancellation
+    e = X.effects(X.arithmetics(d["S"], d["BASE"], d["LORA"], n=31))
+    assert e["fp32/fp32"]["naive_over_stable"] > 100 and e["fp32/fp32"]["all_within_bound"]
+    assert e["bf16/fp32"]["stable_max_ulps"] <= 0.5
+    eager = e["bf16/per_op"]
+    assert eager["stable_max_ulps"] > eager["naive_max_ulps"]  # with g stored in bf16 the stable form is the worse
+    assert 0 < eager["stable_worse_points"] == eager["stable_worse_in_zone_opposite_signs"]
+    pt = X.point(d["FORMAT"], d["FORMULA"], d["ARITH"], 1 + d["G_MINUS_1"], d["S"], d["BASE"], d["LORA"])
+    assert pt["err_ulps"] > 100 and pt["within_bound"]
+
+
+@pytest.mark.parametrize("base, lora", [(1.0, 1e-5), (-3.0, 1e-3), (1.0, -1e-4), (0.7, 1e-3)])
+def test_in_the_zone_the_stable_form_is_worse_only_where_the_terms_have_opposite_signs(base, lora):
+    """With s*lora below half the bf16 spacing of base, fl(s*lora + base) = base: the naive form returns
+    about 0 (off by |X|) and the stable form s*lora (off by |(g-1) base|); the stable form is the worse only
+    where the two terms of X have opposite signs.  (With a larger s*lora the naive form's rounding of
+    s*lora + base decides, and either can be the worse.)"""
+    _, _, s32, b, l_ = X._inputs("bf16", 1.0, 0.5, base, lora)
+    assert abs(s32 * l_) < abs(b) * 2.0**-9
+    sw = X.arithmetics(0.5, base, lora, n=31, settings=X.SETTINGS[2:])
+    st = sw[sw.formula == "compose_stable"].set_index("g_minus_1")
+    nv = sw[sw.formula == "compose_naive"].set_index("g_minus_1").reindex(st.index)
+    worse_in_zone = (st["err_ulps"] > nv["err_ulps"]) & st["g_rounds_to_1"]
+    assert not (worse_in_zone & ~st["opposite_signs"]).any()
+    assert (sw["err_ulps"] <= sw["bound_ulps"]).all()
+
+
+def test_widgets_are_not_built_without_a_frontend(monkeypatch, capsys):
+    monkeypatch.delenv("DORA_NUM_WIDGETS", raising=False)
+    assert X.widgets() is None
+    assert "no live panel" in capsys.readouterr().out
