@@ -53,7 +53,7 @@ def g_fp64(W, A, B, m, scale: float) -> np.ndarray:
 
 def g_from_states(states, *, progress: bool = False) -> dict[str, np.ndarray]:
     """``{module name: g (float64)}`` for :class:`~dora_num.adapters.peft_io.DoRAModuleState` s."""
-    from tqdm.auto import tqdm
+    from tqdm.std import tqdm  # a text bar: no widget comm in a headless notebook run
 
     return {st.name: g_fp64(st.W, st.A, st.B, st.m, st.scale)
             for st in tqdm(states, desc="g per module", unit="module", disable=not progress, leave=False)}

@@ -300,7 +300,7 @@ def train(cfg: TrainConfig, *, corpus: list[dict] | None = None, base_path=None,
     torch.manual_seed(cfg.seed)  # dropout masks: same stream for both backends
     snapshot(0)
     batches = batch_order(len(train_pairs), cfg.batch_size, cfg.steps, cfg.seed)
-    from tqdm.auto import tqdm
+    from tqdm.std import tqdm  # a text bar: no widget comm in a headless notebook run
 
     model.train()
     bar = tqdm(batches, desc=f"{cfg.backend} r={cfg.rank} lr={cfg.lr:g}", disable=not cfg.progress, leave=False)

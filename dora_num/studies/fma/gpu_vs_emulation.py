@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pandas as pd
+from tqdm.std import tqdm
 
 from ...numerics.formats import round_to, ulp_distance
 from ...numerics.formulas import scale_constants
@@ -23,7 +24,7 @@ from ...repro.paths import committed_data
 from .. import inputs
 from .datasets import FMA
 from . import models as M
-from .sqrt import gpu_suite_assembly_inputs
+from .sqrt import PROGRESS, gpu_suite_assembly_inputs
 
 DTYPE_FMT = {"float32": "fp32", "bfloat16": "bf16"}
 ULP_COLS = ("0", "1", "2", "3", "4", ">4")
@@ -90,7 +91,7 @@ def _compose_values(rows: int, cols: int, fmt: str, choice: tuple[str, ...]):
 def predict_compose(rows: int = 2048, cols: int = 2048) -> pd.DataFrame:
     """Predicted agreement of the compose variants (contraction off, or on at either product)."""
     out = []
-    for dn, fmt in DTYPE_FMT.items():
+    for dn, fmt in tqdm(DTYPE_FMT.items(), desc="compose predictions: formats", **PROGRESS):
         ref = _compose_values(rows, cols, fmt, ("none",))
         for choice in M.placements("compose_stable"):
             v = _compose_values(rows, cols, fmt, choice)

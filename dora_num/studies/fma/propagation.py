@@ -15,13 +15,14 @@ from contextlib import contextmanager
 import numpy as np
 import pandas as pd
 import torch
+from tqdm.std import tqdm
 
 from ...adapters.model import embed, tokenize
 from ...numerics.formats import get_format, round_to, ulp_distance
 from ...numerics.formulas import scale_constants
 from ...ops.norm import magnitude_scale
 from . import models as M
-from .sqrt import layer_terms
+from .sqrt import PROGRESS, layer_terms
 
 G_VARIANTS = ("production", "fma_assembly", "approx_sqrt_worst", "fma_and_approx_worst")
 COMPOSE_VARIANTS = {"compose_fma": ("fma",), "compose_alt": ("alt",)}
@@ -98,7 +99,7 @@ def _compare(y: torch.Tensor, y0: torch.Tensor, fmt) -> dict:
 def propagation_table(layers: dict, acts: dict, act_scales=(1.0,)) -> pd.DataFrame:
     """Per layer x activation scale x variant: ``g`` changes (count, ulps) and output changes."""
     rows = []
-    for name, layer in layers.items():
+    for name, layer in tqdm(layers.items(), desc="propagation: layers", **PROGRESS):
         fmt = get_format(layer.base.weight.dtype)
         wn = wnorm_variants(layer)
         g0 = g_of(layer, wn["production"]).double().numpy()
@@ -154,7 +155,7 @@ def model_table(model, tok, layers: dict, texts: list[str]) -> pd.DataFrame:
     batch = tokenize(tok, texts)
     outs = {}
     with torch.no_grad():
-        for var in G_VARIANTS + tuple(COMPOSE_VARIANTS):
+        for var in tqdm(G_VARIANTS + tuple(COMPOSE_VARIANTS), desc="model: variants", **PROGRESS):
             with model_variant(model, layers, var):
                 h = model(**batch).last_hidden_state
                 outs[var] = (h, embed(model, batch))

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as Fn
+from tqdm.std import tqdm
 
 from ...adapters.corpus import load_corpus
 from ...adapters.model import tokenize
@@ -37,6 +38,9 @@ from .. import inputs
 from . import models as M
 
 SQRT_MODELS = ("rn", "faithful_other")
+# Progress of the long loops: a text bar on stderr (tqdm.std), never an ipywidgets bar, whose comm a
+# headless notebook run cannot answer; the rendered pages drop stderr.
+PROGRESS = {"leave": False, "mininterval": 2.0}
 Q_BINS = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, np.inf)  # bins of q = removed error / ulp(site result)
 
 
@@ -236,7 +240,7 @@ def assembly_study(sets: dict[str, AssemblyInputs]) -> dict[str, pd.DataFrame]:
     """
     summary, hist, explain = [], [], []
     name = "norm_assembly"
-    for set_name, inp in sets.items():
+    for set_name, inp in tqdm(sets.items(), desc="assembly: input sets", **PROGRESS):
         terms = inp.terms()
         exact = assembly_exact(inp.base_sq, inp.cross, inp.ba, inp.s).rounded
         recs0: list = []
@@ -277,7 +281,7 @@ def compose_study(sets: dict[str, ComposeInputs], out_fmts=("fp32", "bf16")) -> 
     in fp32 only; its exact value rounded once *is* the contracted result.
     """
     summary, hist, explain = [], [], []
-    for set_name, inp in sets.items():
+    for set_name, inp in tqdm(sets.items(), desc="compose: input sets", **PROGRESS):
         for fmt in out_fmts:
             base, lora = round_to(inp.base, fmt), round_to(inp.lora, fmt)  # storage values
             args = {"base": base, "lora": lora, "g": inp.g, "s": scale_constants(inp.s)[0]}

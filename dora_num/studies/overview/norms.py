@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from tqdm.std import tqdm  # a text bar: no widget comm in a headless run
 
 from ...numerics.bounds import dense_norm_bound, factored_norm_bound
 from ...ops.layer import DoRALinear
