@@ -1,29 +1,76 @@
-"""The README's results section is generated from the committed data, and says so."""
+"""The README's numbers are generated from the committed data, and say so: the five takeaways and the
+results by notebook are current, every notebook has a headline, every takeaway a number and a figure,
+and the hand-written prose holds no number of its own."""
+
+import re
 
 from dora_num.repro import results
 from dora_num.repro.paths import REPO_ROOT
+from dora_num.repro.runner import list_notebooks
+
+README = REPO_ROOT / "README.md"
 
 
-def test_readme_results_match_the_committed_data():
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert results.BEGIN in readme and results.END in readme
-    current = readme.split(results.BEGIN, 1)[1].split(results.END, 1)[0].strip("\n")
-    assert current == results.section(), "README results are stale: run `python -m dora_num.repro.results`"
+def _block(text: str, begin: str, end: str) -> str:
+    assert begin in text and end in text
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def test_readme_results_and_takeaways_match_the_committed_data():
+    readme = README.read_text()
+    assert _block(readme, results.BEGIN, results.END) == results.section(), \
+        "README results are stale: run `python -m dora_num.repro.results`"
+    assert _block(readme, results.TAKEAWAYS_BEGIN, results.TAKEAWAYS_END) == results.takeaways(), \
+        "README takeaways are stale: run `python -m dora_num.repro.results`"
+    assert readme.index(results.TAKEAWAYS_BEGIN) < readme.index("## Reproduce") < readme.index(results.BEGIN)
 
 
 def test_every_notebook_has_a_readable_headline():
     text = results.section()
     assert "unavailable" not in text, text
-    for stem in results.NOTEBOOKS:
-        assert stem in text
-        assert (REPO_ROOT / "notebooks" / f"{stem}.ipynb").is_file(), stem
+    for nb in list_notebooks():
+        assert nb.stem in results.NOTEBOOKS, f"{nb.stem} has no headline function in dora_num/repro/results.py"
+        assert f"**[{nb.stem}](notebooks/rendered/{nb.stem}.md)**" in text
+
+
+def test_a_notebook_without_a_headline_function_is_reported_not_papered_over(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "98_new.ipynb").write_text("{}")
+    assert "- unavailable: LookupError: this notebook has no headline function" in results.section(root=tmp_path)
+
+
+def test_five_takeaways_each_with_a_number_and_an_existing_figure():
+    text = results.takeaways()
+    assert "unavailable" not in text, text
+    items = re.findall(r"^(\d)\. (.*)$", text, flags=re.M)
+    assert [int(i) for i, _ in items] == [1, 2, 3, 4, 5]
+    for _, item in items:
+        assert re.search(r"\d", re.sub(r"\[notebook \d\d\]\([^)]*\)", "", item)), item
+    figures = re.findall(r'<img src="(figures/[^"]+)"', text)
+    assert len(figures) == 5 and all((REPO_ROOT / f).is_file() for f in figures), figures
 
 
 def test_readme_figures_exist():
-    import re
-
     for link in re.findall(r"\]\((figures/[^)]+)\)", results.section()):
         assert (REPO_ROOT / link).is_file(), link
+
+
+# Tokens with digits the hand-written prose may hold: names (formats, the GPU, the ISA, hashes), the
+# paper's identifier, the Python version, a notebook's number, and g's value at the collapse point.
+NAMES = re.compile(r"^(bf16|fp16|fp32|fp64|fp8|float64|bf16-rounded|H200|H200-trained|AVX2|x86-64|sha256|3\.11|"
+                   r"\d\d's|1|bf16/fp16|bf16/fp16/fp8|\[arXiv:2603\.22276\])$")
+
+
+def test_the_hand_written_prose_holds_no_number_of_its_own():
+    text = README.read_text()
+    for begin, end in ((results.TAKEAWAYS_BEGIN, results.TAKEAWAYS_END), (results.BEGIN, results.END)):
+        head, rest = text.split(begin, 1)
+        text = head + rest.split(end, 1)[1]
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands
+    text = re.sub(r"`[^`]*`", "", text)  # code: names, paths, options
+    text = re.sub(r"\]\([^)]*\)", "]", text)  # link targets
+    tokens = [t.strip(".,;:()*") for t in re.findall(r"[^\s|]*\d[^\s|]*", text)]
+    assert [t for t in tokens if not NAMES.match(t)] == []
 
 
 def test_splice_replaces_only_between_markers():
