@@ -49,6 +49,12 @@ def _nb00(d: Path) -> list[str]:
             f"norm); with m from a dense norm, on {_pct(t.g_init_mixed_norms_exactly_one.mean())}"]
 
 
+def _final(d: Path, fmt: str):
+    """Notebook 01: the collapse fractions of the standard runs at their final step, in ``fmt``."""
+    f = _csv(d, "01_cancellation_at_g1/trained_final_fractions.csv")
+    return f[(f.variant == "standard") & (f.format == fmt)]
+
+
 def _count(h: dict) -> tuple[int, int, int]:
     """``(within 1 ulp, elements, of them beyond lemma 1's condition)`` of a compose claim of headline.json."""
     n = h["stable_fp32_n_well_conditioned"] + h["stable_fp32_n_ill_conditioned"]
@@ -58,10 +64,9 @@ def _count(h: dict) -> tuple[int, int, int]:
 def _nb01(d: Path) -> list[str]:
     h = _json(d, "01_cancellation_at_g1/headline.json")
     sweep, tr, canc = h["g_sweep"], h["trained"], h["naive_cancellation"]
-    f = _csv(d, "01_cancellation_at_g1/trained_final_fractions.csv")
     o = _csv(d, "01_cancellation_at_g1/trained_outcome.csv")
-    std = f[f.variant == "standard"]
-    b, h16 = std[std.format == "bf16"], std[std.format == "fp16"]
+    b, h16 = _final(d, "bf16"), _final(d, "fp16")
+    std = b  # the runs' ranks and learning rates
     lo, hi = tr["steps_min_max"]
     ok, n, ill = _count(sweep)
     return [f"the stable compose with fp32 intermediates is within 1 ulp of the correctly rounded result on {ok:,} of "
@@ -90,23 +95,34 @@ def _paper_adapter(d: Path) -> str:
             f"{_pct(b.frac_symmetric_zone)} in bf16's zone")
 
 
-def _nb02(d: Path) -> list[str]:
+def _fma(d: Path) -> tuple[float, int, float]:
+    """Notebook 02: the largest fraction of real MiniLM row norms a contraction changes, by how many ulps at
+    most, and the largest 1 - cosine of the sentence embeddings of any variant against production."""
     s = _csv(d, "02_fma_and_sqrt/assembly_summary.csv")
     real = s[(s.set == "minilm") & (s.sqrt == "rn") & s.category.isna()]
     p = _csv(d, "02_fma_and_sqrt/propagation_model.csv")
-    worst = p[p.variant != "production"].one_minus_min_cosine_embedding.max()
-    return [f"an FMA-contracted norm assembly changes at most {_pct(1 - real.agree_vs_production.min())} of real "
-            f"MiniLM row norms, by at most {int(real.max_abs_ulp_vs_production.max())} ulp",
+    return (1 - real.agree_vs_production.min(), int(real.max_abs_ulp_vs_production.max()),
+            p[p.variant != "production"].one_minus_min_cosine_embedding.max())
+
+
+def _nb02(d: Path) -> list[str]:
+    changed, ulps, worst = _fma(d)
+    return [f"an FMA-contracted norm assembly changes at most {_pct(changed)} of real MiniLM row norms, by at most "
+            f"{ulps} ulp",
             f"at the sentence embeddings every variant (contraction, approximate sqrt) stays within "
             f"1 - cosine = {worst:.3g} of production"]
 
 
-def _nb03(d: Path) -> list[str]:
+def _bounds(d: Path) -> tuple[int, int, float]:
+    """Notebook 03: bound violations, certified comparisons, the largest adversarial measured/bound."""
     e = _csv(d, "03_ground_truth_and_bounds/error_vs_bound.csv")
-    t = _csv(d, "03_ground_truth_and_bounds/tightness.csv")
-    return [f"{int(e.violations.sum())} bound violations in {int(e.n.sum()):,} certified comparisons "
-            f"(compose and norm assembly, every format and arithmetic); adversarial tightness up to "
-            f"{t.tightness.max():.3g} (1 = the bound is attained)"]
+    return int(e.violations.sum()), int(e.n.sum()), _csv(d, "03_ground_truth_and_bounds/tightness.csv").tightness.max()
+
+
+def _nb03(d: Path) -> list[str]:
+    bad, n, tight = _bounds(d)
+    return [f"{bad} bound violations in {n:,} certified comparisons (compose and norm assembly, every format and "
+            f"arithmetic); adversarial tightness up to {tight:.3g} (1 = the bound is attained)"]
 
 
 def _nb04(d: Path) -> list[str]:
@@ -165,8 +181,7 @@ NOTEBOOKS: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...]]] = {
 # ----------------------------------------------------------------------------
 
 def _t_collapse(d: Path) -> str:
-    f = _csv(d, "01_cancellation_at_g1/trained_final_fractions.csv")
-    b = f[(f.variant == "standard") & (f.format == "bf16")]
+    b = _final(d, "bf16")
     runs = _json(d, "01_cancellation_at_g1/headline.json")["trained"]["runs"]
     return (f"**g = 1 is common, and bf16 cannot tell it from g.** On {runs} small models (MiniLM) trained with DoRA "
             f"until they stopped improving, the magnitude scale g rounds to exactly 1 in bf16 for "
@@ -187,23 +202,17 @@ def _t_compose(d: Path) -> str:
 
 
 def _t_fma(d: Path) -> str:
-    s = _csv(d, "02_fma_and_sqrt/assembly_summary.csv")
-    real = s[(s.set == "minilm") & (s.sqrt == "rn") & s.category.isna()]
-    p = _csv(d, "02_fma_and_sqrt/propagation_model.csv")
-    worst = p[p.variant != "production"].one_minus_min_cosine_embedding.max()
+    changed, ulps, worst = _fma(d)
     return (f"**FMA contraction and an approximate square root barely move anything.** Contracting the norm's "
-            f"additions into FMAs changes at most {_pct(1 - real.agree_vs_production.min())} of real row norms, by at "
-            f"most {int(real.max_abs_ulp_vs_production.max())} ulp; the model's sentence embeddings stay within "
-            f"1 - cosine = {worst:.2g} of the production kernel's.")
+            f"additions into FMAs changes at most {_pct(changed)} of real row norms, by at most {ulps} ulp; the "
+            f"model's sentence embeddings stay within 1 - cosine = {worst:.2g} of the production kernel's.")
 
 
 def _t_bounds(d: Path) -> str:
-    e = _csv(d, "03_ground_truth_and_bounds/error_vs_bound.csv")
-    t = _csv(d, "03_ground_truth_and_bounds/tightness.csv")
-    return (f"**The error bounds hold, and are tight.** {int(e.violations.sum())} violations in {int(e.n.sum()):,} "
-            f"comparisons against certified exact results (every format and arithmetic); on adversarial inputs the "
-            f"error attains them (measured / bound up to {t.tightness.max():.3g}). A reviewer can re-check them on "
-            f"their own weights (`dora-num bounds check`).")
+    bad, n, tight = _bounds(d)
+    return (f"**The error bounds hold, and are tight.** {bad} violations in {n:,} comparisons against certified exact "
+            f"results (every format and arithmetic); on adversarial inputs the error attains them (measured / bound "
+            f"up to {tight:.3g}). A reviewer can re-check them on their own weights (`dora-num bounds check`).")
 
 
 def _t_training(d: Path) -> str:
