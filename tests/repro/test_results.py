@@ -9,6 +9,7 @@ from dora_num.repro.paths import REPO_ROOT
 from dora_num.repro.runner import list_notebooks
 
 README = REPO_ROOT / "README.md"
+KIT_BEGIN, KIT_END = "<!-- kit-example:start -->", "<!-- kit-example:end -->"
 
 
 def _block(text: str, begin: str, end: str) -> str:
@@ -63,7 +64,10 @@ NAMES = re.compile(r"^(bf16|fp16|fp32|fp64|fp8|float64|bf16-rounded|H200|H200-tr
 
 def test_the_hand_written_prose_holds_no_number_of_its_own():
     text = README.read_text()
-    for begin, end in ((results.TAKEAWAYS_BEGIN, results.TAKEAWAYS_END), (results.BEGIN, results.END)):
+    # generated blocks: the takeaways and results (from data/, checked above) and the kit's output (re-run
+    # and compared by tests/test_check.py::test_readme_kit_example_is_current)
+    for begin, end in ((results.TAKEAWAYS_BEGIN, results.TAKEAWAYS_END), (results.BEGIN, results.END),
+                       (KIT_BEGIN, KIT_END)):
         head, rest = text.split(begin, 1)
         text = head + rest.split(end, 1)[1]
     text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands
