@@ -61,7 +61,7 @@ def test_the_package_docstring_names_every_public_name():
     assert [n for n in dora_num.__all__ if not re.search(rf"\b{n}\b", doc)] == []
 
 
-@pytest.mark.parametrize("name", ["memory", "suite", "exhaustive", "train-graphs", "overhead", "guard-cost"])
+@pytest.mark.parametrize("name", ["memory", "suite", "exhaustive", "train-graphs", "overhead", "guard-cost", "products"])
 def test_gpu_only_recorders_refuse_on_cpu_in_one_line(name, tmp_path):
     import torch
 

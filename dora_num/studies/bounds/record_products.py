@@ -225,8 +225,9 @@ def record(args) -> int:
     import pandas as pd
 
     from ...repro.provenance import save_dataframe, write_artifact
-    if not torch.cuda.is_available():
-        raise SystemExit("dora-num record products: needs a CUDA GPU (the H200); nothing was recorded")
+    from ..cli import require_cuda
+
+    require_cuda("products", "it measures the GPU's own GEMMs and accumulators")
     only = set(args.only or PARTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
