@@ -14,6 +14,8 @@ runs it on every figure it saves and records the result in the sidecar (``layout
 
 from __future__ import annotations
 
+import numpy as np
+
 # Two labels that touch (one pixel of antialiasing at 100 dpi) are still readable.
 TOLERANCE_PX = 1.0
 
@@ -38,10 +40,14 @@ def _texts(fig) -> list[tuple[str, object]]:
             if not axis.get_visible():
                 continue
             add(f"{name} {which}label", axis.label)
-            lo, hi = sorted(axis.get_view_interval())
+            # in the axis's own scale (log, symlog): a tick out of view keeps a stale label box, and on a
+            # log axis spanning 1e16 a tolerance taken in data units would let every tick in
+            scale = axis.get_transform()
+            lo, hi = sorted(scale.transform(np.asarray(axis.get_view_interval(), dtype=float)))
             span = (hi - lo) or 1.0
             for tick in axis.get_major_ticks() + axis.get_minor_ticks():
-                if lo - 1e-9 * span <= tick.get_loc() <= hi + 1e-9 * span:
+                loc = scale.transform(np.asarray([tick.get_loc()], dtype=float))[0]
+                if lo - 1e-9 * span <= loc <= hi + 1e-9 * span:
                     for label in (tick.label1, tick.label2):
                         if label.get_visible() and tick.get_visible():
                             add(f"{name} {which} tick", label)
