@@ -29,6 +29,14 @@ def set_theme() -> None:
                                 "pdf.fonttype": 42, "svg.hashsalt": "dora-num"})
 
 
+def legend_outside(ax, fontsize: float = 7) -> None:
+    """Move ``ax``'s legend (seaborn's, with its titles, or matplotlib's) right of the panel,
+    its upper left corner at the axes' upper right: clear of the data and the tick labels."""
+    import seaborn as sns
+
+    sns.move_legend(ax, "upper left", bbox_to_anchor=(1.01, 1.0), fontsize=fontsize, title_fontsize=fontsize)
+
+
 class SavedFigure(list):
     """The paths written by :func:`save_figure`: a list, shown in a notebook as nothing
     (the figure itself is the output; the staging path it was written to is not)."""

@@ -10,6 +10,11 @@ import pandas as pd
 import seaborn as sns
 
 
+# g - 1 ticks of the exhaustive panels (symlog, linthresh 2^-24): every third decade; at every second
+# the labels -10^-2 and -10^-4 of a 4.2-inch panel overlapped (the layout check, dora_num/repro/layout.py)
+EXHAUSTIVE_G_TICKS = [-1e-2, -1e-5, 0, 1e-5, 1e-2]
+
+
 def error_vs_bound(samples: pd.DataFrame):
     """Per-element measured relative error against the relative a-priori bound, per formula."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -32,8 +37,8 @@ def max_ulps(summary: pd.DataFrame):
            .groupby(["formula", "format", "arith"], as_index=False)["max_ulps"].max())
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), sharey=True)
     for ax, (formula, d) in zip(axes, ulp.groupby("formula")):
-        d.pivot(index="format", columns="arith", values="max_ulps").plot.bar(ax=ax, logy=True, rot=0,
-                                                                            legend=ax is axes[-1])
+        d.pivot(index="format", columns="arith", values="max_ulps").plot.bar(ax=ax, logy=True, legend=ax is axes[-1])
+        ax.tick_params(axis="x", rotation=90)  # fp8_e4m3fn and fp8_e5m2 side by side overlap horizontally
         ax.set(title=formula, ylabel="max error (ULPs of the output format)")
     axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
@@ -75,7 +80,7 @@ def exhaustive_tightness(ex: pd.DataFrame):
                     label=f"{formula.removeprefix('compose_')}, {arith}")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xscale("symlog", linthresh=2.0**-24)
-        ax.set_xticks([-1e-2, -1e-4, -1e-6, 0, 1e-6, 1e-4, 1e-2])  # every second decade: readable labels
+        ax.set_xticks(EXHAUSTIVE_G_TICKS)
         ax.set(title=f"{f}: every (base, lora) pair", xlabel="g - 1", ylabel="max error / bound (over s too)",
                ylim=(0, 1.05))
     axes[0][-1].legend(fontsize=7)

@@ -9,12 +9,14 @@ benchmark (:mod:`.analysis`)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter
 import numpy as np
 import pandas as pd
 import seaborn as sns
 
 from ...adapters.collapse import POOLED
 from ...numerics.formats import get_format
+from ..bounds.plots import EXHAUSTIVE_G_TICKS
 from .runs import CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES
 from .trained import PAPER_ADAPTER
 
@@ -142,6 +144,7 @@ def trained_g_std_vs_lr_steps(collapse: pd.DataFrame):
     sns.scatterplot(data=fs, x="lr_steps", y="g_std", hue="rank", style="variant", palette="viridis", s=60, ax=ax)
     ax.axhline(PAPER_ADAPTER["g_std"], color="k", lw=0.8, ls=":", label="paper: Qwen2-VL-7B r=128")
     ax.set(xscale="log", yscale="log", xlabel="lr x steps", ylabel="std of g at the final step")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # on 1.5 decades matplotlib labels 3e-1 and 4e-1, which overlap
     ax.legend(fontsize=7)
     return fig
 
@@ -244,7 +247,7 @@ def paper_benchmark(bench: pd.DataFrame, shape):
         axes[0].plot(x, bench[col], marker="o", label=lab)
     axes[0].set(xticks=x, xticklabels=[f"{g:g}" for g in bench["g"]], yscale="log", xlabel="g", ylabel="max |error|",
                 title=f"paper metric, bf16 {shape[0]}x{shape[1]}")
-    axes[0].tick_params(axis="x", rotation=45)
+    axes[0].tick_params(axis="x", rotation=90)  # 0.999 and 0.9999 side by side overlapped at 45 degrees
     axes[0].legend(fontsize=7)
     for col, lab in (("naive_ulp_mean", "naive (bf16 ops)"), ("stable_ulp_mean", "stable (bf16 ops)"),
                      ("naive_fp32_ulp_mean", "naive (fp32, g fp32)"), ("stable_fp32_ulp_mean", "stable (fp32, g fp32)")):
@@ -252,7 +255,7 @@ def paper_benchmark(bench: pd.DataFrame, shape):
     axes[1].set_yscale("symlog", linthresh=1e-3)
     axes[1].set(xticks=x, xticklabels=[f"{g:g}" for g in bench["g"]], ylim=(0, None), xlabel="g",
                 ylabel="mean |error| (bf16 ulps)", title="vs correctly rounded (sees (g-1)*base)")
-    axes[1].tick_params(axis="x", rotation=45)
+    axes[1].tick_params(axis="x", rotation=90)
     axes[1].legend(fontsize=7)
     return fig
 
@@ -272,7 +275,7 @@ def exhaustive_correctly_rounded(ex: pd.DataFrame, s_label: str = "1"):
         fm = get_format(f)
         ax.axvspan(-fm.eps / 4, fm.eps / 2, color="grey", alpha=0.2)
         ax.set_xscale("symlog", linthresh=2.0**-24)
-        ax.set_xticks([-1e-2, -1e-4, -1e-6, 0, 1e-6, 1e-4, 1e-2])  # every second decade: readable labels
+        ax.set_xticks(EXHAUSTIVE_G_TICKS)
         ax.set(title=f"{f}, every pair, s = {s_label}", xlabel="g - 1", ylabel="fraction correctly rounded")
     axes[0][-1].legend(fontsize=7)
     return fig

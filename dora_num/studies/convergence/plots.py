@@ -8,6 +8,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
+from ...repro.plotting import legend_outside
 from .equivalence import Margin
 
 
@@ -20,6 +21,7 @@ def loss_curves(loss: pd.DataFrame, smooth: int):
     fig, ax = plt.subplots(figsize=(8, 4))
     sns.lineplot(data=s, x="step", y="loss (rolling mean)", hue="run", style="path", ax=ax)
     ax.set_yscale("log")
+    legend_outside(ax)
     return fig
 
 
@@ -44,4 +46,5 @@ def g_stats(g_stats: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(8, 3.5))
     sns.lineplot(data=g, x="step", y="value", hue="run", style="statistic", ax=ax)
     ax.set_ylabel("g - 1 over all modules")
+    legend_outside(ax)
     return fig

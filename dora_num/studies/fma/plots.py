@@ -72,6 +72,7 @@ def compose_ulp_hist(hist: pd.DataFrame, sets: list[str], fmts=("fp32", "bf16"))
             ax.set_yscale("log"); ax.set_title(f"{name}, {fmt} output", fontsize=9)  # noqa: E702
             ax.set_xlabel("ULP difference from production" if i == len(fmts) - 1 else "")
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    fig.subplots_adjust(hspace=0.45)  # the upper row's tick labels clear of the lower row's titles
     fig.suptitle("Compose: contraction placements vs production")
     return fig
 
@@ -104,7 +105,7 @@ def propagation_layers(propagation: pd.DataFrame):
                 errorbar=("pi", 100))
     ax.set_ylabel("fraction of layer outputs changed\n(mean over layers and scales; bars: min-max)")
     ax.set_xlabel("")
-    ax.tick_params(axis="x", rotation=20)
+    ax.tick_params(axis="x", rotation=90)  # at 20 degrees the long variant names overlapped
     ax.set_title("DoRALinear outputs vs production, MiniLM layers")
     return fig
 
