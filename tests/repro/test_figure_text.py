@@ -87,7 +87,7 @@ def _assembly():
 def _explore():
     from dora_num.studies import explore as X
 
-    return X.arithmetics_figure(pd.read_csv(DATA / "07_explore/arithmetics.csv"))
+    return X.arithmetics_figure(pd.read_csv(DATA / "07_explore/arithmetics.csv.gz"))
 
 
 @pytest.mark.parametrize("make", [_gm1, _rho, _assembly, _explore], ids=["01_gm1", "01_rho", "02_assembly", "07_sweeps"])
