@@ -61,12 +61,12 @@ TOOLS = ("carry",)  # recorders of no data set: what a GPU run needs carried alo
 PENDING = ()  # recorders whose data set is declared once a GPU run has recorded it
 
 
-def require_cuda(name: str, why: str | None = None) -> None:
+def require_cuda(name: str, available: bool, why: str | None = None) -> None:
     """The one way a GPU-only recorder refuses on a machine without CUDA: a one-line message on
-    stderr and exit status 1 (``SystemExit`` with the message), no traceback."""
-    import torch
-
-    if not torch.cuda.is_available():
+    stderr and exit status 1 (``SystemExit`` with the message), no traceback.  ``available`` is the
+    recorder's own ``torch.cuda.is_available()``: producers ask the device, this module (which
+    every reader imports) does not (tests/studies/test_layout.py)."""
+    if not available:
         raise SystemExit(f"dora-num record {name} needs a CUDA GPU{f' ({why})' if why else ''}; this machine has none")
 
 

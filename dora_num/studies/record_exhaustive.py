@@ -49,7 +49,7 @@ def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 
     """Run ``sections`` into ``out``; returns the ``device.json`` description."""
     from .cli import require_cuda
 
-    require_cuda("exhaustive")
+    require_cuda("exhaustive", torch.cuda.is_available())
     import triton
 
     out = Path(out)

@@ -34,7 +34,7 @@ SEED = inputs.SUITE_SEED
 def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_sha: str | None = None) -> None:
     from .cli import require_cuda
 
-    require_cuda("suite")
+    require_cuda("suite", torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -227,7 +227,7 @@ def record(args) -> int:
     from ...repro.provenance import save_dataframe, write_artifact
     from ..cli import require_cuda
 
-    require_cuda("products", "it measures the GPU's own GEMMs and accumulators")
+    require_cuda("products", torch.cuda.is_available(), "it measures the GPU's own GEMMs and accumulators")
     only = set(args.only or PARTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -181,7 +181,7 @@ def gpu_configs(smoke: bool = False) -> list[MemoryConfig]:
 
 
 def run_measure(out: Path, *, base_path=None, smoke: bool = False, git_sha: str | None = None) -> Path:
-    require_cuda("memory", "it records torch.cuda.max_memory_allocated")
+    require_cuda("memory", torch.cuda.is_available(), "it records torch.cuda.max_memory_allocated")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for cfg in gpu_configs(smoke):

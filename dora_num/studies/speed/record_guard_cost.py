@@ -94,10 +94,9 @@ def run(out: Path, *, smoke: bool = False, git_sha: str | None = None) -> Path:
 
     from ...repro.provenance import device_info, versions
     from ..bench import time_ms
-
     from ..cli import require_cuda
 
-    require_cuda("guard-cost")
+    require_cuda("guard-cost", torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for d_out, d_in, r, ab in (SMOKE if smoke else FULL):

@@ -130,7 +130,7 @@ def ingest_args(a) -> list[Path]:
 def record(a) -> int:
     from ..cli import require_cuda
 
-    require_cuda("overhead")
+    require_cuda("overhead", torch.cuda.is_available())
     lines = []
 
     def emit(line: str) -> None:

@@ -124,7 +124,7 @@ def ingest_args(a) -> list[Path]:
 
 
 def record(a) -> int:
-    require_cuda("train-graphs")
+    require_cuda("train-graphs", torch.cuda.is_available())
     a.out.mkdir(parents=True, exist_ok=True)
     shapes, repeats = (((1024, 1024),), 1) if a.smoke else (SHAPES, a.repeats)
     pd.DataFrame(measure(shapes, repeats=repeats)).to_csv(a.out / "train_graphs.csv", index=False)
