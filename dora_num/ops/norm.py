@@ -269,29 +269,35 @@ def factored_row_norm(
     cfg = get_config()
     if not torch.compiler.is_compiling():
         finite.poll()
-    wnorm = _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check and not return_flag, cfg, mode)
+    wnorm = _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check and not return_flag, cfg, mode,
+                               given_base_sq=True)
     return (wnorm, finite.any_not_finite(wnorm)) if return_flag else wnorm
 
 
 def _check_base_sq(base_sq, d_out: int, device) -> None:
-    """A given cached ``rowsum(W*W)``: its metadata, and its values, read once (a NaN or a negative
-    entry is no sum of squares, and a negative one would turn into a zero norm unnoticed; ``+inf`` is
-    a row whose squares overflowed fp32, formed again in float64)."""
     check_tensor("base_sq", base_sq, ndim=1, dtypes=(torch.float32,))
     if base_sq.shape[0] != d_out or base_sq.device != device:
         raise ValueError(
             f"base_sq must be float32 [d_out] = [{d_out}] on {device}, "
             f"got shape {tuple(base_sq.shape)} on {base_sq.device}"
         )
+
+
+def _check_given_base_sq_values(base_sq, W) -> None:
+    """A caller's cached ``rowsum(W*W)``, read once (a device read; the layer's own cache, computed
+    here, is not): a NaN or a negative entry is no sum of squares, and a negative one would turn into
+    a zero norm unnoticed (``+inf`` is a row whose squares overflowed fp32, formed again in float64).
+    A non-finite W is named first: its squares are what made the cache so."""
     bad = ~(base_sq >= 0)
     if bool(bad.any()):
+        check_finite("W", W)
         rows = torch.nonzero(bad).flatten()
         raise ValueError(f"base_sq has {rows.numel()} entries that are NaN or negative (rows {rows[:8].tolist()}): "
                          "not a sum of squares, a corrupt cache (recompute it with base_row_norm_sq(W))")
 
 
 def _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check: bool, cfg: OpConfig,
-                       on_cancellation: str = "recompute", zero_rows=None) -> torch.Tensor:
+                       on_cancellation: str = "recompute", zero_rows=None, given_base_sq: bool = False) -> torch.Tensor:
     """:func:`factored_row_norm` under the configuration ``cfg`` (``zero_rows``: the optional
     cached mask of the exactly zero rows of W, :func:`cached_zero_rows`); the checks and the
     guard's reports as :func:`_watch_core` (none while tracing: the custom ops run this at run
@@ -301,6 +307,8 @@ def _factored_row_norm(W, A, B, scale, chunk_bytes, base_sq, check: bool, cfg: O
     cols = chunk_columns(d_out, d_in, chunk_bytes)
     if base_sq is not None:
         _check_base_sq(base_sq, d_out, W.device)
+        if given_base_sq:  # a caller's cache (the public norm's base_sq=): its values read once
+            _check_given_base_sq_values(base_sq, W)
     consts = scale_constants(s_raw)
     guard = on_cancellation != "off"
     with torch.no_grad(), _autocast_off(W.device.type):
