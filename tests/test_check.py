@@ -243,7 +243,7 @@ def test_exit_codes_without_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(dn, "dense_row_norm", lambda *a, **k: real(*a, **k) * (1 + 2.0**-10))
     assert main(["bounds", "check", str(f)]) == 1
     assert "VERDICT: FAIL - " in capsys.readouterr().out
-    monkeypatch.setattr(dn, "dense_row_norm", real)
+    monkeypatch.undo()
     for bad in (tmp_path / "missing.safetensors", tmp_path):
         proc = subprocess.run([sys.executable, "-m", "dora_num", "bounds", "check", str(bad)], capture_output=True,
                               text=True, timeout=300)

@@ -66,7 +66,7 @@ def test_gpu_only_recorders_refuse_on_cpu_in_one_line(name, tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
+        pytest.skip("tests the refusal of a machine without CUDA; with a GPU the recorder would start measuring")
     proc = subprocess.run([sys.executable, "-m", "dora_num", "record", name, "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

@@ -1,80 +1,11 @@
 r"""The factored norm's cancellation guard: which rows to trust, and the accurate recompute of the others.
 
-The factored norm assembles ``Q = base + 2s cross + s^2 ba`` from fp32 terms; where the
-update cancels the row (``W ~ -sBA``) the assembly's condition ``kappa = (base + |2s cross| +
-s^2 ba) / Q`` is large and the computed norm loses ``log10(kappa)`` digits, down to returning 0
-for a nonzero row (``g = m / eps``, off by 1e7).  The guard evaluates, per row and from the
-tail's own fp32 terms, ``kappa`` and a *guaranteed* relative error bound ``rel`` of the computed
-norm (lemma 4' of docs/bounds.md: :func:`dora_num.numerics.norm_bounds.factored_norm_posterior`;
-in the Triton tail on CUDA, in the torch tail elsewhere: about 40 flops and two length-``r``
-reductions per row).  Rows with ``rel > CANCELLATION_REL`` are flagged; the flag joins the
-norm's finiteness flag, so deciding costs no device sync on the layer's fast path (the flag is
-read once, late, where the finiteness flag already was).
-
-Threshold: ``CANCELLATION_REL = 2^-6``.  An unflagged row's ``g = m / wnorm`` then has a
-guaranteed relative error ``<= (u + 2^-6)/(1 - 2^-6) < 1.6%`` (lemma 6): ``g`` is right in its
-leading digit with a margin of 30x, while the guarantee's floor on well-conditioned rows, which
-grows with ``d_in``, the rank and the size of the update (the worst case of sums of ``r`` terms:
-lemma 4'), stays below it with room.  Measured (the tensor-core product model, ``||sBA|| =
-rho ||W||`` per row, ``dora_num.oracles.perturbed_adapter``): at ``d_in = 4096`` the largest ``rel``
-is ``7.5e-4`` (``r = 384``, ``rho = 0.05``), ``1.8e-3`` (``rho = 0.1``), ``8.9e-3`` (``rho = 0.3``),
-``4.4e-2`` (``rho = 1``; ``8.0e-3`` at ``r = 64``); at ``d_in = 8192``, ``r = 384``, ``rho = 0.1``:
-``3.4e-3``; ``d_in = 28672``, ``r = 64``, ``rho = 0.05``: ``2.3e-3``; the real MiniLM adapter:
-``5.8e-5``.  So realistic adapters (``rho <= 0.1``) stay 4.6x or more below ``2^-6``; ``2^-8``
-would leave 1.2x at ``d_in = 8192``, ``r = 384``, ``rho = 0.1`` and ``2^-10`` would recompute every
-row there.  Cancellation drives ``rel`` up like ``gamma_d kappa / 2``, so a row is flagged from
-``kappa ~ 2^-5 / gamma_{d_in}`` (about 64 at ``d_in = 8192``), long before its actual error
-(about ``u kappa``) is visible.  Adapters with updates as large as ``W`` itself at ranks of
-hundreds (``rho ~ 1``) exceed the guarantee on every row: they are recomputed on every call
-(correct, but slow: :class:`~dora_num.ops.layer.DoRALinear` warns once when more than an eighth of
-its rows are).
-
-Flagged rows are recomputed accurately, where the tail ran:
-
-- in the Triton tail (CUDA, the default fast path; :mod:`dora_num.ops.kernels.norm_tail`), inside
-  the kernel itself: a program with a flagged row forms ``W_j + s B_j A`` in float64 from the
-  loads of ``W`` and ``A`` and writes its norm rounded once to fp32 in place of the factored
-  value (no extra launch, no host involvement, no sync; a program without one pays a uniform
-  branch).  What must be reported (rows still not certified; ``"warn"`` and ``"raise"``) is a
-  code in the kernel's device flag, read through :mod:`dora_num.ops.finite` like the
-  finiteness flag (deferred by default: at a later call of the operator or at
-  :func:`~dora_num.ops.finite.check_pending`; :class:`GuardReport` names the rows then, from the
-  per-row ``kappa`` and bounds the kernel left on the device);
-- in the torch tail (the CPU, and ``OpConfig.norm_tail="torch"`` on CUDA, the A/B baseline), on
-  the host: :func:`resolve` reads the decision (on CUDA a device sync, accepted on that path),
-  gathers the flagged rows of W and B and recomputes them by :func:`dense_rows_fp64` (memory
-  ``O(flagged rows x d_in)`` plus a float64 column chunk of ``A``); everything is immediate.
-
-Both compute ``x = W_j + s (B_j A)`` in float64 (products of fp32 or 16-bit numbers are exact
-there and no fp32 square underflows) and round its norm once to fp32.  This removes both the
-cancellation (``x`` is formed before squaring, as in the dense norm, but with 53-bit sums) and
-the underflow class (rows whose fp32 squares all underflow, where the fp32 dense norm is no
-better).  Its own error is bounded per row (lemma 5' of docs/bounds.md, which holds for any
-summation order: the kernel and the host agree within it); a row whose bound still exceeds
-``CANCELLATION_REL`` (a norm below fp32's normal range, or ``W + sBA`` cancelling to float64
-roundoff: the *unresolved* rows, :data:`FLAG_UNRESOLVED`) keeps that documented finite result
-and is reported by name (:class:`CancellationWarning`, or the error in ``"raise"``).  An
-exactly zero row (W and B rows zero: the terms cannot certify ``Q = 0``) resolves exactly; the
-operator passes a cached mask of W's zero rows so that such rows are not flagged at all.
-
-``on_cancellation`` (:func:`dora_num.ops.norm.factored_row_norm`, :class:`~dora_num.ops.layer.DoRALinear`):
-
-- ``"recompute"`` (default): recompute flagged rows silently; warn only for rows that stay
-  inaccurate.  Users want a right ``g``: cancellation is a property of their adapter state,
-  not an error, and the recompute costs nothing on the rows that do not need it (it never
-  fires on the real and realistic adapters measured);
-- ``"warn"``: recompute and warn (once per layer, naming the rows and their ``kappa``);
-- ``"raise"``: :class:`CancellationError` naming the rows, their ``kappa`` and ``rel``.  On the
-  Triton tail the values were recomputed already and the error is *deferred*, as non-finite
-  errors are (``OpConfig.finite_check``: raised at the next call of the operator or at
-  :func:`~dora_num.ops.finite.check_pending`, naming the call; ``"late"``/``"sync"`` raise in the
-  call); on the CPU and on the torch tail it is raised in the call, before anything is returned;
-- ``"off"``: no guard (the bare factored norm; studies and the guard's cost benchmark).
-
-Flag codes (the largest wins): :data:`FLAG_OK` 0, :data:`FLAG_CANCELLATION` 1 (rows flagged:
-recomputed, right now), :data:`FLAG_UNRESOLVED` 2, :data:`FLAG_NONFINITE` 3; the kernel's flag
-also counts the flagged rows (:func:`decode`), so the layer's warning about many recomputed rows
-needs no read of the device.
+Per row, from the tail's fp32 terms of ``Q = base + 2s cross + s^2 ba``: the assembly's condition
+``kappa = (base + |2s cross| + s^2 ba) / Q`` and a guaranteed relative error bound ``rel`` of the
+computed norm (lemma 4' of docs/bounds.md); rows with ``rel > CANCELLATION_REL = 2^-6`` are formed
+again in float64 from the rows of W and A (lemma 5').  The decision travels in the norm's finiteness
+flag (no device sync on the fast path).  The whole account (the flag's codes, the causes named, the
+modes, the cost): docs/operator.md, "The cancellation guard of the factored norm".
 """
 
 from __future__ import annotations

@@ -1,54 +1,11 @@
 """Row norms of ``W + s*B@A``: dense (PEFT-style) and factored (never forms BA).
 
-Math
-----
-``||W_j + s(BA)_j||^2 = base_j + 2s cross_j + s^2 ba_j`` with
-``base = rowsum(W*W)``, ``U = W A^T``, ``cross = rowsum(B*U)``,
-``G = A A^T``, ``ba = rowsum((B G) * B)``; assembled by
-:func:`dora_num.numerics.formulas.norm_assembly`.
-
-Where it loses accuracy: the assembly is a sum whose condition number is
-``kappa = (base + |2s cross| + s^2 ba) / wnorm^2``.  With fp32 terms each carrying
-relative error up to ``gamma_{d_in}`` (about ``log2(d_in) u`` in practice, for
-pairwise summation), ``wnorm^2`` carries about ``kappa`` times that, so the
-relative error of ``wnorm`` grows like ``u kappa``.  The dense norm rounds
-``W + s(BA)`` elementwise, with errors proportional to ``|W_i|`` rather than to the
-result, and degrades only like ``u sqrt(kappa)`` (derivations and measurements:
-:func:`dora_num.numerics.bounds.factored_norm_bound`, ``dense_norm_bound``,
-notebook 03).  The bare factored norm loses to the dense one only when ``kappa`` is
-large (the update cancelling the row), and beyond ``kappa ~ 1/u`` it can return 0 for a
-nonzero row.  Realistic adapters have ``||sBA|| << ||W||`` and ``kappa ≈ 1``.
-
-The cancellation guard (:mod:`dora_num.ops.guard`; lemma 4' of docs/bounds.md) makes the
-factored norm know its own condition: the tail evaluates, per row and from its own fp32 terms,
-``kappa`` and a guaranteed relative error bound ``rel`` (about 40 flops and two length-``r``
-reductions per row, in the Triton tail on CUDA and in the torch tail elsewhere).  Rows with
-``rel > 2^-6`` are recomputed in float64 from the gathered rows of W and B (lemma 5'), or
-reported (``on_cancellation``); the decision is a device flag read where the finiteness flag
-already is, so the layer's fast path does not sync.  Every returned row is then within
-``2^-6`` of the exact norm, or within its float64 bound, or named in a warning.  The zero
-rows of W (with zero B rows) are certified exact by a cached mask (:func:`cached_zero_rows`).
-
-``g`` (:mod:`dora_num.ops.magnitude`, re-exported here): ``m / wnorm``, ``m / eps`` only where
-``wnorm == 0``; DoRA's initial ``m`` is the forward's own denominator, so ``g == 1`` exactly at
-initialisation on every row (:func:`initial_magnitude`).
-
-Memory: ``base`` needs one fp32 chunk of W and its square,
-``2 * d_out * chunk * 4`` bytes, kept under ``chunk_bytes`` (by default a quarter of
-a dense fp32 ``[d_out, d_in]``, at most 256 MiB: :func:`resolve_chunk_bytes`).  With the cached
-``base_sq`` and 16-bit W on CUDA, ``U = W A^T`` is one tensor-core product with
-fp32 output (no fp32 copy of W).  On CUDA the tail (``cross``, ``ba``, the
-assembly) is one Triton launch (:mod:`dora_num.ops.kernels.norm_tail`, which keeps
-``B G`` and the fp32 copy of ``B`` in registers), so the extra memory is ``U``
-(``d_out*r*4``) plus ``G`` (``r*r*4``): 13.2 MB at 8192x8192, r=384, against 805 MB
-for the dense fp32 norm (H200, ``data/gpu/norm_bench.csv``).  Elsewhere (or with
-``OpConfig.norm_tail="torch"``, environment ``DORA_NUM_NORM_TAIL=torch``) the tail is
-torch operations over row blocks of ``B`` under ``ROW_CHUNK_BYTES``.
-
-Public pieces besides the norms: :func:`factored_terms` (the fp32 terms the torch tail
-assembles, for studies of the assembly), :func:`magnitude_scale_and_flag` (the layer's
-``g`` with a device flag instead of a sync),
-:func:`uses_tail_kernel`, :func:`cached_zero_rows`.
+``||W_j + s(BA)_j||^2 = base_j + 2s cross_j + s^2 ba_j`` with ``base = rowsum(W*W)``, ``U = W A^T``,
+``cross = rowsum(B*U)``, ``G = A A^T``, ``ba = rowsum((B G) * B)``, assembled by
+:func:`dora_num.numerics.formulas.norm_assembly`; within
+:func:`~dora_num.numerics.bounds.factored_norm_bound` (lemma 4 of docs/bounds.md), rows the
+cancellation guard flags formed in float64 (:mod:`dora_num.ops.guard`).  Where it loses accuracy,
+the products, the memory and the tails: docs/operator.md, "Row norms: dense and factored".
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def test_run_needs_a_gpu(tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
+        pytest.skip("tests the refusal of a machine without CUDA; with a GPU the run would start measuring")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         G.run(tmp_path / "out", smoke=True)
     with pytest.raises(SystemExit) as e:

@@ -1,64 +1,11 @@
-"""The tail of the factored row norm in one Triton launch: ``cross``, ``ba``, the
-assembly, the cancellation guard (per row: the assembly's condition ``kappa``, a
-guaranteed relative error bound ``rel``, and the float64 recompute of the rows it flags),
-and (for :class:`~dora_num.ops.layer.DoRALinear`) the denominator of ``g = m / den`` with one
-device flag for finiteness and the guard.
+"""The tail of the factored row norm in one Triton launch.
 
-Given the fp32 ``U = W A^T`` ``[d_out, r]``, ``G = A A^T`` ``[r, r]`` and
-``base_sq = rowsum(W*W)`` (:mod:`dora_num.ops.norm`), each program takes
-``BLOCK_M`` rows of ``B`` and computes, in fp32::
-
-    cross = rowsum(B * U)            # products rounded, then tl.sum's fixed tree
-    BG    = B @ G                    # tl.dot, input_precision="ieee" (fp32 FMA chain)
-    ba    = rowsum(BG * B)
-    wnorm = assembly(base_sq, cross, ba)   # norm_assembly.assemble, production variant
-    # GUARD (lemma 4', docs/bounds.md), from the same loads of B:
-    lora_abs = rowsum(|B| * nA) * k + r eta,  b_abs = rowsum(|B|) * k   # nA_k >= ||A_k|| from diag(G)
-    kappa, rel = posterior(base_sq, cross, ba, lora_abs, b_abs)        # ~40 flops per row
-    # RECOMPUTE (lemma 5'), a branch taken by a program only if one of its rows has rel > rel_max:
-    x = W_j + s (B_j A) in float64 (loads of W and A), wnorm_j = RN32(||x||), rel_out_j = its bound
-    # with m:
-    den   = wnorm, or eps where wnorm == 0   # eps guards zero rows only
-    flag[program] = 4 * (rows flagged by the guard) + the largest code of its rows:
-                    3 if !isfinite(wnorm) or !isfinite(m / den) (div_rn), 2 if a recomputed row
-                    still has rel_out > rel_max, 1 if a row was flagged (and recomputed), else 0
-
-The recompute needs no host: a program whose rows all pass (the fast path) pays one
-reduction of ``BLOCK_M`` flags and a uniform branch; one with a flagged row recomputes its
-flagged rows from ``W`` and ``A`` (``W`` bf16/fp16/fp32 and ``A`` fp32 or 16-bit are exact in
-float64; the products ``B_jk A_ki`` of at most 24-bit significands are exact there), a loop
-over ``d_in`` in blocks of ``BLOCK_D`` and over ``r``, ``O(BLOCK_M d_in r)`` float64
-multiply-adds, and writes the float64 norm rounded once to fp32 in place of the factored value.
-The mathematics and the bound are those of :func:`dora_num.ops.guard.dense_rows_fp64` (the host
-recompute of the torch tail), whose bound (lemma 5') holds for any summation order: the two
-agree within it, not bit for bit.  The flag is read by the host through
-:mod:`dora_num.ops.finite` (deferred by default): the values are right when the call returns,
-and what is to be reported (rows still not certified, ``on_cancellation="warn"``/``"raise"``) is
-reported when the flag is read (:class:`dora_num.ops.guard.GuardReport`).
-
-Why a kernel: the torch sequence it replaces (a cast of ``B``, two products, a
-GEMM, two reductions, two copies, the six operations of the assembly, then the
-clamp, the division and ``isfinite(g).all()``, and the guard's ~40 elementwise
-operations) is tens of launches of microseconds each; at 4096->4096, r=384 the
-layer's forward+backward was bound by that host work (notebook 05).  Here it is one
-launch, and ``BG`` and the fp32 copy of ``B`` never exist in memory (extra memory:
-``U`` and ``G``, plus 2 x ``d_out`` fp32 and the flag; with the guard 3 x ``d_out`` more).
-The guard's extra work per row is two length-``r`` reductions beside the ``r^2`` of ``BG``
-and ~40 flops, against the ``d_in r`` products of ``U`` per row: about ``2 / d_in`` of the
-norm's arithmetic (``2.4e-4`` at ``d_in = 8192``).
-
-Numerics.  ``cross`` and ``ba`` are sums in an order other than torch's; the
-bound of :func:`dora_num.numerics.bounds.factored_norm_bound` holds for any
-order (it charges ``gamma_{d+r}`` and ``gamma_{d+2r}``), and so does the guard's
-(``lora_abs`` and ``b_abs`` are raised for a length-``r`` sum in any order).  The assembly is the
-production variant (no contraction: ``enable_fp_fusion=False``; correctly
-rounded ``sqrt_rn``), so given the same ``cross`` and ``ba`` it is bitwise equal
-to :func:`~dora_num.numerics.formulas.norm_assembly` in torch; the guard is the fp32 sequence
-of :func:`~dora_num.numerics.norm_bounds.posterior_from_terms` (``sqrt_rn``, ``div_rn``), bitwise
-equal given the same terms and magnitudes; the denominator is an exact selection and ``div_rn``
-is the correctly rounded division torch uses, so ``m / den`` in torch is bitwise the ``g`` the
-flag looked at.  In the recompute, float64 ``sqrt`` and ``/`` lower to ``sqrt.rn.f64`` and
-``div.rn.f64`` (PTX has no approximate float64 forms) and the final conversion rounds to nearest.
+From fp32 ``U = W A^T``, ``G = A A^T`` and ``base_sq = rowsum(W*W)``: ``cross = rowsum(B*U)``,
+``ba = rowsum((B G) * B)``, the assembly ``sqrt_rn(base + 2s cross + s^2 ba)`` without contraction,
+the cancellation guard (``kappa``, the bound ``rel`` of lemma 4', the float64 recompute of the rows
+it flags) and, for the layer, the denominator of ``g = m / den`` with one device flag.  Within
+:func:`~dora_num.numerics.bounds.factored_norm_bound` of the exact norm.  The kernel's arithmetic,
+its blocks and its flag in full: docs/operator.md, "The norm's tail kernel".
 """
 
 from __future__ import annotations
