@@ -1,10 +1,8 @@
 # Entry points (README): `make reproduce`, `make test`, `make lab`, `make lock`.
-# `make venv` builds .venv from the lock: every dependency at an exact version, every
-# file checked against its sha256 (requirements.lock, written by `make lock`).
-# torch is the CPU build 2.13.0+cpu (docs/platform.md), published on PyTorch's own index: where
-# pip does not already find it (a find-links folder or a mirror), set
-# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (an unpinned torch from PyPI would be
-# a multi-GB CUDA build, and a different binary).
+# `make venv` builds .venv from the lock with no dependency resolution (dora_num/repro/venv.py):
+# every file at an exact version, checked against its sha256, installed with --no-deps, then `pip check`;
+# a failed build is removed. torch is the CPU build 2.13.0+cpu: taken from wherever pip finds it, else from
+# PyTorch's CPU index (TORCH_INDEX=URL for a mirror). The lock is for Python 3.11 (PYTHON=python3.11).
 PYTHON  ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
@@ -25,11 +23,8 @@ ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
 venv: $(STAMP)
 
-$(STAMP): $(LOCK) pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --require-hashes -r $(LOCK)
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PY) -m ipykernel install --sys-prefix --name dora-num --display-name "Python (dora-num)" >/dev/null
+$(STAMP): $(LOCK) pyproject.toml dora_num/repro/venv.py
+	$(PYTHON) dora_num/repro/venv.py $(VENV)
 	touch $(STAMP)
 
 test: venv

@@ -39,6 +39,42 @@ def parse_lock(text: str) -> dict[str, dict]:
     return out
 
 
+def norm_name(name: str) -> str:
+    """A distribution name as the lock keys it (PEP 503: lower case, ``-`` for ``_`` and ``.``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def closure_problems(pins: dict[str, dict], requires: dict[str, list[str]], root: str = "dora-num",
+                     extras: frozenset = frozenset({"test"}), environment: dict | None = None) -> list[str]:
+    """What an install of ``pins`` with ``--no-deps`` would lack: starting from ``root[extras]``, each
+    requirement that applies (its marker, with every extra asked for along the way) must name a pinned
+    package whose pinned version is inside its range.  ``requires``: ``{name: [requirement strings]}``,
+    e.g. the installed metadata.  Empty when the lock is closed."""
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    env = default_environment() if environment is None else environment
+    todo, seen, problems = [(norm_name(root), frozenset(extras))], set(), []
+    while todo:
+        name, asked = todo.pop()
+        if (name, asked) in seen:
+            continue
+        seen.add((name, asked))
+        for text in requires.get(name, []):
+            req = Requirement(text)
+            if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e}) for e in asked | {""}):
+                continue
+            dep = norm_name(req.name)
+            if dep not in pins:
+                problems.append(f"{name} needs {req}: not in requirements.lock")
+            elif not req.specifier.contains(Version(pins[dep]["version"]), prereleases=True):
+                problems.append(f"{name} needs {req}: the lock has {dep}=={pins[dep]['version']}")
+            else:
+                todo.append((dep, frozenset(req.extras)))
+    return problems
+
+
 def environment_yml(pins: dict[str, dict]) -> str:
     lines = ["# Generated from requirements.lock by `make lock` (python -m dora_num.repro.lockfile); do not edit.",
              "# Conda users: `conda env create -f environment.yml`. The tested route is the Makefile's",
