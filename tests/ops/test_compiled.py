@@ -189,10 +189,17 @@ def test_recompile_on_configuration_change_only(small_layer):
 def test_compiled_fused_kernels_give_the_eager_bits(dtype, small_layer):
     """The fused compose and the Triton norm tail (its running flag raised by atomics) under the
     interpreter: the output and the adapter gradients (the kernels' outputs and the GEMMs of their
-    outputs) bitwise the eager layer's.  Around the ops the compiler may sum the two gradient terms
-    of ``x`` (through W and through A) with one rounding instead of two, so in 16 bits ``x.grad`` is
-    held to ``|dx_c - dx| <= 2 u (|dx_W| + |dx_A|)`` (fp32 accumulation of exact-ish GEMM outputs),
-    the two terms measured apart in eager (``forward(x_A, base_out=x_W W^T)``)."""
+    outputs) bitwise the eager layer's, on every CPU.
+
+    ``x.grad`` is not the kernels' output: Inductor folds its two terms (through A, then through W)
+    into one ``addmm(dx_A, gy, W)`` where eager runs ``mm`` then ``add``.  Whether the BLAS adds ``dx_A``
+    after the product (the eager bits: seen on an Intel Xeon) or accumulates onto it (92 of 384 fp32
+    elements differ: seen on an AMD EPYC) is the library's choice per CPU, so ``x.grad`` is held to the
+    bound both orders meet: each is within ``gamma_{K+1} (|dx_A| + |gy| |W|)`` of ``dx_A + gy W``
+    (K = d_out products and one addition), hence ``|dx_c - dx| <= 2 gamma_{K+1} (|dx_A| + |gy| |W|)``,
+    with ``dx_A`` and ``gy`` (the gradient at the base output) measured apart in eager
+    (``forward(x_A, base_out=x_W W^T)``).  In 16 bits each GEMM accumulates in fp32 and rounds once, so
+    ``|dx_c - dx| <= 2 u (|dx_W| + |dx_A|)`` plus the same fp32 term."""
     with override(compose_path="fused", norm_tail="triton"):
         layer = small_layer(64, 48, rank=8, dtype=dtype, adapter_dtype=dtype, m_noise=1e-3)
         x = torch.randn(6, 64, dtype=dtype, requires_grad=True)
@@ -203,14 +210,24 @@ def test_compiled_fused_kernels_give_the_eager_bits(dtype, small_layer):
             assert_bitwise(got[i], want[i])
         assert layer._flags.tolist() == [0, 0, 1]
         x_w, x_a = (x.detach().clone().requires_grad_(True) for _ in range(2))
-        y = layer(x_a, base_out=torch.nn.functional.linear(x_w, layer.base.weight))
+        base_out = torch.nn.functional.linear(x_w, layer.base.weight)
+        base_out.retain_grad()
+        y = layer(x_a, base_out=base_out)
         assert_bitwise(y, want[0])
         y.square().sum().backward()
-    u = torch.finfo(dtype).eps / 2  # unit roundoff
-    bound = 2 * u * (x_w.grad.double().abs() + x_a.grad.double().abs())
-    if dtype == torch.float32:
-        assert_bitwise(got[1], want[1])
-    assert bool(((got[1].double() - want[1].double()).abs() <= bound).all())
+    W = layer.base.weight.detach().double()
+    K = W.shape[0]
+    gamma = lambda n, u: n * u / (1 - n * u)  # noqa: E731  (Higham's gamma_n)
+    fp32_gemm = 2 * gamma(K + 1, 2.0**-24) * (x_a.grad.double().abs() + base_out.grad.double().abs() @ W.abs())
+    bound = fp32_gemm
+    if dtype != torch.float32:
+        u = torch.finfo(dtype).eps / 2  # unit roundoff of the 16-bit output
+        bound = bound + 2 * u * (x_w.grad.double().abs() + x_a.grad.double().abs())
+    diff = (got[1].double() - want[1].double()).abs()
+    bad = (diff > bound).nonzero().tolist()
+    assert not bad, (f"x.grad outside the bound at {len(bad)} of {diff.numel()} elements, first (row, col) {bad[:5]}: "
+                     f"compiled {[float(got[1][i, j]) for i, j in bad[:5]]}, eager {[float(want[1][i, j]) for i, j in bad[:5]]}, "
+                     f"bound {[float(bound[i, j]) for i, j in bad[:5]]}")
 
 
 def _traced_graphs(fn, *args):
