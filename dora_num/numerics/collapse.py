@@ -39,6 +39,18 @@ def exact_zone(fmt) -> tuple[float, float]:
     return 1.0 - fmt.spacing_below_one / 2, 1.0 + fmt.spacing_above_one / 2
 
 
+def zone_masks(g, fmt) -> dict[str, np.ndarray]:
+    """Per value of ``g`` (flattened), the four zone tests :func:`collapse_stats` counts, keyed by its
+    ``frac_*`` names: ``|g-1| < eps/2``, ``fl(g) == 1``, and each restricted to ``g < 1``."""
+    fmt = get_format(fmt)
+    a = _as_array(g, "g")
+    sym = np.abs(a - 1.0) < fmt.eps / 2  # a - 1 exact for g in [0.5, 2]; elsewhere far from the zone ends
+    one = round_to(a, fmt) == 1.0
+    below = a < 1.0
+    return {"frac_symmetric_zone": sym, "frac_rounds_to_one": one, "frac_below_one_symmetric": sym & below,
+            "frac_below_one_rounds_to_one": one & below}
+
+
 def collapse_stats(g, fmt) -> dict:
     """Collapse statistics of the values ``g`` (any shape) in ``fmt``.
 
@@ -52,18 +64,12 @@ def collapse_stats(g, fmt) -> dict:
     """
     fmt = get_format(fmt)
     a = _as_array(g, "g")
-    d = a - 1.0  # exact for g in [0.5, 2]; elsewhere the zone tests are far from the boundary
-    sym = np.abs(d) < fmt.eps / 2
-    one = round_to(a, fmt) == 1.0
-    below = a < 1.0
+    d = a - 1.0
     lo, hi = exact_zone(fmt)
     return {
         "format": fmt.name,
         "n": int(a.size),
-        "frac_symmetric_zone": float(sym.mean()),
-        "frac_rounds_to_one": float(one.mean()),
-        "frac_below_one_symmetric": float((sym & below).mean()),
-        "frac_below_one_rounds_to_one": float((one & below).mean()),
+        **{k: float(v.mean()) for k, v in zone_masks(a, fmt).items()},
         "threshold_symmetric": fmt.eps / 2,
         "zone_lo": lo,
         "zone_hi": hi,

@@ -25,7 +25,7 @@ from ...repro import recording
 from .datasets import TRAINED
 from .runs import (BF16_NORM_RMS_PREDICTED, COMMIT_MAX_RANK, CROSSCHECK_CRITERION, CROSSCHECK_FACTOR,
                    CROSSCHECK_FROM_STEP, MODULE_TYPES, ZONE_COLUMNS, Captures, activations_for, collapse_by_type,
-                   module_type, resolve_base)
+                   compact_gm1, expand_gm1, module_type, resolve_base)
 
 WINDOW = 50  # steps per row of history_windows.csv
 
@@ -213,33 +213,47 @@ def outcome_table(runs: dict[str, RawRun]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _final_gm1(runs: dict[str, RawRun]) -> tuple[list[str], np.ndarray]:
+    """The grid runs' names and their final ``m / wnorm64 - 1`` (float64 ``[n, rows]``)."""
+    names = sorted(n for n, r in runs.items() if r.info["role"] == "grid")
+    rows = []
+    for n in names:
+        c, i = runs[n].captures, runs[n].captures.row(runs[n].final_step)
+        rows.append(c.m[i].astype(np.float64) / c.wnorm64[i] - 1.0)
+    return names, np.stack(rows)
+
+
 def g_final_npz(runs: dict[str, RawRun]) -> bytes:
-    """``runs [n]``, ``steps [n]`` (each run's final capture), ``modules``, ``offsets``, ``gm1`` float32
-    ``[n, rows]`` = ``fl32(m / wnorm64 - 1)``; the grid runs only (the twins' final states are in
-    ``crosscheck.csv`` and ``collapse.csv.gz``)."""
+    """``runs [n]``, ``steps [n]`` (each run's final capture), ``modules``, ``offsets`` and
+    :func:`~.runs.compact_gm1` of ``m / wnorm64 - 1`` (``gm1`` float32 ``[n, rows]``, ``exact_idx``,
+    ``exact_gm1``); the grid runs only (the twins' final states are in ``crosscheck.csv`` and
+    ``collapse.csv.gz``)."""
     import io
 
-    names = sorted(n for n, r in runs.items() if r.info["role"] == "grid")
-    caps = [runs[n].captures for n in names]
-    gm1 = np.stack([c.m[c.row(runs[n].final_step)].astype(np.float64) / c.wnorm64[c.row(runs[n].final_step)] - 1.0
-                    for n, c in zip(names, caps)]).astype(np.float32)
+    names, gm1 = _final_gm1(runs)
     buf = io.BytesIO()
     np.savez_compressed(buf, runs=np.asarray(names), steps=np.asarray([runs[n].final_step for n in names]),
-                        modules=np.asarray(caps[0].modules), offsets=caps[0].offsets, gm1=gm1)
+                        modules=np.asarray(runs[names[0]].captures.modules),
+                        offsets=runs[names[0]].captures.offsets, **compact_gm1(gm1))
     return buf.getvalue()
 
 
 def compact_differences(runs: dict[str, RawRun], formats=FORMATS) -> list[dict]:
-    """Zone counts of ``g_final.npz``'s float32 ``g - 1`` that differ from those of the full-precision
-    ``m / wnorm64`` (per run, module, format; empty when the compact form loses nothing counted)."""
+    """Zone counts of ``g_final.npz``'s compact ``g - 1`` (as :func:`~.trained.load_trained` expands it)
+    that differ from those of the full-precision ``m / wnorm64`` (per run, module, format; empty when the
+    compact form loses nothing counted, which :func:`~.runs.compact_gm1` is built to ensure)."""
     bad = []
-    for name, r in sorted(runs.items()):
-        exact = r.captures.g_params(r.final_step)
-        compact = {n: 1.0 + (g - 1.0).astype(np.float32).astype(np.float64) for n, g in exact.items()}
+    names, gm1 = _final_gm1(runs)
+    expanded = expand_gm1(**compact_gm1(gm1))
+    for k, name in enumerate(names):
+        r = runs[name]
+        exact = r.captures.split(1.0 + gm1[k])
+        compact = r.captures.split(1.0 + expanded[k])
         a, b = collapse_table(exact, formats), collapse_table(compact, formats)
         for col in ZONE_COLUMNS:
             diff = a[col] != b[col]
-            bad += [{"run": name, "module": a.loc[i, "module"], "format": a.loc[i, "format"], "column": col}
+            bad += [{"run": name, "module": a.loc[i, "module"], "format": a.loc[i, "format"], "column": col,
+                     "exact": float(a.loc[i, col]), "compact": float(b.loc[i, col])}
                     for i in np.flatnonzero(diff.to_numpy())]
     return bad
 

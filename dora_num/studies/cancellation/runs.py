@@ -210,6 +210,34 @@ class Captures:
         return self.split((self.m[i] / self.wnorm[i]).astype(np.float64))
 
 
+def compact_gm1(gm1: np.ndarray, formats=FORMATS) -> dict[str, np.ndarray]:
+    """``g - 1`` (float64, exact for g in [0.5, 2]) stored compactly and losslessly for every zone count:
+    ``gm1`` in float32, and at the flat positions ``exact_idx`` where the float32 value would move g across
+    a zone end of one of ``formats`` (:func:`~dora_num.numerics.collapse.zone_masks`), ``exact_gm1`` in
+    float64.  :func:`expand_gm1` inverts it; which values move depends on the trained weights, so on
+    the machine that trained them, and is decided here rather than left to chance."""
+    from ...numerics.collapse import zone_masks
+
+    gm1 = np.asarray(gm1, dtype=np.float64)
+    c = gm1.astype(np.float32)
+    g, gc = 1.0 + gm1, 1.0 + c.astype(np.float64)
+    moved = np.zeros(gm1.size, dtype=bool)
+    for f in formats:
+        a, b = zone_masks(g, f), zone_masks(gc, f)
+        for k in a:
+            moved |= a[k] != b[k]
+    idx = np.flatnonzero(moved)
+    return {"gm1": c, "exact_idx": idx.astype(np.int64), "exact_gm1": gm1.ravel()[idx]}
+
+
+def expand_gm1(gm1: np.ndarray, exact_idx=None, exact_gm1=None) -> np.ndarray:
+    """float64 ``g - 1`` from :func:`compact_gm1`'s arrays (records without the exact part: float32 only)."""
+    out = np.asarray(gm1).astype(np.float64)
+    if exact_idx is not None and len(exact_idx):
+        out.ravel()[np.asarray(exact_idx)] = exact_gm1
+    return out
+
+
 def collapse_by_type(g_by_module: dict[str, np.ndarray], formats=FORMATS, activations: dict | None = None):
     """:func:`collapse_table` per MiniLM module type and pooled: statistics of the concatenated g;
     absorption as the activation-weighted mean of the per-module fractions (as the pooled row of

@@ -19,7 +19,7 @@ import pandas as pd
 
 from ...adapters.collapse import FORMATS, POOLED, collapse_table
 from .datasets import TRAINED
-from .runs import ZONE_COLUMNS, activations_for, collapse_by_type, resolve_base
+from .runs import ZONE_COLUMNS, activations_for, collapse_by_type, expand_gm1, resolve_base
 
 READ = ("manifest.json", "evals.csv", "history_windows.csv", "collapse.csv.gz", "g_final.npz")  # what load_trained reads
 
@@ -31,7 +31,7 @@ class Trained:
     windows: pd.DataFrame
     collapse: pd.DataFrame
     crosscheck: pd.DataFrame
-    g_final: dict[str, dict[str, np.ndarray]]  # run -> module -> g (float64, from float32 g - 1)
+    g_final: dict[str, dict[str, np.ndarray]]  # run -> module -> g (float64, from runs.compact_gm1)
     final_steps: dict[str, int]
     folder: Path
     outcome: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -50,8 +50,8 @@ def load_trained(folder=None) -> Trained:
     manifest = json.loads((folder / "manifest.json").read_text())
     with np.load(folder / "g_final.npz", allow_pickle=False) as z:
         off, mods = z["offsets"], [str(n) for n in z["modules"]]
-        g = {str(r): {n: 1.0 + z["gm1"][i, off[j]:off[j + 1]].astype(np.float64) for j, n in enumerate(mods)}
-             for i, r in enumerate(z["runs"])}
+        gm1 = expand_gm1(z["gm1"], *((z["exact_idx"], z["exact_gm1"]) if "exact_idx" in z.files else ()))
+        g = {str(r): {n: 1.0 + gm1[i, off[j]:off[j + 1]] for j, n in enumerate(mods)} for i, r in enumerate(z["runs"])}
         steps = {str(r): int(s) for r, s in zip(z["runs"], z["steps"])}
     cross = pd.read_csv(folder / "crosscheck.csv") if (folder / "crosscheck.csv").is_file() else pd.DataFrame()
     return Trained(manifest, pd.read_csv(folder / "evals.csv"), pd.read_csv(folder / "history_windows.csv"),
