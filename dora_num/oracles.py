@@ -328,9 +328,18 @@ def measure_cpu_allocations(fn) -> dict:
     (``kineto_results.experimental_event_tree``), the one place where each
     allocation's size and the running total are exposed.
     """
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
+    # Python's cyclic collector runs when its allocation counters say so, which in a notebook kernel
+    # depends on the kernel's own traffic: a tensor held in a reference cycle was freed before or
+    # inside the measured call from one run to the next (a 4-byte scalar moved the peak). Collected
+    # first, and off while measuring, the peak is the call's own.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     with _stderr_fd_silenced():  # kineto writes "USDT: ... profiler_start/stop" to fd 2 at each
         prof.start()
     try:
@@ -338,6 +347,8 @@ def measure_cpu_allocations(fn) -> dict:
     finally:
         with _stderr_fd_silenced():
             prof.stop()
+        if was_enabled:
+            gc.enable()
     allocs = []
     stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:

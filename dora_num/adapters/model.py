@@ -109,9 +109,11 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def embed(model: nn.Module, batch: dict) -> torch.Tensor:
-    """L2-normalised mean-pooled sentence embeddings (fp32)."""
+    """L2-normalised mean-pooled sentence embeddings: fp32, or float64 for a float64 model (a float64 run
+    keeps no fp32 rounding in its loss)."""
     out = model(**batch)
-    return Fn.normalize(mean_pool(out.last_hidden_state.float(), batch["attention_mask"]), dim=-1)
+    h = out.last_hidden_state
+    return Fn.normalize(mean_pool(h if h.dtype == torch.float64 else h.float(), batch["attention_mask"]), dim=-1)
 
 
 @torch.no_grad()

@@ -272,16 +272,27 @@ def capture_minilm(*, steps_before: int = 3, batch_size: int = 16, max_len: int 
                    lr: float = 1e-3, seed: int = 0, modules: int | None = None, base_path=None) -> dict:
     """Train MiniLM with DoRA (the harness's model, corpus, loss, AdamW) for ``steps_before``
     steps on CPU, then capture, on the next step, every DoRA module's ``(base, lora, D)``
-    (fp32 ``[T, d_out]``, ``T = batch x tokens x 2`` towers) and ``(s, m)``.
+    (float64 ``[T, d_out]``, ``T = batch x tokens x 2`` towers) and ``(s, m)``.
 
-    ``base = x W^T`` and ``lora = (x A^T) B^T`` are recomputed in fp32 from the captured
-    input ``x`` and the module's state at that step; ``D`` is the gradient of the loss
-    with respect to the module output (= with respect to ``delta``).
+    ``base = x W^T`` and ``lora = (x A^T) B^T`` are recomputed from the captured input ``x`` and
+    the module's state at that step; ``D`` is the gradient of the loss with respect to the module
+    output (= with respect to ``delta``).  The run is float64 throughout, on the harness's PEFT backend
+    (PEFT's DoRA layer evaluates its norm in the weights' dtype; this package's layer keeps g in fp32 by
+    its contract): an fp32 rounding inside the loop lets the last bits of the CPU's kernels steer the
+    trajectory (fp32 runs on an Intel Xeon and an AMD EPYC under the same pinned kernels differed in
+    every row of the table), while a float64 run's captures differ by ~1e-16 relative, which the one
+    rounding to each studied dtype (:func:`minilm_table`) hides except for a value that close to a
+    rounding boundary.
     """
+    from ...adapters.train import adapter_tensors, peft_dora_modules
+
     cfg = TrainConfig(rank=rank, lr=lr, steps=steps_before + 1, batch_size=batch_size, max_len=max_len, seed=seed,
-                      progress=False)
+                      progress=False, backend="peft")
     model, tok, names = build_model(cfg, base_path)
+    model.double()
     names = names[:modules] if modules else names
+    layers = peft_dora_modules(model)
+    torch.manual_seed(seed)  # dropout masks: the harness's training seeds the same stream
     pairs = [p for p in load_corpus() if p["split"] == "train"]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
@@ -302,7 +313,7 @@ def capture_minilm(*, steps_before: int = 3, batch_size: int = 16, max_len: int 
     for step, idx in enumerate(batch_order(len(pairs), batch_size, steps_before + 1, seed), start=1):
         if step == steps_before + 1:
             for n in names:
-                mod = model.get_submodule(n)
+                mod = layers[n]
                 hooks += [mod.register_forward_hook(fwd_hook(n)), mod.register_full_backward_hook(bwd_hook(n))]
         qb = tokenize(tok, [pairs[i]["summary"] for i in idx], max_len)
         db = tokenize(tok, [pairs[i]["signature"] for i in idx], max_len)
@@ -318,21 +329,20 @@ def capture_minilm(*, steps_before: int = 3, batch_size: int = 16, max_len: int 
     for h in hooks:
         h.remove()
     out = {}
+    state = adapter_tensors(model, cfg.backend, names)
     with torch.no_grad():
         for n in names:
-            mod = model.get_submodule(n)
-            xs = [x.reshape(-1, x.shape[-1]).float() for x in caps[n]["x"]]
-            Ds = list(reversed([d.reshape(-1, d.shape[-1]).float() for d in caps[n]["D"]]))  # backward order
+            W, A, B, m, scale = state[n]
+            xs = [x.reshape(-1, x.shape[-1]).double() for x in caps[n]["x"]]
+            Ds = list(reversed([d.reshape(-1, d.shape[-1]).double() for d in caps[n]["D"]]))  # backward order
             x, D = torch.cat(xs), torch.cat(Ds)
-            base = x @ mod.base.weight.float().T
-            lora = (x @ mod.lora_A.float().T) @ mod.lora_B.float().T
-            out[n] = {"base": base, "lora": lora, "D": D, "s": float(mod.scale),
-                      "m": mod.magnitude.detach().double().numpy()}
+            out[n] = {"base": x @ W.double().T, "lora": (x @ A.double().T) @ B.double().T, "D": D, "s": float(scale),
+                      "m": m.detach().double().numpy()}
     return out
 
 
 def minilm_table(captured: dict, dtypes=("bf16", "fp16", "fp32"), *, lr: float = 1e-3):
-    """:func:`dg_metrics` per captured module and dtype (activations rounded to the dtype;
+    """:func:`dg_metrics` per captured module and dtype (activations rounded once to the dtype;
     ``D`` first multiplied by the power of two that puts ``max |D|`` in ``[2^-10, 2^-9)``:
     an exact loss scale, as fp16 training applies, the same for every dtype)."""
     rows = []

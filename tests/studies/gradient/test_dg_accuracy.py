@@ -160,3 +160,26 @@ def test_metrics_row_and_sweep_smoke():
 def test_synthetic_inputs_reject_unknown_dtype():
     with pytest.raises(ValueError, match="dtype"):
         inputs.dg_operands(4, 2, "fp8", seed=0)
+
+
+@pytest.mark.slow
+def test_minilm_capture_does_not_follow_the_cpus_gemm_kernels():
+    """Notebook 06's MiniLM capture, run under two of MKL's code branches (``COMPATIBLE``, the pinned one,
+    and ``AUTO``, what an unpinned Intel or AMD host runs: different GEMM kernels, different last bits),
+    gives the same tensors once rounded to each studied dtype. The fp32 capture it replaces differed in
+    most elements (its loss and the layer's g were fp32, so the kernels' last bits steered training)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).with_name("_capture_probe.py")
+    runs = {}
+    for branch in ("COMPATIBLE", "AUTO"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+               "MKL_CBWR": branch}
+        out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, check=True, env=env)
+        runs[branch] = json.loads(out.stdout.strip().splitlines()[-1])
+    differ = sorted(k for k in runs["COMPATIBLE"] if runs["COMPATIBLE"][k] != runs["AUTO"][k])
+    assert len(runs["AUTO"]) == 9 and not differ, differ
