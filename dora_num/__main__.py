@@ -21,7 +21,7 @@ def _cmd_reproduce(args) -> int:
     dest = keep = None
     if args.check:
         dest = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dora-num-check-"))
-        keep = args.out is not None
+        keep = args.out is not None or args.keep
     elif args.out:
         dest = Path(args.out)
     try:
@@ -56,8 +56,8 @@ def _cmd_reproduce(args) -> int:
     for line in bad_sidecars:
         print(f"sidecar: {line}")
     failed = [o for o in outcomes if o.failed]
-    if keep:
-        print(f"regenerated tree kept in {dest}")
+    if keep or failed or bad_sidecars:  # a drift is looked at: its regenerated files stay
+        print(f"regenerated tree kept in {dest} (compare: diff -r {dest}/data data)")
     else:
         shutil.rmtree(dest, ignore_errors=True)
     if failed or bad_sidecars:
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="regenerate into a temporary folder and compare with the committed artifacts")
     r.add_argument("--out", metavar="DIR", help="write the artifacts under DIR instead of the repository "
                                                  "(with --check: keep the regenerated tree there)")
+    r.add_argument("--keep", action="store_true", help="with --check: keep the regenerated tree (kept anyway on a "
+                                                       "drift; its folder is printed)")
     r.add_argument("-v", "--verbose", action="store_true", help="with --check: list identical artifacts too")
     from .repro.runner import Limits
 

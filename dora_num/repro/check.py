@@ -77,6 +77,7 @@ class Outcome:
     max_abs: float | None = None
     max_rel: float | None = None
     note: str = ""
+    details: tuple[str, ...] = ()  # the differing values, "where: new vs committed" (the first DETAILS)
 
     @property
     def failed(self) -> bool:
@@ -119,8 +120,12 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _diff_values(pairs) -> tuple[float, float, list[str]]:
-    """Max |a-b| and max |a-b|/|b| over numeric pairs; non-numeric mismatches listed."""
+DETAILS = 10  # differing values listed per drifted artifact
+
+
+def _diff_values(pairs, differing: list[str] | None = None) -> tuple[float, float, list[str]]:
+    """Max |a-b| and max |a-b|/|b| over numeric pairs; non-numeric mismatches listed.  ``differing``
+    (optional) receives every differing pair as ``"key: new vs committed"``."""
     max_abs = max_rel = 0.0
     bad: list[str] = []
     for key, a, b in pairs:
@@ -128,6 +133,8 @@ def _diff_values(pairs) -> tuple[float, float, list[str]]:
             fa, fb = float(a), float(b)
             if math.isnan(fa) and math.isnan(fb) or fa == fb:
                 continue
+            if differing is not None:
+                differing.append(f"{key}: {a!r} vs {b!r}")
             if math.isnan(fa) or math.isnan(fb) or math.isinf(fa) or math.isinf(fb):
                 bad.append(f"{key}: {a!r} vs {b!r}")
                 continue
@@ -136,18 +143,21 @@ def _diff_values(pairs) -> tuple[float, float, list[str]]:
             max_rel = max(max_rel, d / abs(fb) if fb != 0 else math.inf)
         elif a != b:
             bad.append(f"{key}: {a!r} vs {b!r}")
+            if differing is not None:
+                differing.append(f"{key}: {a!r} vs {b!r}")
     return max_abs, max_rel, bad
 
 
-def numeric_diff(new: Path, old: Path) -> tuple[float, float, list[str]] | None:
+def numeric_diff(new: Path, old: Path, differing: list[str] | None = None) -> tuple[float, float, list[str]] | None:
     """``(max_abs, max_rel, structural mismatches)`` between two tables or JSON files;
-    ``None`` when the format holds no numbers to compare (figures, binaries)."""
+    ``None`` when the format holds no numbers to compare (figures, binaries).  ``differing``
+    (optional) receives each differing value, named by row and column (``col[row]``) or JSON key."""
     name = new.name
     if name.endswith(".json"):
         a, b = _flatten_json(json.loads(new.read_text())), _flatten_json(json.loads(old.read_text()))
         if a.keys() != b.keys():
             return 0.0, 0.0, [f"keys differ: {sorted(a.keys() ^ b.keys())[:5]}"]
-        return _diff_values((k, a[k], b[k]) for k in sorted(a))
+        return _diff_values(((k, a[k], b[k]) for k in sorted(a)), differing)
     try:
         ta, tb = _table(new), _table(old)
     except Exception as e:  # noqa: BLE001 - an unreadable table is a mismatch, reported as such
@@ -156,11 +166,9 @@ def numeric_diff(new: Path, old: Path) -> tuple[float, float, list[str]] | None:
         return None
     if list(ta.columns) != list(tb.columns) or ta.shape != tb.shape:
         return 0.0, 0.0, [f"shape/columns differ: {ta.shape} {list(ta.columns)[:6]} vs {tb.shape} {list(tb.columns)[:6]}"]
-    pairs = []
-    for col in ta.columns:
-        for i, (x, y) in enumerate(zip(ta[col].tolist(), tb[col].tolist())):
-            pairs.append((f"{col}[{i}]", x, y))
-    return _diff_values(pairs)
+    ca, cb = ({c: t[c].tolist() for c in t.columns} for t in (ta, tb))  # column lists keep each column's type
+    pairs = [(f"row {i} {col}", ca[col][i], cb[col][i]) for i in range(len(ta)) for col in ta.columns]
+    return _diff_values(pairs, differing)
 
 
 # ----------------------------------------------------------------------------
@@ -184,7 +192,8 @@ def compare_file(rel: str, new: Path, old: Path | None, rules: tuple[Rule, ...] 
         return Outcome(rel, "new", rule.kind, note="not committed")
     if _read_bytes(new) == _read_bytes(old):
         return Outcome(rel, "identical", rule.kind)
-    nd = numeric_diff(new, old)
+    differing: list[str] = []
+    nd = numeric_diff(new, old, differing)
     max_abs, max_rel, bad = nd if nd is not None else (None, None, [])
     note = "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
     if rule.kind == "timing":
@@ -196,7 +205,9 @@ def compare_file(rel: str, new: Path, old: Path | None, rules: tuple[Rule, ...] 
         note = "bytes differ"
     elif not bad and max_abs == 0.0:
         note = "same values, bytes differ (formatting)"
-    return Outcome(rel, "drift", rule.kind, max_abs, max_rel, note)
+    if differing:
+        note += f"{'; ' if note else ''}{len(differing)} value(s) differ"
+    return Outcome(rel, "drift", rule.kind, max_abs, max_rel, note, tuple(differing[:DETAILS]))
 
 
 def compare_trees(new_root: Path, old_root: Path, subdirs: list[str], rules: tuple[Rule, ...] = RULES,
@@ -242,7 +253,9 @@ def format_table(outcomes: list[Outcome], *, verbose: bool = False) -> str:
     body = [(o.status, o.path, _fmt(o.max_abs), _fmt(o.max_rel), o.note) for o in rows]
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head[:-1])]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head[:-1], widths)) + "  " + head[-1]] if body else []
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in body]
+    for o, r in zip(rows, body):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+        lines += [f"    {d}  (new vs committed)" for d in o.details]
     counts: dict[str, int] = {}
     for o in outcomes:
         counts[o.status] = counts.get(o.status, 0) + 1

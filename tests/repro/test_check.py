@@ -30,11 +30,20 @@ def test_identical_and_drift_with_sizes(tmp_path):
     assert o.max_abs == pytest.approx(1e-9, rel=1e-6) and o.max_rel == pytest.approx(5e-10, rel=1e-6)
 
 
+def test_a_drift_names_its_rows_columns_and_values(tmp_path):
+    old = _csv(tmp_path / "old/t.csv", pd.DataFrame({"a": [1.0, 2.0, 3.0], "n": [4, 5, 6]}))
+    new = _csv(tmp_path / "new/t.csv", pd.DataFrame({"a": [1.0, 2.5, 3.0], "n": [4, 5, 7]}))
+    o = chk.compare_file("data/x/t.csv", new, old)
+    assert o.details == ("row 1 a: 2.5 vs 2.0", "row 2 n: 7 vs 6"), o.details
+    table = chk.format_table([o])
+    assert "row 1 a: 2.5 vs 2.0  (new vs committed)" in table and "2 value(s) differ" in table
+
+
 def test_text_mismatch_is_named(tmp_path):
     old = _csv(tmp_path / "old.csv", pd.DataFrame({"a": [1.0], "b": ["u"]}))
     new = _csv(tmp_path / "new.csv", pd.DataFrame({"a": [1.0], "b": ["w"]}))
     o = chk.compare_file("data/x/t.csv", new, old)
-    assert o.status == "drift" and "b[0]" in o.note
+    assert o.status == "drift" and "row 0 b" in o.note
 
 
 def test_declared_numeric_tolerance_and_timing(tmp_path):
