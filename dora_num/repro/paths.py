@@ -120,7 +120,8 @@ class DataSet:
         if self.kind == "notebook":
             return f"run {self.recorder} ({self.where})"
         if self.kind == "script":
-            return f"on {self.where}: {self.recorder}, then ingest its output with repro.recording.ingest"
+            return (f"here ({self.where}): {self.recorder}" if not self.ingest else
+                    f"on {self.where}: {self.recorder}, then ingest its output with repro.recording.ingest")
         if not self.ingest:
             return f"here ({self.where}): dora-num record {self.recorder}"
         rest = self.recorder.split(maxsplit=1)[1:]

@@ -131,7 +131,8 @@ def _nb04(d: Path) -> list[str]:
     cfg = _json(d, "gpu/convergence/summary.json")["config"]
     return [f"fused vs eager training ({cfg['steps']} steps x {len(cfg['seeds'])} seeds): equivalent in "
             f"{int(v.equivalent.sum())} of {len(v)} tests, against a seed-to-seed noise floor of {m['floor']:.3g} "
-            f"(mean |delta loss|; margin {m['margin']:.3g})"]
+            f"(mean |delta loss| between runs of different seeds; the equivalence margin, the largest mean difference "
+            f"the test accepts, {m['margin']:.3g})"]
 
 
 def _nb05(d: Path) -> list[str]:
@@ -159,8 +160,8 @@ def _nb07(d: Path) -> list[str]:
             f"the final rounding hides most of it (naive {contract['naive_max_ulps']:.2g}, stable "
             f"{contract['stable_max_ulps']:.2g} ulps); with every op in bf16, g rounds to 1 and the stable form is the "
             f"worse ({eager['stable_max_ulps']:.4g} vs {eager['naive_max_ulps']:.4g} ulps), at "
-            f"{eager['stable_worse_in_zone_opposite_signs']} of {eager['points']} points, all inside the zone where "
-            f"(g-1)*base and s*lora have opposite signs"]
+            f"{eager['stable_worse_in_zone_opposite_signs']} of {eager['points']} points, all where g rounds to 1 and "
+            f"(g-1)*base, with the exact g-1, and s*lora have opposite signs"]
 
 
 # notebook stem -> (headline function, figures shown in the README)
@@ -183,8 +184,8 @@ NOTEBOOKS: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...]]] = {
 def _t_collapse(d: Path) -> str:
     b = _final(d, "bf16")
     runs = _json(d, "01_cancellation_at_g1/headline.json")["trained"]["runs"]
-    return (f"**g = 1 is common, and bf16 cannot tell it from g.** On {runs} small models (MiniLM) trained with DoRA "
-            f"until they stopped improving, the magnitude scale g rounds to exactly 1 in bf16 for "
+    return (f"**g = 1 is common, and bf16 cannot tell it from g.** In {runs} DoRA training runs of one small model "
+            f"(MiniLM, 22.7M parameters), each run until validation stopped improving, the magnitude scale g rounds to exactly 1 in bf16 for "
             f"{_pct(b.frac_rounds_to_one.min())} to {_pct(b.frac_rounds_to_one.max())} of its values: there the (g-1) "
             f"part of DoRA's update is invisible unless g is kept in fp32 ({_paper_adapter(d)}).")
 
@@ -194,8 +195,8 @@ def _t_compose(d: Path) -> str:
     ok, n, _ = _count(h["g_sweep"])
     at1 = _csv(d, "01_cancellation_at_g1/paper_benchmark_g1_paper_shape.csv").iloc[0]
     return (f"**The stable compose with fp32 intermediates is as exact as bf16 allows.** On real activations of a "
-            f"trained adapter it is within 1 ulp of the correctly rounded result on {ok:,} of {n:,} elements (a "
-            f"theorem where the sum does not cancel); the naive form's error grows with its own cancellation, not with "
+            f"trained adapter it is within 1 ulp of the correctly rounded result on {ok:,} of {n:,} elements (where "
+            f"the final sum does not cancel, a theorem guarantees this); the naive form's error grows with its own cancellation, not with "
             f"|g-1|. The paper's peak-error gain is reproduced ({at1.ratio_max_abs:.2f}x at g = 1 on its benchmark; "
             f"its numbers: [docs/paper.md](docs/paper.md)), "
             f"and the stable form's peak error there is the output's own bf16 rounding ({at1.stable_max_abs:.3g}).")
@@ -288,7 +289,10 @@ def splice(readme: str, body: str, begin: str = BEGIN, end: str = END) -> str:
 
 def generated(readme: str, data: Path = COMMITTED_DATA_DIR, root: Path = REPO_ROOT) -> str:
     """``readme`` with both generated blocks current."""
+    from . import durations
+
     readme = splice(readme, takeaways(data, root), TAKEAWAYS_BEGIN, TAKEAWAYS_END)
+    readme = splice(readme, durations.table(data), durations.BEGIN, durations.END)
     return splice(readme, section(data, root))
 
 

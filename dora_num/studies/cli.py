@@ -104,11 +104,28 @@ def run(name: str, argv: list[str] | None = None, *, prog: str | None = None) ->
     return int(mod.record(args) or 0)
 
 
-def list_datasets() -> str:
-    """``dora-num record --list``: every recorded data set (:func:`dora_num.studies.datasets.table`)."""
+def list_datasets(width: int = 100) -> str:
+    """``dora-num record --list``: every recorded data set (:func:`dora_num.studies.datasets.table`), two lines
+    each (what and when; where and how), within ``width`` columns, with a legend."""
+    import textwrap
+
     from .datasets import table
 
-    return table().to_string(index=False)
+    t = table()
+    head = f"{'data set':<20} {'files':>5}  {'read by':<10} {'recorded':<10}  {'machine':<16} commit"
+    lines = [head, "-" * len(head)]
+    for r in t.itertuples(index=False):
+        lines.append(f"{r.name:<20} {r.files:>5}  {r.notebooks:<10} {r.recorded:<10}  {r.machine:<16} {r.commit}")
+        how = f"data/{r.folder}  <-  " + (r.recorder if r.recorder.startswith(("python", "bash", "notebook"))
+                                          else f"dora-num record {r.recorder}")
+        lines += textwrap.wrap(how, width, initial_indent="    ", subsequent_indent="        ")
+    lines += ["", *textwrap.wrap(
+        "Legend. read by: the notebooks that read the data set (01 = notebooks/01_*.ipynb); (02): read when "
+        "present, the notebook runs without it; -: read by no notebook, kept as the record that docs/ cites. "
+        "Second line: the folder under data/ and the command that records it (GPU recorders run on the GPU "
+        "machine: docs/recording.md). commit, machine, recorded: the last recording's, from its provenance.",
+        width)]
+    return "\n".join(lines)
 
 
 _HELP = """A recorder measures what `make reproduce` cannot (GPU runs, long CPU training) into an

@@ -17,10 +17,13 @@ from .gradient import datasets as _gradient
 from .speed import datasets as _speed
 
 GPU_TESTS = DataSet("gpu-tests", ("gpu/pytest_gpu.log",), recorder="bash .ci/gpu/record.sh tests")
+# The README's commands timed on a fresh clone (read by the README, not by a notebook).
+DURATIONS = DataSet("durations", ("setup/durations.json",), recorder="python3 -m dora_num.repro.durations",
+                    where="the CPU, a fresh clone: about 35 min on 2 cores", ingest=False)
 
 DATASETS: dict[str, DataSet] = {d.name: d for d in (
     *_cancellation.DATASETS, *_fma.DATASETS, *_bounds.DATASETS, *_convergence.DATASETS, *_speed.DATASETS,
-    *_gradient.DATASETS, GPU_TESTS)}
+    *_gradient.DATASETS, GPU_TESTS, DURATIONS)}
 
 NOT_RECORDED = ("corpus",)  # data/ folders that are inputs, not recordings (corpus: dora_num.adapters.corpus)
 

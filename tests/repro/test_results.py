@@ -23,6 +23,11 @@ def test_readme_results_and_takeaways_match_the_committed_data():
         "README results are stale: run `python -m dora_num.repro.results`"
     assert _block(readme, results.TAKEAWAYS_BEGIN, results.TAKEAWAYS_END) == results.takeaways(), \
         "README takeaways are stale: run `python -m dora_num.repro.results`"
+    from dora_num.repro import durations
+
+    assert _block(readme, durations.BEGIN, durations.END) == durations.table(), \
+        "README durations are stale: run `python -m dora_num.repro.results`"
+    assert "not recorded" not in durations.table() and "failed" not in durations.table(), durations.table()
     assert readme.index(results.TAKEAWAYS_BEGIN) < readme.index("## Reproduce") < readme.index(results.BEGIN)
 
 
@@ -66,8 +71,10 @@ def test_the_hand_written_prose_holds_no_number_of_its_own():
     text = README.read_text()
     # generated blocks: the takeaways and results (from data/, checked above) and the kit's output (re-run
     # and compared by tests/test_check.py::test_readme_kit_example_is_current)
+    from dora_num.repro import durations
+
     for begin, end in ((results.TAKEAWAYS_BEGIN, results.TAKEAWAYS_END), (results.BEGIN, results.END),
-                       (KIT_BEGIN, KIT_END)):
+                       (KIT_BEGIN, KIT_END), (durations.BEGIN, durations.END)):
         head, rest = text.split(begin, 1)
         text = head + rest.split(end, 1)[1]
     text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands

@@ -48,7 +48,11 @@ def test_recorders_and_data_sets_name_each_other():
     assert not set(cli.PENDING) & subcommands  # a recorded data set is declared, no longer pending
     for d in datasets.DATASETS.values():
         assert d.recorder.split()[0] in d.how_to_record or d.kind == "notebook", d
-        if d.kind == "script":  # the device script exists, or existed at the commit it names
+        if d.kind == "script" and " -m dora_num." in d.recorder:  # a module of the package
+            import importlib.util
+
+            assert importlib.util.find_spec(d.recorder.split(" -m ")[1].split()[0]) is not None, d
+        elif d.kind == "script":  # the device script exists, or existed at the commit it names
             script = next(w for w in d.recorder.split() if w.startswith(".ci/"))
             at = d.recorder.split("at ")[-1].rstrip(")") if "(removed; at" in d.recorder else None
             if at is None:
@@ -76,6 +80,9 @@ def test_record_list_prints_every_data_set(capsys):
     out = capsys.readouterr().out
     assert all(name in out for name in datasets.DATASETS)
     assert "NVIDIA H200" in out and datasets.last_recorded(datasets.DATASETS["memory"])["commit"] in out
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, f"{len(wide)} lines wider than 100 columns, e.g. {wide[0]!r}"
+    assert "Legend." in out
 
 
 def _reads(nb_path) -> dict[str, bool]:
