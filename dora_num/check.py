@@ -2,23 +2,23 @@ r"""The reviewer's kit: every formula's measured error against the lemma that bo
 
 ``dn.check_bounds(W, A, B, m, x, scale=s)`` (torch tensors of any float dtype, or numpy arrays),
 ``dn.check_bounds(file="layer.safetensors")``, ``dn.check_bounds(file=ADAPTER_DIR, base=MODEL_DIR)``
-(a PEFT DoRA adapter folder, or its ``adapter_model.safetensors``; every module, or ``module=``), and
-from the shell ``dora-num bounds check PATH [--base MODEL] [--module NAME] [--format text|markdown|csv]``.
-Exit status 0 (every value within its bound), 1 (a bound violated), 2 (unusable input, named).
+(a PEFT DoRA adapter; every module, or ``module=``), and from the shell ``dora-num bounds check PATH
+[--base DIR] [--module NAME] [--device cuda] [--format text|markdown|csv] [--out FILE.csv]``.
+Exit status: 0 PASS, 1 a bound violated, 2 unusable input (one line), 3 INCOMPLETE (a check with no
+element within a finite bound: nothing checked, or every element unbounded), 4 internal error.
 
-Each row of the report is one check: the measured value of the package's public operator, the exact
-value (certified ground truth the operator did not produce, rounded once to float64), the bound of the
-named lemma of docs/bounds.md under the product model the operator used, and ``err/bound``, all of one
-element (the worst of the check).  Checks: the bare factored norm (lemma 4), the guarded factored norm
-(lemma 4' where the guard certified the row, 5' where it recomputed it), the dense norm (lemma 5), the
-magnitude division with the computed norm taken as exact (lemma 6) and ``g`` end to end (lemma 6 with
-the guarded norm's own guarantee), the stable and naive compose on ``x`` (lemmas 1 and 2).  Elements
-without a finite bound are listed with the reason.  Rules (printed in every report): a value violates
-its bound if ``|computed - exact| > bound (1 + 2^-50) + c 2^-52 |exact|`` (the float64 rounding of the
-reference, ``c = 1``, or 4 end to end); float64 W, A, B, m are rounded to fp32 once (what the operators
-compute with), the exact values are of the inputs as given, and every bound is charged that rounding
-(``||dx||`` per row from the two copies; lemma 6's ``|fl32(m) - m|``); float64 ``x`` is refused.
-Row norms are checked on ``max_rows`` rows per module (half the largest ``kappa``, half random, seeded).
+Each row of the report is one check: the measured value of the public operator, the exact value
+(certified ground truth rounded once to float64), the bound of the named lemma of docs/bounds.md
+under the product model the operator used, and ``err/bound`` of one element (the worst).  Checks:
+the bare factored norm (lemma 4), the guarded factored norm (4' or 5'), on CUDA the norm as the
+layer's tail runs it, the dense norm (lemma 5), the magnitude division (lemma 6, on every row) and
+``g`` end to end, the stable and naive compose on ``x`` (lemmas 1 and 2) in the arithmetic
+``DoRALinear`` runs for these dtypes.  A value violates its bound if it is not finite (or NaN)
+against a finite bound, or ``|computed - exact| > bound (1 + 2^-50) + c 2^-52 |exact|``; each check
+counts its elements within, without a finite bound (listed with the reason: overflow listed, never
+fatal) and not checked.  Row norms: every row where that takes seconds, else a sample keeping zero
+rows and the extremes of the norm, kappa and |g - 1|.  float64 W, A, B, m are rounded to fp32 once
+and every bound is charged that rounding; float64 ``x`` is refused.  Flush-to-zero is refused by name.
 """
 
 from __future__ import annotations

@@ -334,6 +334,34 @@ def test_cuda_kit_applies_the_operators_product_model():
     assert "split into 3 bf16 pieces" in rep.table.set_index("check").loc["factored row norm, bare", "model"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_device_checks_the_tail_the_layer_runs(tmp_path, dtype, capsys):
+    """A layer file checked with --device cuda: the operators run on the GPU (tensor-core or split products,
+    the Triton tail: the "as run" row), every check within its bound, and the compose rows carry the
+    GPU-formed base, lora and g, re-checked here in rationals (the exact value rounded once to float64)."""
+    from dora_num.__main__ import main
+
+    t = _layer(d_out=64, d_in=256)
+    t["W"], t["x"] = t["W"].to(dtype), t["x"].to(dtype)
+    f = tmp_path / "layer.safetensors"
+    save_file({k: v.contiguous() for k, v in t.items()}, str(f), metadata={"scale": "0.37"})
+    rep = check_bounds(file=f, device="cuda")
+    assert rep.exit_code == 0, rep.to_string()
+    assert any(h.startswith("device: cuda (") for h in rep.header)
+    tab = rep.table.set_index("check")
+    assert tab.loc["factored row norm, as run", "within"] == 64
+    assert "tensor" in tab.loc["factored row norm, bare", "model"].lower() or "split" in tab.loc[
+        "factored row norm, bare", "model"]
+    comp = rep.elements[rep.elements["check"] == "compose_stable"]
+    s = Fr(float(np.float32(0.37)))
+    for row in comp.itertuples():
+        X = (Fr(row.g) - 1) * Fr(row.base) + Fr(row.g) * (s * Fr(row.lora))
+        assert float(X) == row.exact and Fr(abs(row.computed - row.exact)) <= Fr(row.bound)
+    assert main(["bounds", "check", str(f), "--device", "cuda", "--out", str(tmp_path / "r.csv")]) == 0
+    assert "device: cuda" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_readme_kit_example_is_current(tmp_path):
     """The README's kit example on the committed trained adapter: the same checks, lemmas, counts, violations
