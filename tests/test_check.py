@@ -380,9 +380,10 @@ def test_readme_kit_example_is_current(tmp_path):
     one = check_bounds(file=adapter, base=base, module="encoder.layer.0.attention.self.query", top=1)
     assert f"**{one.verdict}**" in block
     rows = [ln.split(" | ") for ln in block.splitlines() if ln.startswith("| encoder.")]
-    table = [r for r in rows if len(r) == 13]
-    assert [(r[1], r[2], r[4], r[5], r[6]) for r in table] == [
-        (t.check, t.lemma, str(t.n), str(t.violations), str(t.no_bound)) for t in one.table.itertuples()]
+    table = [r for r in rows if len(r) == 17]
+    assert [(r[1], r[2], r[6], r[7], r[8], r[9], r[10]) for r in table] == [
+        (t.check, t.lemma, str(t.n), str(t.within), str(t.violations), str(t.no_bound), str(t.not_checked))
+        for t in one.table.itertuples()]
     every = check_bounds(file=adapter, base=base)
     assert re.search(r"<!-- kit-all -->`(.*?)`<!-- /kit-all -->", readme).group(1) == every.verdict
 
