@@ -28,8 +28,9 @@ def working_arithmetic(fmt, variant: str):
     assembly bound uses it: ``(w, u_s, eta, out_fmt, fma)``, ``w`` the working format (the
     storage format for ``per_op``, fp32 otherwise), ``u_s`` the relative error of an operation
     with a Python scalar (per-op: computed in fp32, then rounded to ``w``), ``eta`` its underflow
-    term, ``out_fmt`` the format of the final rounding of an fp32 result (None for ``per_op``)
-    and whether products are contracted (``fp32_fma``).  Public so that a transcription of a
+    term, ``out_fmt`` the format of the final rounding of an fp32 result (None for ``per_op``, and
+    for fp32 output: the fp32 result is the output, no final rounding) and whether products are
+    contracted (``fp32_fma``).  Public so that a transcription of a
     bound (the exhaustive GPU kernel) takes its constants from here."""
     fmt = get_format(fmt)
     if variant == "per_op":
@@ -40,7 +41,8 @@ def working_arithmetic(fmt, variant: str):
         return w, us, eta, None, False
     if variant in ("fp32", "fp32_fma"):
         w = FORMATS["fp32"]
-        return w, w.u, w.min_subnormal / 2, fmt, variant == "fp32_fma"
+        # fp32 output: the fp32 result is the output, no further rounding to charge
+        return w, w.u, w.min_subnormal / 2, fmt if fmt.p < w.p else None, variant == "fp32_fma"
     raise ValueError(f"variant must be per_op, fp32 or fp32_fma, got {variant!r}")
 
 

@@ -13,6 +13,7 @@ Inputs must be finite.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import mpmath
 import numpy as np
@@ -200,3 +201,52 @@ def mp_magnitude_scale(m, wnorm, eps: float, fmt="fp32") -> Truth:
     m, wnorm = _f64(m, "m"), _f64(wnorm, "wnorm")
     return _mp_eval(lambda ar, mm, w, e: F.magnitude_scale(ar, mm, w, ar.const(e)),
                     [m, wnorm], [float(eps)], fmt, degree=1, n_terms=1)
+
+
+def mp_dense_row_norm_sq(W, A, B, s: float) -> list:
+    """Exact ``Q_j = ||W_j + s (BA)_j||^2`` per row as a ``Fraction`` (``s`` rounded to fp32): every
+    product and sum exact at :func:`~dora_num.numerics.exact.exact_bits`, so no rounding at all."""
+    W, A, B = _f64(W, "W"), _f64(A, "A"), _f64(B, "B")
+    s = F.scale_constants(s)[0]
+    d, r = W.shape[1], A.shape[0]
+    arrays = [W, A, B, np.array([s])]
+    with mpmath.workprec(exact_bits(*arrays, degree=6, n_terms=d * (1 + r) ** 2)):
+        Wm, Am, Bm, sm = (to_mp(a) for a in arrays)
+        dense = Wm + sm[0] * (Bm @ Am)
+        Q = (dense * dense).sum(axis=1) if W.shape[0] else np.zeros(0, dtype=object)
+    return [Fraction(int(q.man)) * Fraction(2) ** int(q.exp) if q else Fraction(0) for q in Q]
+
+
+def rn64_over_sqrt(num: Fraction, Q: Fraction) -> float:
+    """``RN64(num / sqrt(Q))`` for rationals ``num`` and ``Q > 0``, rounded once: a float64 estimate,
+    then the two float64 neighbours bracketing the exact value and the midpoint between them,
+    decided by exact rational comparisons of squares (``y^2 Q`` against ``num^2``).  ``num = Q``
+    gives ``RN64(sqrt(Q))``; ``num = m`` gives the exact ``g = m / ||W + sBA||`` rounded once."""
+    import math
+    import struct
+
+    if Q <= 0:
+        raise ValueError("Q must be positive")
+    a = abs(num)
+    if a == 0:
+        return 0.0 * (1 if num >= 0 else -1)
+    # |num| / sqrt(Q) >= y  <=>  num^2 >= y^2 Q for y >= 0
+    below = lambda y: Fraction(y) ** 2 * Q <= a * a  # noqa: E731
+    est = math.exp(math.log(a.numerator) - math.log(a.denominator)
+                   - 0.5 * (math.log(Q.numerator) - math.log(Q.denominator)))
+    lo = est
+    while not below(lo):
+        lo = math.nextafter(lo, 0.0)
+    while below(math.nextafter(lo, math.inf)):
+        lo = math.nextafter(lo, math.inf)
+    hi = math.nextafter(lo, math.inf)  # lo <= exact < hi
+    if Fraction(lo) ** 2 * Q == a * a:
+        out = lo
+    else:
+        mid = (Fraction(lo) + Fraction(hi)) / 2
+        c = mid * mid * Q - a * a
+        if c == 0:  # a tie: to even
+            out = hi if struct.unpack("<q", struct.pack("<d", lo))[0] & 1 else lo
+        else:
+            out = hi if c < 0 else lo
+    return out if num > 0 else -out

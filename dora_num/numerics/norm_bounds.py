@@ -55,8 +55,11 @@ def _factored_parts(W, A, B, s, products: str):
         tc = products == "tensor_core"  # exact products, an accumulator that may truncate and flush partial sums
         c = gamma(tc_additions(d) if tc else d, u)
         add_abs = (d - 1) * TINY32 if tc else 0.0
-        abs_U = _underflow_sites(W, A) * eta + add_abs  # [d_out, r]: every product an underflow site
-        abs_G = _underflow_sites(A, A) * eta + add_abs  # [r, r]
+        # an underflow (or a flushed partial sum) enters the sum once and then passes through the later
+        # additions, each a (1 + delta): at most d - 1 of them (fp32), tc_additions(d) on tensor cores
+        carry = 1 + (gamma(tc_additions(d), u) if tc else gamma(d - 1, u))
+        abs_U = carry * (_underflow_sites(W, A) * eta + add_abs)  # [d_out, r]: every product an underflow site
+        abs_G = carry * (_underflow_sites(A, A) * eta + add_abs)  # [r, r]
     g_b, g_r, g_2r = gamma(d, u), gamma(r, u), gamma(2 * r, u)
     g_c, g_a = g_r + (1 + g_r) * c, g_2r + (1 + g_2r) * c
     # cross = sum_k B_k U^_k (r products, r - 1 additions); ba = sum_l (B G^)_l B_l (r more of each)
@@ -90,7 +93,8 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
 
     - ``base = sum W_i^2``: ``|dbase| <= gamma_d base + (1 + gamma_d) n_b eta``, ``n_b`` the
       squares below ``2^-126`` (each an underflow site);
-    - ``U = W A^T``: ``|dU_k| <= gamma_d (|W||A|^T)_k + (1 + gamma_d) n_k eta``;
+    - ``U = W A^T``: ``|dU_k| <= gamma_d (|W||A|^T)_k + (1 + gamma_{d-1}) n_k eta`` (each of the
+      ``n_k`` underflows passes through at most ``d - 1`` later additions);
       ``cross = sum_k B_k U_k``: ``|dcross| <= gamma_{d+r} M_c + (1 + gamma_{d+r})
       (sum_k |B_k| n_k eta + r eta)`` with ``M_c = sum_k |B_k| (|W||A|^T)_k``;
     - ``G = A A^T``, ``ba = sum (B G) * B``: ``|dba| <= gamma_{d+2r} M_a + (underflow of
@@ -110,7 +114,8 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
       entry); ``"tensor_core"``: ``U`` and ``G`` from 16-bit W and A on CUDA
       (``torch.mm(..., out_dtype=float32)``): exact products, an accumulator that may
       truncate (``2u`` per addition: ``gamma_{2d}``) and may flush a subnormal partial
-      sum to zero (``2^-126`` per addition).  The tail's own sums add ``gamma_r`` to ``cross``
+      sum to zero (``2^-126`` per addition); the absolute part ``n eta + (d - 1) 2^-126`` times
+      ``1 + gamma_{n+}`` (the later additions).  The tail's own sums add ``gamma_r`` to ``cross``
       and ``gamma_{2r}`` to ``ba`` on top of the entry errors (``gamma_r + (1 + gamma_r) c``).
     - ``split_pieces``: ``U`` and ``G`` from a 16-bit W (format ``split_format``) and an A of
       another dtype split into that many pieces of W's format
