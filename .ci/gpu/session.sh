@@ -21,6 +21,11 @@
 #                                                                            -> $OUT/session_operator.tgz
 #   verify the gpu-marked tests of $VERIFY_TESTS (default: all), then the guard's cost
 #                                                                            -> $OUT/session_verify.tgz
+#   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (default 0 1 2) eager, fused and
+#          $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus the
+#          bitwise repeat of eager seed 0, one process each; beside them all gpu-marked tests (a
+#          correctness record; the convergence runs record losses, not timings)
+#                                                                            -> $OUT/session_samebatch.tgz
 #
 # Usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|verify
 # Each job runs under its own timeout and appends "<job> exit <rc> after <s> s" to its log.
@@ -119,5 +124,21 @@ case "${1:-}" in
     job guard 420 python3 -m dora_num record guard-cost --out "$W/guard" --git-sha "$SHA"
     pack verify
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify" >&2; exit 2 ;;
+  samebatch)
+    reps=${ULP_REPLICATES:-2}
+    for s in ${CONV_SEEDS:-0 1 2}; do
+      names="eager_s$s fused_s$s eager_s${s}_ulp"
+      for k in $(seq 1 $((reps - 1))); do names="$names eager_s${s}_rep${k}_ulp"; done
+      [ "$s" = 0 ] && names="$names eager_s0_rep1"
+      for name in $names; do
+        job "conv_$name" "${CONV_S:-570}" env OMP_NUM_THREADS=1 python3 -m dora_num record convergence \
+          --out "$W/conv/$name" --base .carry/minilm --seeds "$s" --repeat-seed "$s" --ulp-seeds "$s" \
+          --ulp-replicates "$reps" --runs "$name" --profile-steps 0 --no-progress &
+      done
+    done
+    job pytest 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests &
+    wait
+    pack samebatch
+    ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch" >&2; exit 2 ;;
 esac

@@ -62,6 +62,9 @@ class ConvergenceConfig:
     # Eager seeds also run with every m moved by 1 fp32 ulp at init (random signs): how far
     # two runs drift apart from the smallest possible difference, with the same batches.
     ulp_seeds: tuple[int, ...] = ()
+    # How many such runs per seed, each with its own random signs (NAME_ulp, NAME_rep1_ulp, ...): the
+    # spread of the same-batch floor, not one draw of it.
+    ulp_replicates: int = 1
 
     def validate(self) -> None:
         if not self.seeds:
@@ -72,7 +75,7 @@ class ConvergenceConfig:
             raise ValueError(f"ulp_seeds {self.ulp_seeds} must be among seeds {self.seeds}")
         if self.repeat_seed is not None and self.repeat_seed not in self.seeds:
             raise ValueError(f"repeat_seed={self.repeat_seed} must be one of seeds {self.seeds}")
-        for name in ("steps", "eval_every", "batch_size", "max_len", "rank"):
+        for name in ("steps", "eval_every", "batch_size", "max_len", "rank", "ulp_replicates"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -106,20 +109,27 @@ class RunSpec:
                 + ("_ulp" if self.perturbed else ""))
 
 
-# perturb_seed of a perturbed run: ULP_SEED_OFFSET + seed (the random signs of the ulp moves)
+# perturb_seed of a perturbed run: ULP_SEED_OFFSET + seed (the random signs of the ulp moves), and for
+# replicate k >= 1 ULP_REPLICATE_STRIDE * k more (the first replicate keeps the seed recorded before).
 ULP_SEED_OFFSET = 1_000_003
+ULP_REPLICATE_STRIDE = 7_919
 
 
-def run_plan(seeds, repeat_seed=None, paths=PATHS, ulp_seeds=()) -> list[RunSpec]:
+def ulp_perturb_seed(spec: RunSpec) -> int:
+    return ULP_SEED_OFFSET + spec.seed + ULP_REPLICATE_STRIDE * spec.repeat
+
+
+def run_plan(seeds, repeat_seed=None, paths=PATHS, ulp_seeds=(), ulp_replicates=1) -> list[RunSpec]:
     """Eager and fused of the first seed, the repeat, then both paths per further seed;
-    after each seed in ``ulp_seeds``, its eager run with every ``m`` moved by 1 ulp."""
+    after each seed in ``ulp_seeds``, ``ulp_replicates`` eager runs with every ``m`` moved by 1 ulp
+    (each replicate its own random signs)."""
     plan = []
     for i, s in enumerate(seeds):
         plan.extend(RunSpec(p, s) for p in paths)
         if s == repeat_seed and "eager" in paths:
             plan.append(RunSpec("eager", s, 1))
         if s in ulp_seeds and "eager" in paths:
-            plan.append(RunSpec("eager", s, 0, True))
+            plan.extend(RunSpec("eager", s, k, True) for k in range(ulp_replicates))
     return plan
 
 
@@ -131,4 +141,4 @@ def train_config(cfg: ConvergenceConfig, spec: RunSpec, *, steps=None, evals=Tru
                        bf16_autocast=cfg.bf16_autocast, device=cfg.device,
                        capture_steps=cfg.eval_steps if evals else (), eval_steps=cfg.eval_steps if evals else (),
                        eval_limit=cfg.eval_limit, joint_encode=cfg.joint_encode, progress=cfg.progress if progress is None else progress,
-                       perturb_seed=ULP_SEED_OFFSET + spec.seed if spec.perturbed else None)
+                       perturb_seed=ulp_perturb_seed(spec) if spec.perturbed else None)

@@ -179,7 +179,7 @@ def run_study(cfg: ConvergenceConfig, out: str | Path | None = None, *, base_pat
 def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
     dist_ = dist_ or Distributed()
     impl = resolve_fused_impl(cfg)
-    plan = run_plan(cfg.seeds, cfg.repeat_seed, cfg.paths, cfg.ulp_seeds)
+    plan = run_plan(cfg.seeds, cfg.repeat_seed, cfg.paths, cfg.ulp_seeds, cfg.ulp_replicates)
     if cfg.runs is not None:
         unknown = sorted(set(cfg.runs) - {s.name for s in plan})
         if unknown or not cfg.runs:
@@ -297,6 +297,8 @@ def build_parser(prog: str = "dora-num record convergence", name: str = "converg
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--ulp-seeds", type=int, nargs="+", default=None,
                    help="eager seeds also run with every m moved by 1 ulp at init (runs NAME_ulp)")
+    p.add_argument("--ulp-replicates", type=int, default=None, metavar="N",
+                   help="1-ulp runs per seed of --ulp-seeds, each with its own signs (NAME_ulp, NAME_rep1_ulp, ...)")
     p.add_argument("--runs", nargs="+", default=None, metavar="NAME",
                    help="only these runs of the plan, e.g. eager_s0_rep1 (one run per GPU process)")
     p.add_argument("--profile-only", action="store_true",
@@ -337,6 +339,8 @@ def config_from_args(args) -> ConvergenceConfig:
         kw["runs"] = tuple(args.runs)
     if args.ulp_seeds is not None:
         kw["ulp_seeds"] = tuple(args.ulp_seeds)
+    if args.ulp_replicates is not None:
+        kw["ulp_replicates"] = args.ulp_replicates
     return ConvergenceConfig(**kw)
 
 

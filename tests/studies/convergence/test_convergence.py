@@ -244,6 +244,10 @@ def test_ulp_runs_are_planned_tagged_and_compared(tmp_path):
     compared with their unperturbed eager run by perturbation_deltas."""
     assert [s.name for s in cc.run_plan((0, 1), 0, cc.PATHS, (1,))] == [
         "eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1", "eager_s1_ulp"]
+    reps = cc.run_plan((1,), None, cc.PATHS, (1,), ulp_replicates=3)
+    assert [s.name for s in reps] == ["eager_s1", "fused_s1", "eager_s1_ulp", "eager_s1_rep1_ulp", "eager_s1_rep2_ulp"]
+    seeds = [cc.ulp_perturb_seed(s) for s in reps if s.perturbed]
+    assert seeds[0] == cc.ULP_SEED_OFFSET + 1 and len(set(seeds)) == 3  # the first as recorded before, each its own
     with pytest.raises(ValueError, match="ulp_seeds"):
         cc.ConvergenceConfig(**dict(TINY, ulp_seeds=(7,))).validate()
     cfg = cc.ConvergenceConfig(**dict(TINY, repeat_seed=None, ulp_seeds=(0,)))
