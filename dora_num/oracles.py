@@ -337,9 +337,12 @@ def measure_cpu_allocations(fn) -> dict:
     # depends on the kernel's own traffic: a tensor held in a reference cycle was freed before or
     # inside the measured call from one run to the next (a 4-byte scalar moved the peak). Collected
     # first, and off while measuring, the peak is the call's own.
+    # Likewise the intra-op threads: their scratch allocations interleave by timing, so the peak of a
+    # MiniLM step moved by 64 KiB between runs on a loaded machine; one thread allocates in program order.
     gc.collect()
-    was_enabled = gc.isenabled()
+    was_enabled, threads = gc.isenabled(), torch.get_num_threads()
     gc.disable()
+    torch.set_num_threads(1)
     with _stderr_fd_silenced():  # kineto writes "USDT: ... profiler_start/stop" to fd 2 at each
         prof.start()
     try:
@@ -347,6 +350,7 @@ def measure_cpu_allocations(fn) -> dict:
     finally:
         with _stderr_fd_silenced():
             prof.stop()
+        torch.set_num_threads(threads)
         if was_enabled:
             gc.enable()
     allocs = []

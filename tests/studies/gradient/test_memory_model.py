@@ -172,7 +172,8 @@ def test_cpu_peak_is_the_same_from_run_to_run():
     """The measured CPU peak of a training step repeats exactly. Python's cyclic collector runs when its
     counters say so; left to chance it freed garbage inside the measured step in one run and not in the
     next (in a fresh interpreter, as in a notebook kernel, the checkpointed step's peak moved by 4 KiB from
-    one repetition to the next), so the measurement collects first and keeps the collector off."""
+    one repetition to the next), so the measurement collects first and keeps the collector off (and runs
+    on one intra-op thread, whose scratch allocations come in program order)."""
     import json
     import subprocess
     import sys
