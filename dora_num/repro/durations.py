@@ -6,6 +6,8 @@ state, as a newcomer would), timing each and keeping its exit status, then write
 ``data/setup/durations.json`` with provenance (the CPU model and core count are in its sidecar). The
 README's table between :data:`BEGIN` and :data:`END` is generated from it (:func:`table`), so no duration
 in the README is typed by hand. A command that failed is recorded as failed, never as a duration.
+``--provisional`` writes a record with no times (the README says "not recorded"): the committed record the
+clone's tests need the first time, before one has been measured.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def table(data: Path = COMMITTED_DATA_DIR) -> str:
     side = json.loads((data / (RECORD + ".provenance.json")).read_text()) if rec else {}
     cpu = side.get("device", {}).get("cpu", {})
     where = (f"{cpu.get('model', 'unknown CPU')}, {cpu.get('cores', '?')} cores, {rec['commit'][:12]}"
-             if rec else "not recorded")
+             if rec and rec["commands"] else "not recorded")
     lines = [f"| command | what it does | wall time on a fresh clone ({where}) |", "|---|---|---|"]
     for name in COMMANDS:
         r = (rec or {}).get("commands", {}).get(name)
@@ -54,12 +56,16 @@ def table(data: Path = COMMITTED_DATA_DIR) -> str:
     return "\n".join(lines)
 
 
-def record(out: Path = COMMITTED_DATA_DIR / RECORD, log=print) -> dict:
+def record(out: Path = COMMITTED_DATA_DIR / RECORD, log=print, provisional: bool = False) -> dict:
     """Time the README's commands on a fresh clone of HEAD; write ``out`` (with its sidecar)."""
     from .provenance import git_state, save_json
 
     commit = git_state()["sha"]
     results: dict[str, dict] = {}
+    if provisional:
+        rec = {"commit": commit, "commands": {}}
+        save_json(rec, out, producer="python3 -m dora_num.repro.durations", params={"provisional": True})
+        return rec
     with tempfile.TemporaryDirectory(prefix="dora-num-durations-") as tmp:
         clone = Path(tmp) / "clone"
         subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True)
@@ -84,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dora_num.repro.durations",
                                  description="Time make venv/test/reproduce/check on a fresh clone of HEAD "
                                              "(about 35 minutes on 2 cores) and record it for the README.")
-    ap.parse_args(argv)
-    rec = record()
+    ap.add_argument("--provisional", action="store_true", help="write a record with no times (see the module doc)")
+    args = ap.parse_args(argv)
+    rec = record(provisional=args.provisional)
     return 0 if all(r["exit"] == 0 for r in rec["commands"].values()) else 1
 
 
