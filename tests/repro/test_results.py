@@ -4,6 +4,8 @@ and the hand-written prose holds no number of its own."""
 
 import re
 
+import pytest
+
 from dora_num.repro import results
 from dora_num.repro.paths import REPO_ROOT
 from dora_num.repro.runner import list_notebooks
@@ -90,3 +92,51 @@ def test_splice_replaces_only_between_markers():
     assert once.startswith("head\n") and once.count(results.BEGIN) == 1
     twice = results.splice(once.replace("X", "old"), body)
     assert twice == once
+
+
+# The wording the takeaways and headlines had before they stated their counter-evidence, checked against the
+# statistics today's functions state: each must be rejected.
+OLD_WORDING = {
+    "_t_collapse": "**g = 1 is common, and bf16 cannot tell it from g.** In 13 DoRA training runs of one small model "
+                   "(MiniLM, 22.7M parameters), each run until validation stopped improving, the magnitude scale g "
+                   "rounds to exactly 1 in bf16 for 0.704% to 65% of its values: there the (g-1) part of DoRA's "
+                   "update is invisible unless g is kept in fp32.",
+    "_t_compose": "**The stable compose with fp32 intermediates is as exact as bf16 allows.** On real activations of "
+                  "a trained adapter it is within 1 ulp of the correctly rounded result on 1,953,792 of 1,953,792 "
+                  "elements (where the final sum does not cancel, a theorem guarantees this).",
+    "_t_fma": "**FMA contraction and an approximate square root barely move anything.** Contracting the norm's "
+              "additions into FMAs changes at most 0.154% of real row norms, by at most 1 ulp; the model's sentence "
+              "embeddings stay within 1 - cosine = 2.1e-05 of the production kernel's.",
+    "_t_bounds": "**The error bounds hold, and are tight.** 0 violations in 6,630,000 comparisons against certified "
+                 "exact results (every format and arithmetic); on adversarial inputs the error attains them "
+                 "(measured / bound up to 1).",
+    "_t_training": "**The fused kernels train like the eager code, and run near memory speed.** Fused vs eager "
+                   "training differ by a mean |delta loss| of 0.00096, against 0.1 between two seeds: equivalent in "
+                   "6 of 6 tests; the fused compose's forward reaches 96.3% of the GPU's copy bandwidth (H200).",
+    "01_cancellation_at_g1": "13 MiniLM DoRA runs on the H200 until validation MRR@10 stopped improving (600 to 1800 "
+                             "steps; MRR@10 0.605 at the base, 0.738 to 0.785 at the best)",
+    "02_fma_and_sqrt": "an FMA-contracted norm assembly changes at most 0.154% of real MiniLM row norms, by at most "
+                       "1 ulp",
+    "04_convergence": "fused vs eager training (2000 steps x 3 seeds): equivalent in 6 of 6 tests, against a "
+                      "seed-to-seed noise floor of 0.1 (mean |delta loss| between runs of different seeds; the "
+                      "equivalence margin, the largest mean difference the test accepts, 0.0251)",
+    "05_memory_and_speed": "H200 targets: 17 met, 6 out of reach (floor below the target), 7 missed; fused compose "
+                           "forward at 96.3% of copy bandwidth",
+}
+
+
+def test_no_takeaway_or_headline_claims_more_than_its_statistics():
+    for name, text, stats in results.stated():
+        assert results.overclaims(text, stats) == [], name
+
+
+@pytest.mark.parametrize("name", sorted(OLD_WORDING))
+def test_the_overclaim_check_rejects_the_old_wording(name):
+    stats = {n: s for n, _, s in results.stated()}[name]
+    assert results.overclaims(OLD_WORDING[name], stats), name
+
+
+def test_a_statistic_the_text_does_not_state_licenses_nothing():
+    for text in ("as exact as bf16 allows", "the bounds are tight", "equivalent in 6 of 6 tests",
+                 "barely moves anything", "13 small models"):
+        assert results.overclaims(text, {}), text
