@@ -539,8 +539,7 @@ LICENCES: tuple[tuple[str, Callable[[Stats, str], bool], str], ...] = (
      "the sentence says the seeds also change the batches (seed_floor_batches_differ)"),
     (r"about as much as", lambda s, _: 0.5 <= _get(s, "ratio_min") and _get(s, "ratio_max") <= 2,
      "every per-seed ratio to the same-batch floor between 0.5 and 2 (ratio_min, ratio_max)"),
-    (r"out of reach", lambda s, sen: _get(s, "max_measured_pct_copy", 101) <= 100 or "not established" in sen
-,
+    (r"out of reach", lambda s, sen: _get(s, "max_measured_pct_copy", 101) <= 100 or "not established" in sen,
      "no measured path above the copy bandwidth taken as the ceiling (max_measured_pct_copy <= 100)"),
 )
 
