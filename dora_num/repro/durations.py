@@ -74,8 +74,10 @@ def record(out: Path = COMMITTED_DATA_DIR / RECORD, log=print, provisional: bool
             t0 = time.monotonic()
             done = subprocess.run(["make", name], cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True)
+            lines = done.stdout.strip().splitlines()
             results[name] = {"seconds": round(time.monotonic() - t0, 1), "exit": done.returncode,
-                             "last_lines": done.stdout.strip().splitlines()[-3:]}
+                             "failed": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:20],
+                             "last_lines": lines[-3:]}
             log(f"make {name}: exit {done.returncode} in {_minutes(results[name]['seconds'])}")
             if done.returncode != 0:
                 break
