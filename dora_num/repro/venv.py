@@ -103,8 +103,13 @@ def build(venv: Path) -> None:
 
 def main(argv: list[str] | None = None, build_fn=build) -> int:
     """``build_fn``: the build step (a seam for the tests)."""
-    argv = sys.argv[1:] if argv is None else argv
-    venv = Path(argv[0] if argv else ".venv").resolve()
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 dora_num/repro/venv.py",
+                                 description="Build the project's virtual environment from requirements.lock with no "
+                                             "dependency resolution (what `make venv` runs).")
+    ap.add_argument("venv", nargs="?", default=".venv", help="the folder to build (default .venv; removed first)")
+    venv = Path(ap.parse_args(argv).venv).resolve()
     msg = python_mismatch()
     if msg:
         print(msg, file=sys.stderr)
