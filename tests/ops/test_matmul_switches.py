@@ -58,19 +58,11 @@ def real_bf16_switch(bf16_gemms):
     """The premise of the tests that need the switch to act: measured, and a visible skip where false."""
     err = _switched_gemm_error()
     if err <= BF16_GEMM_FLOOR:
-        pytest.skip(f"premise false on this CPU ({_cpu_model()}): under the bf16 switch oneDNN ran the fp32 GEMM in "
+        from dora_num.repro.determinism import cpu_info
+
+        pytest.skip(f"premise false on this CPU ({cpu_info()['model']}): under the bf16 switch oneDNN ran the fp32 GEMM in "
                     f"fp32, measured error {err:.3g} of the magnitudes, not above 2^-12")
     return err
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU model unknown"
 
 
 def _layer(d_out=6, d_in=128, r=64, seed=0, rho=1.0):
