@@ -19,13 +19,9 @@ def _pyproject_requirements() -> list[Requirement]:
     return [Requirement(r) for r in list(meta["dependencies"]) + list(meta["optional-dependencies"]["test"])]
 
 
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
 def test_lock_pins_every_pyproject_requirement_within_its_range():
     for req in _pyproject_requirements():
-        name = _norm(req.name)
+        name = norm_name(req.name)
         assert name in PINS, f"{req.name} is in pyproject.toml but not in requirements.lock: run `make lock`"
         version = Version(PINS[name]["version"])
         assert req.specifier.contains(version, prereleases=True), \
@@ -41,7 +37,7 @@ def test_every_locked_package_has_a_sha256():
 def test_torch_and_triton_are_pinned():
     assert PINS["torch"]["version"] == "2.13.0+cpu"
     assert PINS["triton"]["version"] == "3.7.1"
-    names = {_norm(r.name): str(r.specifier) for r in _pyproject_requirements()}
+    names = {norm_name(r.name): str(r.specifier) for r in _pyproject_requirements()}
     assert names["torch"] == "==2.13.0" and names["triton"] == "==3.7.1"
 
 
@@ -58,7 +54,7 @@ def test_environment_yml_parses_and_pins_python():
     assert env["name"] == "dora-num"
     assert "python=3.11" in env["dependencies"]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
-    pinned = {_norm(Requirement(s).name): str(Requirement(s).specifier) for s in pip if not s.startswith("-e")}
+    pinned = {norm_name(Requirement(s).name): str(Requirement(s).specifier) for s in pip if not s.startswith("-e")}
     assert pinned == {n: f"=={p['version']}" for n, p in PINS.items()}
 
 
@@ -118,7 +114,7 @@ def test_the_install_resolves_nothing_and_cleans_up():
     rest, torch = venv.split_lock(LOCK.read_text())
     assert len(torch) == 1 and torch[0].startswith("torch==2.13.0+cpu") and "--hash=sha256:" in torch[0]
     assert len(rest) + 1 == len(PINS)
-    assert sorted(_norm(b.split("==")[0]) for b in rest) == sorted(n for n in PINS if n != "torch")
+    assert sorted(norm_name(b.split("==")[0]) for b in rest) == sorted(n for n in PINS if n != "torch")
 
 
 def test_another_python_is_told_in_one_line():

@@ -30,7 +30,7 @@ def parse_lock(text: str) -> dict[str, dict]:
             continue
         m = _PIN.match(line)
         if m:
-            current = m.group(1).lower().replace("_", "-")
+            current = norm_name(m.group(1))
             out[current] = {"version": m.group(2), "hashes": []}
         for h in re.findall(r"--hash=sha256:([0-9a-f]{64})", line):
             if current is None:

@@ -22,6 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+try:  # run as a script before anything is installed (make venv), or imported as part of the package
+    from .lockfile import parse_lock
+except ImportError:
+    from lockfile import parse_lock
+
 REPO_ROOT = Path(__file__).resolve().parents[2]  # no package import: this runs before anything is installed
 LOCK = REPO_ROOT / "requirements.lock"
 LOCK_PYTHON = (3, 11)  # the lock's interpreter (`make lock`: --python-version 3.11)
@@ -42,22 +47,13 @@ def python_mismatch(version: tuple[int, ...] = tuple(sys.version_info[:2])) -> s
 
 
 def split_lock(text: str) -> tuple[list[str], list[str]]:
-    """The lock's requirement blocks (a pin with its ``--hash`` lines) without torch's, and torch's alone."""
-    blocks: list[list[str]] = []
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        if line[0].isspace() and blocks and blocks[-1][-1].rstrip().endswith("\\"):
-            blocks[-1].append(line)
-        else:
-            blocks.append([line])
-    rest, torch = [], []
-    for block in blocks:
-        (torch if block[0].lower().startswith("torch==") else rest).append("\n".join(block))
+    """The lock's pins as hashed requirement lines (:func:`lockfile.parse_lock`), torch's apart."""
+    lines = {name: f"{name}=={p['version']} " + " ".join(f"--hash=sha256:{h}" for h in p["hashes"])
+             for name, p in parse_lock(text).items()}
+    torch = [lines.pop("torch")] if "torch" in lines else []
     if len(torch) != 1:
-        raise SetupError(f"requirements.lock holds {len(torch)} torch pins; expected exactly one (run `make lock`)")
-    return rest, torch
+        raise SetupError("requirements.lock holds no torch pin (run `make lock`)")
+    return list(lines.values()), torch
 
 
 def _run(args: list[str], what: str, quiet_fail: bool = False) -> bool:
