@@ -316,17 +316,40 @@ def _stderr_fd_silenced():
         os.close(saved)
 
 
+def _allocator_order(events: list[tuple]) -> list[tuple]:
+    """Allocation events ``(time_ns, ptr, size, total, parent)`` in the order the allocator made them.
+
+    Time orders them, but two events can share a nanosecond; the allocator's running total
+    orders those (it moves under one lock, so each event starts at the total the one before it left).
+    """
+    events = sorted(events, key=lambda e: e[0])
+    ordered, i = [], 0
+    while i < len(events):
+        j = i
+        while j < len(events) and events[j][0] == events[i][0]:
+            j += 1
+        tied = events[i:j]
+        prev = ordered[-1][3] if ordered else None
+        while tied:
+            nxt = next((e for e in tied if e[3] - e[2] == prev), tied[0])
+            tied.remove(nxt)
+            ordered.append(nxt)
+            prev = nxt[3]
+        i = j
+    return ordered
+
+
 def measure_cpu_allocations(fn) -> dict:
     """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True``; report its
     CPU allocator traffic, measured from the profiler's allocation events.
 
     Returns ``{"largest_block": bytes of the largest single allocation,
-    "peak_extra": peak of live bytes above the level at the first event,
-    "n_allocations": count, "largest_shapes": input shapes of the op that made
-    the largest block}``.  Works on CPU tensors (the CUDA analogue is
+    "peak_extra": peak of the bytes the call allocated and had not yet freed,
+    "n_allocations": count, "largest_op": name of the op that made the largest
+    block}``.  Works on CPU tensors (the CUDA analogue is
     ``torch.cuda.max_memory_allocated``).  Uses the profiler's event tree
     (``kineto_results.experimental_event_tree``), the one place where each
-    allocation's size and the running total are exposed.
+    allocation's address and size are exposed.
     """
     import gc
 
@@ -337,8 +360,8 @@ def measure_cpu_allocations(fn) -> dict:
     # depends on the kernel's own traffic: a tensor held in a reference cycle was freed before or
     # inside the measured call from one run to the next (a 4-byte scalar moved the peak). Collected
     # first, and off while measuring, the peak is the call's own.
-    # Likewise the intra-op threads: their scratch allocations interleave by timing, so the peak of a
-    # MiniLM step moved by 64 KiB between runs on a loaded machine; one thread allocates in program order.
+    # Likewise the intra-op threads: their scratch allocations interleave by timing; one thread
+    # allocates in program order.
     gc.collect()
     was_enabled, threads = gc.isenabled(), torch.get_num_threads()
     gc.disable()
@@ -353,24 +376,38 @@ def measure_cpu_allocations(fn) -> dict:
         torch.set_num_threads(threads)
         if was_enabled:
             gc.enable()
-    allocs = []
+    # The profiler's running total (``total_allocated``) is not this call's: c10 keeps one size table per
+    # process, written only while a profiler records memory. A block allocated under an earlier profile
+    # and freed after it leaves its address in the table; a block malloc later puts at that address
+    # outside any profile is then "freed" inside this one with the stale size (notebook 06 measures six
+    # steps in one kernel; in two full runs the MiniLM step's peak fell by 64 KiB, as malloc happened to
+    # reuse such an address). The level is
+    # rebuilt here from this call's own events: a free counts only for a block allocated inside the call.
+    events = []
     stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         node, parent = stack.pop()
         fields = node.extra_fields
         if type(fields).__name__ == "_ExtraFields_Allocation":
             if fields.device.type == "cpu":
-                allocs.append((node.start_time_ns, fields.alloc_size, fields.total_allocated, parent))
+                events.append((node.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated, parent))
         stack.extend((child, node) for child in node.children)
-    if not allocs:
+    if not events:
         return {"largest_block": 0, "peak_extra": 0, "n_allocations": 0, "largest_op": None}
-    allocs.sort(key=lambda a: a[0])
-    start_level = allocs[0][2] - allocs[0][1]
-    largest = max(allocs, key=lambda a: a[1])
-    op = largest[3]
+    live: dict[int, int] = {}
+    level = peak = 0
+    for _, ptr, size, _, _ in _allocator_order(events):
+        if size > 0:
+            live[ptr] = size
+            level += size
+        elif ptr in live:
+            level -= live.pop(ptr)
+        peak = max(peak, level)
+    largest = max(events, key=lambda a: a[2])
+    op = largest[4]
     return {
-        "largest_block": int(largest[1]),
-        "peak_extra": int(max(a[2] for a in allocs) - start_level),
-        "n_allocations": sum(1 for a in allocs if a[1] > 0),
+        "largest_block": int(largest[2]),
+        "peak_extra": int(peak),
+        "n_allocations": sum(1 for a in events if a[2] > 0),
         "largest_op": None if op is None else op.name,
     }
