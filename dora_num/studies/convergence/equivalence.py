@@ -350,6 +350,123 @@ def equivalence_verdict(df: pd.DataFrame, margin: Margin, value: str = "loss", *
             "per_seed": per_seed}
 
 
+# --------------------------------------------------------------------------
+# The same-batch floor: fused against eager runs with m moved by one ulp
+# --------------------------------------------------------------------------
+
+FLOOR_MARGIN = 0.25  # fused may move the loss at most (1 + this) times as far as moving m by one ulp does
+POWER_BETA = 0.2  # the power reported: the ratio the test confirms with probability 1 - this
+
+
+def ratio_test(d_abs, floor_abs, *, margin: float = FLOOR_MARGIN, alpha: float = ALPHA,
+               block_size: int | None = None) -> dict:
+    """Is ``R = mean |d| / mean floor`` below ``1 + margin``?  One-sided, on block means.
+
+    ``d_abs`` and ``floor_abs`` are per-step ``|delta|`` series of one seed, on the same steps (paired:
+    both see the same batches). ``R`` is the ratio of their block means; its standard error is the ratio
+    estimator's, from the block means of ``z = d - R floor`` (blocks sized from ``z``'s autocorrelation,
+    :func:`block_means`). ``H0: R >= 1 + margin`` is rejected (``within`` true) when the one-sided
+    ``1 - alpha`` upper bound ``ratio_high`` is below ``1 + margin``. ``power_at_1``: the probability of
+    that verdict if the true ratio were 1 (fused exactly as far from eager as a one-ulp move);
+    ``ratio_confirmed``: the largest true ratio the test confirms with probability ``1 - POWER_BETA``.
+    """
+    if not (margin > 0 and math.isfinite(margin)):
+        raise ValueError(f"margin must be positive and finite, got {margin}")
+    d, f = np.abs(_series(d_abs)), np.abs(_series(floor_abs))
+    if d.shape != f.shape:
+        raise ValueError(f"series must have equal length, got {d.size} and {f.size}")
+    if not f.mean() > 0:
+        raise ValueError("the floor series is 0 at every step: the replicates never left the baseline")
+    r0 = float(d.mean() / f.mean())
+    size = block_means(d - r0 * f, size=block_size).size
+    bd, bf = block_means(d, size=size).means, block_means(f, size=size).means
+    k = bd.size
+    bound = 1.0 + margin
+    base = {"test": "ratio_to_floor", "margin": margin, "bound": bound, "blocks": k, "block_size": size,
+            "mean_abs": float(d.mean()), "floor_mean_abs": float(f.mean())}
+    if k < MIN_BLOCKS:
+        return {**base, "within": False, "p": 1.0, "ratio": r0, "reason": f"only {k} blocks (< {MIN_BLOCKS})"}
+    r = float(bd.mean() / bf.mean())
+    z = bd - r * bf
+    se = float(np.std(z, ddof=1) / (math.sqrt(k) * bf.mean()))
+    df = k - 1
+    tq = float(stats.t.ppf(1 - alpha, df))
+    p = 0.0 if se == 0 else float(stats.t.cdf((r - bound) / se, df))
+    return {**base, "within": bool(p < alpha), "p": p, "ratio": r, "se": se, "df": df,
+            "ratio_high": r + tq * se,
+            "power_at_1": 1.0 if se == 0 else float(stats.t.cdf(margin / se - tq, df)),
+            "ratio_confirmed": bound - (tq + float(stats.t.ppf(1 - POWER_BETA, df))) * se,
+            "lag1_corr": block_means(z, size=size).lag1_corr}
+
+
+def same_batch_runs(df: pd.DataFrame, value: str = "loss") -> dict[int, dict]:
+    """Per seed that has 1-ulp replicates: ``{"eager": series, "fused": series or None, "replicates":
+    [series, ...]}`` (replicates in repeat order), all on the eager run's steps."""
+    plain, pert = _split_perturbed(df)
+    base, moved = curves(plain, value), curves(pert, value) if len(pert) else {}
+    out: dict[int, dict] = {}
+    for k in sorted(moved):
+        path, seed, _ = k
+        ka = ("eager", seed, 0)
+        if path != "eager" or ka not in base:
+            continue
+        run = out.setdefault(seed, {"eager": base[ka], "fused": None, "replicates": []})
+        run["replicates"].append(_aligned(base[ka], moved[k], ka, k)[1])
+        kf = ("fused", seed, 0)
+        if kf in base:
+            run["fused"] = _aligned(base[ka], base[kf], ka, kf)[1]
+    return out
+
+
+def _abs_from(a: pd.Series, b: pd.Series) -> np.ndarray:
+    return np.abs(b.to_numpy() - a.to_numpy())
+
+
+def same_batch_verdict(df: pd.DataFrame, value: str = "loss", *, margin: float = FLOOR_MARGIN,
+                       alpha: float = ALPHA) -> dict:
+    """Fused against the same-batch floor, per seed, with the test's power shown on two controls.
+
+    Per seed ``s``: the floor at each step is the mean over the 1-ulp replicates of ``|U_k - E|``
+    (``E`` the eager run, ``U_k`` eager with every ``m`` moved by one ulp, random signs per replicate);
+    the tested series is ``|F - E|`` (``F`` the fused run): :func:`ratio_test`. Controls, through the same
+    test: **agree**, each replicate against the floor of the others (needs two or more replicates);
+    **differ**, eager of another seed (different batches) against seed ``s``'s floor. The verdict holds
+    when every seed's fused run is within and every control comes out as it must.
+    """
+    runs = same_batch_runs(df, value)
+    if not runs:
+        raise ValueError("no eager seed with 1-ulp replicates in the data: the same-batch floor needs them")
+    plain = curves(_split_perturbed(df)[0], value)
+    rows = []
+    for seed, r in runs.items():
+        E, U = r["eager"], r["replicates"]
+        floor = np.mean([_abs_from(E, u) for u in U], axis=0)
+        if r["fused"] is not None:
+            rows.append({"seed": seed, "pair": "fused vs eager", "role": "tested", "replicates": len(U),
+                         **ratio_test(_abs_from(E, r["fused"]), floor, margin=margin, alpha=alpha)})
+        if len(U) >= 2:
+            for k, u in enumerate(U):
+                rest = np.mean([_abs_from(E, v) for j, v in enumerate(U) if j != k], axis=0)
+                rows.append({"seed": seed, "pair": f"1-ulp replicate {k} vs eager", "role": "control: agree",
+                             "replicates": len(U) - 1,
+                             **ratio_test(_abs_from(E, u), rest, margin=margin, alpha=alpha)})
+        other = next((k for k in sorted(plain) if k[0] == "eager" and k[1] != seed and k[2] == 0), None)
+        if other is not None:
+            o = _aligned(E, plain[other], ("eager", seed, 0), other)[1]
+            rows.append({"seed": seed, "pair": f"eager seed {other[1]} vs eager (other batches)",
+                         "role": "control: differ", "replicates": len(U),
+                         **ratio_test(_abs_from(E, o), floor, margin=margin, alpha=alpha)})
+    table = pd.DataFrame(rows)
+    tested = table[table.role == "tested"]
+    if tested.empty:
+        raise ValueError("no fused run beside an eager seed with 1-ulp replicates")
+    agree, differ = table[table.role == "control: agree"], table[table.role == "control: differ"]
+    return {"equivalent": bool(tested.within.all()), "margin": margin, "alpha": alpha,
+            "controls_as_expected": bool(agree.within.all() and not differ.within.any()),
+            "fused_ratio_mean": float(tested.ratio.mean()), "seeds": sorted(int(s) for s in tested.seed),
+            "table": table}
+
+
 def verdict_table(verdict: dict) -> pd.DataFrame:
     """The verdict as a tidy table: one row per seed and test."""
     rows = []

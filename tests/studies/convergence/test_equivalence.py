@@ -200,3 +200,72 @@ def test_misaligned_runs_raise():
     df = df[~((df.path == "fused") & (df.seed == 1) & (df.step == 7))]
     with pytest.raises(ValueError, match="same steps"):
         eq.delta_table(df)
+
+
+# -- the same-batch floor ----------------------------------------------------
+
+def same_batch_runs(rng, *, fused_scale=1.0, replicates=3, seeds=(0, 1, 2)):
+    """Per seed: eager (trend + batch noise of that seed), fused and 1-ulp replicates = eager + their own
+    trajectory wobble (AR(1), phi 0.9), the fused one ``fused_scale`` times as large as a replicate's."""
+    t = np.arange(1, N_STEPS + 1)
+    trend = 0.1 + 2.0 * np.exp(-t / 300)
+    plain, moved = {}, {}
+    for s in seeds:
+        eager = trend + rng.normal(0, 0.05, N_STEPS)
+        plain[("eager", s, 0)] = eager
+        plain[("fused", s, 0)] = eager + fused_scale * ar1(rng, N_STEPS, 0.9, 1e-3)
+        for k in range(replicates):
+            moved[("eager", s, k)] = eager + ar1(rng, N_STEPS, 0.9, 1e-3)
+    return pd.concat([frame(plain).assign(perturbed=False), frame(moved).assign(perturbed=True)],
+                     ignore_index=True)
+
+
+@pytest.mark.parametrize("scale, within", [(1.0, True), (0.5, True), (2.0, False)], ids=["same", "half", "twice"])
+def test_ratio_test_on_known_ratios(scale, within):
+    rng = np.random.default_rng(5)
+    floor = np.mean([np.abs(ar1(rng, N_STEPS, 0.9, 1e-3)) for _ in range(3)], axis=0)
+    res = eq.ratio_test(np.abs(scale * ar1(rng, N_STEPS, 0.9, 1e-3)), floor)
+    assert res["within"] is within, res
+    assert res["ratio"] <= res["ratio_high"]
+
+
+def test_ratio_test_power_and_size_by_simulation():
+    """At a true ratio of 1 + margin the test passes at most ~alpha of the time (its size); at a true ratio
+    of 1 at least the reported power_at_1 (within simulation noise)."""
+    rng = np.random.default_rng(9)
+
+    def trial(scale):
+        u = [ar1(rng, N_STEPS, 0.9, 1e-3) for _ in range(3)]
+        floor = np.mean([np.abs(x) for x in u], axis=0)
+        return eq.ratio_test(np.abs(scale * ar1(rng, N_STEPS, 0.9, 1e-3)), floor)
+
+    at_margin = [trial(1.0 + eq.FLOOR_MARGIN)["within"] for _ in range(200)]
+    assert np.mean(at_margin) <= 2 * eq.ALPHA  # size: 0.05 nominal, 0.1 allows for 200 trials
+    at_one = [trial(1.0) for _ in range(100)]
+    assert np.mean([r["within"] for r in at_one]) >= np.mean([r["power_at_1"] for r in at_one]) - 0.1
+
+
+def test_ratio_test_rejects_bad_input():
+    with pytest.raises(ValueError, match="equal length"):
+        eq.ratio_test(np.ones(10), np.ones(11))
+    with pytest.raises(ValueError, match="floor series is 0"):
+        eq.ratio_test(np.ones(100), np.zeros(100))
+    with pytest.raises(ValueError, match="margin"):
+        eq.ratio_test(np.ones(100), np.ones(100), margin=0.0)
+    assert eq.ratio_test(np.ones(20), np.ones(20))["reason"].startswith("only")  # too few blocks: no verdict
+
+
+@pytest.mark.parametrize("scale, equivalent", [(1.0, True), (3.0, False)], ids=["like-one-ulp", "three-ulps-worth"])
+def test_same_batch_verdict_and_its_controls(scale, equivalent):
+    v = eq.same_batch_verdict(same_batch_runs(np.random.default_rng(3), fused_scale=scale))
+    t = v["table"]
+    assert v["equivalent"] is equivalent and v["seeds"] == [0, 1, 2]
+    assert v["controls_as_expected"]  # each replicate agrees with the others; another seed's batches differ
+    assert dict(t.role.value_counts()) == {"tested": 3, "control: agree": 9, "control: differ": 3}
+    assert (t[t.role == "control: differ"].ratio > 10).all()
+
+
+def test_same_batch_verdict_needs_replicates():
+    df = synthetic_runs(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="1-ulp replicates"):
+        eq.same_batch_verdict(df)
