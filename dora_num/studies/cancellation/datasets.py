@@ -8,7 +8,7 @@ TRAINED = DataSet(
     tuple(f"adapters/trained/{f}" for f in ("manifest.json", "evals.csv", "history_windows.csv", "collapse.csv.gz",
                                             "g_final.npz", "crosscheck.csv"))
     + tuple(_EXPORT + f for f in ("adapter_config.json", "adapter_model.safetensors", "final_capture.npz")),
-    recorder="adapters-gpu --base .carry/minilm", notebooks=("01",))
+    recorder="adapters-gpu --base .carry/minilm", notebooks=("01", "02"))
 AGREEMENT = DataSet("agreement", ("adapters/agreement.csv",), recorder="adapters --agreement-only",
                     where="the CPU, a few minutes on 2 cores", ingest=False, notebooks=("01",))
 PAPER_SHAPE = DataSet("paper-shape", ("01_cancellation_at_g1/paper_benchmark_g1_paper_shape.csv",),
