@@ -35,6 +35,16 @@ def load_recorded(folder: str | Path | None = None) -> Recorded:
                     json.loads((folder / "summary.json").read_text()), folder)
 
 
+def measured_at(folder: str | Path) -> str:
+    """Where and at which commit the recorded runs ran, from the history's provenance sidecar: the GPU, and
+    the commit of every process (one when the runs were recorded at one commit)."""
+    side = json.loads((Path(folder) / "history.csv.gz.provenance.json").read_text())
+    extra = side.get("extra") or {}
+    gpu = (side.get("device") or {}).get("name") or (side.get("device") or {}).get("device", {}).get("name")
+    sha = extra.get("measured_at_git_sha") or (side.get("parameters") or {}).get("git_sha") or side["git"]["sha"]
+    return f"{gpu or 'unknown device'}; {sha}"
+
+
 def read_history(path: Path) -> pd.DataFrame:
     """The tidy history, loss and gradient norm back to their exact float32 values
     (written with ``HISTORY_FLOAT_FORMAT``: the decimal string identifies the float32)."""
