@@ -32,7 +32,7 @@ from .magnitude import default_eps, initial_magnitude, magnitude_scale  # noqa: 
 from .products import (CHUNK_ALIGN, DEFAULT_CHUNK_BYTES, _products, autocast_off, chunk_columns,  # noqa: F401
                        resolve_chunk_bytes, split_gram, split_mm, split_pieces)
 from .terms import (ROW_CHUNK_BYTES, _base_and_zero_rows, _check_base_sq, _torch_tail_terms,  # noqa: F401
-                    base_row_norm_sq, factored_terms)
+                    base_passes, base_row_norm_sq, factored_terms)
 from .validation import check_finite, check_lora_factors, check_scale, check_tensor
 
 _autocast_off = autocast_off  # the name the package used before autocast_off moved to ops.products
@@ -101,9 +101,62 @@ def cached_zero_rows(W: torch.Tensor) -> torch.Tensor:
 
 def clear_base_sq_cache(W: torch.Tensor) -> None:
     """Drop the cache of :func:`cached_base_row_norm_sq` from ``W`` (if any), so that ``W`` carries no
-    state of this package (:func:`dora_num.peft.restore`)."""
+    state of this package (:func:`dora_num.peft.restore`), and mark every layer's cache
+    (:func:`refresh_base_cache`) stale: each forms its ``base`` once more at its next call (a compiled
+    layer cannot tell which W it holds by anything but W's pointer and version counter, which a write
+    through ``W.data`` leaves as they were)."""
     if hasattr(W, _CACHE_ATTR):
         delattr(W, _CACHE_ATTR)
+    _GENERATION[0] += 1
+
+
+_KEY_ATTR = "_dora_num_key"  # on a layer's base_sq buffer: the key of the W it holds (refresh_base_cache)
+_GENERATION = [0]  # bumped by clear_base_sq_cache; part of every layer cache's key
+
+
+def base_cache_key(W: torch.Tensor, chunk_bytes, cfg: OpConfig) -> tuple:
+    """What ``rowsum(W*W)`` and the zero rows depend on: W's storage pointer, version counter, shape,
+    dtype and device (as :func:`cached_base_row_norm_sq` keys them), the pass that forms them (the row
+    kernel, or torch over column chunks of that width) and the count of :func:`clear_base_sq_cache`
+    calls."""
+    tail = uses_tail_kernel(W.device, cfg)
+    cols = None if tail else chunk_columns(W.shape[0], W.shape[1], chunk_bytes)
+    return (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device, tail, cols, _GENERATION[0])
+
+
+def refresh_base_cache(W: torch.Tensor, base_sq: torch.Tensor, zero_rows: torch.Tensor, chunk_bytes,
+                       cfg: OpConfig) -> bool:
+    """Bring a layer's cache up to date with ``W``: ``base_sq`` (fp32 ``[d_out]``) and ``zero_rows``
+    (bool ``[d_out]``) are overwritten in place with ``rowsum(W*W)`` and W's zero rows, by the pass
+    of the eager cache (bitwise its values), where the key they were formed with
+    (:func:`base_cache_key`, kept on ``base_sq``) is not W's now; returns whether it formed them.
+
+    The compiled layer calls this inside its custom op (:mod:`dora_num.ops.weight_norm`), with the
+    layer's buffers as the op's inputs: a step reads them, and W is read again only when its
+    storage or version counter changed (an optimizer step on a trainable base), or after
+    :func:`clear_base_sq_cache` or :meth:`~dora_num.ops.layer.DoRALinear.clear_norm_cache` (a write
+    through ``W.data``, which no version counter sees).  Under CUDA-graph capture it always forms them:
+    a replay runs no Python, so a graph without the pass would keep a stale ``base`` once W changes."""
+    d_out = W.shape[0]
+    if base_sq.shape != (d_out,) or base_sq.dtype != torch.float32 or zero_rows.shape != (d_out,) \
+            or zero_rows.dtype != torch.bool or base_sq.device != W.device or zero_rows.device != W.device:
+        raise ValueError(f"the base cache must be float32 and bool [d_out] = [{d_out}] on {W.device}, got "
+                         f"{base_sq.dtype} {tuple(base_sq.shape)} and {zero_rows.dtype} {tuple(zero_rows.shape)}")
+    key = base_cache_key(W, chunk_bytes, cfg)
+    capturing = W.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing and base_sq.__dict__.get(_KEY_ATTR) == key:
+        return False
+    base, zero = _base_and_zero_rows(W.detach(), chunk_bytes, cfg)
+    with torch.no_grad():
+        base_sq.copy_(base)
+        zero_rows.copy_(zero)
+    base_sq.__dict__[_KEY_ATTR] = key
+    return True
+
+
+def clear_base_cache(base_sq: torch.Tensor) -> None:
+    """Mark a layer's cache (:func:`refresh_base_cache`) stale: the next call forms it again."""
+    base_sq.__dict__.pop(_KEY_ATTR, None)
 
 
 # --------------------------------------------------------------------------

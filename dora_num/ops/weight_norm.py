@@ -5,12 +5,13 @@ Eager (:func:`magnitude_scale_and_flag`): ``rowsum(W*W)`` and W's zero rows are 
 denominator ``den`` (``wnorm``, ``eps`` on a zero row) and a device flag that the caller reads late
 (:mod:`dora_num.ops.finite`); ``g = m / den``.
 
-Compiled (``torch.compile``): the custom op ``dora_num::weight_den`` gives ``den`` with no cache, no
-host read and no device state of its own.  It recomputes ``rowsum(W*W)`` and the zero rows (the
-cached values' kernel: bitwise the same) and raises the caller's running flag ``acc`` (an explicit
-input it mutates, :func:`new_flag`), which :func:`dora_num.ops.layer.check_flags` reads;
-``g = m / den`` is ``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).
-So a compiled layer's ``g`` is bitwise the eager one, and the graph replays under CUDA graphs.
+Compiled (``torch.compile``): the custom op ``dora_num::weight_den`` gives ``den`` with no host read.
+Its inputs include the layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again in
+the op by the eager cache's pass only when W changed: :func:`~dora_num.ops.norm.refresh_base_cache`)
+and the caller's running flag ``acc`` (:func:`new_flag`), which it raises and
+:func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is ``dora_num::magnitude_div`` (torch's
+correctly rounded division, as in eager).  Both run :func:`~dora_num.ops.norm.factored_norm`, so a
+compiled layer's ``g`` is bitwise the eager one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .guard import check_on_cancellation
 from .magnitude import _magnitude_div_op, default_eps, magnitude_scale  # noqa: F401  (public here too)
 from .norm import (FLAG_FIELDS, _accumulate, _base_and_zero_rows, _cached_base_and_zero_rows,  # noqa: F401
                    _factored_row_norm, cached_base_row_norm_sq, cached_zero_rows, chunk_columns,
-                   clear_base_sq_cache, factored_norm, new_flag, resolve_chunk_bytes)
+                   clear_base_sq_cache, factored_norm, new_flag, refresh_base_cache, resolve_chunk_bytes)
 from .validation import check_lora_factors, check_scale, check_tensor
 
 
@@ -86,14 +87,16 @@ def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
 
 def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_cancellation: str = "recompute",
                               trusted: bool = False, where: str = "factored row norm", warn: bool = True,
-                              cached: bool = True, acc=None, want_g: bool = True):
+                              cached: bool = True, acc=None, want_g: bool = True, base=None):
     """``(g, bad, den, aux)``: :func:`magnitude_scale_and_flag`, the fp32 ``den`` that ``g =
     m.float() / den`` divides by (the layer's norm cache keeps it) and the tail kernel's ``[3, d_out]``
     guard rows (:func:`dora_num.ops.guard.report_kernel`; None on the torch tail, where the guard acted
     already).  ``trusted``: the caller validated W, A, B and m (only the shapes' consistency is
     checked).  ``where``, ``warn``: the torch tail's guard messages.  ``cached=False``: ``base_sq`` and
     the zero rows recomputed, not cached (the compiled op); ``acc``: a running flag raised by this
-    call (:func:`new_flag`); ``want_g=False``: ``g`` is None (the caller divides)."""
+    call (:func:`new_flag`); ``want_g=False``: ``g`` is None (the caller divides); ``base``: ``(base_sq,
+    zero_rows)`` of W, current (a layer's cache, :func:`~dora_num.ops.norm.refresh_base_cache`), instead
+    of W's own cache."""
     if torch.compiler.is_compiling():
         den = weight_den(W, A, B, scale, m, chunk_bytes=chunk_bytes, on_cancellation=on_cancellation, config=cfg)
         return _magnitude_div_op(m, den), None, None, None
@@ -105,8 +108,11 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
         if m.shape[0] != d_out or m.device != W.device:
             raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
     eps = default_eps(m.dtype)
-    base_sq, zero_rows = (_cached_base_and_zero_rows(W, chunk_bytes, cfg) if cached
-                          else _base_and_zero_rows(W, chunk_bytes, cfg))
+    if base is not None:
+        base_sq, zero_rows = base
+    else:
+        base_sq, zero_rows = (_cached_base_and_zero_rows(W, chunk_bytes, cfg) if cached
+                              else _base_and_zero_rows(W, chunk_bytes, cfg))
     res = factored_norm(W.detach(), A.detach(), B.detach(), scale_constants(check_scale(scale)),
                         chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq, cfg, mode=on_cancellation,
                         zero_rows=zero_rows, m=m, eps=eps, acc=acc, want_g=want_g, where=where, warn=warn)
@@ -118,30 +124,39 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
 # --------------------------------------------------------------------------
 
 def weight_den(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, m: torch.Tensor, *,
-               acc: torch.Tensor | None = None, chunk_bytes: int | None = None, on_cancellation: str = "recompute",
-               config: OpConfig | None = None) -> torch.Tensor:
+               acc: torch.Tensor | None = None, base: tuple | None = None, chunk_bytes: int | None = None,
+               on_cancellation: str = "recompute", config: OpConfig | None = None) -> torch.Tensor:
     """The denominator of ``g = m / den`` (fp32 ``[d_out]``, detached) by the custom op
     ``dora_num::weight_den``: what a compiled layer calls.  ``acc`` (:func:`new_flag`; a fresh one if
-    None) is raised by the call: finiteness of ``den`` and ``m / den``, the guard's code and count."""
+    None) is raised by the call: finiteness of ``den`` and ``m / den``, the guard's code and count.
+    ``base``: the caller's cache ``(base_sq, zero_rows)`` of W (fp32 and bool ``[d_out]``, op inputs the
+    op brings up to date: :func:`~dora_num.ops.norm.refresh_base_cache`; the layer's buffers); None: a
+    fresh pair, formed in the call."""
     cfg = get_config() if config is None else config
     if acc is None:
         acc = new_flag(W.device)
+    if base is None:
+        base = (W.new_empty(W.shape[:1], dtype=torch.float32), W.new_empty(W.shape[:1], dtype=torch.bool))
     cb = resolve_chunk_bytes(W.shape[0], W.shape[1], chunk_bytes)
-    return _weight_den_op(W.detach(), A.detach(), B.detach(), m.detach(), acc, float(scale), int(cb), cfg.key,
-                          check_on_cancellation(on_cancellation))
+    return _weight_den_op(W.detach(), A.detach(), B.detach(), m.detach(), acc, base[0], base[1], float(scale),
+                          int(cb), cfg.key, check_on_cancellation(on_cancellation))
 
 
-@torch.library.custom_op("dora_num::weight_den", mutates_args=("acc",))
+@torch.library.custom_op("dora_num::weight_den", mutates_args=("acc", "base_sq", "zero_rows"))
 def _weight_den_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor, acc: torch.Tensor,
-                   scale: float, chunk_bytes: int, config: str, on_cancellation: str) -> torch.Tensor:
-    """No cache, no sync, no state but ``acc``; ``config``: the traced
+                   base_sq: torch.Tensor, zero_rows: torch.Tensor, scale: float, chunk_bytes: int, config: str,
+                   on_cancellation: str) -> torch.Tensor:
+    """No sync and no state but its inputs: ``acc`` raised, ``base_sq`` and ``zero_rows`` formed again
+    only where W changed (:func:`~dora_num.ops.norm.refresh_base_cache`); ``config``: the traced
     :attr:`~dora_num.ops.config.OpConfig.key`."""
-    return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, OpConfig.from_key(config), on_cancellation,
-                                     trusted=True, cached=False, acc=acc, want_g=False)[2]
+    cfg = OpConfig.from_key(config)
+    refresh_base_cache(W, base_sq, zero_rows, chunk_bytes, cfg)
+    return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg, on_cancellation, trusted=True, acc=acc,
+                                     want_g=False, base=(base_sq, zero_rows))[2]
 
 
 @_weight_den_op.register_fake
-def _(W, A, B, m, acc, scale, chunk_bytes, config, on_cancellation):
+def _(W, A, B, m, acc, base_sq, zero_rows, scale, chunk_bytes, config, on_cancellation):
     return W.new_empty((W.shape[0],), dtype=torch.float32)
 
 
