@@ -278,3 +278,17 @@ def override(**changes) -> Iterator[OpConfig]:
             del _local.config
         else:
             _local.config = prev
+
+
+def uses_tail_kernel(device: torch.device, config: OpConfig | None = None) -> bool:
+    """Whether the factored norm's tail (cross, ba, assembly; for the layer also the clamp and
+    the finiteness flag of g) runs as the one-launch Triton kernel of
+    :mod:`dora_num.ops.kernels.norm_tail` on ``device`` under ``config`` (default
+    :func:`get_config`): ``norm_tail="auto"`` on CUDA, ``"triton"`` on CUDA and on CPU under the
+    interpreter; otherwise (``"torch"``, or CPU without the interpreter) the torch sequence runs."""
+    cfg = get_config() if config is None else config
+    if cfg.norm_tail == "torch":
+        return False
+    if device.type == "cuda":
+        return True
+    return cfg.norm_tail == "triton" and device.type == "cpu" and cfg.interpret

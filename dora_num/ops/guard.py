@@ -16,8 +16,14 @@ from typing import NamedTuple
 
 import torch
 
+from ..numerics.arithmetic import TorchFP32CorrectSqrt
+from ..numerics.formulas import norm_assembly, scale_constants
 from ..numerics.norm_bounds import PosteriorConstants, posterior_constants
+from ..numerics.norm_posterior import lora_row_magnitudes, posterior_from_terms
 from ..numerics.standard_model import U32, U64, gamma
+from .config import uses_tail_kernel
+from .products import SPLIT_DTYPES, _tensor_core_fp32_out, factored_products, fp32_matmul_precision
+from .terms import factored_terms
 
 ON_CANCELLATION = ("recompute", "warn", "raise", "off")
 CANCELLATION_REL = 2.0**-6  # the guaranteed relative error of wnorm above which a row is recomputed (docstring)
@@ -54,8 +60,6 @@ def products_of(W: torch.Tensor, split: int | None = None) -> str:
     """The product model (:data:`~dora_num.numerics.norm_posterior.PRODUCT_MODELS`) of ``U``, ``G`` for
     the factored norm of ``W`` (``split``: the piece count where ``U``, ``G`` came from the split of A),
     as :func:`dora_num.ops.products.product_model` chose it from the same switches."""
-    from .products import SPLIT_DTYPES, _tensor_core_fp32_out, fp32_matmul_precision
-
     if split is not None:
         return "split"
     if W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype):
@@ -69,9 +73,6 @@ def tail_is_certifiable(W: torch.Tensor) -> bool:
     which torch's switches may turn into TF32 (CUDA) or bf16 (oneDNN on the CPU under
     ``set_float32_matmul_precision("medium")``): then no row is certified by its terms and the guard
     recomputes every row in float64 (:func:`dora_num.ops.products.fp32_matmul_precision`)."""
-    from .norm import uses_tail_kernel
-    from .products import fp32_matmul_precision
-
     return uses_tail_kernel(W.device) or fp32_matmul_precision(W.device.type) == "ieee"
 
 
@@ -331,17 +332,11 @@ class GuardRows(NamedTuple):
 def guard_rows(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> GuardRows:
     """The guard's decision row by row, from the same public pieces and in the same order as the
     torch tail of :func:`dora_num.ops.norm.factored_row_norm` (no cached zero-row mask): its terms
-    (:func:`~dora_num.ops.norm.factored_terms`), products (:func:`~dora_num.ops.products.factored_products`),
+    (:func:`~dora_num.ops.terms.factored_terms`), products (:func:`~dora_num.ops.products.factored_products`),
     row magnitudes and lemma 4' (:func:`~dora_num.numerics.norm_posterior.posterior_from_terms`), and the
     float64 recompute (:func:`dense_rows_fp64`) of the flagged rows and of rows whose fp32 value is not
     finite.  ``guarded`` is bitwise the torch tail's result; the reviewer's kit checks each row against
     the lemma that covers it."""
-    from ..numerics.arithmetic import TorchFP32CorrectSqrt
-    from ..numerics.formulas import norm_assembly, scale_constants
-    from ..numerics.norm_posterior import lora_row_magnitudes, posterior_from_terms
-    from .norm import factored_terms
-    from .products import factored_products
-
     base, cross, ba, two_s, s_sq = factored_terms(W, A, B, scale)
     s = scale_constants(scale)[0]
     r = A.shape[0]

@@ -4,8 +4,8 @@
 with the norm detached (``m / eps`` only on a zero row).  PEFT's initialisation (``B = 0``, ``m`` the
 layer's own norm), so ``g == 1`` exactly at init and the layer is bitwise its base layer, bias or not.
 The norm is the cached factored one with its cancellation guard (:mod:`dora_num.ops.weight_norm`: one
-Triton launch and a flag read late on CUDA; a stateless custom op under ``torch.compile``); the
-compose is :mod:`dora_num.ops.compose`, in training one node with the up-projection that keeps ``x A^T``
+Triton launch and a flag read late on CUDA; under ``torch.compile`` a custom op whose only state is
+the layer's buffers); the compose is :mod:`dora_num.ops.compose`, in training one node with the up-projection that keeps ``x A^T``
 instead of ``lora`` (:mod:`dora_num.ops.lora_compose`).  Adapters keep their dtype (fp32 by default,
 as PEFT keeps them); under autocast the products run in the autocast dtype and the compose in fp32.
 Seams (``norm=``, ``compose_fn=``, ``forward(x, g=..., base_out=...)``), the dtype rules, the PEFT
@@ -30,7 +30,7 @@ from .config import OpConfig, get_config, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
 from .magnitude import _magnitude_div_op, initial_magnitude, magnitude_scale
-from .norm import _factored_row_norm, dense_row_norm, uses_tail_kernel
+from .norm import _factored_row_norm, clear_base_cache, dense_row_norm, uses_tail_kernel
 from .weight_norm import (_flag_not_finite_op, _magnitude_scale_and_flag, _weight_norm_cached,
                           cached_base_row_norm_sq, new_flag, weight_den)
 from .validation import check_tensor
@@ -129,6 +129,7 @@ class DoRALinear(nn.Module):
         self.dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
         # the running flag a compiled forward raises (finiteness, the guard); check_flags reads it
         self.register_buffer("_flags", new_flag(W.device), persistent=False)
+        self._new_base_cache()
         if all(given):
             self.lora_A = _adapter_param("lora_A", lora_A, (rank, base.in_features), W.device)
             self.lora_B = _adapter_param("lora_B", lora_B, (base.out_features, rank), W.device)
@@ -182,6 +183,24 @@ class DoRALinear(nn.Module):
     @property
     def out_features(self) -> int:
         return self.base.out_features
+
+    def _new_base_cache(self) -> None:
+        """Fresh (stale) buffers for the compiled forward's cache of ``rowsum(W*W)`` and W's zero rows
+        (``_base_sq``, ``_zero_rows``: op inputs of ``dora_num::weight_den``, formed again inside it only
+        when W changed, :func:`~dora_num.ops.norm.refresh_base_cache`); not in the state dict."""
+        W = self.base.weight
+        self.register_buffer("_base_sq", torch.empty(W.shape[0], dtype=torch.float32, device=W.device),
+                             persistent=False)
+        self.register_buffer("_zero_rows", torch.empty(W.shape[0], dtype=torch.bool, device=W.device),
+                             persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), .cuda(): the cache would follow W's move as a converted copy (.half() would
+        # even make it fp16); start it again on W's device instead
+        super()._apply(fn, recurse)
+        if "_base_sq" in self._buffers:
+            self._new_base_cache()
+        return self
 
     def base_sq(self) -> torch.Tensor:
         """Cached ``rowsum(W*W)`` (fp32), recomputed if W changed
@@ -298,8 +317,12 @@ class DoRALinear(nn.Module):
         it across forwards (repeated inference with a frozen adapter); after an update that
         bypasses the version counter there, call :meth:`clear_norm_cache`."""
         W, A, B, m = self.base.weight, self.lora_A, self.lora_B, self.magnitude
-        if torch.compiler.is_compiling() and self.norm != "dense":  # no cache: the graph recomputes, bitwise
-            den = weight_den(W, A, B, self.scale, m, acc=self._flags, chunk_bytes=self.chunk_bytes,
+        if torch.compiler.is_compiling() and self.norm != "dense":  # the custom op: the eager norm's bits
+            # "cached": rowsum(W*W) and the zero rows from the layer's buffers, formed again only when W changed
+            base = (self._base_sq, self._zero_rows) if self.norm == "cached" else None
+            if base is not None and not all(t.device == W.device and t.shape == W.shape[:1] for t in base):
+                base = None  # a base weight that moved without the layer (a PEFT model's .to): formed in the call
+            den = weight_den(W, A, B, self.scale, m, acc=self._flags, base=base, chunk_bytes=self.chunk_bytes,
                              on_cancellation=self.on_cancellation, config=cfg)
             return _magnitude_div_op(m, den), None, None, None
         if self.norm == "cached":
@@ -329,8 +352,11 @@ class DoRALinear(nn.Module):
 
     def clear_norm_cache(self) -> None:
         """Forget the cached denominator of ``g`` (:meth:`_g_and_flag`): needed only after W, A, B
-        or m were changed in a way that bypasses their version counters (``.data``)."""
+        or m were changed in a way that bypasses their version counters (``.data``).  Also marks the
+        compiled forward's cache of ``rowsum(W*W)`` stale."""
         self.__dict__.pop("_norm_cache", None)
+        if "_base_sq" in self._buffers:
+            clear_base_cache(self._base_sq)
 
     def _where(self, step: int | None = None) -> str:
         """The layer in messages: its module path (``name``) if set, its shape, and the forward call

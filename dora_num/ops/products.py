@@ -9,17 +9,19 @@ Elsewhere fp32 GEMMs while they are IEEE fp32; where torch's switches make them 
 ``"medium"``), float64 accumulation over column chunks, rounded once to fp32.  So those switches
 never change ``U`` or ``G`` unnoticed: :func:`product_model` names the route and the bounds follow
 it; :func:`fp32_matmul_precision` reads the switches (also for the dense norm's and the torch
-tail's own fp32 GEMMs).
+tail's own fp32 GEMMs).  Also the two things every pass over W shares: its fp32 column chunks under a
+byte budget (:func:`chunk_columns`) and autocast switched off (:func:`autocast_off`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 
 from ..numerics.standard_model import tc_blocks
-from .config import OpConfig
+from .config import OpConfig, get_config
 
 _MM_OUT_DTYPE_OK: dict = {}  # (device type, dtype) -> whether torch.mm(..., out_dtype=fp32) runs
 SPLIT_DTYPES = (torch.bfloat16, torch.float16)
@@ -30,6 +32,74 @@ _K_LIMIT = 126
 # G's float64 accumulation reads A in column chunks of at most this many bytes (float64): r = 384 at
 # d_in = 28,672 is 88 MB in one piece, 8 chunks of 11 MB here
 _GRAM_CHUNK_BYTES = 16 * 2**20
+CHUNK_ALIGN = 64  # columns; chunk widths are multiples of this (coalesced, tensor-core friendly)
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+class _AutocastDisabled:
+    """Autocast off for ``device_type`` inside the block, restored after (the one switch the
+    norm needs: its products must not be cast).  0.8 us per enter/exit on the CPU machine
+    against 4.4 us for ``torch.autocast(..., enabled=False)`` (which also saves and restores the
+    autocast dtype and cache state, unchanged here); eager only."""
+
+    __slots__ = ("device_type",)
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def __enter__(self):
+        torch.set_autocast_enabled(self.device_type, False)
+
+    def __exit__(self, *exc):
+        torch.set_autocast_enabled(self.device_type, True)
+        return False
+
+
+def autocast_off(device_type: str):
+    """Autocast off for ``device_type`` where it is on, else a no-op (constructing a
+    ``torch.autocast`` context costs ~4-10 us of Python on the hot path; while tracing,
+    ``torch.autocast`` itself).  Every pass of the factored norm over W, A, B runs under it."""
+    if torch.is_autocast_enabled(device_type):
+        if torch.compiler.is_compiling():
+            return torch.autocast(device_type, enabled=False)
+        return _AutocastDisabled(device_type)
+    return contextlib.nullcontext()
+
+
+def resolve_chunk_bytes(d_out: int, d_in: int, chunk_bytes: int | None) -> int:
+    """The byte budget of one fp32 chunk of W plus its square.
+
+    ``None`` (the default everywhere) means ``min(256 MiB, d_out*d_in*4 / 4)``, never
+    below one 64-column chunk: each temporary is then at most an eighth of a dense
+    fp32 ``[d_out, d_in]`` matrix (the two together a quarter) for ``d_in >= 512``,
+    and never above the 256 MiB of the paper's implementation at large sizes.
+    An explicit ``chunk_bytes`` is used as given (validated by :func:`chunk_columns`).
+    """
+    if chunk_bytes is not None:
+        return chunk_bytes
+    smallest = min(CHUNK_ALIGN, d_in) * 2 * 4 * max(d_out, 1)
+    return max(smallest, min(DEFAULT_CHUNK_BYTES, d_out * d_in))
+
+
+def chunk_columns(d_out: int, d_in: int, chunk_bytes: int | None) -> int:
+    """Widest chunk (a multiple of 64 columns, or all of ``d_in``) whose fp32
+    copy of W plus its square fit in ``chunk_bytes`` (``None``: :func:`resolve_chunk_bytes`)."""
+    chunk_bytes = resolve_chunk_bytes(d_out, d_in, chunk_bytes)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+        raise TypeError(f"chunk_bytes must be an int, got {type(chunk_bytes).__name__}")
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    per_column = 2 * 4 * max(d_out, 1)  # fp32 chunk of W and its elementwise square
+    smallest = min(CHUNK_ALIGN, d_in)
+    if chunk_bytes < smallest * per_column:
+        raise ValueError(
+            f"chunk_bytes={chunk_bytes} is smaller than one {smallest}-column fp32 chunk of W "
+            f"(needs {smallest * per_column} bytes for d_out={d_out})"
+        )
+    cols = chunk_bytes // per_column
+    if cols >= d_in:
+        return d_in
+    return max(CHUNK_ALIGN, cols // CHUNK_ALIGN * CHUNK_ALIGN)
 
 
 class ProductModel(NamedTuple):
@@ -63,8 +133,6 @@ def product_model(W: torch.Tensor, A: torch.Tensor, cfg: OpConfig | None = None)
     where the route is chosen.  16-bit W on CUDA: ``"tensor_core"`` (A of W's dtype) or ``"split"``;
     otherwise ``"fp32"`` while :func:`fp32_matmul_precision` is ``"ieee"`` on W's device, and
     ``"fp64"`` where TF32 or bf16 GEMMs are switched on (the fp32 GEMM would no longer be one)."""
-    from .config import get_config
-
     cfg = get_config() if cfg is None else cfg
     fmt = "fp16" if W.dtype == torch.float16 else "bf16"
     if W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype):
@@ -320,9 +388,6 @@ def factored_products(W: torch.Tensor, A: torch.Tensor, *, chunk_bytes: int | No
     """The :class:`Products` (``U``, ``G``, the split's pieces and ``inv``, the model) the factored norm
     forms for ``W``, ``A`` (the same call as :func:`dora_num.ops.norm.factored_row_norm`'s; for studies and
     the reviewer's kit, which re-derive the guard's decision from them).  No gradient, autocast off."""
-    from .config import get_config
-    from .norm import _autocast_off, chunk_columns
-
     cfg = get_config() if cfg is None else cfg
-    with torch.no_grad(), _autocast_off(W.device.type):
+    with torch.no_grad(), autocast_off(W.device.type):
         return _products(W, A, chunk_columns(W.shape[0], W.shape[1], chunk_bytes), cfg)

@@ -5,90 +5,28 @@ Eager (:func:`magnitude_scale_and_flag`): ``rowsum(W*W)`` and W's zero rows are 
 denominator ``den`` (``wnorm``, ``eps`` on a zero row) and a device flag that the caller reads late
 (:mod:`dora_num.ops.finite`); ``g = m / den``.
 
-Compiled (``torch.compile``): the custom op ``dora_num::weight_den`` gives ``den`` with no cache, no
-host read and no device state of its own.  It recomputes ``rowsum(W*W)`` and the zero rows (the
-cached values' kernel: bitwise the same) and raises the caller's running flag ``acc`` (an explicit
-input it mutates, :func:`new_flag`), which :func:`dora_num.ops.layer.check_flags` reads;
-``g = m / den`` is ``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).
-So a compiled layer's ``g`` is bitwise the eager one, and the graph replays under CUDA graphs.
+Compiled (``torch.compile``): the custom op ``dora_num::weight_den`` gives ``den`` with no host read.
+Its inputs include the layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again in
+the op by the eager cache's pass only when W changed: :func:`~dora_num.ops.norm.refresh_base_cache`)
+and the caller's running flag ``acc`` (:func:`new_flag`), which it raises and
+:func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is ``dora_num::magnitude_div`` (torch's
+correctly rounded division, as in eager).  Both run :func:`~dora_num.ops.norm.factored_norm`, so a
+compiled layer's ``g`` is bitwise the eager one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..numerics import formulas
-from ..numerics.arithmetic import TorchFP32
 from ..numerics.formulas import scale_constants
 from . import guard as _guard
 from .config import OpConfig, get_config
 from .guard import check_on_cancellation
-from .magnitude import _magnitude_div_op, default_eps, magnitude_scale
-from .norm import (_autocast_off, _base_and_zero_rows, _factored_core, _factored_row_norm, _recompute_not_finite,
-                   chunk_columns, resolve_chunk_bytes)
+from .magnitude import _magnitude_div_op, default_eps, magnitude_scale  # noqa: F401  (public here too)
+from .norm import (FLAG_FIELDS, _accumulate, _base_and_zero_rows, _cached_base_and_zero_rows,  # noqa: F401
+                   _factored_row_norm, cached_base_row_norm_sq, cached_zero_rows, chunk_columns,
+                   clear_base_sq_cache, factored_norm, new_flag, refresh_base_cache, resolve_chunk_bytes)
 from .validation import check_lora_factors, check_scale, check_tensor
-
-_CACHE_ATTR = "_dora_num_base_sq"
-FLAG_FIELDS = ("code", "rows_flagged", "calls")  # the entries of a running flag (new_flag)
-
-
-def _cached_base_and_zero_rows(W: torch.Tensor, chunk_bytes, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rowsum(W*W), W's exactly zero rows)`` cached on the tensor ``W`` itself (key: its storage
-    pointer, version counter, shape, dtype and device)."""
-    key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device)
-    hit = getattr(W, _CACHE_ATTR, None)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    val = _base_and_zero_rows(W.detach(), chunk_bytes, cfg)
-    setattr(W, _CACHE_ATTR, (key, val))
-    return val
-
-
-def cached_base_row_norm_sq(W: torch.Tensor, *, chunk_bytes: int | None = None) -> torch.Tensor:
-    """``rowsum(W*W)`` (fp32, :func:`~dora_num.ops.norm.base_row_norm_sq`), cached on the tensor ``W``.
-
-    The key is W's storage pointer, version counter (bumped by every in-place write through
-    autograd), shape, dtype and device: such changes recompute.  A write through ``W.data`` bumps no
-    version counter, and the new storage can reuse the old address: after one, call
-    :func:`clear_base_sq_cache` (:func:`dora_num.peft.clear_caches` for a whole model).  The cache
-    dies with W and is shared by every module that wraps the same frozen weight.
-    """
-    check_tensor("W", W, ndim=2)
-    return _cached_base_and_zero_rows(W, chunk_bytes, get_config())[0]
-
-
-def cached_zero_rows(W: torch.Tensor) -> torch.Tensor:
-    """Bool ``[d_out]``: the exactly zero rows of ``W``, from the pass and cache of
-    :func:`cached_base_row_norm_sq`.  The guard certifies a row whose W and B rows are both zero as
-    exactly 0 (its fp32 terms cannot tell such a row from one whose squares all underflow)."""
-    check_tensor("W", W, ndim=2)
-    return _cached_base_and_zero_rows(W, None, get_config())[1]
-
-
-def clear_base_sq_cache(W: torch.Tensor) -> None:
-    """Drop the cache of :func:`cached_base_row_norm_sq` from ``W`` (if any), so that ``W`` carries no
-    state of this package (:func:`dora_num.peft.restore`)."""
-    if hasattr(W, _CACHE_ATTR):
-        delattr(W, _CACHE_ATTR)
-
-
-# --------------------------------------------------------------------------
-# Running flags (compiled layers)
-# --------------------------------------------------------------------------
-
-def new_flag(device) -> torch.Tensor:
-    """A zeroed running flag: int64 ``[3]``, :data:`FLAG_FIELDS` (the largest ``guard.FLAG_*`` code,
-    the rows the guard flagged, the calls, since the last reset)."""
-    return torch.zeros(len(FLAG_FIELDS), dtype=torch.int64, device=device)
-
-
-def _accumulate(acc: torch.Tensor, code: torch.Tensor, count) -> None:
-    """Raise the running flag ``acc`` by one call with ``code`` (0-d) and ``count`` flagged rows
-    (torch operations: no sync)."""
-    code = code.reshape(()).to(torch.int64)
-    if isinstance(count, torch.Tensor):  # a Python int is added as a kernel argument (no copy to the device)
-        count = count.reshape(()).to(torch.int64)
-    acc.copy_(torch.stack((torch.maximum(acc[0], code), acc[1] + count, acc[2] + 1)))
 
 
 # --------------------------------------------------------------------------
@@ -149,14 +87,16 @@ def magnitude_scale_and_flag(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
 
 def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_cancellation: str = "recompute",
                               trusted: bool = False, where: str = "factored row norm", warn: bool = True,
-                              cached: bool = True, acc=None, want_g: bool = True):
+                              cached: bool = True, acc=None, want_g: bool = True, base=None):
     """``(g, bad, den, aux)``: :func:`magnitude_scale_and_flag`, the fp32 ``den`` that ``g =
     m.float() / den`` divides by (the layer's norm cache keeps it) and the tail kernel's ``[3, d_out]``
     guard rows (:func:`dora_num.ops.guard.report_kernel`; None on the torch tail, where the guard acted
     already).  ``trusted``: the caller validated W, A, B and m (only the shapes' consistency is
     checked).  ``where``, ``warn``: the torch tail's guard messages.  ``cached=False``: ``base_sq`` and
     the zero rows recomputed, not cached (the compiled op); ``acc``: a running flag raised by this
-    call (:func:`new_flag`); ``want_g=False``: ``g`` is None (the caller divides)."""
+    call (:func:`new_flag`); ``want_g=False``: ``g`` is None (the caller divides); ``base``: ``(base_sq,
+    zero_rows)`` of W, current (a layer's cache, :func:`~dora_num.ops.norm.refresh_base_cache`), instead
+    of W's own cache."""
     if torch.compiler.is_compiling():
         den = weight_den(W, A, B, scale, m, chunk_bytes=chunk_bytes, on_cancellation=on_cancellation, config=cfg)
         return _magnitude_div_op(m, den), None, None, None
@@ -168,41 +108,15 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
         if m.shape[0] != d_out or m.device != W.device:
             raise ValueError(f"m must be [d_out] = [{d_out}] on {W.device}, got {tuple(m.shape)} on {m.device}")
     eps = default_eps(m.dtype)
-    base_sq, zero_rows = (_cached_base_and_zero_rows(W, chunk_bytes, cfg) if cached
-                          else _base_and_zero_rows(W, chunk_bytes, cfg))
-    guard = on_cancellation != "off"
-    tail_m = m.detach() if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
-    consts = scale_constants(check_scale(scale))
-    with torch.no_grad(), _autocast_off(W.device.type):
-        core = _factored_core(W.detach(), A.detach(), B.detach(), consts, chunk_columns(d_out, d_in, chunk_bytes),
-                              chunk_bytes, base_sq, cfg, m=tail_m, eps=eps, guard=guard,
-                              zero_rows=zero_rows if guard else None, acc=acc)
-    if core.den is not None:  # the kernel raised acc itself
-        # den = magnitude_denominator(wnorm, eps) of formulas.magnitude_scale, selected (exactly) in the
-        # kernel; this is its division (tests: bitwise equal to magnitude_scale(m, wnorm)).
-        return (m.float() / core.den if want_g else None), core.flag, core.den, core.aux
-    wnorm = core.wnorm
-    rel = core.rel
-    if guard:  # the torch tail: the guard's decision now (free on the CPU; a sync on CUDA's A/B baseline)
-        code = int(_guard.status(wnorm, rel))
-        if code >= _guard.FLAG_NONFINITE:  # fp32 intermediates that overflow where the norm fits: float64
-            wnorm, rel = _recompute_not_finite(W.detach(), A.detach(), B.detach(), consts[0], wnorm, rel, base_sq,
-                                               False)
-            code = int(_guard.status(wnorm, rel))
-        if _guard.FLAG_CANCELLATION <= code < _guard.FLAG_NONFINITE:
-            with torch.no_grad(), _autocast_off(W.device.type):
-                wnorm = _guard.resolve(W.detach(), A.detach(), B.detach(), consts[0], wnorm, rel,
-                                       on_cancellation, where=where, warn=warn)
-    with torch.no_grad():
-        den = formulas.magnitude_denominator(TorchFP32, wnorm.detach(), eps)
-    g = m.float() / den  # bitwise magnitude_scale(m, wnorm, eps=eps)
-    bad = _guard.status(wnorm, None, None, g)
-    n = (rel > _guard.CANCELLATION_REL).sum().to(torch.int32) if guard else 0
-    if guard:  # the code and count of the rows the guard recomputed, as in the kernel's flag
-        bad = torch.maximum(bad, (n > 0).to(torch.int32)) + _guard.FLAG_COUNT * n
-    if acc is not None:
-        _accumulate(acc, bad % _guard.FLAG_COUNT, n)
-    return g, bad, den, None
+    if base is not None:
+        base_sq, zero_rows = base
+    else:
+        base_sq, zero_rows = (_cached_base_and_zero_rows(W, chunk_bytes, cfg) if cached
+                              else _base_and_zero_rows(W, chunk_bytes, cfg))
+    res = factored_norm(W.detach(), A.detach(), B.detach(), scale_constants(check_scale(scale)),
+                        chunk_columns(d_out, d_in, chunk_bytes), chunk_bytes, base_sq, cfg, mode=on_cancellation,
+                        zero_rows=zero_rows, m=m, eps=eps, acc=acc, want_g=want_g, where=where, warn=warn)
+    return res.g, res.flag, res.den, res.aux
 
 
 # --------------------------------------------------------------------------
@@ -210,30 +124,39 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
 # --------------------------------------------------------------------------
 
 def weight_den(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, m: torch.Tensor, *,
-               acc: torch.Tensor | None = None, chunk_bytes: int | None = None, on_cancellation: str = "recompute",
-               config: OpConfig | None = None) -> torch.Tensor:
+               acc: torch.Tensor | None = None, base: tuple | None = None, chunk_bytes: int | None = None,
+               on_cancellation: str = "recompute", config: OpConfig | None = None) -> torch.Tensor:
     """The denominator of ``g = m / den`` (fp32 ``[d_out]``, detached) by the custom op
     ``dora_num::weight_den``: what a compiled layer calls.  ``acc`` (:func:`new_flag`; a fresh one if
-    None) is raised by the call: finiteness of ``den`` and ``m / den``, the guard's code and count."""
+    None) is raised by the call: finiteness of ``den`` and ``m / den``, the guard's code and count.
+    ``base``: the caller's cache ``(base_sq, zero_rows)`` of W (fp32 and bool ``[d_out]``, op inputs the
+    op brings up to date: :func:`~dora_num.ops.norm.refresh_base_cache`; the layer's buffers); None: a
+    fresh pair, formed in the call."""
     cfg = get_config() if config is None else config
     if acc is None:
         acc = new_flag(W.device)
+    if base is None:
+        base = (W.new_empty(W.shape[:1], dtype=torch.float32), W.new_empty(W.shape[:1], dtype=torch.bool))
     cb = resolve_chunk_bytes(W.shape[0], W.shape[1], chunk_bytes)
-    return _weight_den_op(W.detach(), A.detach(), B.detach(), m.detach(), acc, float(scale), int(cb), cfg.key,
-                          check_on_cancellation(on_cancellation))
+    return _weight_den_op(W.detach(), A.detach(), B.detach(), m.detach(), acc, base[0], base[1], float(scale),
+                          int(cb), cfg.key, check_on_cancellation(on_cancellation))
 
 
-@torch.library.custom_op("dora_num::weight_den", mutates_args=("acc",))
+@torch.library.custom_op("dora_num::weight_den", mutates_args=("acc", "base_sq", "zero_rows"))
 def _weight_den_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor, acc: torch.Tensor,
-                   scale: float, chunk_bytes: int, config: str, on_cancellation: str) -> torch.Tensor:
-    """No cache, no sync, no state but ``acc``; ``config``: the traced
+                   base_sq: torch.Tensor, zero_rows: torch.Tensor, scale: float, chunk_bytes: int, config: str,
+                   on_cancellation: str) -> torch.Tensor:
+    """No sync and no state but its inputs: ``acc`` raised, ``base_sq`` and ``zero_rows`` formed again
+    only where W changed (:func:`~dora_num.ops.norm.refresh_base_cache`); ``config``: the traced
     :attr:`~dora_num.ops.config.OpConfig.key`."""
-    return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, OpConfig.from_key(config), on_cancellation,
-                                     trusted=True, cached=False, acc=acc, want_g=False)[2]
+    cfg = OpConfig.from_key(config)
+    refresh_base_cache(W, base_sq, zero_rows, chunk_bytes, cfg)
+    return _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg, on_cancellation, trusted=True, acc=acc,
+                                     want_g=False, base=(base_sq, zero_rows))[2]
 
 
 @_weight_den_op.register_fake
-def _(W, A, B, m, acc, scale, chunk_bytes, config, on_cancellation):
+def _(W, A, B, m, acc, base_sq, zero_rows, scale, chunk_bytes, config, on_cancellation):
     return W.new_empty((W.shape[0],), dtype=torch.float32)
 
 

@@ -1,7 +1,8 @@
 """``torch.compile`` of :class:`~dora_num.DoRALinear`: one graph, no state of its own, the eager bits.
 
-Under the compiler the layer's ``g`` comes from the custom op ``dora_num::weight_den`` (no cache, no
-read of the device, an explicit running flag it raises) and ``dora_num::magnitude_div``, the compose
+Under the compiler the layer's ``g`` comes from the custom op ``dora_num::weight_den`` (no read of the
+device, an explicit running flag it raises, ``rowsum(W*W)`` and W's zero rows from the layer's buffers,
+formed again only when W changes) and ``dora_num::magnitude_div``, the compose
 from ``dora_num::compose_fwd``/``compose_bwd``; :func:`dora_num.check_flags` reads the flags.  On the
 CPU the ops run the torch tail and the eager compose (the Triton kernels under the interpreter in the
 ``interpreter`` cases); the CUDA cases (``gpu``) add no device sync and CUDA graphs.
@@ -9,6 +10,7 @@ CPU the ops run the torch tail and the eager compose (the Triton kernels under t
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -20,6 +22,7 @@ import dora_num as dn
 from dora_num.numerics.formulas import scale_constants
 from dora_num.ops.config import override
 from dora_num.ops.guard import CancellationWarning
+from dora_num.ops.terms import base_passes
 from dora_num.ops.weight_norm import FLAG_FIELDS, clear_base_sq_cache, new_flag, weight_den
 
 from .kernels.helpers import assert_bitwise
@@ -62,9 +65,9 @@ def test_layer_compiles_to_one_graph_with_the_eager_bits(bias, small_layer):
 
 
 def test_compiled_layer_keeps_no_state(small_layer):
-    """A layer never run eagerly, compiled: the forward leaves no cache on W or on the layer (the
-    graph recomputes rowsum(W*W) and the zero rows; a CUDA graph could not own a cache), and its g
-    is bitwise the eager (cached) one."""
+    """A layer never run eagerly, compiled: the forward leaves no cache on W and no norm cache on the
+    layer (rowsum(W*W) and the zero rows live in the layer's buffers, op inputs), and its g is
+    bitwise the eager (cached) one."""
     layer = small_layer(16, 12, m_noise=1e-3)
     W = layer.base.weight
     clear_base_sq_cache(W)  # the initial magnitude's norm (eager, at construction) filled it
@@ -86,9 +89,81 @@ def test_weight_den_raises_its_running_flag_and_matches_eager(small_layer):
     assert_bitwise(m.detach() / den, g_eager.detach())
     assert dict(zip(FLAG_FIELDS, acc.tolist())) == {"code": 0, "rows_flagged": 0, "calls": 1}
     torch.library.opcheck(torch.ops.dora_num.weight_den.default,
-                          (W.detach(), A.detach(), B.detach(), m.detach(), acc, layer.scale, 1 << 20,
+                          (W.detach(), A.detach(), B.detach(), m.detach(), acc, torch.empty(12),
+                           torch.empty(12, dtype=torch.bool), layer.scale, 1 << 20,
                            dn.ops.config.get_config().key, "recompute"),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def _tiny_model(small_layer):
+    """Two DoRA layers with a ReLU between (the second on its own seed), trainable base weights."""
+    model = torch.nn.Sequential(small_layer(16, 12, m_noise=1e-3), torch.nn.ReLU(),
+                                small_layer(12, 8, m_noise=1e-3, seed=4))
+    for lyr in (model[0], model[2]):
+        lyr.base.weight.requires_grad_(True)
+    return model
+
+
+def _fresh_eager(model, x):
+    """The eager output of a copy of ``model`` (new storage: its norm formed from W as it is now)."""
+    return copy.deepcopy(model)(x)
+
+
+@pytest.mark.parametrize("cfg", [pytest.param({}, id="torch-tail"),
+                                 pytest.param(dict(norm_tail="triton"), id="triton-tail",
+                                              marks=pytest.mark.interpreter)])
+def test_compiled_model_forms_base_sq_once_and_again_when_w_changes(cfg, small_layer):
+    """fullgraph compile of a tiny model: rowsum(W*W) and W's zero rows are formed once per layer (the
+    first call), not per call; an optimizer step on a trainable base forms them again for that W only
+    (its version counter moved), and a write through ``W.data`` after ``clear_base_sq_cache`` (which
+    no version counter sees) for every layer once; each output bitwise the eager one of W as it is."""
+    with override(**cfg):
+        model = _tiny_model(small_layer)
+        x = torch.randn(5, 16)
+        cnt = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(model, fullgraph=True, backend=cnt)
+        with torch.no_grad():
+            n0 = base_passes()
+            y = compiled(x)
+            assert base_passes() - n0 == 2  # one pass per layer: the buffers start empty
+            for _ in range(3):
+                n0 = base_passes()
+                assert_bitwise(compiled(x), y)
+                assert base_passes() == n0  # read from the buffers, not formed from W
+            assert_bitwise(y, _fresh_eager(model, x))
+        opt = torch.optim.SGD([model[0].base.weight], lr=0.1)
+        compiled(x).square().sum().backward()
+        opt.step()  # changes W of the first layer only (bumps its version counter)
+        with torch.no_grad():
+            n0 = base_passes()
+            y = compiled(x)
+            assert base_passes() - n0 == 1
+            assert_bitwise(y, _fresh_eager(model, x))
+            W = model[2].base.weight
+            W.data.copy_(W.data.flip(0))  # through .data: no version counter sees it
+            clear_base_sq_cache(W)
+            n0 = base_passes()
+            y = compiled(x)
+            assert base_passes() - n0 == 2  # every layer's cache was marked stale
+            assert_bitwise(y, _fresh_eager(model, x))
+        assert cnt.frame_count == 2  # training and no_grad: one graph each, no recompile on W's changes
+        dn.check_flags(model)
+
+
+def test_compiled_base_cache_follows_the_layer_to_another_dtype(small_layer):
+    """``.to(float64)`` converts the layer but not its cache: the buffers start again as fp32 and bool
+    on W's device, formed at the next call (the first compiled call formed them for the fp32 W)."""
+    layer = small_layer(16, 12, m_noise=1e-3)
+    x = torch.randn(5, 16)
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    with torch.no_grad():
+        compiled(x)
+        layer.to(torch.float64)
+        assert layer._base_sq.dtype == torch.float32 and layer._zero_rows.dtype == torch.bool
+        n0 = base_passes()
+        y = compiled(x.double())
+        assert base_passes() - n0 == 1
+        assert torch.equal(y.view(torch.int64), layer(x.double()).view(torch.int64))  # bitwise
 
 
 def test_nonfinite_m_is_flagged_and_named_by_check_flags(small_layer):
