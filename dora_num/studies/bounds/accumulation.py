@@ -17,6 +17,7 @@ import gzip
 import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -32,25 +33,45 @@ ORDER_SCALE = {"bf16": (2.0**40, 1.0), "fp16": (2.0**15, 2.0**-24)}
 # An exact model of a blocked tensor-core accumulator (for the tests and the fit)
 # --------------------------------------------------------------------------
 
+SEGMENT_TILES = (0, 16, 32, 64, 128, 256)  # 0: equal segments (np.array_split); else lengths rounded up to this
+REDUCTIONS = ("pairwise", "serial")
+
+
+def segments(K: int, splits: int, tile: int = 0) -> list[np.ndarray]:
+    """The index ranges of ``splits`` segments of ``K`` (split-K): equal up to one (``tile = 0``), or each
+    ``ceil(ceil(K / splits) / tile) * tile`` long but the last (what cuBLAS's split-K kernels were measured
+    to do on an H100: 4096 = 1408 + 1408 + 1280). Empty when that tiling leaves a segment empty."""
+    if tile == 0:
+        return np.array_split(np.arange(K), splits)
+    length = -(-(-(-K // splits)) // tile) * tile
+    starts = range(0, K, length)
+    return [np.arange(a, min(a + length, K)) for a in starts] if len(starts) == splits else []
+
+
 @dataclass(frozen=True)
 class TensorCoreModel:
     """``k`` products per fused block (with the running sum), ``align_bits`` bits kept when a
     term is aligned to the block's largest exponent (truncated toward zero), the block's sum
-    rounded to fp32 by ``rounding`` (``"rn"`` or ``"rz"``); ``splits`` contiguous segments of
-    ``K`` accumulated independently and added at the end in fp32 (round to nearest)."""
+    rounded to fp32 by ``rounding`` (``"rn"`` or ``"rz"``); ``splits`` segments of ``K``
+    (:func:`segments`, ``seg_tile``) accumulated independently and added at the end in fp32
+    (round to nearest), ``reduction`` ``"pairwise"`` (a tree) or ``"serial"`` (segment 0, then 1, ...)."""
 
     k: int = 16
     align_bits: int = 25
     rounding: str = "rz"
     splits: int = 1
     subnormal_products: bool = True
+    seg_tile: int = 0
+    reduction: str = "pairwise"
 
     def dot(self, p: np.ndarray) -> np.ndarray:
         """Rows of exact products ``p [rows, K]`` (float64) -> fp32 results (float64 storage)."""
         p = np.asarray(p, dtype=np.float64)
         if not self.subnormal_products:
             p = np.where(np.abs(p) < 2.0**-126, 0.0, p)
-        segs = np.array_split(np.arange(p.shape[1]), self.splits)
+        segs = segments(p.shape[1], self.splits, self.seg_tile)
+        if not segs:
+            raise ValueError(f"{self.splits} segments of {self.seg_tile}-aligned length do not tile K = {p.shape[1]}")
         parts = []
         for seg in segs:
             acc = np.zeros(p.shape[0])
@@ -62,6 +83,11 @@ class TensorCoreModel:
                 aligned = np.trunc(terms / q[:, None]) * q[:, None]
                 acc = _round32(aligned.sum(axis=1), self.rounding)  # exact: <= align_bits + 5 bits
             parts.append(acc)
+        if self.reduction == "serial":
+            out = parts[0]
+            for part in parts[1:]:
+                out = _round32(out + part, "rn")
+            return out
         out = parts[0]
         while len(parts) > 1:  # pairwise, round to nearest
             parts = [_round32(parts[i] + parts[i + 1], "rn") if i + 1 < len(parts) else parts[i]
@@ -89,29 +115,29 @@ def _round32(x: np.ndarray, mode: str) -> np.ndarray:
     raise ValueError(f"rounding must be rn or rz, got {mode!r}")
 
 
-def model_lca_sizes(K: int, i: int, k: int, splits: int) -> np.ndarray:
-    """``S(i, j)`` for every ``j`` under the blocked model (``S(i, i) = 1``)."""
-    segs = np.array_split(np.arange(K), splits)
-    seg_of = np.empty(K, dtype=np.int64)
-    start = np.empty(K, dtype=np.int64)
-    for si, seg in enumerate(segs):
-        seg_of[seg] = si
-        start[seg] = seg[0]
+def model_lca_sizes(K: int, i: int, k: int, splits: int, tile: int = 0, reduction: str = "pairwise") -> np.ndarray:
+    """``S(i, j)`` for every ``j`` under the blocked model (``S(i, i) = 1``): the number of products
+    under the lowest node of the summation tree that holds both ``i`` and ``j``."""
+    segs = segments(K, splits, tile)
+    lens = np.array([len(g) for g in segs])
+    seg_of = np.repeat(np.arange(len(segs)), lens)
+    start = np.repeat(np.cumsum(lens) - lens, lens)
     blk = (np.arange(K) - start) // k  # block index inside its segment
-    same = seg_of == seg_of[i]
+    si = seg_of[i]
     # within a segment: the running sum after block t holds blocks 0..t: lca(i, j) is the
     # block node of max(blk_i, blk_j), whose subtree is blocks 0..max of that segment
-    top = np.maximum(blk, blk[i])
-    seg_len = np.array([len(s) for s in segs])[seg_of[i]]
-    inside = np.minimum((top + 1) * k, seg_len)
-    # across segments: pairwise combination of segments, the smallest aligned group of both
-    out = np.where(same, inside, 0)
-    for jj in np.flatnonzero(~same):
-        x, y, L = seg_of[jj], seg_of[i], 0
-        while x != y:
-            x, y, L = x // 2, y // 2, L + 1
-        grp = np.arange(len(segs)) // (2**L) == seg_of[i] // (2**L)
-        out[jj] = sum(len(segs[g]) for g in np.flatnonzero(grp))
+    inside = np.minimum((np.maximum(blk, blk[i]) + 1) * k, lens[si])
+    if reduction == "serial":  # segment 0 + 1, then + 2, ...: the node adding the later segment
+        across = np.cumsum(lens)[np.maximum(seg_of, si)]
+    elif reduction == "pairwise":  # the smallest aligned group of 2^L segments holding both
+        x = seg_of ^ si
+        level = np.where(x > 0, np.floor(np.log2(np.maximum(x, 1))).astype(np.int64) + 1, 0)  # bit lengths
+        group_start = (si >> level) << level
+        cum = np.concatenate([[0], np.cumsum(lens)])
+        across = cum[np.minimum(group_start + (1 << level), len(segs))] - cum[group_start]
+    else:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    out = np.where(seg_of == si, inside, across)
     out[i] = 1
     return out
 
@@ -234,20 +260,38 @@ def run_probes(mm, fmt: str, K: int, *, shape=("U", 256, 64), device="cpu", posi
 def lca_sizes(rec: dict) -> dict[int, np.ndarray]:
     """Measured ``S(i, j)`` per probed ``i`` (``S(i, i) = 1``)."""
     K, unit = rec["K"], rec["unit"]
+    ij = np.asarray(rec["order_ij"], dtype=np.int64).reshape(-1, 2)
+    sizes = K - np.rint(np.asarray(rec["order_out"], dtype=np.float64) / unit).astype(np.int64)
     out: dict[int, np.ndarray] = {}
-    for (i, j), y in zip(rec["order_ij"], rec["order_out"]):
-        out.setdefault(i, np.ones(K, dtype=np.int64))[j] = K - int(round(y / unit))
+    for i in np.unique(ij[:, 0]):
+        row = np.ones(K, dtype=np.int64)
+        sel = ij[:, 0] == i
+        row[ij[sel, 1]] = sizes[sel]
+        out[int(i)] = row
     return out
 
 
 def fit_order(rec: dict) -> dict:
-    """The blocked model that reproduces every order probe, if one does."""
+    """The blocked model that reproduces every order probe, if one does: block size ``k``, the number
+    of split-K segments, their alignment and the order they are added in (the fewest segments first)."""
     S = lca_sizes(rec)
     K = rec["K"]
-    for splits in (1, 2, 4, 8, 16, 32):
-        for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-            if all(np.array_equal(model_lca_sizes(K, i, k, splits), s) for i, s in S.items()):
-                return {"explained": True, "block_k": k, "splits": splits, "n_probes": len(rec["order_out"])}
+    first = S.get(0)
+    for splits in range(1, 65):
+        for tile in SEGMENT_TILES if splits > 1 else (0,):
+            segs = segments(K, splits, tile)
+            if not segs:
+                continue
+            for reduction in REDUCTIONS if splits > 2 else ("pairwise",):
+                for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+                    if first is not None and K > 1 and len(segs[0]) > 1 and \
+                            first[1] != (2 if k == 1 else min(k, len(segs[0]))):
+                        continue  # S(0, 1) rules this block size out before the full rows are built
+                    if all(np.array_equal(model_lca_sizes(K, i, k, splits, tile, reduction), s) for i, s in S.items()):
+                        return {"explained": True, "block_k": k, "splits": splits, "segment_tile": tile,
+                                "reduction": reduction,
+                                "segment_max": int(max(len(g) for g in segments(K, splits, tile))),
+                                "n_probes": len(rec["order_out"])}
     s0 = S.get(0)
     return {"explained": False, "n_probes": len(rec["order_out"]),
             "ancestor_sizes_of_leaf_0": sorted(set(s0.tolist())) if s0 is not None else []}
@@ -300,9 +344,10 @@ def bound_factor(findings: dict) -> dict:
     ``2^(1-w)`` of the largest) and a rounding ``r`` of each block sum (``RZ``: ``2u``, ``RN``:
     ``u``), a block of ``k`` products and the running sum errs by at most
     ``k 2^(1-w) max|term| + r |result|``; summed over the ``ceil(d/k)`` blocks (plus the
-    ``log2(splits)`` final additions), with every running sum at most the sum of the
+    final additions of the segments), with every running sum at most the sum of the
     magnitudes before it, a product is charged ``nb (k 2^(1-w) + r)`` relative to the
-    magnitudes summed.  ``factor`` is that over ``2u d``: at most 1 confirms the present charge
+    magnitudes summed (the split-K segments' additions charged like blocks: ``ceil(log2 splits)`` of them
+    for a pairwise reduction, ``splits - 1`` for a serial one).  ``factor`` is that over ``2u d``: at most 1 confirms the present charge
     for this accumulator (and below 1 says by how much it could be tightened); above 1 this
     analysis does not confirm it (the per-block charge is loose, charging every truncated term
     against the largest; a truncating adder without guard bits, ``k = 1, w = 24``, gives 2):
@@ -312,10 +357,14 @@ def bound_factor(findings: dict) -> dict:
     if not ok:
         return {"valid": False, "reason": "order not explained by the blocked model, or products not exact, "
                                           "or columns disagree: keep the order-free charge and inspect the record"}
-    k, d = findings["block_k"], findings["K"]
+    k, d, n = findings["block_k"], findings["K"], findings["splits"]
     w = findings["block_bits"]
     r = 2.0**-24 if all(findings[f"rounding_{x}"] == "rn" for x in ("block", "acc")) else 2.0**-23
-    nb = math.ceil(math.ceil(d / findings["splits"]) / k) + math.ceil(math.log2(findings["splits"]))
+    seg = findings.get("segment_max", math.ceil(d / n))
+    # the roundings on a product's way to the result: its segment's blocks, then the additions of the segments
+    # (a tree: ceil(log2 n) of them; in order: n - 1, for a product of segment 0 or 1)
+    adds = n - 1 if findings.get("reduction") == "serial" else math.ceil(math.log2(n))
+    nb = math.ceil(seg / k) + adds
     per = nb * (k * 2.0 ** (1 - w) + r)
     return {"valid": True, "block_k": k, "align_bits": w, "block_rounding_u": r, "blocks_per_product": nb,
             "charge_per_product": per, "present_charge": 2 * 2.0**-24 * d, "factor": per / (2 * 2.0**-24 * d),
@@ -357,9 +406,76 @@ def findings_table(records: list[dict]):
         f = analyze(rec)
         b = bound_factor(f)
         rows.append({"format": f["format"], "product": f["shape"][0], "K": f["K"],
-                     **{k: f.get(k) for k in ("explained", "block_k", "splits", "products_exact",
+                     **{k: f.get(k) for k in ("explained", "block_k", "splits", "segment_tile", "reduction",
+                                              "products_exact",
                                               "subnormal_products_kept", "unit_kept", "block_bits", "acc_bits",
                                               "rounding_block", "rounding_acc", "tie_block", "tie_acc",
                                               "columns_agree")},
                      "bound_valid": b["valid"], "charge_factor": b.get("factor")})
     return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------
+# The probe at the operator's shapes, one record per card: ancestor sizes in an npz, the rest in JSON
+# --------------------------------------------------------------------------
+
+def card_name(device_name: str) -> str:
+    """``"h100"``, ``"h200"``, ... from a CUDA device name (the files of each card's own record)."""
+    for card in ("h100", "h200", "b200", "a100"):
+        if card in device_name.lower():
+            return card
+    return "".join(c for c in device_name.lower() if c.isalnum())[:16] or "gpu"
+
+
+def rows_files(card: str) -> tuple[str, str]:
+    """The two files of one card's record of the probe at the operator's shapes."""
+    return f"accumulation_rows_{card}.npz", f"accumulation_meta_{card}.json.gz"
+
+
+def pack_rows(records: list[dict], device: dict) -> tuple[bytes, bytes]:
+    """``(npz, json.gz)`` of probe records: each record's ``S(i, .)`` rows (uint16: K <= 2^16) under
+    ``"KEY|i"``, and its other fields (``key`` = format|product|M|N|K) with ``device``."""
+    import io
+
+    arrays, meta = {}, []
+    for rec in records:
+        key = "|".join(str(x) for x in (rec["format"], *rec["shape"], rec["K"]))
+        if rec["K"] > 2**16:
+            raise ValueError(f"K = {rec['K']} does not fit the uint16 rows")
+        for i, row in lca_sizes(rec).items():
+            arrays[f"{key}|{i}"] = row.astype(np.uint16)
+        meta.append({"key": key, **{k: v for k, v in rec.items() if k not in ("order_ij", "order_out")}})
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    text = json.dumps({"device": device, "records": meta}, default=str, sort_keys=True).encode()
+    return buf.getvalue(), gzip.compress(text, mtime=0)
+
+
+def unpack_rows(npz_path, meta_path) -> tuple[dict, list[dict]]:
+    """``(device, records)`` from :func:`pack_rows`' files, each record as :func:`run_probes` returned it
+    (``order_ij``/``order_out`` rebuilt from the rows), ready for :func:`analyze`."""
+    rows = np.load(npz_path)
+    data = json.loads(gzip.decompress(Path(meta_path).read_bytes()))
+    by_key: dict[str, list[int]] = {}
+    for name in rows.files:
+        key, i = name.rsplit("|", 1)
+        by_key.setdefault(key, []).append(int(i))
+    out = []
+    for m in data["records"]:
+        K, unit = m["K"], m["unit"]
+        ij, y = [], []
+        for i in sorted(by_key[m["key"]]):
+            j = np.delete(np.arange(K), i)
+            ij.append(np.stack([np.full(K - 1, i), j], axis=1))
+            y.append((K - rows[f"{m['key']}|{i}"][j].astype(np.int64)) * unit)
+        out.append({**m, "order_ij": np.concatenate(ij).tolist(), "order_out": np.concatenate(y).tolist()})
+    return data["device"], out
+
+
+def load_operator_probe(card: str, folder=None) -> tuple[dict, list[dict]]:
+    """One card's recorded probe at the operator's shapes (``data/gpu/products/``), or
+    :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
+    from .datasets import operator_accumulation
+
+    npz, meta = operator_accumulation(card).require(folder)
+    return unpack_rows(npz, meta)

@@ -17,4 +17,16 @@ ACCUMULATION = DataSet("accumulation", ("gpu/exhaustive/accumulation_probe.json.
 PRODUCTS = DataSet("products", tuple(f"gpu/products/{f}" for f in ("tf32.csv", "bf16_base.csv", "guard_fire_rate.csv")),
                    recorder="products --only tf32 bf16_base fire_rate")  # read by docs/bounds.md
 
-DATASETS = (COMPOSE_FP8, COMPOSE_GPU, ACCUMULATION, PRODUCTS)
+
+
+def operator_accumulation(card: str) -> DataSet:
+    """The accumulation probe at the operator's GEMM shapes (r 8 to 384, K up to one TC_BLOCK_K block,
+    split-K included), as one card recorded it: each card keeps its own record."""
+    return DataSet(f"accumulation-{card}", tuple(f"gpu/products/{f}" for f in (
+        f"accumulation_rows_{card}.npz", f"accumulation_meta_{card}.json.gz")),
+        recorder=f"products --only accumulation (on an {card.upper()})")
+
+
+OPERATOR_ACCUMULATION_CARDS = ("h100",)  # the cards recorded so far
+DATASETS = (COMPOSE_FP8, COMPOSE_GPU, ACCUMULATION, PRODUCTS,
+            *(operator_accumulation(c) for c in OPERATOR_ACCUMULATION_CARDS))

@@ -11,7 +11,8 @@ sidecars (``--only``: tf32, bf16_base, fire_rate, accumulation, to split the run
 - ``accumulation_findings.json``: the accumulation probe of ``dora_num.studies.bounds.accumulation`` at
   the GEMM shapes the operator calls (U: d_out x 3r and d_out x r, G: r x r and 3r x 3r, inner
   dimensions up to one ``TC_BLOCK_K`` block) and a probe of subnormal 16-bit inputs, each with the
-  analysis and what it implies for the charge (``bound_factor``);
+  analysis and what it implies for the charge (``bound_factor``); the raw probe in
+  ``accumulation_rows_CARD.npz`` and ``accumulation_meta_CARD.json.gz`` (each card its own record);
 - ``guard_fire_rate.csv``: at the 8B and 70B projection shapes (bf16 W; fp32 and bf16 adapters; ranks
   16, 64, 256; ``||sBA|| = rho ||W||``, rho 0.05, 0.1, 0.2) the rows the guard flags (the tail kernel's
   count) and the norm's median time with the guard and without (``triton.testing.do_bench``).
@@ -120,7 +121,9 @@ def _subnormal_input_probe(fmt: str) -> dict:
             "subnormal_inputs_kept": out == float(a[0, 0]) * 2.0**8}
 
 
-def record_accumulation(smoke: bool) -> list[dict]:
+def record_accumulation(smoke: bool, keep_records: bool = False):
+    """The probe's findings per (format, product, shape, K) and the subnormal-input probe; with
+    ``keep_records`` also the raw probe records (for :func:`~.accumulation.pack_rows`)."""
     from ...numerics.standard_model import TC_BLOCK_K
     from .accumulation import analyze, bound_factor, run_probes
 
@@ -131,7 +134,7 @@ def record_accumulation(smoke: bool) -> list[dict]:
     shapes = [("U", 4096, 3 * 16)] if smoke else [
         (p, m, n) for r in (8, 16, 64, 256, 384) for p, m, n in
         (("U split", 8192, 3 * r), ("U", 8192, r), ("G split", 3 * r, 3 * r), ("G", r, r))]
-    out = []
+    out, raw = [], []
     for fmt in ("bf16", "fp16"):
         for shape in shapes:
             for K in ks:
@@ -139,8 +142,9 @@ def record_accumulation(smoke: bool) -> list[dict]:
                 f = analyze(rec)
                 out.append({"format": fmt, "product": shape[0], "M": shape[1], "N": shape[2], "K": K, **f,
                             "bound": bound_factor(f)})
+                raw.append(rec)
         out.append({"format": fmt, "probe": "subnormal inputs", **_subnormal_input_probe(fmt)})
-    return out
+    return (out, raw) if keep_records else out
 
 
 def record_fire_rate(smoke: bool, shapes: dict | None = None) -> list[dict]:
@@ -198,6 +202,8 @@ def ingest_args(args) -> list[Path]:
 
     src = Path(args.ingest)
     names = [Path(f).name for f in PRODUCTS.files]
+    names += sorted(p.name for p in src.glob("accumulation_rows_*.npz")) + sorted(
+        p.name for p in src.glob("accumulation_meta_*.json.gz"))
     found = [n for n in names if (src / n).is_file()]
     if not found:
         raise SystemExit(f"dora-num record products: {src} holds none of {', '.join(names)}")
@@ -241,8 +247,14 @@ def record(args) -> int:
         print(f"[record products] {name}\n{df.to_string(index=False)}", flush=True)
     if "accumulation" not in only:
         return 0
-    acc = record_accumulation(args.smoke)
+    acc, raw = record_accumulation(args.smoke, keep_records=True)
     write_artifact(out / "accumulation_findings.json", (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
+    from .accumulation import card_name, pack_rows, rows_files
+
+    name = torch.cuda.get_device_name()
+    packed = pack_rows(raw, {"name": name, "torch": torch.__version__, "cuda": torch.version.cuda})
+    for fname, content in zip(rows_files(card_name(name)), packed):
+        write_artifact(out / fname, content, **prov)
     bad = [f for f in acc if "bound" in f and not (f["bound"].get("valid") and f["bound"]["factor"] <= 1)]
     print(f"[record products] accumulation: {len(acc)} records, {len(bad)} where the order-free 2u charge is not "
           "confirmed by the blocked model", flush=True)

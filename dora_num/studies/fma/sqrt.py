@@ -35,11 +35,8 @@ from ...ops.config import override
 from ...ops.norm import factored_row_norm, factored_terms
 from ...oracles import perturbed_adapter
 from .. import inputs
-from ..cancellation.datasets import TRAINED
+from ..cancellation.datasets import TRAINED  # noqa: F401 - notebook 02 reads the committed PEFT export in it
 from . import models as M
-
-# notebook 01's trained adapter in PEFT format, the one committed (run r16_lr0.001)
-TRAINED_ADAPTER = TRAINED.subset("adapter_config.json", "adapter_model.safetensors")
 
 SQRT_MODELS = ("rn", "faithful_other")
 # Progress of the long loops: a text bar on stderr (tqdm.std), never an ipywidgets bar, whose comm a
