@@ -327,7 +327,22 @@ def _training(d: Path) -> Stats:
             "differ_controls": len(differ), "differ_failed": int((~differ.within.astype(bool)).sum()),
             "differ_ratio_min": differ.ratio.min(), "seed_floor": m["floor"], "seed_floor_batches_differ": 1.0,
             "tost_says_equivalent_on_other_batches": float(tost.within.astype(bool).any()),
-            "floor_at_another_commit": float(len(set(shas.values())) > 1)}
+            "floor_at_another_commit": float(len(set(shas.values())) > 1), **_wave(d)}
+
+
+def _wave(d: Path) -> Stats:
+    """Notebook 04's one-commit wave: the same test with three 1-ulp replicates per seed."""
+    w = _csv(d, "04_convergence/samebatch_verdict.csv")
+    t = w[w.role == "tested"]
+    agree, differ = w[w.role == "control: agree"], w[w.role == "control: differ"]
+    dev = _json(d, "gpu/convergence_samebatch/history.csv.gz.provenance.json")["device"]["name"]
+    return {"wave_seeds": len(t), "wave_seed_list": ", ".join(str(int(x)) for x in t.seed),
+            "wave_ratio_min": t.ratio.min(), "wave_ratio_max": t.ratio.max(), "wave_high_max": t.ratio_high.max(),
+            "wave_passed": int(t.within.sum()), "wave_ulp_runs_per_seed": int(t.replicates.min()),
+            "wave_agree_passed": int(agree.within.sum()), "wave_agree": len(agree),
+            "wave_agree_min": agree.ratio.min(), "wave_agree_max": agree.ratio.max(),
+            "wave_differ_failed": int((~differ.within.astype(bool)).sum()), "wave_differ": len(differ),
+            "wave_gpu": dev.replace("NVIDIA ", "").split(" ")[0]}
 
 
 def _training_text(s: Stats) -> str:
@@ -345,7 +360,12 @@ def _training_text(s: Stats) -> str:
             f"{high}, below the pre-set {s['bound']:g} on {s['tests_passed']} of {s['tests']} seeds (power at a "
             f"true ratio of 1: at least {s['power_at_1_min']:.2f}), and the same test rejects eager runs of another "
             f"seed, on different batches ({s['differ_failed']} of {s['differ_controls']}, ratios from "
-            f"{s['differ_ratio_min']:.3g}); {reps}{other}. The seed-to-seed floor ({s['seed_floor']:.2g}) compares "
+            f"{s['differ_ratio_min']:.3g}); {reps}{other}. At one commit on an {s['wave_gpu']} with "
+            f"{s['wave_ulp_runs_per_seed']} 1-ulp runs per seed (seeds {s['wave_seed_list']} so far), R is "
+            f"{s['wave_ratio_min']:.3g} to {s['wave_ratio_max']:.3g} (upper bounds at most {s['wave_high_max']:.3g}), "
+            f"{s['wave_agree_passed']} of {s['wave_agree']} known-agree controls pass (each replicate against the "
+            f"others: R {s['wave_agree_min']:.3g} to {s['wave_agree_max']:.3g}) and {s['wave_differ_failed']} of "
+            f"{s['wave_differ']} known-differ controls fail. The seed-to-seed floor ({s['seed_floor']:.2g}) compares "
             f"runs with different batches, and the signed-mean TOST this page used before calls two such runs "
             f"equal, so neither decides")
 

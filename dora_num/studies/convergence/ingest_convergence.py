@@ -95,16 +95,18 @@ def merge_parts(parts: list[Path]) -> Recorded:
                     runs[0])
 
 
-def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None) -> list[Path]:
+def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None, loss_only: bool = False) -> list[Path]:
     """Merge the GPU processes' folders (:func:`merge_parts`) into ``dest`` (e.g.
     ``data/gpu/convergence``) with provenance: the GPU machine's device description
     and library versions from the parts' own sidecars, ``git_sha`` the commit that ran
-    (the device machine's copy has no ``.git``)."""
+    (the device machine's copy has no ``.git``). ``loss_only``: the per-step loss and
+    ``summary.json`` alone (what the same-batch test reads)."""
     rec = merge_parts(parts)
-    tables = {"history.csv.gz": order(rec.history, ["metric", "value"]),
-              "evals.csv": order(rec.evals, ["metric", "value"]),
-              "g_stats.csv.gz": order(rec.g_stats, ["module", "statistic", "value"]),
-              "profile.csv": rec.profile, "summary.json": rec.summary}
+    history = rec.history[rec.history.metric == "loss"] if loss_only else rec.history
+    tables = {"history.csv.gz": order(history, ["metric", "value"]), "summary.json": rec.summary}
+    if not loss_only:
+        tables |= {"evals.csv": order(rec.evals, ["metric", "value"]),
+                   "g_stats.csv.gz": order(rec.g_stats, ["module", "statistic", "value"]), "profile.csv": rec.profile}
     return recording.ingest(tables, Path(dest), machine=recording.machine_from_sidecar(rec.folder / "summary.json"),
                             producer=CONVERGENCE.producer,
                            git_sha=git_sha, params=rec.summary["config"], sources=parts,

@@ -303,13 +303,16 @@ def build_parser(prog: str = "dora-num record convergence", name: str = "converg
                    help="only these runs of the plan, e.g. eager_s0_rep1 (one run per GPU process)")
     p.add_argument("--profile-only", action="store_true",
                    help="only time both paths (--profile-steps steps) and write profile.csv, summary.json")
+    p.add_argument("--loss-only", action="store_true",
+                   help="with --ingest: keep the per-step loss and summary.json only (a same-batch wave; the repo's "
+                        "data budget)")
     return p
 
 
 def ingest_args(a) -> list[Path]:
     from .ingest_convergence import ingest
 
-    return ingest(list(a.ingest), a.out or CONVERGENCE.dest(), git_sha=a.git_sha)
+    return ingest(list(a.ingest), a.out or CONVERGENCE.dest(), git_sha=a.git_sha, loss_only=a.loss_only)
 
 
 def config_from_args(args) -> ConvergenceConfig:

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ...repro.paths import committed_data
-from .datasets import CONVERGENCE
+from .datasets import CONVERGENCE, SAMEBATCH  # noqa: F401 - SAMEBATCH: what notebook 04 asks for
 from .tidy import with_perturbed
 
 @dataclass
@@ -33,6 +33,13 @@ def load_recorded(folder: str | Path | None = None) -> Recorded:
     return Recorded(read_history(folder / "history.csv.gz"), with_perturbed(pd.read_csv(folder / "evals.csv")),
                     with_perturbed(pd.read_csv(folder / "g_stats.csv.gz")), pd.read_csv(folder / "profile.csv"),
                     json.loads((folder / "summary.json").read_text()), folder)
+
+
+def load_samebatch(folder: str | Path | None = None) -> tuple[pd.DataFrame, dict]:
+    """The same-batch wave (``data/gpu/convergence_samebatch``, :data:`.datasets.SAMEBATCH`): its per-step
+    losses (tidy) and summary; a clear error naming the command that records it when missing."""
+    history, summary = SAMEBATCH.require(folder)
+    return read_history(history), json.loads(Path(summary).read_text())
 
 
 def measured_at(folder: str | Path) -> str:
