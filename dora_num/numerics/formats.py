@@ -347,7 +347,8 @@ def from_bits(bits, fmt) -> np.ndarray:
     mag = (b & ((1 << (fmt.bits - 1)) - 1)).astype(np.int64)
     ef, mf = mag >> mbits, mag & ((1 << mbits) - 1)
     sig = np.where(ef == 0, mf, mf + (1 << mbits)).astype(np.float64)  # exact: < 2^53
-    v = np.ldexp(sig, (np.maximum(ef, 1) + fmt.emin - 1 - mbits).astype(np.int32))
+    with np.errstate(over="ignore"):  # float64's inf/NaN patterns; replaced below
+        v = np.ldexp(sig, (np.maximum(ef, 1) + fmt.emin - 1 - mbits).astype(np.int32))
     v = np.where(mag <= fmt.max_code, v, np.inf if fmt.has_inf else np.nan)
     v = np.where((mag > fmt.max_code + 1) & fmt.has_inf, np.nan, v)
     neg = (b >> (fmt.bits - 1)) & 1

@@ -164,6 +164,17 @@ def test_fp32_bits_against_numpy_views():
     assert got[-3:].tolist() == [math.inf, -0.0, -math.inf] and np.signbit(got[-2])
 
 
+def test_fp64_bits_against_numpy_views():
+    rng = np.random.default_rng(1)
+    codes = np.concatenate([rng.integers(0, 1 << 63, 100_000, dtype=np.uint64) * np.uint64(2) + np.uint64(1),
+                            np.array([0, 1, 0x7FF0000000000000, 0xFFF0000000000000, 1 << 63], dtype=np.uint64)])
+    view = codes.view(np.float64)
+    got = from_bits(codes, fm.FP64)
+    np.testing.assert_array_equal(got, view)
+    num = ~np.isnan(view)
+    np.testing.assert_array_equal(to_bits(view[num], fm.FP64), codes[num])
+
+
 # ---------------------------------------------------------------- ULP distance over whole grids
 
 @pytest.mark.parametrize("name", [n for n in NAMES if FORMATS[n].bits <= 8])
