@@ -22,10 +22,11 @@ def _cmd_collapse(args) -> int:
 
     import pandas as pd
 
-    from .collapse import FORMATS, POOLED, analyse_adapter
+    from ..numerics.formats import NARROW_FORMATS
+    from .collapse import POOLED, analyse_adapter
     from .peft_io import AdapterError
 
-    formats = tuple(args.formats or FORMATS)
+    formats = tuple(args.formats or NARROW_FORMATS)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -79,6 +80,8 @@ def register(sub) -> None:
     """Add ``collapse`` to the CLI's subparsers."""
     import argparse
 
+    from ..numerics.formats import NARROW_FORMATS
+
     p = sub.add_parser("collapse", help="collapse statistics of g for a PEFT DoRA adapter (per module and format)",
                        description=DESCRIPTION, epilog=COLUMNS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="folder with adapter_config.json + adapter_model.safetensors|.bin")
@@ -87,7 +90,7 @@ def register(sub) -> None:
                         "if it is a folder, or the packaged all-MiniLM-L6-v2")
     p.add_argument("--out", metavar="FILE.csv", default=None, help="write the full table here")
     p.add_argument("--formats", nargs="+", default=None, metavar="FORMAT",
-                   help="formats (default: bf16 fp16 fp8_e4m3fn fp8_e5m2)")
+                   help=f"format names or aliases (default: {' '.join(NARROW_FORMATS)})")
     p.add_argument("--per-module", action="store_true", help="print every module, not only the pooled rows")
     p.add_argument("--no-activations", action="store_true", help="skip running the base model (no absorption column)")
     p.add_argument("--texts", type=int, default=None,

@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 from ..numerics.collapse import absorption_fraction, collapse_stats
-from ..numerics.formats import get_format, round_to
+from ..numerics.formats import NARROW_FORMATS, get_format, round_to
 from ..oracles import row_norm_ref64
 
-FORMATS = ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2")
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
 POOLED = "(all modules)"
 # Activations for the absorption column (:func:`analyse_adapter`): this many validation summaries, this many
@@ -76,7 +75,7 @@ def _row(module: str, fmt, g: np.ndarray, x: np.ndarray | None) -> dict:
     return row
 
 
-def collapse_table(g_by_module: dict[str, np.ndarray], formats=FORMATS, *, activations: dict | None = None,
+def collapse_table(g_by_module: dict[str, np.ndarray], formats=NARROW_FORMATS, *, activations: dict | None = None,
                    pooled: bool = True):
     """One row per module x format (plus a pooled row per format); a pandas DataFrame.
 
@@ -170,7 +169,7 @@ def base_activations(model: torch.nn.Module, tok, names: list[str], texts: list[
 
 
 def analyse_adapter(adapter_dir: str | os.PathLike, base_dir: str | os.PathLike | None = None, *,
-                    formats=FORMATS, activations: bool = True, n_texts: int = ACTIVATION_TEXTS,
+                    formats=NARROW_FORMATS, activations: bool = True, n_texts: int = ACTIVATION_TEXTS,
                     max_rows: int = ACTIVATION_ROWS, progress: bool = False):
     """``collapse_table`` of the PEFT DoRA adapter in ``adapter_dir`` on the base model in ``base_dir``.
 

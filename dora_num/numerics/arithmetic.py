@@ -1,22 +1,64 @@
 """Arithmetics: the rounding behaviour a formula is evaluated under, and the torch fp32 one.
 
-Every formula of :mod:`dora_num.numerics.formulas` is written once against a duck-typed interface,
-so the eager reference, the emulations, the ground truth and the bounds evaluate the same sequence
-of operations; an arithmetic decides only how each one rounds.  ``add``, ``sub``, ``mul``, ``sqrt``,
-``maximum``: one operation, one rounding (none for an exact arithmetic); ``zero_to(a, b)``: ``b``
-where ``a == 0``; ``muladd(a, b, c)``: ``a*b + c`` where a compiler may contract (one rounding with
-FMA, two without); ``neg``; ``const(x)``.  :class:`TorchFP32` is what the eager reference (and, by
-bitwise tests, the fused kernels) follow; the emulated arithmetics are in :mod:`.emulate`, the
-exact ones in :mod:`.exact`.
+Every formula of :mod:`dora_num.numerics.formulas` is written once against one interface,
+:class:`Arithmetic`, so the eager reference, the emulations, the ground truth and the bounds evaluate
+the same sequence of operations; an arithmetic decides only how each one rounds.  ``add``, ``sub``,
+``mul``, ``div``, ``sqrt``, ``maximum``: one operation, one rounding (none for an exact arithmetic);
+``zero_to(a, b)``: ``b`` where ``a == 0``; ``muladd(a, b, c)``: ``a*b + c`` where a compiler may
+contract (one rounding with FMA, two without); ``neg``; ``const(x)``.  :class:`TorchFP32` is what the
+eager reference (and, by bitwise tests, the fused kernels) follow; the emulated arithmetics are in
+:mod:`.emulate`, the exact ones in :mod:`.exact`.  Every arithmetic class names :class:`Arithmetic`
+as its base (tests/numerics/test_arithmetic.py checks each defines every member itself).
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 
-class TorchFP32:
+@runtime_checkable
+class Arithmetic(Protocol):
+    """The operations a formula of :mod:`dora_num.numerics.formulas` may use, each on the
+    arithmetic's values (tensors, float64 arrays, mpmath objects, double-doubles, symbols) or
+    Python numbers.  A class declares it by naming it as a base; it must define every member."""
+
+    name: str  # a short label for tables and test ids
+
+    def const(self, x: float) -> Any:
+        """The constant ``x`` as this arithmetic holds it (fp32-rounded where it rounds to fp32)."""
+
+    def add(self, a, b) -> Any:
+        """``a + b``, one rounding."""
+
+    def sub(self, a, b) -> Any:
+        """``a - b``, one rounding."""
+
+    def mul(self, a, b) -> Any:
+        """``a * b``, one rounding."""
+
+    def div(self, a, b) -> Any:
+        """``a / b``, one rounding."""
+
+    def neg(self, a) -> Any:
+        """``-a`` (exact)."""
+
+    def muladd(self, a, b, c) -> Any:
+        """``a*b + c`` at a site a compiler may contract: one rounding with FMA, two without."""
+
+    def maximum(self, a, b) -> Any:
+        """``max(a, b)`` elementwise (exact)."""
+
+    def zero_to(self, a, b) -> Any:
+        """``b`` where ``a == 0``, else ``a`` (exact)."""
+
+    def sqrt(self, a) -> Any:
+        """``sqrt(a)``, one rounding."""
+
+
+class TorchFP32(Arithmetic):
     """IEEE fp32, round-to-nearest-even, one rounding per operation, no FMA.
 
     This is what eager PyTorch does for fp32 elementwise ops on CPU and CUDA:

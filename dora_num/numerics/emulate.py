@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import formulas as F
+from .arithmetic import Arithmetic
 from .formats import FORMATS, Format, get_format, round_dd, round_to, two_prod, two_sum
 
 
@@ -26,7 +27,7 @@ def _is_scalar(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-class RoundEach:
+class RoundEach(Arithmetic):
     """Every operation rounded once, exactly, to ``fmt``; ``fma=True`` contracts ``muladd``."""
 
     def __init__(self, fmt, *, fma: bool = False, torch_scalars: bool = True):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mpmath
 import numpy as np
 
+from .arithmetic import Arithmetic
 from .formats import get_format, quantum, round_dd, two_prod, two_sum
 
 _INFLATE = 1.0 + 2.0**-40
@@ -88,7 +89,7 @@ def mp_to_float(x) -> np.ndarray:
     return np.asarray(_mp_to_float(np.asarray(x, dtype=object)), dtype=np.float64)
 
 
-class MPArith:
+class MPArith(Arithmetic):
     """mpmath at ``prec`` bits, one (tiny) rounding per operation."""
 
     def __init__(self, prec: int):
@@ -159,7 +160,7 @@ def _dd(x) -> DD:
     return x if isinstance(x, DD) else DD.of(x)
 
 
-class DDArith:
+class DDArith(Arithmetic):
     """Certified double-double: exact sums/products up to a tracked error bound."""
 
     name = "double-double"
@@ -216,6 +217,16 @@ class DDArith:
         pick = lambda x, y: np.where(a_big, x, y)  # noqa: E731
         err = np.where(unsure, np.inf, pick(a.err, b.err))
         return DD(pick(a.hi, b.hi), pick(a.lo, b.lo), err)
+
+    @staticmethod
+    def zero_to(a, b) -> DD:
+        """``b`` where ``a`` is exactly 0 (``hi = lo = err = 0``), else ``a``; where ``a`` may be 0
+        within its error bound the result gets ``err = inf`` (undecided: flagged, recomputed with mpmath)."""
+        a, b = _dd(a), _dd(b)
+        zero = (a.hi == 0) & (a.lo == 0) & (a.err == 0)
+        unsure = ~zero & (np.abs(a.hi) <= a.err)
+        pick = lambda x, y: np.where(zero, y, x)  # noqa: E731
+        return DD(pick(a.hi, b.hi), pick(a.lo, b.lo), np.where(unsure, np.inf, pick(a.err, b.err)))
 
     @staticmethod
     def sqrt(a) -> DD:

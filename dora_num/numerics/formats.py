@@ -1,17 +1,23 @@
-"""Binary floating-point formats: constants, exact rounding, ulp, ULP distance.
+"""Binary floating-point formats: constants, exact rounding, ulp, ULP distance, bit patterns.
 
-A format of precision ``p`` and minimum normal exponent ``emin`` has quantum
+A format is declared by its bit layout alone (:func:`_make`: exponent and significand field widths
+and what the all-ones exponent holds); its width, precision ``p``, exponent range, largest value,
+numpy/ml_dtypes type (the one whose ``finfo`` matches, if any) and torch dtype are derived.  Quantum
 ``ulp(x) = 2^(max(e, emin) - p + 1)`` for ``2^e <= |x| < 2^(e+1)``, unit roundoff ``u = 2^-p`` and
 ``eps = 2^(1-p)``; ``g`` rounds to exactly 1 iff ``1 - eps/4 <= g <= 1 + eps/2``, an asymmetric
-collapse zone.  :func:`round_to` rounds float64 values once to nearest even (``rint(x / q) * q``,
-``q`` a power of two); overflow follows torch, which the operator converts with (fp8 e4m3fn
-saturates at 448, and the bounds return ``inf`` where a result may).  What torch and ml_dtypes do
-on overflow and from float64 (measured, held by tests/numerics/test_formats.py): docs/platform.md,
-"Rounding to a format".
+collapse zone (``1 - eps/2 <= g`` where 1 is the smallest normal, e2m1 and e2m3: ``spacing_below_one``).
+:func:`round_to` rounds float64 values once to nearest even (``rint(x / q) * q``, ``q`` a power of
+two); overflow follows torch, which the operator converts with (fp8 e4m3fn and the
+OCP MX fp6/fp4 formats saturate at their largest value, and the bounds return ``inf`` where a result
+may).  :func:`to_bits` / :func:`from_bits` map values to bit patterns and back arithmetically, for
+every width (4 and 6 bits included), so :func:`ulp_distance` and the exhaustive checks need no dtype
+view.  What torch and ml_dtypes do on overflow and from float64 (measured, held by
+tests/numerics/test_formats.py): docs/platform.md, "Rounding to a format".
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -20,30 +26,54 @@ import ml_dtypes
 import numpy as np
 import torch
 
+SPECIALS = ("ieee", "nan", "none")  # what the all-ones exponent field holds: see Format.specials
+
+
+def name_seed(name: str) -> int:
+    """A format's seed derived from its name alone (sha256, so it does not vary between runs as
+    Python's ``hash`` does): 64 bits, for :attr:`Format.seed`."""
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+
 
 @dataclass(frozen=True)
 class Format:
-    """A binary floating-point format (all numeric fields are Python floats/ints)."""
+    """A binary floating-point format (all numeric fields are Python floats/ints), derived from its
+    bit layout by :func:`_make`."""
 
     name: str
-    bits: int
-    torch_dtype: torch.dtype | None
-    np_dtype: type
+    bits: int  # 1 + ebits + p - 1
+    ebits: int  # width of the exponent field
+    # all-ones exponent field: "ieee" inf (zero significand) and NaN; "nan" normal numbers except the
+    # all-ones significand, NaN (fp8 e4m3fn); "none" normal numbers (OCP MX fp6/fp4: no inf, no NaN)
+    specials: str
+    torch_dtype: torch.dtype | None  # None: torch has no unpacked dtype of this format
+    np_dtype: type | None  # the numpy/ml_dtypes scalar type with this layout; None if there is none
     p: int  # significand precision, implicit bit included
     emin: int  # exponent of the smallest normal
     emax: int  # exponent of the largest finite binade
     has_inf: bool
     u: float  # unit roundoff 2^-p
     eps: float  # machine epsilon 2^(1-p) = spacing above one
-    spacing_below_one: float  # 2^-p
+    spacing_below_one: float  # 2^-p; 2^(1-p) where 1 is the smallest normal (emin = 0: e2m1, e2m3)
     spacing_above_one: float  # 2^(1-p)
     max: float  # largest finite value (e4m3fn: 448, also where torch saturates)
     min_normal: float
     min_subnormal: float
+    seed: int  # the format's part of an RNG seed (studies/inputs.py): fixed per format, never an index
 
     @property
-    def uint_dtype(self) -> type:
-        return {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[self.bits]
+    def max_code(self) -> int:
+        """Bit pattern (sign clear) of :attr:`max`; the non-negative finite values are the patterns
+        ``0 .. max_code`` in increasing order (``max_code + 1`` is ``inf`` where the format has it)."""
+        mbits = self.p - 1
+        top = {"ieee": ((1 << self.ebits) - 2) << mbits | ((1 << mbits) - 1),
+               "nan": (1 << (self.bits - 1)) - 2, "none": (1 << (self.bits - 1)) - 1}
+        return top[self.specials]
+
+    @property
+    def uint_dtype(self) -> np.dtype:
+        """The unsigned integer type holding one bit pattern: the narrowest of 8, 16, 32, 64 bits."""
+        return np.dtype(f"uint{max(8, 1 << (self.bits - 1).bit_length())}")
 
     @property
     def saturates(self) -> bool:
@@ -54,34 +84,87 @@ class Format:
         return f"Format({self.name})"
 
 
-def _make(name, bits, torch_dtype, np_dtype, p, emin, emax, has_inf, max_significand=None) -> Format:
-    # max_significand: the largest finite significand M (default 2^p - 1); e4m3fn
-    # reserves S.1111.111 for NaN, so its largest is 1.110b = 14 (in units of 2^-3).
-    M = (1 << p) - 1 if max_significand is None else max_significand
+def _dtype_candidates() -> list[type]:
+    names = sorted(n for n in dir(ml_dtypes) if n.startswith(("float", "bfloat")))
+    return [np.float16, np.float32, np.float64] + [getattr(ml_dtypes, n) for n in names]
+
+
+def _matching_dtype(bits, p, emin, emax, mx, has_inf, has_nan) -> type | None:
+    """The numpy/ml_dtypes scalar type with exactly this layout (width, precision, exponent range,
+    largest value, whether it holds inf and NaN), or None; more than one is an error."""
+    found = []
+    for t in _dtype_candidates():
+        try:
+            fi = ml_dtypes.finfo(t)
+        except (TypeError, ValueError):  # pragma: no cover - a type without finfo
+            continue
+        with np.errstate(invalid="ignore", over="ignore"):
+            inf_ok = bool(np.isinf(np.array([np.inf]).astype(t).astype(np.float64))[0])
+            nan_ok = bool(np.isnan(np.array([np.nan]).astype(t).astype(np.float64))[0])
+        if ((int(fi.bits), int(fi.nmant) + 1, int(fi.minexp), int(fi.maxexp) - 1, float(fi.max), inf_ok, nan_ok)
+                == (bits, p, emin, emax, mx, has_inf, has_nan)):
+            found.append(t)
+    if len(found) > 1:
+        raise ValueError(f"more than one numpy/ml_dtypes type has this layout: {found}")
+    return found[0] if found else None
+
+
+def _make(name: str, ebits: int, mbits: int, *, specials: str = "ieee", seed: int | None = None) -> Format:
+    """A format from its bit layout: sign, ``ebits`` exponent bits (bias ``2^(ebits-1) - 1``), ``mbits``
+    trailing significand bits; ``specials`` says what the all-ones exponent field holds (see
+    :class:`Format`).  ``seed`` defaults to :func:`name_seed` of the name."""
+    if specials not in SPECIALS:
+        raise ValueError(f"specials must be one of {SPECIALS}, got {specials!r}")
+    if ebits < 2 or mbits < 1:
+        raise ValueError(f"a format needs >= 2 exponent bits and >= 1 significand bit, got e{ebits}m{mbits}")
+    bits, p, bias = 1 + ebits + mbits, mbits + 1, (1 << (ebits - 1)) - 1
+    emin = 1 - bias
+    emax = (1 << ebits) - (2 if specials == "ieee" else 1) - bias
+    M = (1 << p) - (2 if specials == "nan" else 1)  # the largest finite significand (e4m3fn: 1.110b)
+    mx = float(M * 2.0 ** (emax - p + 1))
+    np_dtype = _matching_dtype(bits, p, emin, emax, mx, specials == "ieee", specials != "none")
+    tdt = getattr(torch, np.dtype(np_dtype).name, None) if np_dtype is not None else None
     return Format(
-        name=name, bits=bits, torch_dtype=torch_dtype, np_dtype=np_dtype, p=p, emin=emin, emax=emax,
-        has_inf=has_inf, u=2.0 ** -p, eps=2.0 ** (1 - p), spacing_below_one=2.0 ** -p,
-        spacing_above_one=2.0 ** (1 - p), max=float(M * 2.0 ** (emax - p + 1)),
-        min_normal=2.0 ** emin, min_subnormal=2.0 ** (emin - p + 1),
+        name=name, bits=bits, torch_dtype=tdt if isinstance(tdt, torch.dtype) else None, np_dtype=np_dtype, p=p,
+        emin=emin, emax=emax, has_inf=specials == "ieee", u=2.0 ** -p, eps=2.0 ** (1 - p),
+        spacing_below_one=2.0 ** (max(emin, -1) - p + 1), spacing_above_one=2.0 ** (1 - p), max=mx,
+        min_normal=2.0 ** emin, min_subnormal=2.0 ** (emin - p + 1), ebits=ebits, specials=specials,
+        seed=name_seed(name) if seed is None else int(seed),
     )
 
 
+# Every format the package can round to, keyed by name.  A new format is one line here (its seed
+# derived from its name); the notebooks study the ones in STUDIED_FORMATS.  The first five keep the
+# seeds they drew every recorded data set with (their positions in this dict when it was recorded).
 FORMATS: dict[str, Format] = {
-    "bf16": _make("bf16", 16, torch.bfloat16, ml_dtypes.bfloat16, 8, -126, 127, True),
-    "fp16": _make("fp16", 16, torch.float16, np.float16, 11, -14, 15, True),
-    "fp32": _make("fp32", 32, torch.float32, np.float32, 24, -126, 127, True),
-    "fp8_e4m3fn": _make("fp8_e4m3fn", 8, getattr(torch, "float8_e4m3fn", None), ml_dtypes.float8_e4m3fn,
-                        4, -6, 8, False, max_significand=14),
-    "fp8_e5m2": _make("fp8_e5m2", 8, getattr(torch, "float8_e5m2", None), ml_dtypes.float8_e5m2, 3, -14, 15, True),
+    "bf16": _make("bf16", 8, 7, seed=0),
+    "fp16": _make("fp16", 5, 10, seed=1),
+    "fp32": _make("fp32", 8, 23, seed=2),
+    "fp8_e4m3fn": _make("fp8_e4m3fn", 4, 3, specials="nan", seed=3),
+    "fp8_e5m2": _make("fp8_e5m2", 5, 2, seed=4),
+    # OCP Microscaling (MX v1.0) element formats: no inf, no NaN, saturating
+    "fp6_e3m2": _make("fp6_e3m2", 3, 2, specials="none"),  # max 28
+    "fp6_e2m3": _make("fp6_e2m3", 2, 3, specials="none"),  # max 7.5
+    "fp4_e2m1": _make("fp4_e2m1", 2, 1, specials="none"),  # max 6
 }
+
+# The formats the notebooks study, in the order of their tables and figures (notebook 03 sweeps them
+# all; fp32 as a storage format too).  The sub-byte formats above are supported (tests) but not studied:
+# adding one here changes notebook 03's data set.
+STUDIED_FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2")
+# The studied formats narrower than the fp32 working format: where an fp32 result is rounded and g can
+# round to exactly 1 (the collapse tables).
+NARROW_FORMATS: tuple[str, ...] = tuple(f for f in STUDIED_FORMATS if FORMATS[f].p < FORMATS["fp32"].p)
 
 # float64 as a Format, for rounding exact values to float64 (ground truth's ``value``); not one
 # of the storage formats studied, so not in FORMATS.
-FP64 = _make("fp64", 64, torch.float64, np.float64, 53, -1022, 1023, True)
+FP64 = _make("fp64", 11, 52)
 
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
             "float8_e4m3fn": "fp8_e4m3fn", "e4m3fn": "fp8_e4m3fn", "e4m3": "fp8_e4m3fn",
-            "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2"}
+            "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2",
+            "float6_e3m2fn": "fp6_e3m2", "e3m2": "fp6_e3m2", "float6_e2m3fn": "fp6_e2m3", "e2m3": "fp6_e2m3",
+            "float4_e2m1fn": "fp4_e2m1", "e2m1": "fp4_e2m1"}
 
 
 def get_format(name_or_dtype) -> Format:
@@ -103,7 +186,7 @@ def get_format(name_or_dtype) -> Format:
     except TypeError:
         raise TypeError(f"name_or_dtype must be a format name, torch dtype or numpy dtype, got {name_or_dtype!r}") from None
     for f in FORMATS.values():
-        if np.dtype(f.np_dtype) == dt:
+        if f.np_dtype is not None and np.dtype(f.np_dtype) == dt:
             return f
     raise ValueError(f"numpy dtype {dt} is not one of the formats {sorted(FORMATS)}")
 
@@ -120,8 +203,7 @@ def _as_f64(x, name: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = to_float64(x)
     a = np.asarray(x)
-    if a.dtype.kind not in "fiu" and a.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn),
-                                                      np.dtype(ml_dtypes.float8_e5m2)):
+    if a.dtype.kind not in "fiu" and a.dtype not in {np.dtype(f.np_dtype) for f in FORMATS.values() if f.np_dtype}:
         raise TypeError(f"{name} must be a real numeric array, got dtype {a.dtype}")
     return a.astype(np.float64)
 
@@ -226,17 +308,71 @@ def round_fraction(x: Fraction, fmt) -> float:
     return sign * float(val)
 
 
-def _ordinal(x: np.ndarray, fmt: Format, name: str) -> np.ndarray:
-    """Signed ordinal of representable values: ``sign(x) * bits(|x|)`` (monotone; ±0 -> 0)."""
-    if np.isnan(x).any():
-        raise ValueError(f"{name} contains NaN; ULP distance is undefined for NaN")
+def _magnitude_code(a: np.ndarray, fmt: Format) -> np.ndarray:
+    """Bit pattern (sign clear, int64) of finite representable ``a >= 0``: the binade's offset
+    ``(max(e, emin) - emin) 2^(p-1)`` plus ``a / ulp`` (the significand as an integer), exact."""
+    q = quantum(a, fmt)
+    e = _exponent(q) + fmt.p - 1  # max(e, emin): q = 2^(max(e, emin) - p + 1)
+    return (e - fmt.emin) * (1 << (fmt.p - 1)) + (a / q).astype(np.int64)
+
+
+def to_bits(x, fmt) -> np.ndarray:
+    """The bit patterns (``fmt.uint_dtype``, sign in bit ``bits - 1``) of values representable in
+    ``fmt`` (``±inf`` where the format has it; NaN: the canonical quiet NaN, all-ones exponent and
+    significand, or for e4m3fn all ones).  Computed, not viewed: equal to the numpy/ml_dtypes
+    bits wherever that type exists (tests), also for a format without one."""
+    fmt = get_format(fmt)
+    x = _as_f64(x, "x")
+    if fmt.specials == "none" and np.isnan(x).any():
+        raise ValueError(f"{fmt.name} has no NaN")
+    _check_representable(np.where(np.isnan(x), 0.0, x), fmt, "x")
+    a = np.abs(x)
+    fin = np.isfinite(a)
+    mag = np.where(fin, _magnitude_code(np.where(fin, a, 0.0), fmt), fmt.max_code + 1)
+    nan_code = (1 << (fmt.bits - 1)) - 1 if fmt.specials == "nan" else fmt.max_code + 1 + (1 << (fmt.p - 2))
+    mag = np.where(np.isnan(x), nan_code, mag)
+    sign = np.signbit(x).astype(np.int64) << (fmt.bits - 1)
+    return (sign | mag).astype(np.uint64).astype(fmt.uint_dtype)
+
+
+def from_bits(bits, fmt) -> np.ndarray:
+    """Values (float64) of bit patterns of ``fmt`` (any integer array, ``0 <= bits < 2^fmt.bits``);
+    NaN patterns give NaN.  Computed from the layout: for every width, with or without a numpy type."""
+    fmt = get_format(fmt)
+    b = np.asarray(bits)
+    if b.dtype.kind not in "iu" or (b < 0).any() or (fmt.bits < 64 and (b >> fmt.bits).any()):
+        raise ValueError(f"bits must be integer bit patterns of {fmt.name}, 0 <= bits < 2^{fmt.bits}")
+    b = np.ascontiguousarray(b.astype(np.uint64)).view(np.int64)  # 64-bit: the sign bit makes it negative
+    mbits = fmt.p - 1
+    mag = (b & ((1 << (fmt.bits - 1)) - 1)).astype(np.int64)
+    ef, mf = mag >> mbits, mag & ((1 << mbits) - 1)
+    sig = np.where(ef == 0, mf, mf + (1 << mbits)).astype(np.float64)  # exact: < 2^53
+    with np.errstate(over="ignore"):  # float64's inf/NaN patterns; replaced below
+        v = np.ldexp(sig, (np.maximum(ef, 1) + fmt.emin - 1 - mbits).astype(np.int32))
+    v = np.where(mag <= fmt.max_code, v, np.inf if fmt.has_inf else np.nan)
+    v = np.where((mag > fmt.max_code + 1) & fmt.has_inf, np.nan, v)
+    neg = (b >> (fmt.bits - 1)) & 1
+    return np.where(neg == 1, -v, v)
+
+
+def _check_representable(x: np.ndarray, fmt: Format, name: str) -> None:
     r = round_to(x, fmt)
     bad = ~((r == x) | (np.isinf(x) & fmt.has_inf))
     if bad.any():
         i = int(np.flatnonzero(bad.ravel())[0])
         raise ValueError(f"{name} must hold values representable in {fmt.name}; "
                          f"{name}.flat[{i}] = {x.ravel()[i]!r} is not (round it with round_to first)")
-    bits = np.abs(x).astype(fmt.np_dtype).view(fmt.uint_dtype).astype(np.int64)
+
+
+def _ordinal(x: np.ndarray, fmt: Format, name: str) -> np.ndarray:
+    """Signed ordinal of representable values: ``sign(x) * bits(|x|)`` (monotone; ±0 -> 0; ``inf``:
+    one past ``max``)."""
+    if np.isnan(x).any():
+        raise ValueError(f"{name} contains NaN; ULP distance is undefined for NaN")
+    _check_representable(x, fmt, name)
+    a = np.abs(x)
+    fin = np.isfinite(a)
+    bits = np.where(fin, _magnitude_code(np.where(fin, a, 0.0), fmt), fmt.max_code + 1)
     return np.where(np.signbit(x), -bits, bits)
 
 

@@ -26,7 +26,7 @@ import pandas as pd
 
 from ..numerics.bounds import compose_bound, compose_condition, compose_ulp_bound, one_ulp_condition
 from ..numerics.emulate import emulate
-from ..numerics.formats import FORMATS, get_format, round_fraction, round_to, ulp, ulp_distance
+from ..numerics.formats import STUDIED_FORMATS, get_format, round_fraction, round_to, ulp, ulp_distance
 from ..numerics.formulas import scale_constants
 
 FORMULAS = ("compose_stable", "compose_naive")
@@ -249,7 +249,7 @@ def widgets(fmt="bf16", formula="compose_stable", arith="fp32", log10_gm1=-3.0, 
     import matplotlib.pyplot as plt
     from IPython.display import display
 
-    c = {"fmt": W.Dropdown(options=list(FORMATS), value=fmt, description="format"),
+    c = {"fmt": W.Dropdown(options=list(STUDIED_FORMATS), value=fmt, description="format"),
          "formula": W.Dropdown(options=list(FORMULAS), value=formula, description="formula"),
          "arith": W.Dropdown(options=list(ARITHS), value=arith, description="arithmetic"),
          "log10_gm1": W.FloatSlider(value=log10_gm1, min=-9, max=-0.5, step=0.05, description="log10|g-1|"),

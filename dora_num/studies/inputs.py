@@ -39,9 +39,10 @@ def gm1_realistic(rng: np.random.Generator, n: int) -> np.ndarray:
 def boundary_g(fmt) -> np.ndarray:
     """fp32 values of g at and around the format's rounding boundaries near 1:
     ``1 + k eps/4`` (k = -4..4: the spacing below, the ties ``1 - eps/4``,
-    ``1 + eps/2``, the spacing above) and 1, 2, 3 fp32 steps either side of each."""
+    ``1 + eps/2``, the spacing above; below 1 in steps of ``spacing_below_one / 2``, which is
+    ``eps/4`` except where 1 is the smallest normal) and 1, 2, 3 fp32 steps either side of each."""
     fmt = get_format(fmt)
-    centres = 1.0 + np.arange(-4, 5) * fmt.eps / 4
+    centres = 1.0 + np.concatenate([np.arange(-4, 0) * fmt.spacing_below_one / 2, np.arange(0, 5) * fmt.eps / 4])
     steps = []
     for c in centres:
         up, down = c, c
@@ -77,7 +78,7 @@ def compose(fmt, regime: str, n: int, seed: int = 0) -> dict:
     ``(g-1) base ~ -g s lora``; a third near the format's overflow (``|base|`` in
     ``[0.5, 1] max``, ``|s lora|`` up to ``max / 4``)."""
     fmt = get_format(fmt)
-    rng = np.random.default_rng([seed, list(FORMATS).index(fmt.name), REGIMES.index(regime)])
+    rng = np.random.default_rng([seed, fmt.seed, REGIMES.index(regime)])
     r = lambda x: round_to(x, fmt)  # noqa: E731
     if regime == "random":
         base = r(rng.standard_normal(n) * np.exp2(rng.uniform(-4, 4, n)))
@@ -116,7 +117,7 @@ def assembly(fmt, regime: str, n: int, seed: int = 0) -> dict:
     row (ratio ~ 1, rho ~ -1, 2% exact zero rows), the rest near the overflow of the
     storage format (and, for fp32, of the fp32 working format)."""
     fmt = get_format(fmt)
-    rng = np.random.default_rng([seed, 7, list(FORMATS).index(fmt.name), REGIMES.index(regime)])
+    rng = np.random.default_rng([seed, 7, fmt.seed, REGIMES.index(regime)])
     s = BOUNDS_SCALE
     top = min(fmt.max, FORMATS["fp32"].max)
 

@@ -11,21 +11,29 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-# name: (exponent bits, mantissa bits, bias, ieee specials (all-ones exponent = inf/nan))
+# name: (exponent bits, mantissa bits, bias, what the all-ones exponent holds: "ieee" inf/NaN,
+# "nan" numbers but S.1..1.1..1 is NaN, "none" numbers only: OCP MX v1.0, section 5.3)
 LAYOUTS = {
-    "bf16": (8, 7, 127, True),
-    "fp16": (5, 10, 15, True),
-    "fp32": (8, 23, 127, True),
-    "fp8_e4m3fn": (4, 3, 7, False),  # no inf; only S.1111.111 is NaN
-    "fp8_e5m2": (5, 2, 15, True),
+    "bf16": (8, 7, 127, "ieee"),
+    "fp16": (5, 10, 15, "ieee"),
+    "fp32": (8, 23, 127, "ieee"),
+    "fp8_e4m3fn": (4, 3, 7, "nan"),  # no inf; only S.1111.111 is NaN
+    "fp8_e5m2": (5, 2, 15, "ieee"),
+    "fp6_e3m2": (3, 2, 3, "none"),  # OCP MX FP6 E3M2: max 1.11b * 2^4 = 28
+    "fp6_e2m3": (2, 3, 1, "none"),  # OCP MX FP6 E2M3: max 1.111b * 2^2 = 7.5
+    "fp4_e2m1": (2, 1, 1, "none"),  # OCP MX FP4 E2M1: max 1.1b * 2^2 = 6
 }
 
 
 def max_pattern(name: str) -> int:
-    eb, mb, _, ieee = LAYOUTS[name]
-    if ieee:
+    eb, mb, _, kind = LAYOUTS[name]
+    if kind == "ieee":
         return ((2**eb - 2) << mb) | (2**mb - 1)
-    return ((2**eb - 1) << mb) | (2**mb - 2)
+    return ((2**eb - 1) << mb) | (2**mb - (2 if kind == "nan" else 1))
+
+
+def has_inf(name: str) -> bool:
+    return LAYOUTS[name][3] == "ieee"
 
 
 def decode(name: str, bits: int) -> Fraction:
@@ -40,9 +48,8 @@ def decode(name: str, bits: int) -> Fraction:
 def round_ref(name: str, x: Fraction):
     """Round-to-nearest-even of a finite rational; returns a Fraction, or 'inf' on overflow.
 
-    A format without infinity (e4m3fn) saturates to its largest finite value, as
+    A format without infinity (e4m3fn, the MX formats) saturates to its largest finite value, as
     torch's conversion does (the project's operator converts with torch)."""
-    eb, mb, bias, ieee = LAYOUTS[name]
     sign = -1 if x < 0 else 1
     a = abs(x)
     top = max_pattern(name)
@@ -69,7 +76,7 @@ def round_ref(name: str, x: Fraction):
     if a < mid or (a == mid and k % 2 == 0):
         return sign * v
     if k == top:
-        return "inf" if ieee else sign * decode(name, top)
+        return "inf" if has_inf(name) else sign * decode(name, top)
     return sign * nxt
 
 
@@ -88,7 +95,7 @@ def ordinal_ref(name: str, x: Fraction) -> int:
 
 
 # float64, for the ground truth's `value` field (not a storage format of the package)
-LAYOUTS["fp64"] = (11, 52, 1023, True)
+LAYOUTS["fp64"] = (11, 52, 1023, "ieee")
 
 
 def _as_float(name: str, r, sign_of) -> float:
@@ -129,7 +136,7 @@ def sqrt_round_ref(name: str, q: Fraction) -> float:
     if q < m2 or (q == m2 and k % 2 == 0):
         return float(v)
     if k == top:
-        return float("inf") if LAYOUTS[name][3] else float(v)
+        return float("inf") if has_inf(name) else float(v)
     return float(nxt)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from dora_num.numerics import formulas as F
-from dora_num.numerics.formats import round_to
+from dora_num.numerics.formats import FORMATS, from_bits, round_to
 from dora_num.numerics.ground_truth import (assembly_exact, compose_exact, mp_compose, mp_dense_row_norm,
                                             mp_factored_terms, mp_magnitude_scale, mp_norm_assembly)
 
@@ -179,3 +179,30 @@ def test_row_sum_of_squares_and_norm_exactly_rounded_for_any_fp32_row(row):
     assert t.value[0] == round_float("fp64", q) and t.rounded[0] == round_float("fp32", q)
     n = mp_dense_row_norm(W, A, B, 0.5)
     assert n.value[0] == sqrt_round_ref("fp64", q) and n.rounded[0] == sqrt_round_ref("fp32", q)
+
+
+@pytest.mark.parametrize("fmt", ["fp6_e3m2", "fp6_e2m3", "fp4_e2m1"])
+def test_compose_and_assembly_ground_truth_in_the_sub_byte_formats(fmt):
+    """Every (base, lora) pair of an OCP MX fp6/fp4 format at g on and beside the format's rounding
+    boundaries near 1 (both routes), and assembly terms whose root crosses the format's ties and its
+    saturation at max, rounded to the format as the Fraction reference rounds (saturating: no inf)."""
+    codes = np.arange(1 << FORMATS[fmt].bits)
+    vals = from_bits(codes, fmt)
+    base, lora = (x.ravel() for x in np.meshgrid(vals, vals, indexing="ij"))
+    s = 0.37
+    sf = Fr(F.scale_constants(s)[0])
+    for g in (1.0, float(np.float32(1 + 2.0**-10)), 1 + FORMATS[fmt].eps / 2, 1 - FORMATS[fmt].spacing_below_one / 2,
+              0.5, 2.0):
+        gg = np.full(base.shape, g)
+        fast = compose_exact(base, lora, gg, s, fmt)
+        slow = mp_compose(base[::7], lora[::7], gg[::7], s, fmt)
+        want = [(Fr(g) - 1) * Fr(b) + Fr(g) * (sf * Fr(l_)) for b, l_ in zip(base, lora)]
+        assert fast.rounded.tolist() == [round_float(fmt, x) for x in want], g
+        assert fast.value[::7].tolist() == [round_float("fp64", x) for x in want[::7]], g  # fp64's search is slow
+        assert slow.rounded.tolist() == fast.rounded[::7].tolist()
+    top = FORMATS[fmt].max
+    q = np.concatenate([(vals[vals >= 0] + np.append(vals[vals >= 0][1:], 2 * top)) / 2, [top * top * 4]])
+    b = q**2  # the root of b + 2s*0 + s^2*0 is a tie of the format, or beyond max
+    for c_ in (0.0, 2.0**-30):
+        t = assembly_exact(b, np.full(b.shape, c_), np.zeros(b.shape), s, fmt)
+        assert t.rounded.tolist() == [_asm_ref(bi, c_, 0.0, s, fmt) for bi in b], c_

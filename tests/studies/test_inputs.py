@@ -3,9 +3,12 @@ each is a deterministic function of its seed."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
+from dora_num.numerics import formats as fm
 from dora_num.numerics.formats import FORMATS, round_to
 from dora_num.numerics.formulas import scale_constants
 from dora_num.studies import inputs
@@ -70,3 +73,41 @@ def test_suite_streams_regenerate_their_prefix():
     assert 0.08 < adv.mean() < 0.17
     base, lora, g = inputs.suite_compose(16, 32)
     assert base.shape == (16, 32) and g.shape == (32,) and np.abs(g - 1).max() < 1e-2
+
+
+# ---------------------------------------------------------------- a seed per format, not per position
+
+def _draws(name: str, n: int = 300, seed: int = 5) -> str:
+    """sha256 (16 hex digits) of every regime's compose and assembly inputs of one format."""
+    h = hashlib.sha256()
+    for regime in inputs.REGIMES:
+        for d in (inputs.compose(name, regime, n, seed=seed), inputs.assembly(name, regime, n, seed=seed)):
+            for k in sorted(d):
+                h.update(np.asarray(d[k], dtype=np.float64).tobytes())
+    return h.hexdigest()[:16]
+
+
+# The draws every recorded data set was made with: computed by the code before formats had a seed of
+# their own (the seed was the format's position in FORMATS, then bf16, fp16, fp32, fp8_e4m3fn, fp8_e5m2).
+RECORDED_DRAWS = {"bf16": "696f48ae7a30c548", "fp16": "2661c01a73c2e847", "fp32": "86041ffd0df30d70",
+                  "fp8_e4m3fn": "1296ccd5f0d23cdb", "fp8_e5m2": "2ed586c013e8c566"}
+
+
+def test_the_studied_formats_draw_what_the_recorded_data_was_drawn_with():
+    assert {n: _draws(n) for n in RECORDED_DRAWS} == RECORDED_DRAWS
+
+
+def test_inserting_a_format_anywhere_changes_no_other_formats_draws(monkeypatch):
+    """A toy format registered before, between and after the others: every other format draws the
+    same inputs (its seed is its own, not its position), the toy its name's."""
+    before = {n: _draws(n) for n in FORMATS}
+    toy = fm._make("toy_e3m3", 3, 3, specials="none")
+    items = list(FORMATS.items())
+    toy_draws = set()
+    for i in range(len(items) + 1):
+        registry = dict(items[:i] + [(toy.name, toy)] + items[i:])
+        for module in (fm, inputs):  # the registry as every module that could enumerate it sees it
+            monkeypatch.setattr(module, "FORMATS", registry)
+        assert {n: _draws(n) for n in before} == before, f"toy inserted at position {i}"
+        toy_draws.add(_draws(toy.name))
+    assert len(toy_draws) == 1 and not toy_draws & set(before.values())

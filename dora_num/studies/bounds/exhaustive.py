@@ -22,7 +22,7 @@ from fractions import Fraction
 import numpy as np
 import pandas as pd
 
-from ...numerics.formats import FORMATS, get_format, round_to
+from ...numerics.formats import FORMATS, from_bits, get_format, round_to
 from ...numerics.formulas import scale_constants
 from ...numerics.standard_model import SAFE
 from . import exhaustive_kernels as K
@@ -48,8 +48,8 @@ def g_values(edge_formats=("bf16", "fp16")) -> list[tuple[str, float]]:
     for k in (1, 2, 3):
         out += [(f"1+{k}ulp32", 1.0 + k * 2.0**-23), (f"1-{k}ulp32", 1.0 - k * 2.0**-24)]
     for f in edge_formats:
-        eps = FORMATS[f].eps
-        for side, edge in (("above", 1.0 + eps / 2), ("below", 1.0 - eps / 4)):
+        fm = FORMATS[f]
+        for side, edge in (("above", 1.0 + fm.spacing_above_one / 2), ("below", 1.0 - fm.spacing_below_one / 2)):
             out += [(f"{f}_edge_{side}_inside", _next32(edge, 1.0)), (f"{f}_edge_{side}", edge),
                     (f"{f}_edge_{side}_outside", _next32(edge, 2.0 if side == "above" else 0.0))]
     out += [(f"1{d:+.0e}", _f32(1.0 + d)) for d in REALISTIC_GM1]
@@ -214,11 +214,13 @@ def stats_rows(cfg: dict, stats: np.ndarray, n: int, **extra) -> list[dict]:
 # --------------------------------------------------------------------------
 
 def all_values(fmt) -> tuple[np.ndarray, np.ndarray]:
-    """``(bits, values)`` of every pattern of an 8- or 16-bit format (values float64, NaN kept)."""
+    """``(bits, values)`` of every pattern of a format of at most 16 bits (4, 6 and 8 included;
+    values float64 from :func:`~dora_num.numerics.formats.from_bits`, NaN kept)."""
     fmt = get_format(fmt)
+    if fmt.bits > 16:
+        raise ValueError(f"{fmt.name} has 2^{fmt.bits} patterns: too many to enumerate")
     bits = np.arange(1 << fmt.bits, dtype=np.int64).astype(fmt.uint_dtype)
-    with np.errstate(invalid="ignore"):  # NaN patterns stay NaN
-        return bits, bits.view(fmt.np_dtype).astype(np.float64)
+    return bits, from_bits(bits, fmt)
 
 
 def exact_terms(b, l_, g: float, s: float) -> tuple[np.ndarray, np.ndarray]:

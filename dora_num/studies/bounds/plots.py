@@ -9,6 +9,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from ...numerics.formats import STUDIED_FORMATS
+
 
 # g - 1 ticks of the exhaustive panels (symlog, linthresh 2^-24): every third decade; at every second
 # the labels -10^-2 and -10^-4 of a 4.2-inch panel overlapped (the layout check, dora_num/repro/layout.py)
@@ -71,7 +73,7 @@ def exhaustive_tightness(ex: pd.DataFrame):
     largest error / bound over the pairs against ``g - 1`` (symlog), one panel per format, one
     line per formula x arithmetic, every ``s``; at most 1 everywhere (the dashed line), and 1
     where the bound is attained."""
-    fmts = [f for f in ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2") if f in set(ex["format"])]
+    fmts = [f for f in STUDIED_FORMATS if f in set(ex["format"])]
     fig, axes = plt.subplots(1, len(fmts), figsize=(4.2 * len(fmts), 3.4), squeeze=False, sharey=True)
     for ax, f in zip(axes[0], fmts):
         d = ex[ex["format"] == f].groupby(["formula", "arith", "g_minus_1"], as_index=False)["max_err_over_bound"].max()

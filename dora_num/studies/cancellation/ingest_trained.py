@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ...adapters.collapse import FORMATS, collapse_table
+from ...adapters.collapse import collapse_table
+from ...numerics.formats import NARROW_FORMATS
 from ...repro import recording
 from .datasets import TRAINED
 from .runs import (BF16_NORM_RMS_PREDICTED, COMMIT_MAX_RANK, CROSSCHECK_CRITERION, CROSSCHECK_FACTOR,
@@ -171,7 +172,7 @@ def bf16_input_types(runs: dict[str, RawRun]) -> list[str]:
 # Tables of a raw record
 # --------------------------------------------------------------------------
 
-def collapse_over_training(runs: dict[str, RawRun], formats=FORMATS, activations: dict | None = None,
+def collapse_over_training(runs: dict[str, RawRun], formats=NARROW_FORMATS, activations: dict | None = None,
                            log=None) -> pd.DataFrame:
     """:func:`collapse_by_type` of ``g = m / wnorm64`` at every capture of every run (tidy)."""
     frames = []
@@ -238,7 +239,7 @@ def g_final_npz(runs: dict[str, RawRun]) -> bytes:
     return buf.getvalue()
 
 
-def compact_differences(runs: dict[str, RawRun], formats=FORMATS) -> list[dict]:
+def compact_differences(runs: dict[str, RawRun], formats=NARROW_FORMATS) -> list[dict]:
     """Zone counts of ``g_final.npz``'s compact ``g - 1`` (as :func:`~.trained.load_trained` expands it)
     that differ from those of the full-precision ``m / wnorm64`` (per run, module, format; empty when the
     compact form loses nothing counted, which :func:`~.runs.compact_gm1` is built to ensure)."""

@@ -15,7 +15,7 @@ import pandas as pd
 import seaborn as sns
 
 from ...adapters.collapse import POOLED
-from ...numerics.formats import get_format
+from ...numerics.formats import STUDIED_FORMATS, get_format
 from ..bounds.plots import EXHAUSTIVE_G_TICKS
 from .runs import CROSSCHECK_FACTOR, CROSSCHECK_FROM_STEP, MODULE_TYPES
 from .trained import PAPER_ADAPTER
@@ -265,7 +265,7 @@ def exhaustive_correctly_rounded(ex: pd.DataFrame, s_label: str = "1"):
     fraction correctly rounded against ``g - 1`` (symlog), one panel per format, one line per
     formula x arithmetic; shaded: the collapse zone ``fl(g) = 1`` (``-eps/4 <= g - 1 <= eps/2``)."""
     d = ex[ex["s_label"] == s_label]
-    fmts = [f for f in ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2") if f in set(d["format"])]
+    fmts = [f for f in STUDIED_FORMATS if f in set(d["format"])]
     fig, axes = plt.subplots(1, len(fmts), figsize=(4.2 * len(fmts), 3.4), squeeze=False, sharey=True)
     for ax, f in zip(axes[0], fmts):
         for (formula, arith), dd in d[d["format"] == f].groupby(["formula", "arith"]):

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ...adapters.collapse import FORMATS, POOLED, collapse_table
+from ...adapters.collapse import POOLED, collapse_table
+from ...numerics.formats import NARROW_FORMATS
 
 
 CAPTURE_STEPS = (0, 10, 30, 100, 300, 1000, 3000)
@@ -210,7 +211,7 @@ class Captures:
         return self.split((self.m[i] / self.wnorm[i]).astype(np.float64))
 
 
-def compact_gm1(gm1: np.ndarray, formats=FORMATS) -> dict[str, np.ndarray]:
+def compact_gm1(gm1: np.ndarray, formats=NARROW_FORMATS) -> dict[str, np.ndarray]:
     """``g - 1`` (float64, exact for g in [0.5, 2]) stored compactly and losslessly for every zone count:
     ``gm1`` in float32, and at the flat positions ``exact_idx`` where the float32 value would move g across
     a zone end of one of ``formats`` (:func:`~dora_num.numerics.collapse.zone_masks`), ``exact_gm1`` in
@@ -238,7 +239,7 @@ def expand_gm1(gm1: np.ndarray, exact_idx=None, exact_gm1=None) -> np.ndarray:
     return out
 
 
-def collapse_by_type(g_by_module: dict[str, np.ndarray], formats=FORMATS, activations: dict | None = None):
+def collapse_by_type(g_by_module: dict[str, np.ndarray], formats=NARROW_FORMATS, activations: dict | None = None):
     """:func:`collapse_table` per MiniLM module type and pooled: statistics of the concatenated g;
     absorption as the activation-weighted mean of the per-module fractions (as the pooled row of
     ``collapse_table`` does)."""

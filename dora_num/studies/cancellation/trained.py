@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ...adapters.collapse import FORMATS, POOLED, collapse_table
+from ...adapters.collapse import POOLED, collapse_table
+from ...numerics.formats import NARROW_FORMATS
 from .datasets import TRAINED
 from .runs import ZONE_COLUMNS, activations_for, collapse_by_type, expand_gm1, resolve_base
 
@@ -59,13 +60,13 @@ def load_trained(folder=None) -> Trained:
                    pd.DataFrame(manifest["outcome"]))
 
 
-def final_recomputed(tr: Trained, formats=FORMATS) -> pd.DataFrame:
+def final_recomputed(tr: Trained, formats=NARROW_FORMATS) -> pd.DataFrame:
     """The final-step zone fractions of every run recomputed from ``g_final.npz`` (no absorption)."""
     frames = [collapse_by_type(g, formats).assign(run=run, step=tr.final_steps[run]) for run, g in tr.g_final.items()]
     return pd.concat(frames, ignore_index=True)
 
 
-def check_final_against_record(tr: Trained, formats=FORMATS) -> pd.DataFrame:
+def check_final_against_record(tr: Trained, formats=NARROW_FORMATS) -> pd.DataFrame:
     """Rows where :func:`final_recomputed` differs from ``collapse.csv.gz``'s final rows in a zone
     fraction (empty: the committed g reproduces the recorded table)."""
     key = ["run", "group", "format"]
@@ -258,7 +259,7 @@ def _rel(p: Path) -> str:
         return str(Path(p).resolve())
 
 
-def exported_tables(tr: Trained, work=None, *, n_texts=None, max_rows=None, formats=FORMATS) -> pd.DataFrame:
+def exported_tables(tr: Trained, work=None, *, n_texts=None, max_rows=None, formats=NARROW_FORMATS) -> pd.DataFrame:
     """Per exported adapter of the record: its collapse table as ``dora-num collapse`` prints it (per module
     and pooled), from the recorded ``g`` of the state that was exported, with ``g_abs_error_bound`` (the
     recorded g's error against the exact g) and ``n_near_zone_end`` (rows within twice that of a zone end:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...numerics import formulas as F
+from ...numerics.arithmetic import Arithmetic
 from ...numerics.emulate import RoundEach
 from ...numerics.formats import round_to, two_prod
 
@@ -72,11 +73,12 @@ class Site:
         return f"fma({self.alternative[0]}, {self.alternative[1]}, fl({self.a}*{self.b}))"
 
 
-class SiteTracer:
+class SiteTracer(Arithmetic):
     """A symbolic arithmetic recording the contraction sites of one formula evaluation."""
 
     def __init__(self, formula: str):
         self.formula = formula
+        self.name = f"trace[{formula}]"
         self.sites: list[Site] = []
         self.unmarked: list[str] = []
 

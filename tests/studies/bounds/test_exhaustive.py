@@ -13,6 +13,7 @@ from dora_num.studies import record_exhaustive
 from dora_num.studies.bounds import exhaustive as E
 from dora_num.studies.bounds import exhaustive_kernels as K
 from dora_num.studies.bounds import exhaustive_report as R
+from numerics._exact_ref import ordinal_ref, round_ref
 
 RS = E.scale_constants(2 / math.sqrt(7))[0]
 CONFIGS = [(1.0, 1.0), (E._f32(1 + 1e-3), RS), (1 - 2.0**-24, 0.5), (E._next32(1 - 2.0**-12, 0.0), RS)]
@@ -137,6 +138,44 @@ def test_fp8_exhaustive_matches_the_record():
     for c in ("n_measured", "ulp_0", "ulp_1", "violations", "max_ulp", "overflow_agree", "spurious_nonfinite",
               "bound_inf", "ratio_ge_half", "max_err_over_bound") + K.ULP_NAMES:
         assert (m[c] == m[f"{c}_rec"]).all(), c
+
+
+@pytest.mark.parametrize("fmt", ["fp6_e3m2", "fp6_e2m3", "fp4_e2m1"])
+def test_sub_byte_formats_every_pair_recounted_from_fractions(fmt):
+    """cpu_exhaustive over every (base, lora) pair of an OCP MX fp6/fp4 format (64 x 64, 16 x 16) at g
+    exactly 1, on both sides of the format's collapse edges and realistic, two scales: each row's
+    counts recounted here from exact rationals: the correctly rounded result (the independent
+    search), each variant's error |c - X| against its bound decided exactly, its ulp distance from
+    the independent ordinals (the computed values c are emulate's, the quantity the row describes)."""
+    from dora_num.numerics.bounds import compose_bound, compose_ulp_bound
+    from dora_num.numerics.emulate import emulate
+
+    f = FORMATS[fmt]
+    bits, vals = E.all_values(fmt)
+    assert bits.size == 1 << f.bits and np.isfinite(vals).all()  # no inf, no NaN pattern
+    b, l_ = (x.ravel() for x in np.meshgrid(vals, vals, indexing="ij"))
+    gs = [(lab, g) for lab, g in E.g_values(("bf16", f.name)) if "bf16" not in lab and "ulp32" not in lab]
+    assert {"exactly_1", f"{fmt}_edge_above", f"{fmt}_edge_below"} <= {lab for lab, _ in gs}
+    for i, (g_label, g) in enumerate(gs):  # s alternating between 1 (exact products) and an rsLoRA scale
+        for s_label, s_raw in [(E.S_VALUES[0], E.S_VALUES[2])[i % 2]]:
+            s = E.scale_constants(s_raw)[0]
+            rows = E.cpu_exhaustive(fmt, g, s, g_label, s_label)
+            X = [(Fraction(g) - 1) * Fraction(x) + Fraction(g) * (Fraction(s) * Fraction(y)) for x, y in zip(b, l_)]
+            want = [float(round_ref(fmt, x)) for x in X]
+            ordinal = {v: ordinal_ref(fmt, Fraction(v)) for v in set(want) | set(vals.tolist())}  # every value
+            gg = np.full(b.shape, g)
+            for row in rows:
+                inputs = {"base": b, "lora": l_, "g": gg, "s": s}
+                c = emulate(row["formula"], inputs, fmt, row["arith"])
+                B = compose_bound(row["formula"], b, l_, gg, s, fmt, row["arith"])
+                U = compose_ulp_bound(row["formula"], b, l_, gg, s, fmt, row["arith"])
+                d = np.array([abs(ordinal[ci] - ordinal[w]) for ci, w in zip(c.tolist(), want)])
+                within = [math.isinf(Bi) or abs(Fraction(ci) - x) <= Fraction(Bi) for ci, x, Bi in zip(c, X, B)]
+                assert all(within) and row["violations"] == 0, (g_label, s_label, row["formula"], row["arith"])
+                assert ((d <= U) | np.isinf(U)).all() and row["ulp_bound_violations"] == 0
+                assert (row["n_pairs"], row["n_measured"]) == (b.size, b.size)
+                assert (row["max_ulp"], row["ulp_0"], row["ulp_1"]) == (d.max(), (d == 0).sum(), (d == 1).sum())
+                assert row["frac_correctly_rounded"] == (d == 0).mean()
 
 
 def test_recheck_worst_reproduces_the_run():

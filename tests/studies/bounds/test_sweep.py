@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dora_num.numerics.formats import FORMATS
+from dora_num.numerics.formats import FORMATS, STUDIED_FORMATS
 from dora_num.studies.bounds.sweep import COMBOS, conditioning, sweep
 from dora_num.studies.inputs import REGIMES
 
@@ -30,6 +30,14 @@ def test_every_measured_error_within_its_bound(summary):
 
 
 def test_bounds_are_finite_except_near_overflow_and_not_vacuous(summary):
+    assert (summary["tightness"] <= 1.0).all()
+    if summary["format"].iloc[0] not in STUDIED_FORMATS:
+        # fp6/fp4: the regimes are drawn for the studied formats.  The random regime's operands reach
+        # |N(0,1)| 2^4 (studies/inputs.py), beyond these formats' max (6 to 28), so overflow is possible in
+        # every regime; the realistic compose (|g-1| <= 1e-2) lands below their smallest normal (0.25 to 1),
+        # where the bound's underflow term, not the final rounding, dominates.  Bounded, not tight.
+        assert (summary["n_no_bound"] < summary["n"]).all()
+        return
     # no finite bound exists only where overflow is possible: adversarial rows near max
     assert (summary.loc[summary["regime"] != "adversarial", "n_no_bound"] == 0).all()
     frac = summary["n_no_bound"] / summary["n"]
@@ -38,7 +46,6 @@ def test_bounds_are_finite_except_near_overflow_and_not_vacuous(summary):
     # to within a factor of 2 (the final rounding dominates and is attained at half-ulps)
     st = summary[(summary["formula"] == "compose_stable") & (summary["variant"] == "fp32")]
     assert (st["tightness"] > 0.5).all(), st.to_string()
-    assert (summary["tightness"] <= 1.0).all()
 
 
 def test_stable_beats_naive_at_g_near_one(summary):

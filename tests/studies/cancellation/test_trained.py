@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 import torch
 
-from dora_num.adapters.collapse import FORMATS, POOLED, collapse_table
+from dora_num.adapters.collapse import POOLED, collapse_table
+from dora_num.numerics.formats import NARROW_FORMATS
 from dora_num.repro.paths import REPO_ROOT, committed_data
 from dora_num.studies.cancellation import record_trained_launch as L
 from dora_num.studies.cancellation import record_trained as G
@@ -208,7 +209,7 @@ def test_smoke_record_is_complete_and_labelled(smoke):
     mismatch = T.check_final_against_record(tr)
     assert mismatch.empty, mismatch.to_string()
     n_caps = {r.name: len(r.captures.steps) for r in smoke.raw.runs.values()}
-    assert len(tr.collapse) == sum(n_caps.values()) * (len(P.MODULE_TYPES) + 1) * len(FORMATS)
+    assert len(tr.collapse) == sum(n_caps.values()) * (len(P.MODULE_TYPES) + 1) * len(NARROW_FORMATS)
     s0 = T.step0(tr).set_index("role")  # on one device m is the forward's own norm: g = 1 exactly at step 0
     assert s0.loc["grid", "rows_m_ne_wnorm"] == 0 and s0.loc["grid", "rows_layer_g_ne_1"] == 0
     assert s0.loc["ulp_twin", "rows_m_ne_wnorm"] == s0.loc["ulp_twin", "rows"]
