@@ -28,8 +28,6 @@ LAYER_TIMELINE = DataSet("layer-timeline", ("gpu/diagnostics/layer_timeline_c658
 COMPILE_PROBE = DataSet("compile-probe", tuple(f"gpu/diagnostics/{f}" for f in (
     "compile_probe.json", "compile_probe_host.json", "compile_host_cprofile.txt")),
     recorder="python3 .ci/gpu/compile_probe.py OUT (sections: kernels layer peft bench; then host)")
-LAYER_CHECK_AB = DataSet("layer-check-ab", ("gpu/layer_check_ab.log",),
-                         recorder="python3 .ci/gpu/layer_check_ab.py (removed; at 7a50873)")
 
 DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST, LAYER_HOST,
-            LAYER_BREAKDOWN, LAYER_HOST_CPROFILE, LAYER_TIMELINE, COMPILE_PROBE, LAYER_CHECK_AB)
+            LAYER_BREAKDOWN, LAYER_HOST_CPROFILE, LAYER_TIMELINE, COMPILE_PROBE)
