@@ -17,17 +17,5 @@ MODEL_COMPILED = DataSet("model-compiled", tuple(f"gpu/compiled/model_{t}.csv" f
 TRAIN_GRAPHS = DataSet("train-graphs", ("gpu/train_graphs.csv",), recorder="train-graphs", notebooks=("05",))
 OVERHEAD = DataSet("overhead", ("gpu/host_overhead.log",), recorder="overhead")
 GUARD_COST = DataSet("guard-cost", ("gpu/guard_cost.csv",), recorder="guard-cost")
-# Host-cost diagnostics of DoRALinear: device scripts, their output committed with a sidecar
-LAYER_HOST = DataSet("layer-host", ("gpu/layer_host.log",), recorder="python3 .ci/gpu/layer_host_wait.py")
-LAYER_BREAKDOWN = DataSet("layer-breakdown", ("gpu/diagnostics/layer_breakdown.csv",),
-                          recorder="python3 .ci/gpu/layer_breakdown.py OUT")
-LAYER_HOST_CPROFILE = DataSet("layer-host-cprofile", ("gpu/diagnostics/layer_host_cprofile_c658e09.log",),
-                              recorder="python3 .ci/gpu/layer_host_cprofile.py")
-LAYER_TIMELINE = DataSet("layer-timeline", ("gpu/diagnostics/layer_timeline_c658e09.log",),
-                         recorder="python3 .ci/gpu/layer_timeline.py")
-COMPILE_PROBE = DataSet("compile-probe", tuple(f"gpu/diagnostics/{f}" for f in (
-    "compile_probe.json", "compile_probe_host.json", "compile_host_cprofile.txt")),
-    recorder="python3 .ci/gpu/compile_probe.py OUT (sections: kernels layer peft bench; then host)")
 
-DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST, LAYER_HOST,
-            LAYER_BREAKDOWN, LAYER_HOST_CPROFILE, LAYER_TIMELINE, COMPILE_PROBE)
+DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST)
