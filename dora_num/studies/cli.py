@@ -7,7 +7,8 @@ and ingests such a folder into ``data/`` with provenance (:mod:`dora_num.repro.r
     dora-num record NAME --ingest DIR ...        # here: DIR -> data/ with sidecars
     dora-num record --list                       # every recorded data set and its last recording
 
-Each recorder module provides ``build_parser(prog, name)`` (built on :func:`parser`),
+Each recorder module provides ``build_parser(prog, name)`` (built on
+:func:`dora_num.repro.recording.parser`),
 ``record(args)`` and, where it ingests, ``ingest_args(args)``; it is imported only when it runs,
 so ``dora-num --help`` stays fast.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 from typing import NamedTuple
 
 
@@ -59,33 +59,6 @@ RECORDERS = {
 }
 TOOLS = ("carry",)  # recorders of no data set: what a GPU run needs carried along
 PENDING = ()  # recorders whose data set is declared once a GPU run has recorded it
-
-
-def require_cuda(name: str, available: bool, why: str | None = None) -> None:
-    """The one way a GPU-only recorder refuses on a machine without CUDA: a one-line message on
-    stderr and exit status 1 (``SystemExit`` with the message), no traceback.  ``available`` is the
-    recorder's own ``torch.cuda.is_available()``: producers ask the device, this module (which
-    every reader imports) does not (tests/studies/test_layout.py)."""
-    if not available:
-        raise SystemExit(f"dora-num record {name} needs a CUDA GPU{f' ({why})' if why else ''}; this machine has none")
-
-
-def parser(prog: str, description: str | None, *, ingest: str | None = "DIR", many: bool = False,
-           smoke: str | None = "tiny sizes (a check of the recorder)", out: str = "output folder",
-           out_required: bool = True) -> argparse.ArgumentParser:
-    """A recorder's parser with the options every recorder shares: ``--out``, ``--ingest``
-    (``None``: it writes into ``data/`` itself), ``--git-sha`` and ``--smoke`` (``None``: none)."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, help=out + (" (with --ingest: the data folder, default its folder under data/)"
-                                                   if ingest else ""))
-    if ingest:
-        p.add_argument("--ingest", type=Path, nargs="+" if many else None, metavar=ingest,
-                       help="instead of measuring: record this output folder into data/ with provenance")
-    p.add_argument("--git-sha", default=None, help="the commit that ran (the GPU machine's copy of the tree has no .git)")
-    if smoke:
-        p.add_argument("--smoke", action="store_true", help=smoke)
-    p.set_defaults(_out_required=out_required)
-    return p
 
 
 def run(name: str, argv: list[str] | None = None, *, prog: str | None = None) -> int:

@@ -30,7 +30,7 @@ from ..repro import recording
 from .bounds import accumulation as ACC
 from .bounds import exhaustive as X
 from .bounds.datasets import ACCUMULATION, COMPOSE_GPU
-from .cli import parser as recorder_parser
+from ..repro.recording import parser as recorder_parser
 from .fma import census as C
 from .fma import census_kernels as CK
 from .fma.datasets import SQRT_CENSUS_GPU
@@ -47,7 +47,7 @@ def _log(msg: str) -> None:
 def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 480.0,
         git_sha: str | None = None) -> dict:
     """Run ``sections`` into ``out``; returns the ``device.json`` description."""
-    from .cli import require_cuda
+    from ..repro.recording import require_cuda
 
     require_cuda("exhaustive", torch.cuda.is_available())
     import triton

@@ -18,7 +18,7 @@ import torch
 
 from ..repro import recording as recorded
 from . import inputs
-from .cli import parser as recorder_parser
+from ..repro.recording import parser as recorder_parser
 from .fma.datasets import FMA
 from .speed import datasets as D
 from .bench import copy_bandwidth, gpu_description, log, write_csv
@@ -32,7 +32,7 @@ SEED = inputs.SUITE_SEED
 
 
 def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_sha: str | None = None) -> None:
-    from .cli import require_cuda
+    from ..repro.recording import require_cuda
 
     require_cuda("suite", torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .datasets import COMPOSE_FP8
 from .exhaustive import fp8_exhaustive
 

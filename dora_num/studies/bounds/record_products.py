@@ -180,7 +180,7 @@ PARTS = ("tf32", "bf16_base", "fire_rate", "accumulation")
 
 
 def build_parser(prog: str = "dora-num record products", name: str = "products"):
-    from ..cli import parser
+    from ...repro.recording import parser
 
     p = parser(prog, __doc__.split("\n\n")[0], smoke="one small case of each (minutes less)")
     p.add_argument("--only", nargs="+", choices=PARTS, help="record only these parts (default: all)")
@@ -225,7 +225,7 @@ def record(args) -> int:
     import pandas as pd
 
     from ...repro.provenance import save_dataframe, write_artifact
-    from ..cli import require_cuda
+    from ...repro.recording import require_cuda
 
     require_cuda("products", torch.cuda.is_available(), "it measures the GPU's own GEMMs and accumulators")
     only = set(args.only or PARTS)

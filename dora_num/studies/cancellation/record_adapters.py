@@ -24,7 +24,7 @@ from ...adapters.model import minilm_path
 from ...adapters.peft_io import export_peft_dora
 from ...adapters.train import TrainConfig, config_dict, train
 from ...repro.provenance import save_dataframe, write_artifact
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .analysis import agreement_verdict
 from .datasets import AGREEMENT
 

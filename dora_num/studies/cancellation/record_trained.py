@@ -23,7 +23,7 @@ import torch
 
 from ...adapters.train import TrainConfig, TrainHooks, config_dict, peft_dora_modules, train
 from ...oracles import row_norm_ref64
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from ..convergence.config import ULP_SEED_OFFSET
 from .datasets import TRAINED
 from .record_trained_launch import launch, pack, predict

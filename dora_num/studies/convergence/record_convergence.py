@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ...adapters.train import TrainHooks, train
 from ...repro.provenance import save_dataframe, save_json
 from ...ops.compose import fused_available
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .config import (HISTORY_FLOAT_FORMAT, PATHS, PROFILE_WARMUP, RUN_ORDER_NOTE, SMOKE, ConvergenceConfig, RunSpec,
                      run_plan, train_config)
 from .datasets import CONVERGENCE

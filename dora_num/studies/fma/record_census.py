@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .census import CHUNK, SUB_BLOCK, census, cpu_capability
 from .datasets import SQRT_CENSUS_CPU
 

@@ -31,7 +31,7 @@ from ...adapters.train import TrainConfig, inject_dora
 from ...ops.layer import DoRALinear
 from ...oracles import measure_cpu_allocations
 from ...repro import recording as recorded
-from ..cli import parser as recorder_parser, require_cuda
+from ...repro.recording import parser as recorder_parser, require_cuda
 from .datasets import MEMORY
 from .memory_model import MINILM, NORMS, TOLERANCE, MemoryConfig, predict_peak
 

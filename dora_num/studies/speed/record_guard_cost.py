@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .datasets import GUARD_COST
 
 ROUNDS = 5
@@ -94,7 +94,7 @@ def run(out: Path, *, smoke: bool = False, git_sha: str | None = None) -> Path:
 
     from ...repro.provenance import device_info, versions
     from ..bench import time_ms
-    from ..cli import require_cuda
+    from ...repro.recording import require_cuda
 
     require_cuda("guard-cost", torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)

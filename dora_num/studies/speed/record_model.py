@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .datasets import MODEL, MODEL_COMPILED
 from .model_agreement import agreement, full_size_agreement
 from .model_variants import (FULL, MODES, RANKS, SEED, SMOKE, SMOKE_RANKS, VARIANTS, Runner, Shape, _bump,

@@ -19,7 +19,7 @@ from ...ops.kernels import compose as kc
 from ...ops.layer import DoRALinear
 from ...repro import recording as recorded
 from ..bench import host_path
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .datasets import OVERHEAD
 
 LOG = "host_overhead.log"
@@ -128,7 +128,7 @@ def ingest_args(a) -> list[Path]:
 
 
 def record(a) -> int:
-    from ..cli import require_cuda
+    from ...repro.recording import require_cuda
 
     require_cuda("overhead", torch.cuda.is_available())
     lines = []

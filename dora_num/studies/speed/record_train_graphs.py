@@ -16,7 +16,7 @@ from ...ops.compose import ComposeFunction
 from ...ops.config import get_config
 from ...repro import recording as recorded
 from ..bench import Timing, bitwise_equal, compose_bytes, copy_bandwidth, max_rel_err, time_ms
-from ..cli import parser as recorder_parser, require_cuda
+from ...repro.recording import parser as recorder_parser, require_cuda
 from ..inputs import suite_compose_torch
 from .datasets import TRAIN_GRAPHS
 from .record_compose import BASELINE_TOL, SCALE, SEED, autograd_expr
