@@ -24,6 +24,8 @@ import pandas as pd
 
 from .provenance import device_info, read_provenance, save_dataframe, save_json, versions, write_artifact
 
+MACHINE_FILE = "device.json"  # what every recorder writes about its machine, beside its files
+
 
 # --------------------------------------------------------------------------
 # A recorder's command line (every ``dora-num record`` subcommand builds on these)
@@ -98,13 +100,13 @@ def write_machine(out: Path, desc: dict) -> Path:
     """``desc`` as ``out/device.json`` (a recorder's own output folder, not ``data/``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
-    return out / "device.json"
+    (out / MACHINE_FILE).write_text(json.dumps(desc, indent=2, default=str) + "\n")
+    return out / MACHINE_FILE
 
 
 def read_machine(src: Path) -> dict:
     """The ``device.json`` a recorder wrote in ``src``; a clear error if there is none."""
-    f = Path(src) / "device.json"
+    f = Path(src) / MACHINE_FILE
     if not f.is_file():
         raise FileNotFoundError(f"{src} has no device.json: not the output folder of a recorder")
     return json.loads(f.read_text())

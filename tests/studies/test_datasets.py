@@ -1,10 +1,11 @@
 """Every recorded data set declared once (dora_num.studies.datasets): committed, complete, its sidecars
-naming today's producer, ``cli.RECORDERS`` and every notebook's ``requires`` held to it."""
+naming today's producer, ``cli.RECORDERS`` (derived from them) and every notebook's ``requires`` held to it."""
 
 from __future__ import annotations
 
 import ast
 import json
+from pathlib import Path
 
 import pytest
 
@@ -41,15 +42,22 @@ def test_the_table_holds_every_recorded_file_once():
 
 
 def test_recorders_and_data_sets_name_each_other():
-    subcommands = {d.subcommand for d in datasets.DATASETS.values() if d.kind == "record"}
+    """The registry is derived: every subcommand a data set names is declared by exactly one data set
+    (its module and help), and its module is a recorder of the package."""
+    import importlib.util
+
+    record = [d for d in datasets.DATASETS.values() if d.kind == "record"]
+    subcommands = {d.subcommand for d in record}
     assert sorted(subcommands - set(cli.RECORDERS)) == []
-    assert sorted(set(cli.RECORDERS) - subcommands - set(cli.TOOLS) - set(cli.PENDING)) == []
-    assert not set(cli.PENDING) & subcommands  # a recorded data set is declared, no longer pending
+    assert sorted(set(cli.RECORDERS) - subcommands - set(cli.TOOLS)) == []
+    for sub in subcommands:
+        declaring = [d.name for d in record if d.subcommand == sub and d.about]
+        assert len(declaring) == 1, (sub, declaring)
+    assert all(not d.module or d.module == cli.RECORDERS[d.subcommand].module for d in record)
+    assert all(importlib.util.find_spec(r.module) is not None for r in cli.RECORDERS.values())
     for d in datasets.DATASETS.values():
         assert d.recorder.split()[0] in d.how_to_record or d.kind == "notebook", d
         if d.kind == "script" and " -m dora_num." in d.recorder:  # a module of the package
-            import importlib.util
-
             assert importlib.util.find_spec(d.recorder.split(" -m ")[1].split()[0]) is not None, d
         elif d.kind == "script":  # the device script exists (a data set whose recorder is gone is not declared)
             script = next(w for w in d.recorder.split() if w.startswith(".ci/"))
@@ -63,21 +71,15 @@ def test_how_to_record_follows_the_recorder():
     assert gpu.producer == "dora-num record exhaustive"
     cpu = DataSet("y", ("exhaustive/y.csv",), recorder="sqrt-census", where="the CPU", ingest=False)
     assert cpu.how_to_record == "here (the CPU): dora-num record sqrt-census" and cpu.folder == "exhaustive"
-    assert gpu.subset("x.csv") == gpu
-    with pytest.raises(ValueError, match="no file"):
-        gpu.subset("z.csv")
-
-
-def test_record_list_prints_every_data_set(capsys):
-    from dora_num.__main__ import main
-
-    assert main(["record", "--list"]) == 0
-    out = capsys.readouterr().out
-    assert all(name in out for name in datasets.DATASETS)
-    assert "NVIDIA H200" in out and datasets.last_recorded(datasets.DATASETS["memory"])["commit"] in out
-    wide = [line for line in out.splitlines() if len(line) > 100]
-    assert not wide, f"{len(wide)} lines wider than 100 columns, e.g. {wide[0]!r}"
-    assert "Legend." in out
+    roles = DataSet("z", {"table": "gpu/z/t.csv", "log": "gpu/z/run.log"}, recorder="z")
+    assert roles.files == ("gpu/z/t.csv", "gpu/z/run.log") and roles.roles == ("table", "log")
+    assert roles.path("log") == COMMITTED_DATA_DIR / "gpu/z/run.log" and roles.filename("table") == "t.csv"
+    assert roles.path("log", "/tmp/out") == Path("/tmp/out/run.log") and roles.relpath("table") == "t.csv"
+    assert roles.subset("log").files == ("gpu/z/run.log",) and gpu.path() == COMMITTED_DATA_DIR / "gpu/x.csv"
+    with pytest.raises(ValueError, match="no file 'zz'"):
+        roles.subset("zz")
+    with pytest.raises(ValueError, match="name one by its role"):
+        roles.path()
 
 
 def _reads(nb_path) -> dict[str, bool]:

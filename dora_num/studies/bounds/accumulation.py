@@ -328,7 +328,7 @@ def bound_factor(findings: dict) -> dict:
 
 SHAPES = (("U", 4096, 384), ("G", 384, 384))  # (product, M rows per call, N) as in the factored norm
 K_VALUES = (384, 4096)
-PROBE_FILE = "accumulation_probe.json.gz"  # gzip (mtime 0): the raw outputs are 2.3 MB of JSON
+PROBE_FILE = ACCUMULATION.filename("probe")  # gzip (mtime 0): the raw outputs are 2.3 MB of JSON
 
 
 def model_record(model: TensorCoreModel, fmt: str, K: int, positions=None) -> dict:
@@ -343,7 +343,7 @@ __all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca
 def load_record(folder=None) -> list[dict]:
     """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json.gz``, or in ``folder``);
     :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
-    path = ACCUMULATION.subset(PROBE_FILE).require(folder)[0]
+    path = ACCUMULATION.subset("probe").require(folder)[0]
     return json.loads(gzip.decompress(path.read_bytes()))
 
 

@@ -197,7 +197,7 @@ def ingest_args(args) -> list[Path]:
     from .datasets import PRODUCTS
 
     src = Path(args.ingest)
-    names = [Path(f).name for f in PRODUCTS.files]
+    names = [p.name for p in PRODUCTS.paths(args.ingest)]
     found = [n for n in names if (src / n).is_file()]
     if not found:
         raise SystemExit(f"dora-num record products: {src} holds none of {', '.join(names)}")
@@ -226,23 +226,24 @@ def record(args) -> int:
 
     from ...repro.provenance import save_dataframe, write_artifact
     from ...repro.recording import require_cuda
+    from .datasets import ACCUMULATION, PRODUCTS
 
     require_cuda("products", torch.cuda.is_available(), "it measures the GPU's own GEMMs and accumulators")
     only = set(args.only or PARTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prov = dict(params={"smoke": args.smoke, "git_sha": args.git_sha}, producer="dora-num record products")
-    for part, name, fn in (("tf32", "tf32.csv", record_tf32), ("bf16_base", "bf16_base.csv", record_bf16_base),
-                           ("fire_rate", "guard_fire_rate.csv", record_fire_rate)):
+    for part, fn in (("tf32", record_tf32), ("bf16_base", record_bf16_base), ("fire_rate", record_fire_rate)):
         if part not in only:
             continue
+        name = PRODUCTS.filename(part)
         df = pd.DataFrame(fn(args.smoke))
         save_dataframe(df, out / name, **prov)
         print(f"[record products] {name}\n{df.to_string(index=False)}", flush=True)
     if "accumulation" not in only:
         return 0
     acc = record_accumulation(args.smoke)
-    write_artifact(out / "accumulation_findings.json", (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
+    write_artifact(out / ACCUMULATION.filename("findings"), (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
     bad = [f for f in acc if "bound" in f and not (f["bound"].get("valid") and f["bound"]["factor"] <= 1)]
     print(f"[record products] accumulation: {len(acc)} records, {len(bad)} where the order-free 2u charge is not "
           "confirmed by the blocked model", flush=True)

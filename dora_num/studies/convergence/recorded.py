@@ -30,9 +30,12 @@ def load_recorded(folder: str | Path | None = None) -> Recorded:
     error naming the command that records them when they are missing."""
     CONVERGENCE.require(folder)
     folder = Path(folder) if folder is not None else committed_data(CONVERGENCE.folder)
-    return Recorded(read_history(folder / "history.csv.gz"), with_perturbed(pd.read_csv(folder / "evals.csv")),
-                    with_perturbed(pd.read_csv(folder / "g_stats.csv.gz")), pd.read_csv(folder / "profile.csv"),
-                    json.loads((folder / "summary.json").read_text()), folder)
+    def path(role):
+        return CONVERGENCE.path(role, folder)
+
+    return Recorded(read_history(path("history")), with_perturbed(pd.read_csv(path("evals"))),
+                    with_perturbed(pd.read_csv(path("g_stats"))), pd.read_csv(path("profile")),
+                    json.loads(path("summary").read_text()), folder)
 
 
 def read_history(path: Path) -> pd.DataFrame:
