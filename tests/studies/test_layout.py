@@ -165,3 +165,12 @@ def test_no_study_folder_imports_a_module_that_gathers_the_folders():
     upward = {m: sorted(imports(m) & (top - SHARED)) for m, p in MODULES.items() if p.parent != STUDIES}
     assert {m: i for m, i in upward.items() if i} == {}
 
+
+def test_every_notebook_has_one_study_folder_that_names_it():
+    import importlib
+
+    named = {}
+    for d in sorted(p for p in STUDIES.iterdir() if (p / "__init__.py").is_file()):
+        named.setdefault(importlib.import_module(f"dora_num.studies.{d.name}").NOTEBOOK, []).append(d.name)
+    notebooks = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert sorted(named) == notebooks and all(len(v) == 1 for v in named.values()), named
