@@ -1,10 +1,12 @@
 """Every recorded data set declared once (dora_num.studies.datasets): committed, complete, its sidecars
-naming today's producer, ``cli.RECORDERS`` (derived from them) and every notebook's ``requires`` held to it."""
+naming today's producer, ``cli.RECORDERS`` and every notebook's ``requires`` held to it, and no declared
+file's name typed outside its declaration."""
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,91 @@ def test_how_to_record_follows_the_recorder():
         roles.subset("zz")
     with pytest.raises(ValueError, match="name one by its role"):
         roles.path()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A declared file's name is typed once: in its DataSet(...) declaration
+# ---------------------------------------------------------------------------------------------------------
+
+# Names a file format owns (PEFT's adapter files, the machine description every recorder writes), not a
+# data set: a data set that holds such a file names it too.
+FORMAT_NAMES = {"adapter_config.json", "adapter_model.safetensors", "device.json"}
+# Where the names are looked for: the package, the device scripts (notebooks: not yet, see below)
+SCANNED = ("dora_num/**/*.py", ".ci/**/*.py")
+# The raw record of one trained run is not a data set; its own names are declared once, there
+RAW_NAMES = {("dora_num/studies/cancellation/runs.py", "RAW_FILES")}
+
+
+def _declared_files() -> set[str]:
+    return {f for d in datasets.DATASETS.values() for f in d.files if Path(f).name not in FORMAT_NAMES}
+
+
+def typed_names(src: str, files: set[str], allowed_assignments=()) -> list[tuple[int, str]]:
+    """``(line, name)`` for each base name of the declared ``files`` that ``src`` types outside a ``DataSet(...)`` call: in a
+    string constant, or an f-string that spells it (``f"model_{t}.csv"``).  Docstrings are documentation
+    and are left out; so are the values of the module-level assignments ``allowed_assignments``."""
+    tree = ast.parse(src)
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "DataSet":
+            skip |= {id(n) for n in ast.walk(node)}
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            skip.add(id(node.body[0].value))
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) in allowed_assignments for t in node.targets):
+            skip |= {id(n) for n in ast.walk(node.value)}
+    names = {Path(f).name for f in files}
+    tails = {"/".join(f.split("/")[i:]): Path(f).name for f in files for i in range(f.count("/") + 1)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [(node.lineno, b) for b in names
+                      if re.search(r"(?<![\w.-])" + re.escape(b) + r"(?!\w)", node.value)]
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[-1], ast.Constant):
+            last = node.values[-1].value
+            lit = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+            if not re.search(r"\.[A-Za-z]\w*$", last) or len(lit) - len(re.search(r"\.[A-Za-z]\w*$", last)[0]) < 2:
+                continue  # no extension of its own, or f"{name}.csv": names no file
+            rx = re.compile("(?:.*/)?" + "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "[^/]+"
+                                                 for v in node.values))
+            found += [(node.lineno, b) for t, b in tails.items() if rx.fullmatch(t)]
+    return sorted(set(found))
+
+
+def test_the_name_rule_can_fail():
+    names = {"gpu/norm_bench.csv", "gpu/model_probe.csv", "gpu/convergence/history.csv.gz"}
+    src = ('"""Writes norm_bench.csv."""\nA = DataSet("n", {"bench": "gpu/norm_bench.csv"}, recorder="n")\n'
+           'p = out / "norm_bench.csv"\nq = f"gpu/model_{t}.csv"\nr = f"{name}.csv"\nRAW = {"h": "history.csv.gz"}\n')
+    assert typed_names(src, names) == [(3, "norm_bench.csv"), (4, "model_probe.csv"), (6, "history.csv.gz")]
+    assert typed_names(src, names, ("RAW",)) == [(3, "norm_bench.csv"), (4, "model_probe.csv")]
+
+
+@pytest.mark.parametrize("pattern", SCANNED)
+def test_no_declared_file_name_is_typed_outside_its_declaration(pattern):
+    """Writers and readers take a file from its declaration (``DataSet.path(role, folder)``,
+    ``.filename(role)``): renaming a file is one edit, in its study folder's ``datasets.py``."""
+    names = _declared_files()
+    typed = {}
+    for p in sorted(REPO_ROOT.glob(pattern)):
+        rel = p.relative_to(REPO_ROOT).as_posix()
+        allowed = {a for f, a in RAW_NAMES if f == rel}
+        for line, name in typed_names(p.read_text(), names, allowed):
+            typed.setdefault(name, []).append(f"{rel}:{line}")
+    assert typed == {}, "declared file names typed outside their declarations (use DataSet.path / .filename)"
+
+
+def test_record_list_prints_every_data_set(capsys):
+    from dora_num.__main__ import main
+
+    assert main(["record", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in datasets.DATASETS)
+    assert "NVIDIA H200" in out and datasets.last_recorded(datasets.DATASETS["memory"])["commit"] in out
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, f"{len(wide)} lines wider than 100 columns, e.g. {wide[0]!r}"
+    assert "Legend." in out
 
 
 def _reads(nb_path) -> dict[str, bool]:
