@@ -169,6 +169,19 @@ def test_record_list_prints_every_data_set(capsys):
     assert "Legend." in out
 
 
+def test_notebooks_print_the_declared_recording_command():
+    """A notebook says how to record what it lacks with its data set's own ``how_to_record`` (or
+    ``ctx.recorded``), never a command typed in a cell, which drifts from the recorder and its producer."""
+    typed = []
+    for nb in NOTEBOOKS:
+        cells = ["".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+        for node in ast.walk(ast.parse("\n".join(cells))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.search(
+                    r"dora-num record|dora_num gpu-suite|dora-num gpu-suite|--ingest", node.value):
+                typed.append(f"{nb.name}: {node.value[:60]!r}")
+    assert typed == []
+
+
 def _reads(nb_path) -> dict[str, bool]:
     """The data sets a notebook asks for with ``ctx.recorded(...)`` (evaluated in the notebook's
     imports, at its parameters' defaults): name -> required in a full run."""
