@@ -9,8 +9,9 @@ TRAINED = DataSet("trained-adapters", {
         ("collapse", "collapse.csv.gz"), ("g_final", "g_final.npz"), ("crosscheck", "crosscheck.csv"))},
     "export_config": _EXPORT + "adapter_config.json", "export_weights": _EXPORT + "adapter_model.safetensors",
     "export_capture": _EXPORT + "final_capture.npz"},
-    recorder="adapters-gpu --base .carry/minilm", notebooks=("01",), module="dora_num.studies.cancellation.record_trained",
-    about="GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training (01)")
+    recorder="adapters-gpu --base .carry/minilm", notebooks=("01", "02"),
+    module="dora_num.studies.cancellation.record_trained",
+    about="GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training (01, 02)")
 AGREEMENT = DataSet("agreement", {"runs": "adapters/agreement.csv"}, recorder="adapters --agreement-only",
                     where="the CPU, a few minutes on 2 cores", ingest=False, notebooks=("01",),
                     module="dora_num.studies.cancellation.record_adapters",

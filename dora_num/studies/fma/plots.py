@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from .sqrt import HIST_CAP
 
 ASSEMBLY_SITES = {"s0": "2s·cross + base_sq", "s1": "s²·ba + t"}  # the contraction sites, in order
 SQRT_NAMES = {"rn": "sqrt RN", "faithful_other": "sqrt faithful"}
@@ -21,6 +22,14 @@ def variant_name(placement: str, sqrt: str) -> str:
     return f"{fma}, {SQRT_NAMES.get(sqrt, sqrt)}" + (" (production)" if fma == "no FMA" and sqrt == "rn" else "")
 
 
+def _pooled_ulp_axis(ax) -> None:
+    """Ticks of a ULP histogram whose outermost bins pool everything beyond +-HIST_CAP, labelled as such."""
+    edge = HIST_CAP + 1
+    ticks = [-edge, -HIST_CAP // 2, 0, HIST_CAP // 2, edge]
+    ax.set_xticks(ticks, [f"\u2264\u2212{edge}"] + [str(t).replace("-", "\u2212") for t in ticks[1:-1]]
+                  + [f"\u2265{edge}"])
+
+
 def assembly_ulp_hist(hist: pd.DataFrame, sets: list[str]):
     """ULP differences of each assembly placement x sqrt model from production, per input set."""
     h = hist.query("vs == 'production'").copy()
@@ -31,6 +40,7 @@ def assembly_ulp_hist(hist: pd.DataFrame, sets: list[str]):
         for col in tab.columns:
             ax.plot(tab.index, tab[col].replace(0, np.nan), marker="o", ms=3, lw=1, label=col)
         ax.set_yscale("log"); ax.set_title(f"inputs: {name}"); ax.set_xlabel("ulps from production's wnorm")  # noqa: E702
+        _pooled_ulp_axis(ax)
     axes[0].set_ylabel("rows")
     handles, labels = axes[-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize=7, title="contraction, square root",
@@ -38,7 +48,7 @@ def assembly_ulp_hist(hist: pd.DataFrame, sets: list[str]):
     fig.suptitle("Norm assembly: every placement of FMA contractions and square-root model against production")
     fig.supxlabel("sites: s0 = " + ASSEMBLY_SITES["s0"] + ", s1 = " + ASSEMBLY_SITES["s1"] + " (an FMA rounds the "
                   "product and the sum once); sqrt RN: correctly rounded, faithful: each inexact root at its other "
-                  "neighbour", fontsize=7.5)
+                  f"neighbour; the outer bins hold every difference beyond \u00b1{HIST_CAP} ulps", fontsize=7.5)
     return fig
 
 
@@ -71,9 +81,10 @@ def compose_ulp_hist(hist: pd.DataFrame, sets: list[str], fmts=("fp32", "bf16"))
                 ax.plot(tab.index, tab[col].replace(0, np.nan), marker="o", ms=3, lw=1, label=col)
             ax.set_yscale("log"); ax.set_title(f"{name}, {fmt} output", fontsize=9)  # noqa: E702
             ax.set_xlabel("ULP difference from production" if i == len(fmts) - 1 else "")
+            _pooled_ulp_axis(ax)
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     fig.subplots_adjust(hspace=0.45)  # the upper row's tick labels clear of the lower row's titles
-    fig.suptitle("Compose: contraction placements vs production")
+    fig.suptitle(f"Compose: contraction placements vs production (outer bins: beyond \u00b1{HIST_CAP} ulps)")
     return fig
 
 

@@ -35,7 +35,11 @@ from ...ops.config import override
 from ...ops.norm import factored_row_norm, factored_terms
 from ...oracles import perturbed_adapter
 from .. import inputs
+from ..cancellation.datasets import TRAINED
 from . import models as M
+
+# notebook 01's trained adapter in PEFT format, the one committed (run r16_lr0.001)
+TRAINED_ADAPTER = TRAINED.subset("export_config", "export_weights")
 
 SQRT_MODELS = ("rn", "faithful_other")
 # Progress of the long loops: a text bar on stderr (tqdm.std), never an ipywidgets bar, whose comm a
@@ -122,6 +126,33 @@ def minilm_layers(model, names: list[str], *, rank: int, alpha: float, use_rslor
         with torch.no_grad():
             dora.lora_B.copy_(B.to(dtype))
             dora.magnitude.copy_(m.to(dora.magnitude.dtype))
+        out[name] = dora
+    return out
+
+
+def trained_layers(model, adapter_dir, names: list[str] | None = None, dtype=torch.float32) -> dict:
+    """``{name: DoRALinear}`` around the model's layers carrying a trained PEFT DoRA adapter's ``A``, ``B``,
+    ``m`` and scale (:func:`~dora_num.adapters.peft_io.load_peft_dora`; ``names``: those of its modules to
+    keep, default all), in ``dtype`` as :func:`minilm_layers` builds them (A, B in W's dtype, m fp32)."""
+    from ...adapters.peft_io import load_peft_dora
+
+    modules = dict(model.named_modules())
+    states = {st.name: st for st in load_peft_dora(adapter_dir, model)}
+    missing = [n for n in (names or []) if n not in states]
+    if missing:
+        raise ValueError(f"the adapter in {adapter_dir} has no module {missing[0]!r} (it has {len(states)})")
+    out = {}
+    for name in names or sorted(states):
+        st = states[name]
+        lin = copy.deepcopy(modules[name]).to(dtype)
+        dora = DoRALinear.from_linear(lin, st.rank, st.alpha, use_rslora=st.use_rslora, compose_path="eager",
+                                      adapter_dtype=None)
+        if dora.scale != st.scale:
+            raise ValueError(f"{name}: the layer's scale {dora.scale} is not the adapter's {st.scale}")
+        with torch.no_grad():
+            dora.lora_A.copy_(st.A.to(dtype))
+            dora.lora_B.copy_(st.B.to(dtype))
+            dora.magnitude.copy_(st.m.to(dora.magnitude.dtype))
         out[name] = dora
     return out
 
