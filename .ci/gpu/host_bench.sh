@@ -4,8 +4,9 @@
 #   1. .ci/gpu/layer_host_wait.py          -> $OUT/layer_host.log   (interleaved A/B of the host cost per step)
 #   2. the model-level suite, MODEL_ROUNDS -> $OUT/model/model_*.csv, device.json
 # Here: dora-num record model --ingest <OUT>/model --git-sha <sha> (-> data/gpu/model_*.csv), and the log
-#       through dora_num.repro.recording.ingest({"layer_host.log": <OUT>/layer_host.log}, data/gpu, machine=
-#       recording.read_machine(<OUT>/model), producer=..., git_sha=<sha>) (a sidecar beside it).
+#       through dora_num.repro.recording.ingest({"layer_host.log": <OUT>/layer_host.log}, .ci/gpu/diagnostics,
+#       machine=recording.read_machine(<OUT>/model), producer=..., git_sha=<sha>) (a sidecar beside it; a
+#       diagnostic of the device scripts, not a data set: .ci/gpu/diagnostics/README.md).
 set -u
 : "${OUT:?set OUT}"
 SHA=${DORA_NUM_GIT_SHA:?set DORA_NUM_GIT_SHA to the commit being measured}

@@ -2,7 +2,7 @@
 
 ``PYTHONPATH=. python3 .ci/gpu/layer_host_cprofile.py [SORT]``: 512->512, r=16, 64 tokens, bf16,
 the layer on the fused compose tier; 500 calls of each piece, functions by SORT (default: own time).
-Recorded: ``data/gpu/diagnostics/layer_host_cprofile_c658e09.log`` (at git c658e09, by
+Recorded: ``.ci/gpu/diagnostics/layer_host_cprofile_c658e09.log`` (at git c658e09, by
 this script as it was then: its ``compose()`` piece took ``path="auto"``, i.e. the eager
 tier at this size, and skipped the argument checks through a private keyword; the piece
 now asks for the fused tier, through the public ``compose`` with its checks, and the

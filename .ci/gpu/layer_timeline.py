@@ -6,7 +6,7 @@ bf16: (1) interleaved timings of the step under each finiteness check of ``g``
 the A/B of what the check costs; (2) a torch.profiler trace of three steps, printed as a
 timeline (host annotations and GPU kernels, microseconds from the step's start) so the
 gaps where the GPU waits for the host are visible.  Recorded:
-``data/gpu/diagnostics/layer_timeline_c658e09.log`` (at git c658e09, by this script as it
+``.ci/gpu/diagnostics/layer_timeline_c658e09.log`` (at git c658e09, by this script as it
 was then: its variants were ``shipped`` (= ``late``) and ``no_wait``, which queued the
 flag's copy but did not wait for it, a subclass of the layer's private check class that
 ``finite_check="off"`` replaces; ``git show c658e09:.ci/gpu/layer_timeline.py``).

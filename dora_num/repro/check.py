@@ -45,13 +45,20 @@ class Rule:
     atol: float = 0.0
 
 
+def _recorded_by_notebooks() -> tuple[Rule, ...]:
+    """A ``"recorded"`` rule for each data set a notebook records itself (its declaration in
+    :mod:`dora_num.studies.datasets` names the file and the switch that recomputes it)."""
+    from ..studies.datasets import DATASETS  # the declarations: gathered, not typed here
+
+    return tuple(Rule(f"data/{f}", "recorded", f"{d.name} ({d.where}): the notebook reads its record unless run as "
+                      f"'{d.recorder}'") for d in DATASETS.values() if d.kind == "notebook" for f in d.files)
+
+
 # Declared exceptions to "bytes equal", each with its reason.
 RULES: tuple[Rule, ...] = (
     Rule("data/03_ground_truth_and_bounds/ground_truth_bench.json", "timing",
          "throughput of the certified ground truth, timed on the machine that runs it"),
-    Rule("data/01_cancellation_at_g1/paper_benchmark_g1_paper_shape.csv", "recorded",
-         "the paper-shape benchmark (3 min on 2 cores): notebook 01 reads its record unless "
-         "RECOMPUTE_PAPER_SHAPE=True"),
+    *_recorded_by_notebooks(),
 )
 DEFAULT_RULE = Rule("*", "exact", "deterministic: fixed-order/exact reductions, activations rounded once from "
                                   "float64, so the same commit gives the same bytes on any x86-64 CPU")

@@ -19,10 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from .paths import COMMITTED_DATA_DIR, REPO_ROOT
+from .paths import COMMITTED_DATA_DIR, REPO_ROOT, DataSet
 
-RECORD = "setup/durations.json"
-BEGIN = "<!-- durations:begin (generated from data/setup/durations.json; do not edit) -->"
+# The README's commands timed on a fresh clone (read by the README, not by a notebook); gathered with
+# every other data set by dora_num.studies.datasets.
+DURATIONS = DataSet("durations", {"record": "setup/durations.json"}, recorder="python3 -m dora_num.repro.durations",
+                    where="the CPU, a fresh clone: about 35 min on 2 cores", ingest=False)
+RECORD = DURATIONS.files[0]  # under data/
+BEGIN = f"<!-- durations:begin (generated from data/{RECORD}; do not edit) -->"
 END = "<!-- durations:end -->"
 COMMANDS = ("venv", "test", "reproduce", "check")  # in this order: each needs the one before
 WHAT = {

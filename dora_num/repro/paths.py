@@ -8,7 +8,8 @@ reads of committed data always come from the repository.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +87,13 @@ class DataSet:
     is the subcommand), a device script (``"python3 .ci/gpu/..."``, ``"bash .ci/gpu/..."``) or a
     notebook run (``"notebook 01 with RECOMPUTE_PAPER_SHAPE=True"``).  ``where``: the machine it
     needs; ``ingest``: measured into ``--out`` there, then ingested here (a CPU recorder writes
-    into ``data/`` itself).  The table of all of them: :mod:`dora_num.studies.datasets`."""
+    into ``data/`` itself).  The table of all of them: :mod:`dora_num.studies.datasets`.
+
+    ``files`` is declared as ``{role: path}``: writers and readers ask for a file by its role
+    (:meth:`path`, :meth:`filename`), so a file's name is typed once, here (tests/studies/test_datasets.py
+    fails on a declared name typed anywhere else).  ``module`` and ``about``: the ``dora-num record``
+    subcommand's module and its one-line help (given by one data set of each subcommand; the recorder
+    registry, :data:`dora_num.studies.datasets.RECORDERS`, is derived from them)."""
 
     name: str
     files: tuple[str, ...]
@@ -95,6 +102,16 @@ class DataSet:
     optional: tuple[str, ...] = ()
     where: str = "the H200"
     ingest: bool = True
+    module: str = ""
+    about: str = ""
+    roles: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.files, Mapping):
+            object.__setattr__(self, "roles", tuple(self.files))
+            object.__setattr__(self, "files", tuple(self.files.values()))
+        if self.roles and len(self.roles) != len(self.files):
+            raise ValueError(f"{self.name}: {len(self.roles)} roles for {len(self.files)} files")
 
     @property
     def kind(self) -> str:
@@ -128,13 +145,37 @@ class DataSet:
         return (f"on {self.where}: dora-num record {' '.join([self.subcommand, '--out DIR', *rest])}; "
                 f"then here: dora-num record {self.subcommand} --ingest DIR --git-sha SHA")
 
-    def subset(self, *names: str) -> "DataSet":
-        """The same data set restricted to the files whose paths end in ``names`` (what one
-        reader needs of it)."""
-        files = tuple(f for f in self.files if f.endswith(names))
-        if len(files) != len(names):
-            raise ValueError(f"{self.name} has no file for some of {names}")
-        return replace(self, files=files)
+    def file(self, role: str | None = None) -> str:
+        """The file of ``role`` (the only file where ``role`` is None), as declared: a path under ``data/``."""
+        if role is None:
+            if len(self.files) != 1:
+                raise ValueError(f"{self.name} has {len(self.files)} files: name one by its role ({', '.join(self.roles)})")
+            return self.files[0]
+        if role not in self.roles:
+            raise ValueError(f"{self.name} has no file {role!r}; its roles: {', '.join(self.roles) or 'none'}")
+        return self.files[self.roles.index(role)]
+
+    def filename(self, role: str | None = None) -> str:
+        """The base name of the file of ``role`` (the only file where ``role`` is None), e.g. what a recorder
+        writes into its own output folder."""
+        return Path(self.file(role)).name
+
+    def relpath(self, role: str | None = None) -> str:
+        """The file of ``role`` relative to the data set's :attr:`folder` (its name inside a record)."""
+        return os.path.relpath(self.file(role), self.folder)
+
+    def path(self, role: str | None = None, folder: str | os.PathLike | None = None) -> Path:
+        """The file of ``role`` (the only file where ``role`` is None) under ``data/``, or at its place under
+        ``folder`` (another record, a recorder's output folder): see :meth:`paths`."""
+        return self.paths(folder)[self.files.index(self.file(role))]
+
+    def subset(self, *roles: str) -> "DataSet":
+        """The same data set restricted to the files of ``roles`` (what one reader needs of it)."""
+        for r in roles:
+            self.file(r)  # an unknown role fails here, by name
+        files = {r: f for r, f in zip(self.roles, self.files) if r in roles}  # in the declaration's order
+        return DataSet(self.name, files, self.recorder, self.notebooks, self.optional, self.where, self.ingest,
+                       self.module, self.about)
 
     @property
     def folder(self) -> str:

@@ -6,11 +6,13 @@ never into ``data/``.  ``dora-num record NAME --ingest DIR`` copies or merges th
 through :func:`ingest`, whose sidecars share one vocabulary: the *measuring* machine's ``device``,
 ``producer``, ``parameters``, ``seed``, and under ``extra`` ``measured_at_git_sha`` (the GPU
 machine's copy of the tree has no ``.git``), ``measured_versions``, ``measured_argv``,
-``measured_from``.  The data sets themselves are declared in :mod:`dora_num.studies.datasets`.
+``measured_from``.  :func:`parser` and :func:`require_cuda` are the options and the refusal every
+recorder shares.  The data sets themselves are declared in :mod:`dora_num.studies.datasets`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -21,6 +23,39 @@ from pathlib import Path
 import pandas as pd
 
 from .provenance import device_info, read_provenance, save_dataframe, save_json, versions, write_artifact
+
+MACHINE_FILE = "device.json"  # what every recorder writes about its machine, beside its files
+
+
+# --------------------------------------------------------------------------
+# A recorder's command line (every ``dora-num record`` subcommand builds on these)
+# --------------------------------------------------------------------------
+
+def require_cuda(name: str, available: bool, why: str | None = None) -> None:
+    """The one way a GPU-only recorder refuses on a machine without CUDA: a one-line message on
+    stderr and exit status 1 (``SystemExit`` with the message), no traceback.  ``available`` is the
+    recorder's own ``torch.cuda.is_available()``: producers ask the device, this module does not
+    (tests/studies/test_layout.py)."""
+    if not available:
+        raise SystemExit(f"dora-num record {name} needs a CUDA GPU{f' ({why})' if why else ''}; this machine has none")
+
+
+def parser(prog: str, description: str | None, *, ingest: str | None = "DIR", many: bool = False,
+           smoke: str | None = "tiny sizes (a check of the recorder)", out: str = "output folder",
+           out_required: bool = True) -> argparse.ArgumentParser:
+    """A recorder's parser with the options every recorder shares: ``--out``, ``--ingest``
+    (``None``: it writes into ``data/`` itself), ``--git-sha`` and ``--smoke`` (``None``: none)."""
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help=out + (" (with --ingest: the data folder, default its folder under data/)"
+                                                   if ingest else ""))
+    if ingest:
+        p.add_argument("--ingest", type=Path, nargs="+" if many else None, metavar=ingest,
+                       help="instead of measuring: record this output folder into data/ with provenance")
+    p.add_argument("--git-sha", default=None, help="the commit that ran (the GPU machine's copy of the tree has no .git)")
+    if smoke:
+        p.add_argument("--smoke", action="store_true", help=smoke)
+    p.set_defaults(_out_required=out_required)
+    return p
 
 
 # --------------------------------------------------------------------------
@@ -65,13 +100,13 @@ def write_machine(out: Path, desc: dict) -> Path:
     """``desc`` as ``out/device.json`` (a recorder's own output folder, not ``data/``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
-    return out / "device.json"
+    (out / MACHINE_FILE).write_text(json.dumps(desc, indent=2, default=str) + "\n")
+    return out / MACHINE_FILE
 
 
 def read_machine(src: Path) -> dict:
     """The ``device.json`` a recorder wrote in ``src``; a clear error if there is none."""
-    f = Path(src) / "device.json"
+    f = Path(src) / MACHINE_FILE
     if not f.is_file():
         raise FileNotFoundError(f"{src} has no device.json: not the output folder of a recorder")
     return json.loads(f.read_text())

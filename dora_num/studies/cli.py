@@ -7,9 +7,10 @@ and ingests such a folder into ``data/`` with provenance (:mod:`dora_num.repro.r
     dora-num record NAME --ingest DIR ...        # here: DIR -> data/ with sidecars
     dora-num record --list                       # every recorded data set and its last recording
 
-Each recorder module provides ``build_parser(prog, name)`` (built on :func:`parser`),
-``record(args)`` and, where it ingests, ``ingest_args(args)``; it is imported only when it runs,
-so ``dora-num --help`` stays fast.
+Each recorder module provides ``build_parser(prog, name)`` (built on
+:func:`dora_num.repro.recording.parser`), ``record(args)`` and, where it ingests, ``ingest_args(args)``;
+it is imported only when it runs, so ``dora-num --help`` stays fast.  The subcommands are not listed
+here: each is declared with its data set (:data:`dora_num.studies.datasets.RECORDERS`).
 """
 
 from __future__ import annotations
@@ -17,75 +18,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
-from typing import NamedTuple
+
+from . import datasets
 
 
-class Recorder(NamedTuple):
-    module: str
-    help: str
-
-
-_SUITE = "dora_num.studies.record_suite"
-RECORDERS = {
-    "suite": Recorder(_SUITE, "GPU: every section of the GPU suite in one process (notebooks 02, 05)"),
-    "fma": Recorder(_SUITE, "GPU: FMA / sqrt variants of the norm assembly and the compose (02)"),
-    "tiles": Recorder(_SUITE, "GPU: tile sweep of the fused compose kernels (05)"),
-    "compose": Recorder(_SUITE, "GPU: compose kernels vs eager and torch.compile (05)"),
-    "norm": Recorder(_SUITE, "GPU: row-norm time and memory (05)"),
-    "layer": Recorder(_SUITE, "GPU: DoRALinear vs PEFT's DoRA layer (05)"),
-    "model": Recorder("dora_num.studies.speed.record_model",
-                      "GPU: a Llama-architecture decoder at 8B layer shapes, PEFT vs this operator (05)"),
-    "train-graphs": Recorder("dora_num.studies.speed.record_train_graphs",
-                             "GPU: the training compose on the device alone, under CUDA graphs (05)"),
-    "overhead": Recorder("dora_num.studies.speed.record_overhead", "GPU: host (CPU) cost of the fused tier per call (05)"),
-    "guard-cost": Recorder("dora_num.studies.speed.record_guard_cost",
-                           "GPU: what the cancellation guard costs, on vs off interleaved"),
-    "convergence": Recorder("dora_num.studies.convergence.record_convergence",
-                            "GPU: fused vs eager training, 2000 steps x 3 seeds (04)"),
-    "memory": Recorder("dora_num.studies.gradient.record_memory",
-                       "GPU: peak memory of training steps against the memory model (06)"),
-    "adapters": Recorder("dora_num.studies.cancellation.record_adapters",
-                         "CPU: the PEFT agreement runs (and the early-training MiniLM DoRA adapters) (01)"),
-    "adapters-gpu": Recorder("dora_num.studies.cancellation.record_trained",
-                             "GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training (01)"),
-    "exhaustive": Recorder("dora_num.studies.record_exhaustive",
-                           "GPU: exhaustive sqrt census, tensor-core accumulation probe, 16-bit compose checks (01-03)"),
-    "sqrt-census": Recorder("dora_num.studies.fma.record_census", "CPU: the exhaustive fp32 sqrt census (02)"),
-    "compose-fp8": Recorder("dora_num.studies.bounds.record_fp8", "CPU: the exhaustive fp8 compose check (01, 03)"),
-    "carry": Recorder("dora_num.studies.record_carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
-    "products": Recorder("dora_num.studies.bounds.record_products",
-                         "GPU: the norm's products under TF32 switches, a bf16 base, the accumulation probe, the guard's fire rate (03)"),
-}
-TOOLS = ("carry",)  # recorders of no data set: what a GPU run needs carried along
-PENDING = ()  # recorders whose data set is declared once a GPU run has recorded it
-
-
-def require_cuda(name: str, available: bool, why: str | None = None) -> None:
-    """The one way a GPU-only recorder refuses on a machine without CUDA: a one-line message on
-    stderr and exit status 1 (``SystemExit`` with the message), no traceback.  ``available`` is the
-    recorder's own ``torch.cuda.is_available()``: producers ask the device, this module (which
-    every reader imports) does not (tests/studies/test_layout.py)."""
-    if not available:
-        raise SystemExit(f"dora-num record {name} needs a CUDA GPU{f' ({why})' if why else ''}; this machine has none")
-
-
-def parser(prog: str, description: str | None, *, ingest: str | None = "DIR", many: bool = False,
-           smoke: str | None = "tiny sizes (a check of the recorder)", out: str = "output folder",
-           out_required: bool = True) -> argparse.ArgumentParser:
-    """A recorder's parser with the options every recorder shares: ``--out``, ``--ingest``
-    (``None``: it writes into ``data/`` itself), ``--git-sha`` and ``--smoke`` (``None``: none)."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, help=out + (" (with --ingest: the data folder, default its folder under data/)"
-                                                   if ingest else ""))
-    if ingest:
-        p.add_argument("--ingest", type=Path, nargs="+" if many else None, metavar=ingest,
-                       help="instead of measuring: record this output folder into data/ with provenance")
-    p.add_argument("--git-sha", default=None, help="the commit that ran (the GPU machine's copy of the tree has no .git)")
-    if smoke:
-        p.add_argument("--smoke", action="store_true", help=smoke)
-    p.set_defaults(_out_required=out_required)
-    return p
+RECORDERS = datasets.RECORDERS  # derived from the data sets' declarations (and datasets.TOOLS)
+TOOLS = tuple(datasets.TOOLS)
 
 
 def run(name: str, argv: list[str] | None = None, *, prog: str | None = None) -> int:
@@ -109,9 +47,7 @@ def list_datasets(width: int = 100) -> str:
     each (what and when; where and how), within ``width`` columns, with a legend."""
     import textwrap
 
-    from .datasets import table
-
-    t = table()
+    t = datasets.table()
     head = f"{'data set':<20} {'files':>5}  {'read by':<10} {'recorded':<10}  {'machine':<16} commit"
     lines = [head, "-" * len(head)]
     for r in t.itertuples(index=False):

@@ -1,29 +1,60 @@
 """Every recorded data set: what ``make reproduce`` reads but cannot make, declared once.
 
 Each study folder declares its own in its ``datasets.py`` (:class:`~dora_num.repro.paths.DataSet`:
-name, files under ``data/``, the recorder, the notebooks that read it); :data:`DATASETS` collects
-them.  ``dora-num record --list`` prints :func:`table`; the tests hold ``cli.RECORDERS``, every
-notebook's ``requires``, every sidecar's producer and the files under ``data/`` to it.
+name, ``{role: file}`` under ``data/``, the recorder and its module, the notebooks that read it);
+:func:`study_folders` finds them (a new folder with a ``datasets.py`` is found; nothing here is edited)
+and :data:`DATASETS` collects them in notebook order.  The ``dora-num record`` registry,
+:data:`RECORDERS`, is derived from the declarations.  ``dora-num record --list`` prints :func:`table`;
+the tests hold every notebook's ``requires``, every sidecar's producer and the files under ``data/`` to it.
 """
 
 from __future__ import annotations
 
-from ..repro.paths import DataSet, committed_data
-from .bounds import datasets as _bounds
-from .cancellation import datasets as _cancellation
-from .convergence import datasets as _convergence
-from .fma import datasets as _fma
-from .gradient import datasets as _gradient
-from .speed import datasets as _speed
+import importlib
+from pathlib import Path
+from typing import NamedTuple
 
-GPU_TESTS = DataSet("gpu-tests", ("gpu/pytest_gpu.log",), recorder="bash .ci/gpu/record.sh tests")
-# The README's commands timed on a fresh clone (read by the README, not by a notebook).
-DURATIONS = DataSet("durations", ("setup/durations.json",), recorder="python3 -m dora_num.repro.durations",
-                    where="the CPU, a fresh clone: about 35 min on 2 cores", ingest=False)
+from ..repro.durations import DURATIONS
+from ..repro.paths import DataSet, committed_data
+
+GPU_TESTS = DataSet("gpu-tests", {"log": "gpu/pytest_gpu.log"}, recorder="bash .ci/gpu/record.sh tests")
+
+
+def study_folders(module: str) -> list:
+    """The ``module`` (e.g. ``"datasets"``) of every study folder that has one, in the order of the
+    notebooks the folders back (each folder's ``NOTEBOOK``)."""
+    here = Path(__file__).parent
+    found = []
+    for d in sorted(p for p in here.iterdir() if (p / "__init__.py").is_file() and (p / f"{module}.py").is_file()):
+        pkg = importlib.import_module(f"{__package__}.{d.name}")
+        found.append((pkg.NOTEBOOK, importlib.import_module(f"{__package__}.{d.name}.{module}")))
+    return [m for _, m in sorted(found, key=lambda t: t[0])]
+
 
 DATASETS: dict[str, DataSet] = {d.name: d for d in (
-    *_cancellation.DATASETS, *_fma.DATASETS, *_bounds.DATASETS, *_convergence.DATASETS, *_speed.DATASETS,
-    *_gradient.DATASETS, GPU_TESTS, DURATIONS)}
+    *(d for m in study_folders("datasets") for d in m.DATASETS), GPU_TESTS, DURATIONS)}
+
+
+class Recorder(NamedTuple):
+    module: str
+    help: str
+
+
+def _recorders(datasets) -> dict[str, Recorder]:
+    """``dora-num record``'s subcommands: one per recorder the data sets name, its module and help from
+    the data set that declares them (exactly one per subcommand; the tests hold every subcommand to one)."""
+    out: dict[str, Recorder] = {}
+    for d in datasets:
+        if d.kind == "record" and d.about:
+            if d.subcommand in out:
+                raise ValueError(f"dora-num record {d.subcommand} is declared twice (data set {d.name})")
+            out[d.subcommand] = Recorder(d.module, d.about)
+    return out
+
+
+# recorders of no data set: what a GPU run needs carried along
+TOOLS = {"carry": Recorder("dora_num.studies.record_carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine")}
+RECORDERS: dict[str, Recorder] = {**_recorders(DATASETS.values()), **TOOLS}
 
 NOT_RECORDED = ("corpus",)  # data/ folders that are inputs, not recordings (corpus: dora_num.adapters.corpus)
 

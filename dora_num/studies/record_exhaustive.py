@@ -30,7 +30,7 @@ from ..repro import recording
 from .bounds import accumulation as ACC
 from .bounds import exhaustive as X
 from .bounds.datasets import ACCUMULATION, COMPOSE_GPU
-from .cli import parser as recorder_parser
+from ..repro.recording import parser as recorder_parser
 from .fma import census as C
 from .fma import census_kernels as CK
 from .fma.datasets import SQRT_CENSUS_GPU
@@ -47,7 +47,7 @@ def _log(msg: str) -> None:
 def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 480.0,
         git_sha: str | None = None) -> dict:
     """Run ``sections`` into ``out``; returns the ``device.json`` description."""
-    from .cli import require_cuda
+    from ..repro.recording import require_cuda
 
     require_cuda("exhaustive", torch.cuda.is_available())
     import triton
@@ -62,8 +62,8 @@ def run(out: Path, *, sections=SECTIONS, smoke: bool = False, budget_s: float = 
         t0 = time.time()
         try:
             if name == "census":
-                for table, f in zip(census_gpu(smoke=smoke, log=_log), SQRT_CENSUS_GPU.files):
-                    table.to_csv(out / Path(f).name, index=False, lineterminator="\n")
+                for table, p in zip(census_gpu(smoke=smoke, log=_log), SQRT_CENSUS_GPU.paths(out)):
+                    table.to_csv(p, index=False, lineterminator="\n")
             elif name == "accumulation":
                 accumulation_gpu(out, smoke=smoke, log=_log)
             elif name == "compose":
@@ -233,5 +233,5 @@ def accumulation_gpu(out_dir, *, smoke: bool = False, log=print) -> list[dict]:
                 log(f"[accumulation] {fmt} {shape[0]} K={K}: {f}")
     (out_dir / ACC.PROBE_FILE).write_bytes(gzip.compress((json.dumps(recs) + "\n").encode(), mtime=0))
     findings = [{**ACC.analyze(r), "bound": ACC.bound_factor(ACC.analyze(r))} for r in recs]
-    (out_dir / "accumulation_findings.json").write_text(json.dumps(findings, indent=1, default=str) + "\n")
+    (out_dir / ACCUMULATION.filename("findings")).write_text(json.dumps(findings, indent=1, default=str) + "\n")
     return findings

@@ -18,7 +18,8 @@ import torch
 
 from ..repro import recording as recorded
 from . import inputs
-from .cli import parser as recorder_parser
+from ..repro.recording import parser as recorder_parser
+from .datasets import DATASETS
 from .fma.datasets import FMA
 from .speed import datasets as D
 from .bench import copy_bandwidth, gpu_description, log, write_csv
@@ -27,12 +28,15 @@ from .speed.record_compose import DEFAULT_DOUT, DEFAULT_TOKENS, bench_compose, t
 from .speed.record_layer import LAYER_SHAPES, bench_layers
 from .speed.record_norm import NORM_SHAPES, bench_norms
 
-SECTIONS = ("fma", "tiles", "compose", "norm", "layer", "model")
+# The sections: the data sets recorded by this module, and the model level (its own recorder, run here too)
+SECTION_DATA = {d.subcommand: d for d in DATASETS.values() if d.module == __name__ and d is not D.SUITE} | {
+    D.MODEL.subcommand: D.MODEL}
+SECTIONS = tuple(SECTION_DATA)
 SEED = inputs.SUITE_SEED
 
 
 def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_sha: str | None = None) -> None:
-    from .cli import require_cuda
+    from ..repro.recording import require_cuda
 
     require_cuda("suite", torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
@@ -57,38 +61,36 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
             traceback.print_exc()
             desc.setdefault("failed_sections", []).append(name)
 
-    section("fma", lambda: write_csv(bench_fma(out, n=1 << (16 if smoke else 22), sample=1 << (12 if smoke else 18)),
-                                     out / "fma_sqrt.csv"))
+    section(FMA.subcommand, lambda: write_csv(bench_fma(out, n=1 << (16 if smoke else 22),
+                                                        sample=1 << (12 if smoke else 18)),
+                                              FMA.path("variants", out)))
     if not smoke:
-        section("tiles", lambda: write_csv(tile_sweep(copy_gbps), out / "tile_sweep.csv"))
-    section("norm", lambda: write_csv(bench_norms(((1024, 1024, 64),) if smoke else NORM_SHAPES,
-                                                  (torch.bfloat16, torch.float32)), out / "norm_bench.csv"))
-    section("layer", lambda: write_csv(bench_layers(((1024, 1024, 64, 512),) if smoke else LAYER_SHAPES,
-                                                    profile_to=out / "layer_profile.txt"),
-                                       out / "layer_bench.csv"))
+        section(D.TILES.subcommand, lambda: write_csv(tile_sweep(copy_gbps), D.TILES.path("sweep", out)))
+    section(D.NORM.subcommand, lambda: write_csv(bench_norms(((1024, 1024, 64),) if smoke else NORM_SHAPES,
+                                                             (torch.bfloat16, torch.float32)), D.NORM.path("bench", out)))
+    section(D.LAYER.subcommand, lambda: write_csv(bench_layers(((1024, 1024, 64, 512),) if smoke else LAYER_SHAPES,
+                                                               profile_to=D.LAYER.path("profile", out)),
+                                                  D.LAYER.path("bench", out)))
 
     def compose_section():
-        ck = out / "compose_bench.csv"
+        ck = D.COMPOSE.path("bench", out)
         if smoke:
             bench_compose((512,), (512, 4096), (torch.bfloat16,), copy_gbps, checkpoint=ck)
             return
         bench_compose(DEFAULT_TOKENS, DEFAULT_DOUT, (torch.bfloat16, torch.float16, torch.float32), copy_gbps,
                       None, checkpoint=ck)
 
-    section("compose", compose_section)
+    section(D.COMPOSE.subcommand, compose_section)
 
     def model_section():  # a Llama-architecture decoder at 8B layer shapes vs PEFT
         from .speed.record_model import run as run_model  # transformers and peft: imported when it runs
 
         desc["model"] = run_model(out, smoke=smoke, copy_gbps=copy_gbps)
 
-    section("model", model_section)
+    section(D.MODEL.subcommand, model_section)
     desc["wall_s"] = time.time() - t0
     recorded.write_machine(out, desc)
     log(f"done in {desc['wall_s']:.0f} s")
-
-
-SECTION_DATA = {"fma": FMA, "tiles": D.TILES, "compose": D.COMPOSE, "norm": D.NORM, "layer": D.LAYER, "model": D.MODEL}
 
 
 def ingest(src: Path, dest: Path | None = None, only: tuple[str, ...] | None = None,
@@ -113,7 +115,7 @@ def build_parser(prog: str, name: str = "suite"):
 
 
 def ingest_args(a) -> list[Path]:
-    only = None if a.name == "suite" else tuple(Path(f).name for f in SECTION_DATA[a.name].files)
+    only = None if a.name == D.SUITE.subcommand else tuple(p.name for p in SECTION_DATA[a.name].paths(a.ingest))
     return ingest(a.ingest, a.out, only=only, git_sha=a.git_sha, name=a.name)
 
 

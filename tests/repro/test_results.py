@@ -37,14 +37,14 @@ def test_every_notebook_has_a_readable_headline():
     text = results.section()
     assert "unavailable" not in text, text
     for nb in list_notebooks():
-        assert nb.stem in results.NOTEBOOKS, f"{nb.stem} has no headline function in dora_num/repro/results.py"
+        assert nb.stem in results.NOTEBOOKS, f"{nb.stem} has no headline.py in its study folder"
         assert f"**[{nb.stem}](notebooks/rendered/{nb.stem}.md)**" in text
 
 
 def test_a_notebook_without_a_headline_function_is_reported_not_papered_over(tmp_path):
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "notebooks" / "98_new.ipynb").write_text("{}")
-    assert "- unavailable: LookupError: this notebook has no headline function" in results.section(root=tmp_path)
+    assert "- unavailable: LookupError: this notebook has no headline (a headline.py in its study folder)" in results.section(root=tmp_path)
 
 
 def test_five_takeaways_each_with_a_number_and_an_existing_figure():

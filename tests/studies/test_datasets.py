@@ -1,11 +1,13 @@
 """Every recorded data set declared once (dora_num.studies.datasets): committed, complete, its sidecars
-naming today's producer, ``cli.RECORDERS`` and every notebook's ``requires`` held to it."""
+naming today's producer, ``cli.RECORDERS`` and every notebook's ``requires`` held to it, and no declared
+file's name typed outside its declaration."""
 
 from __future__ import annotations
 
 import ast
 import json
-import subprocess
+import re
+from pathlib import Path
 
 import pytest
 
@@ -42,23 +44,26 @@ def test_the_table_holds_every_recorded_file_once():
 
 
 def test_recorders_and_data_sets_name_each_other():
-    subcommands = {d.subcommand for d in datasets.DATASETS.values() if d.kind == "record"}
+    """The registry is derived: every subcommand a data set names is declared by exactly one data set
+    (its module and help), and its module is a recorder of the package."""
+    import importlib.util
+
+    record = [d for d in datasets.DATASETS.values() if d.kind == "record"]
+    subcommands = {d.subcommand for d in record}
     assert sorted(subcommands - set(cli.RECORDERS)) == []
-    assert sorted(set(cli.RECORDERS) - subcommands - set(cli.TOOLS) - set(cli.PENDING)) == []
-    assert not set(cli.PENDING) & subcommands  # a recorded data set is declared, no longer pending
+    assert sorted(set(cli.RECORDERS) - subcommands - set(cli.TOOLS)) == []
+    for sub in subcommands:
+        declaring = [d.name for d in record if d.subcommand == sub and d.about]
+        assert len(declaring) == 1, (sub, declaring)
+    assert all(not d.module or d.module == cli.RECORDERS[d.subcommand].module for d in record)
+    assert all(importlib.util.find_spec(r.module) is not None for r in cli.RECORDERS.values())
     for d in datasets.DATASETS.values():
         assert d.recorder.split()[0] in d.how_to_record or d.kind == "notebook", d
         if d.kind == "script" and " -m dora_num." in d.recorder:  # a module of the package
-            import importlib.util
-
             assert importlib.util.find_spec(d.recorder.split(" -m ")[1].split()[0]) is not None, d
-        elif d.kind == "script":  # the device script exists, or existed at the commit it names
+        elif d.kind == "script":  # the device script exists (a data set whose recorder is gone is not declared)
             script = next(w for w in d.recorder.split() if w.startswith(".ci/"))
-            at = d.recorder.split("at ")[-1].rstrip(")") if "(removed; at" in d.recorder else None
-            if at is None:
-                assert (REPO_ROOT / script).is_file(), d
-            else:
-                assert subprocess.run(["git", "cat-file", "-e", f"{at}:{script}"], cwd=REPO_ROOT).returncode == 0
+            assert (REPO_ROOT / script).is_file(), d
 
 
 def test_how_to_record_follows_the_recorder():
@@ -68,9 +73,88 @@ def test_how_to_record_follows_the_recorder():
     assert gpu.producer == "dora-num record exhaustive"
     cpu = DataSet("y", ("exhaustive/y.csv",), recorder="sqrt-census", where="the CPU", ingest=False)
     assert cpu.how_to_record == "here (the CPU): dora-num record sqrt-census" and cpu.folder == "exhaustive"
-    assert gpu.subset("x.csv") == gpu
-    with pytest.raises(ValueError, match="no file"):
-        gpu.subset("z.csv")
+    roles = DataSet("z", {"table": "gpu/z/t.csv", "log": "gpu/z/run.log"}, recorder="z")
+    assert roles.files == ("gpu/z/t.csv", "gpu/z/run.log") and roles.roles == ("table", "log")
+    assert roles.path("log") == COMMITTED_DATA_DIR / "gpu/z/run.log" and roles.filename("table") == "t.csv"
+    assert roles.path("log", "/tmp/out") == Path("/tmp/out/run.log") and roles.relpath("table") == "t.csv"
+    assert roles.subset("log").files == ("gpu/z/run.log",) and gpu.path() == COMMITTED_DATA_DIR / "gpu/x.csv"
+    with pytest.raises(ValueError, match="no file 'zz'"):
+        roles.subset("zz")
+    with pytest.raises(ValueError, match="name one by its role"):
+        roles.path()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A declared file's name is typed once: in its DataSet(...) declaration
+# ---------------------------------------------------------------------------------------------------------
+
+# Names a file format owns (PEFT's adapter files, the machine description every recorder writes), not a
+# data set: a data set that holds such a file names it too.
+FORMAT_NAMES = {"adapter_config.json", "adapter_model.safetensors", "device.json"}
+# Where the names are looked for: the package, the device scripts (notebooks: not yet, see below)
+SCANNED = ("dora_num/**/*.py", ".ci/**/*.py")
+# The raw record of one trained run is not a data set; its own names are declared once, there
+RAW_NAMES = {("dora_num/studies/cancellation/runs.py", "RAW_FILES")}
+
+
+def _declared_files() -> set[str]:
+    return {f for d in datasets.DATASETS.values() for f in d.files if Path(f).name not in FORMAT_NAMES}
+
+
+def typed_names(src: str, files: set[str], allowed_assignments=()) -> list[tuple[int, str]]:
+    """``(line, name)`` for each base name of the declared ``files`` that ``src`` types outside a ``DataSet(...)`` call: in a
+    string constant, or an f-string that spells it (``f"model_{t}.csv"``).  Docstrings are documentation
+    and are left out; so are the values of the module-level assignments ``allowed_assignments``."""
+    tree = ast.parse(src)
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "DataSet":
+            skip |= {id(n) for n in ast.walk(node)}
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            skip.add(id(node.body[0].value))
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) in allowed_assignments for t in node.targets):
+            skip |= {id(n) for n in ast.walk(node.value)}
+    names = {Path(f).name for f in files}
+    tails = {"/".join(f.split("/")[i:]): Path(f).name for f in files for i in range(f.count("/") + 1)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [(node.lineno, b) for b in names
+                      if re.search(r"(?<![\w.-])" + re.escape(b) + r"(?!\w)", node.value)]
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[-1], ast.Constant):
+            last = node.values[-1].value
+            lit = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+            if not re.search(r"\.[A-Za-z]\w*$", last) or len(lit) - len(re.search(r"\.[A-Za-z]\w*$", last)[0]) < 2:
+                continue  # no extension of its own, or f"{name}.csv": names no file
+            rx = re.compile("(?:.*/)?" + "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "[^/]+"
+                                                 for v in node.values))
+            found += [(node.lineno, b) for t, b in tails.items() if rx.fullmatch(t)]
+    return sorted(set(found))
+
+
+def test_the_name_rule_can_fail():
+    names = {"gpu/norm_bench.csv", "gpu/model_probe.csv", "gpu/convergence/history.csv.gz"}
+    src = ('"""Writes norm_bench.csv."""\nA = DataSet("n", {"bench": "gpu/norm_bench.csv"}, recorder="n")\n'
+           'p = out / "norm_bench.csv"\nq = f"gpu/model_{t}.csv"\nr = f"{name}.csv"\nRAW = {"h": "history.csv.gz"}\n')
+    assert typed_names(src, names) == [(3, "norm_bench.csv"), (4, "model_probe.csv"), (6, "history.csv.gz")]
+    assert typed_names(src, names, ("RAW",)) == [(3, "norm_bench.csv"), (4, "model_probe.csv")]
+
+
+@pytest.mark.parametrize("pattern", SCANNED)
+def test_no_declared_file_name_is_typed_outside_its_declaration(pattern):
+    """Writers and readers take a file from its declaration (``DataSet.path(role, folder)``,
+    ``.filename(role)``): renaming a file is one edit, in its study folder's ``datasets.py``."""
+    names = _declared_files()
+    typed = {}
+    for p in sorted(REPO_ROOT.glob(pattern)):
+        rel = p.relative_to(REPO_ROOT).as_posix()
+        allowed = {a for f, a in RAW_NAMES if f == rel}
+        for line, name in typed_names(p.read_text(), names, allowed):
+            typed.setdefault(name, []).append(f"{rel}:{line}")
+    assert typed == {}, "declared file names typed outside their declarations (use DataSet.path / .filename)"
 
 
 def test_record_list_prints_every_data_set(capsys):
@@ -83,6 +167,19 @@ def test_record_list_prints_every_data_set(capsys):
     wide = [line for line in out.splitlines() if len(line) > 100]
     assert not wide, f"{len(wide)} lines wider than 100 columns, e.g. {wide[0]!r}"
     assert "Legend." in out
+
+
+def test_notebooks_print_the_declared_recording_command():
+    """A notebook says how to record what it lacks with its data set's own ``how_to_record`` (or
+    ``ctx.recorded``), never a command typed in a cell, which drifts from the recorder and its producer."""
+    typed = []
+    for nb in NOTEBOOKS:
+        cells = ["".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+        for node in ast.walk(ast.parse("\n".join(cells))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.search(
+                    r"dora-num record|dora_num gpu-suite|dora-num gpu-suite|--ingest", node.value):
+                typed.append(f"{nb.name}: {node.value[:60]!r}")
+    assert typed == []
 
 
 def _reads(nb_path) -> dict[str, bool]:

@@ -152,3 +152,25 @@ def test_no_import_circle_in_studies():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+# The modules of studies/ that every folder may use: the input regimes and the recorders' toolkit. Every
+# other top-level module (cli, datasets, record_suite, record_exhaustive) gathers the folders, so a folder
+# importing it would point back up (the recorders' shared options live in dora_num.repro.recording).
+SHARED = {"dora_num.studies.inputs", "dora_num.studies.bench"}
+
+
+def test_no_study_folder_imports_a_module_that_gathers_the_folders():
+    top = {m for m, p in MODULES.items() if p.parent == STUDIES} - {"dora_num.studies"}
+    upward = {m: sorted(imports(m) & (top - SHARED)) for m, p in MODULES.items() if p.parent != STUDIES}
+    assert {m: i for m, i in upward.items() if i} == {}
+
+
+def test_every_notebook_has_one_study_folder_that_names_it():
+    import importlib
+
+    named = {}
+    for d in sorted(p for p in STUDIES.iterdir() if (p / "__init__.py").is_file()):
+        named.setdefault(importlib.import_module(f"dora_num.studies.{d.name}").NOTEBOOK, []).append(d.name)
+    notebooks = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert sorted(named) == notebooks and all(len(v) == 1 for v in named.values()), named

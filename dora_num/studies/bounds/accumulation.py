@@ -377,7 +377,7 @@ def bound_factor(findings: dict) -> dict:
 
 SHAPES = (("U", 4096, 384), ("G", 384, 384))  # (product, M rows per call, N) as in the factored norm
 K_VALUES = (384, 4096)
-PROBE_FILE = "accumulation_probe.json.gz"  # gzip (mtime 0): the raw outputs are 2.3 MB of JSON
+PROBE_FILE = ACCUMULATION.filename("probe")  # gzip (mtime 0): the raw outputs are 2.3 MB of JSON
 
 
 def model_record(model: TensorCoreModel, fmt: str, K: int, positions=None) -> dict:
@@ -392,7 +392,7 @@ __all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca
 def load_record(folder=None) -> list[dict]:
     """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json.gz``, or in ``folder``);
     :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
-    path = ACCUMULATION.subset(PROBE_FILE).require(folder)[0]
+    path = ACCUMULATION.subset("probe").require(folder)[0]
     return json.loads(gzip.decompress(path.read_bytes()))
 
 
@@ -425,11 +425,6 @@ def card_name(device_name: str) -> str:
         if card in device_name.lower():
             return card
     return "".join(c for c in device_name.lower() if c.isalnum())[:16] or "gpu"
-
-
-def rows_files(card: str) -> tuple[str, str]:
-    """The two files of one card's record of the probe at the operator's shapes."""
-    return f"accumulation_rows_{card}.npz", f"accumulation_meta_{card}.json.gz"
 
 
 def pack_rows(records: list[dict], device: dict) -> tuple[bytes, bytes]:
@@ -477,5 +472,6 @@ def load_operator_probe(card: str, folder=None) -> tuple[dict, list[dict]]:
     :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
     from .datasets import operator_accumulation
 
-    npz, meta = operator_accumulation(card).require(folder)
-    return unpack_rows(npz, meta)
+    ds = operator_accumulation(card)
+    ds.require(folder)
+    return unpack_rows(ds.path("rows", folder), ds.path("meta", folder))

@@ -26,12 +26,13 @@ from ...numerics.formats import FORMATS, from_bits, get_format, round_to
 from ...numerics.formulas import scale_constants
 from ...numerics.standard_model import SAFE
 from . import exhaustive_kernels as K
+from .datasets import COMPOSE_GPU
 
 S_VALUES = (("1", 1.0), ("0.5", 0.5), ("rslora_2/sqrt(7)", 2 / math.sqrt(7)))
 REALISTIC_GM1 = (1e-5, -1e-5, 1e-3, -1e-3, 1e-2, -1e-2)
 FORMULAS = ("compose_stable", "compose_naive")
 ARITHS = ("fp32", "per_op")
-RESULT_FILE = "compose_exhaustive.csv"
+RESULT_FILE = COMPOSE_GPU.filename("results")
 
 
 def _f32(x: float) -> float:
@@ -395,5 +396,5 @@ def bitwise_check(fmt, g: float, s: float, start: int, n: int, device="cpu", *, 
 # The GPU run (one call plans every configuration)
 # --------------------------------------------------------------------------
 
-BITWISE_FILE = "compose_exhaustive_bitwise.csv"
+BITWISE_FILE = COMPOSE_GPU.filename("bitwise")
 

@@ -16,7 +16,7 @@ import pandas as pd
 
 from ...numerics.formats import get_format
 from .datasets import COMPOSE_FP8, COMPOSE_GPU
-from .exhaustive import BITWISE_FILE, RESULT_FILE, all_values, eager_variants
+from .exhaustive import all_values, eager_variants
 
 
 
@@ -78,7 +78,7 @@ def recheck_worst(df: pd.DataFrame) -> pd.DataFrame:
 def load_gpu(folder=None) -> pd.DataFrame:
     """The recorded 16-bit GPU run (``data/gpu/exhaustive/compose_exhaustive.csv``, or ``folder``);
     :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
-    path = COMPOSE_GPU.subset(RESULT_FILE).require(folder)[0]
+    path = COMPOSE_GPU.subset("results").require(folder)[0]
     return pd.read_csv(path)
 
 
@@ -105,7 +105,7 @@ def gpu_bitwise_failures(folder=None) -> list[str]:
     (``compose_exhaustive_bitwise.csv``): one line per (format, g, s) with a nonzero mismatch
     count (computed variants, exact result, bounds, ulp bounds, ``kappa_c``); empty when the
     kernel that produced the record is the package's transcription on that device."""
-    path = COMPOSE_GPU.subset(BITWISE_FILE).require(folder)[0]
+    path = COMPOSE_GPU.subset("bitwise").require(folder)[0]
     chk = pd.read_csv(path)
     counts = chk.drop(columns=["format", "g", "s", "n_finite"])
     return [f"{r['format']} g={r['g']} s={r['s']}: " + ", ".join(f"{k}={v}" for k, v in counts.loc[i].items() if v)

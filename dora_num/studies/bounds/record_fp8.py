@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .datasets import COMPOSE_FP8
 from .exhaustive import fp8_exhaustive
 
@@ -21,7 +21,7 @@ def record_fp8(out_dir=None):
 
     t0 = time.time()
     df = fp8_exhaustive()
-    out = (COMPOSE_FP8.dest() if out_dir is None else Path(out_dir)) / Path(COMPOSE_FP8.files[0]).name
+    out = COMPOSE_FP8.path(folder=COMPOSE_FP8.dest() if out_dir is None else Path(out_dir))
     save_dataframe(df, out, float_format="%.17g", params={"wall_s": round(time.time() - t0, 1), "rows": len(df)},
                    producer=COMPOSE_FP8.producer)
     print(f"[exhaustive] fp8: {len(df)} rows in {time.time() - t0:.0f} s -> {out}")

@@ -184,7 +184,7 @@ PARTS = ("tf32", "bf16_base", "fire_rate", "accumulation")
 
 
 def build_parser(prog: str = "dora-num record products", name: str = "products"):
-    from ..cli import parser
+    from ...repro.recording import parser
 
     p = parser(prog, __doc__.split("\n\n")[0], smoke="one small case of each (minutes less)")
     p.add_argument("--only", nargs="+", choices=PARTS, help="record only these parts (default: all)")
@@ -198,12 +198,12 @@ def ingest_args(args) -> list[Path]:
     before any is written."""
     from ...repro.provenance import read_provenance
     from ...repro.recording import ingest, machine_from_sidecar
-    from .datasets import PRODUCTS
+    from .datasets import PRODUCTS, operator_accumulation
 
     src = Path(args.ingest)
-    names = [Path(f).name for f in PRODUCTS.files]
-    names += sorted(p.name for p in src.glob("accumulation_rows_*.npz")) + sorted(
-        p.name for p in src.glob("accumulation_meta_*.json.gz"))
+    names = [p.name for p in PRODUCTS.paths(args.ingest)]
+    any_card = operator_accumulation("*")  # each card's own record of the probe at the operator's shapes
+    names += sorted(p.name for role in any_card.roles for p in src.glob(any_card.filename(role)))
     found = [n for n in names if (src / n).is_file()]
     if not found:
         raise SystemExit(f"dora-num record products: {src} holds none of {', '.join(names)}")
@@ -231,30 +231,32 @@ def record(args) -> int:
     import pandas as pd
 
     from ...repro.provenance import save_dataframe, write_artifact
-    from ..cli import require_cuda
+    from ...repro.recording import require_cuda
+    from .datasets import ACCUMULATION, PRODUCTS, operator_accumulation
 
     require_cuda("products", torch.cuda.is_available(), "it measures the GPU's own GEMMs and accumulators")
     only = set(args.only or PARTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prov = dict(params={"smoke": args.smoke, "git_sha": args.git_sha}, producer="dora-num record products")
-    for part, name, fn in (("tf32", "tf32.csv", record_tf32), ("bf16_base", "bf16_base.csv", record_bf16_base),
-                           ("fire_rate", "guard_fire_rate.csv", record_fire_rate)):
+    for part, fn in (("tf32", record_tf32), ("bf16_base", record_bf16_base), ("fire_rate", record_fire_rate)):
         if part not in only:
             continue
+        name = PRODUCTS.filename(part)
         df = pd.DataFrame(fn(args.smoke))
         save_dataframe(df, out / name, **prov)
         print(f"[record products] {name}\n{df.to_string(index=False)}", flush=True)
     if "accumulation" not in only:
         return 0
     acc, raw = record_accumulation(args.smoke, keep_records=True)
-    write_artifact(out / "accumulation_findings.json", (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
-    from .accumulation import card_name, pack_rows, rows_files
+    write_artifact(out / ACCUMULATION.filename("findings"), (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
+    from .accumulation import card_name, pack_rows
 
     name = torch.cuda.get_device_name()
-    packed = pack_rows(raw, {"name": name, "torch": torch.__version__, "cuda": torch.version.cuda})
-    for fname, content in zip(rows_files(card_name(name)), packed):
-        write_artifact(out / fname, content, **prov)
+    card = operator_accumulation(card_name(name))
+    rows, meta = pack_rows(raw, {"name": name, "torch": torch.__version__, "cuda": torch.version.cuda})
+    write_artifact(out / card.filename("rows"), rows, **prov)
+    write_artifact(out / card.filename("meta"), meta, **prov)
     bad = [f for f in acc if "bound" in f and not (f["bound"].get("valid") and f["bound"]["factor"] <= 1)]
     print(f"[record products] accumulation: {len(acc)} records, {len(bad)} where the order-free 2u charge is not "
           "confirmed by the blocked model", flush=True)

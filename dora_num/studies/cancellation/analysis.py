@@ -35,9 +35,7 @@ VARIANT_LABEL = {("per_op", "fp32"): "per-op in format (g in format)", ("fp32", 
 # The compose study's input, read in SMOKE mode too: the H200 record's r = 16, lr 1e-3 export (the
 # cross-check configuration) and the manifest naming the base weights it was trained on.
 COMPOSE_RUN = f"r{CROSSCHECK[0]}_lr{CROSSCHECK[1]:g}"
-COMPOSE_ADAPTER = TRAINED.subset(*(f"exported/{COMPOSE_RUN}/{f}" for f in ("adapter_config.json",
-                                                                          "adapter_model.safetensors")),
-                                 "manifest.json")
+COMPOSE_ADAPTER = TRAINED.subset("export_config", "export_weights", "manifest")
 __all__ = ["AGREEMENT", "COMPOSE_ADAPTER", "PAPER_SHAPE"]  # the data sets notebook 01 asks for by this module
 
 
@@ -50,8 +48,8 @@ def compose_adapter() -> tuple:
     manifest's ``base`` (what :func:`.runs.resolve_base` rebuilds and checks)."""
     import json
 
-    paths = {p.name: p for p in COMPOSE_ADAPTER.require()}
-    cfg, manifest = paths["adapter_config.json"], paths["manifest.json"]
+    COMPOSE_ADAPTER.require()
+    cfg, manifest = COMPOSE_ADAPTER.path("export_config"), COMPOSE_ADAPTER.path("manifest")
     return cfg.parent, json.loads(manifest.read_text())["base"]
 
 

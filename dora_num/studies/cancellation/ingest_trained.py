@@ -25,7 +25,7 @@ from ...numerics.formats import NARROW_FORMATS
 from ...repro import recording
 from .datasets import TRAINED
 from .runs import (BF16_NORM_RMS_PREDICTED, COMMIT_MAX_RANK, CROSSCHECK_CRITERION, CROSSCHECK_FACTOR,
-                   CROSSCHECK_FROM_STEP, MODULE_TYPES, ZONE_COLUMNS, Captures, activations_for, collapse_by_type,
+                   CROSSCHECK_FROM_STEP, MODULE_TYPES, RAW_FILES, ZONE_COLUMNS, Captures, activations_for, collapse_by_type,
                    compact_gm1, expand_gm1, module_type, resolve_base)
 
 WINDOW = 50  # steps per row of history_windows.csv
@@ -79,7 +79,7 @@ def load_raw(folder: Path) -> RawRecord:
     runs, missing = {}, []
     for spec in plan["plan"]:
         d = folder / "runs" / spec["name"]
-        need = [d / f for f in ("run.json", "history.csv.gz", "evals.csv", "captures.npz")]
+        need = [d / RAW_FILES[k] for k in ("info", "history", "evals", "captures")]
         if not all(p.is_file() for p in need):
             missing.append(spec["name"])
             continue
@@ -353,13 +353,14 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
         outcome = outcome_table(rec.runs)
         step0 = step0_table(rec.runs)
         notes = [str(n) for n in notes]
+        name_of = TRAINED.relpath
         artifacts = {
-            "evals.csv": pd.concat([r.evals.assign(run=n) for n, r in sorted(rec.runs.items())])[
+            name_of("evals"): pd.concat([r.evals.assign(run=n) for n, r in sorted(rec.runs.items())])[
                 ["run", "step", "mrr10", "val_loss", "seconds"]],
-            "history_windows.csv": history_windows(rec.runs), "collapse.csv.gz": collapse,
-            "g_final.npz": g_final_npz(rec.runs)}
+            name_of("history_windows"): history_windows(rec.runs), name_of("collapse"): collapse,
+            name_of("g_final"): g_final_npz(rec.runs)}
         if not cross.empty:
-            artifacts["crosscheck.csv"] = cross
+            artifacts[name_of("crosscheck")] = cross
         exported = {}
         for name, r in sorted(rec.runs.items()):
             adir = r.folder / "adapter"
@@ -377,8 +378,8 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
             np.savez_compressed(buf, modules=np.asarray(r.captures.modules), offsets=r.captures.offsets,
                                 step=np.int64(r.final_step), m=r.captures.m[i], wnorm=r.captures.wnorm[i],
                                 wnorm64=r.captures.wnorm64[i])
-            artifacts[f"exported/{name}/final_capture.npz"] = buf.getvalue()
-        artifacts["manifest.json"] = {  # written last: a record without its manifest is refused by load_trained
+            artifacts[f"exported/{name}/{TRAINED.filename('export_capture')}"] = buf.getvalue()
+        artifacts[name_of("manifest")] = {  # written last: a record without its manifest is refused by load_trained
             "plan_name": rec.plan["plan_name"], "plan": rec.plan["plan"], "config": rec.plan["config"],
             "prediction": rec.plan["prediction"], "wall_s": rec.plan["wall_s"], "elapsed_s": rec.plan.get("elapsed_s"),
             "processes": {k: {"returncode": v["returncode"], "wall_s": v["wall_s"]}
@@ -391,19 +392,19 @@ def ingest(files: Path, dest: Path, *, git_sha: str | None = None, keep=None, n_
             "absorption_activations": {"n_texts": n_texts, "max_rows": max_rows, "dtype": "float64",
                                        "note": "None: dora-num collapse's defaults"},
             "parts": {k: sha256_file(p) for k, p in parts.items()},
-            "left_out": {"captures": "m, wnorm, wnorm64 of every capture (runs/<name>/captures.npz)",
-                         "history": "per-step loss, gradient norm, lr, seconds (runs/<name>/history.csv.gz)",
+            "left_out": {"captures": f"m, wnorm, wnorm64 of every capture (runs/<name>/{RAW_FILES['captures']})",
+                         "history": f"per-step loss, gradient norm, lr, seconds (runs/<name>/{RAW_FILES['history']})",
                          "adapters": [n for n, e in exported.items() if not e["committed"]],
                          "bytes": int(sum(p.stat().st_size for p in root.rglob("*") if p.is_file())),
                          "regenerate": TRAINED.how_to_record},
         }
         # One vocabulary of provenance keys (dora_num.repro.recording): the GPU machine's device and
         # versions from a run's own sidecar, the commit it ran, the archives it came back in.
-        return recording.ingest(artifacts, dest, machine=recording.machine_from_sidecar(first.folder / "run.json"),
+        return recording.ingest(artifacts, dest, machine=recording.machine_from_sidecar(first.folder / RAW_FILES["info"]),
                                 producer=TRAINED.producer,
                                git_sha=sha, params=rec.plan["config"], seed=rec.plan["config"]["seed"],
                                extra={"plan": rec.plan["plan_name"], **({"notes": notes} if notes else {})},
                                sources=[files], inputs=parts,
-                               float_formats={"evals.csv": "%.9g", "history_windows.csv": "%.9g"})
+                               float_formats={name_of("evals"): "%.9g", name_of("history_windows"): "%.9g"})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,7 +24,7 @@ from ...adapters.model import minilm_path
 from ...adapters.peft_io import export_peft_dora
 from ...adapters.train import TrainConfig, config_dict, train
 from ...repro.provenance import save_dataframe, write_artifact
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .analysis import agreement_verdict
 from .datasets import AGREEMENT
 
@@ -99,7 +99,7 @@ def run_agreement(steps: int = AGREEMENT_STEPS, out=None, progress=True) -> pd.D
         cols[label] = [h["loss"] for h in res.history]
         cols[f"s_per_step_{label}"] = [h["seconds"] for h in res.history]
     df = pd.DataFrame({"step": np.arange(1, steps + 1), **cols})
-    save_dataframe(df, out / "agreement.csv", params=config_dict(base), seed=0, producer=AGREEMENT.producer)
+    save_dataframe(df, AGREEMENT.path("runs", out), params=config_dict(base), seed=0, producer=AGREEMENT.producer)
     return df
 
 

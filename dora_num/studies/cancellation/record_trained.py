@@ -23,11 +23,11 @@ import torch
 
 from ...adapters.train import TrainConfig, TrainHooks, config_dict, peft_dora_modules, train
 from ...oracles import row_norm_ref64
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from ..convergence.config import ULP_SEED_OFFSET
 from .datasets import TRAINED
 from .record_trained_launch import launch, pack, predict
-from .runs import (CAPTURE_STEPS, FINAL_MARGIN_S, MIN_DELTA, RunSpec, base_info, captures_npz, full_plan, select,
+from .runs import (CAPTURE_STEPS, FINAL_MARGIN_S, MIN_DELTA, RAW_FILES, RunSpec, base_info, captures_npz, full_plan, select,
                    smoke_plan)
 
 
@@ -318,16 +318,16 @@ def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float |
     }
     prov = dict(params=summary["train_config"], seed=cfg.seed, producer=TRAINED.producer,
                 extra={"run": spec.name, "base": base})
-    write_artifact(d / "captures.npz", captures_npz(res.captures, res.module_names), **prov)
-    save_dataframe(pd.DataFrame(res.history), d / "history.csv.gz", float_format="%.9g", **prov)
-    save_dataframe(pd.DataFrame(res.evals), d / "evals.csv", float_format="%.9g", **prov)
+    write_artifact(d / RAW_FILES["captures"], captures_npz(res.captures, res.module_names), **prov)
+    save_dataframe(pd.DataFrame(res.history), d / RAW_FILES["history"], float_format="%.9g", **prov)
+    save_dataframe(pd.DataFrame(res.evals), d / RAW_FILES["evals"], float_format="%.9g", **prov)
     if spec.export and max(res.captures) == steps and not res.stop_reason.startswith("error"):
         if spec.backend != "dora_num":
             raise ValueError(f"{spec.name}: only DoRALinear runs are exported")
         export_peft_dora(res.model, d / "adapter", base_model_name_or_path=BASE_NAME[base["kind"]], **prov)
     summary["write_s"] = time.time() - t_trained
     summary["device"] = device_info()
-    save_json(summary, d / "run.json", **prov)
+    save_json(summary, d / RAW_FILES["info"], **prov)
     log(f"{spec.name}: stopped ({res.stop_reason}) at step {steps}, mrr10 {summary['mrr10_base']:.4f} -> "
         f"{summary['mrr10_final']:.4f}, {summary['median_s_per_step']:.3f} s/step, {time.time() - t_start:.0f} s")
     return summary
@@ -390,7 +390,7 @@ def build_parser(prog: str = "dora-num record adapters-gpu", name: str = "adapte
     p.add_argument("--replace", action="store_true", help="with --ingest: overwrite a record already there")
     p.add_argument("--note", action="append", default=[], metavar="TEXT",
                    help="with --ingest: what a reader of the record must know that its files do not say "
-                        "(repeatable; kept in manifest.json and every sidecar)")
+                        f"(repeatable; kept in {TRAINED.filename('manifest')} and every sidecar)")
     p.set_defaults(_out_required=False)
     return p
 

@@ -26,6 +26,9 @@ CAPTURE_STEPS = (0, 10, 30, 100, 300, 1000, 3000)
 RANKS = (8, 16, 64, 128, 384)
 LRS = (1e-4, 1e-3)
 CROSSCHECK = (16, 1e-3)  # the configuration run through PEFT and with m + 1 ulp
+# The raw record of one run (runs/<name>/ in a launch's output; not a data set: the ingest reads it and
+# writes data/adapters/trained): these names are typed here only.
+RAW_FILES = {"info": "run.json", "history": "history.csv.gz", "evals": "evals.csv", "captures": "captures.npz"}
 EXPORTS = ((16, 1e-3), (64, 1e-4))  # (rank, lr) of the standard runs exported in PEFT format
 COMMIT_MAX_RANK = 16  # exported adapters committed up to this rank (r = 16: 2.75 MB; r = 64: 10.6 MB)
 RSLORA_ALPHA = 192.0  # alpha = r/2 at r = 384: the paper's rsLoRA setting, s = 192 / sqrt(384) = 9.80
@@ -89,7 +92,7 @@ def chaos_floor_mrr(evals_csv=None) -> dict:
     (steps >= 200: after warmup): the basis of :data:`MIN_DELTA`."""
     from ..convergence.datasets import CONVERGENCE
 
-    e = pd.read_csv(evals_csv or CONVERGENCE.subset("evals.csv").require()[0])
+    e = pd.read_csv(evals_csv or CONVERGENCE.subset("evals").require()[0])
     e = e[(e.metric == "mrr10") & (e.path == "eager") & (e.repeat == 0) & (e.step >= 200)]
     w = e.pivot_table(index=["seed", "step"], columns="perturbed", values="value")
     d = (w[True] - w[False]).abs().dropna()

@@ -22,7 +22,7 @@ from ...numerics.formats import NARROW_FORMATS
 from .datasets import TRAINED
 from .runs import ZONE_COLUMNS, activations_for, collapse_by_type, expand_gm1, resolve_base
 
-READ = ("manifest.json", "evals.csv", "history_windows.csv", "collapse.csv.gz", "g_final.npz")  # what load_trained reads
+READ = ("manifest", "evals", "history_windows", "collapse", "g_final")  # the roles of TRAINED that load_trained reads
 
 
 @dataclass
@@ -48,15 +48,18 @@ def load_trained(folder=None) -> Trained:
     command when it is incomplete."""
     TRAINED.subset(*READ).require(folder)
     folder = Path(folder) if folder is not None else TRAINED.paths()[0].parent
-    manifest = json.loads((folder / "manifest.json").read_text())
-    with np.load(folder / "g_final.npz", allow_pickle=False) as z:
+    def path(role):
+        return TRAINED.path(role, folder)
+
+    manifest = json.loads(path("manifest").read_text())
+    with np.load(path("g_final"), allow_pickle=False) as z:
         off, mods = z["offsets"], [str(n) for n in z["modules"]]
         gm1 = expand_gm1(z["gm1"], *((z["exact_idx"], z["exact_gm1"]) if "exact_idx" in z.files else ()))
         g = {str(r): {n: 1.0 + gm1[i, off[j]:off[j + 1]] for j, n in enumerate(mods)} for i, r in enumerate(z["runs"])}
         steps = {str(r): int(s) for r, s in zip(z["runs"], z["steps"])}
-    cross = pd.read_csv(folder / "crosscheck.csv") if (folder / "crosscheck.csv").is_file() else pd.DataFrame()
-    return Trained(manifest, pd.read_csv(folder / "evals.csv"), pd.read_csv(folder / "history_windows.csv"),
-                   pd.read_csv(folder / "collapse.csv.gz"), cross, g, steps, folder,
+    cross = pd.read_csv(path("crosscheck")) if path("crosscheck").is_file() else pd.DataFrame()
+    return Trained(manifest, pd.read_csv(path("evals")), pd.read_csv(path("history_windows")),
+                   pd.read_csv(path("collapse")), cross, g, steps, folder,
                    pd.DataFrame(manifest["outcome"]))
 
 
@@ -280,7 +283,7 @@ def exported_tables(tr: Trained, work=None, *, n_texts=None, max_rows=None, form
     frames = []
     for name, d in exp.items():
         r = read_config(d)["r"]
-        with np.load(d / "final_capture.npz", allow_pickle=False) as z:
+        with np.load(d / TRAINED.filename("export_capture"), allow_pickle=False) as z:
             off, mods = z["offsets"], [str(n) for n in z["modules"]]
             gall = z["m"].astype(np.float64) / z["wnorm64"]
         g = {n: gall[off[j]:off[j + 1]] for j, n in enumerate(mods)}
@@ -295,7 +298,7 @@ def step0(tr: Trained) -> pd.DataFrame:
     """The state at step 0 per run (``manifest.json: step0``, :func:`.ingest_trained.step0_table`): where the
     layer's ``g`` was not exactly 1 at init, and by how much."""
     if "step0" not in tr.manifest:
-        raise ValueError(f"{tr.folder / 'manifest.json'} has no step0 table: re-ingest the record")
+        raise ValueError(f"{TRAINED.path('manifest', tr.folder)} has no step0 table: re-ingest the record")
     cols = ["run", "role", "rows", "rows_m_ne_wnorm", "m_minus_wnorm_ulps", "rows_layer_g_ne_1", "layer_g_minus_1_min",
             "layer_g_minus_1_max", "params_abs_g_minus_1_max"]
     return pd.DataFrame(tr.manifest["step0"])[cols]

@@ -30,9 +30,9 @@ def merge_parts(parts: list[Path]) -> Recorded:
         raise ValueError("no folders to merge")
     summaries, profiles, runs = [], [], []
     for d in parts:
-        f = d / "summary.json"
+        f = CONVERGENCE.path("summary", d)
         if not f.is_file():
-            raise FileNotFoundError(f"{d} has no summary.json (not a convergence output folder)")
+            raise FileNotFoundError(f"{d} has no {f.name} (not a convergence output folder)")
         sm = json.loads(f.read_text())
         summaries.append(sm)
         if sm.get("profile_only"):
@@ -65,9 +65,9 @@ def merge_parts(parts: list[Path]) -> Recorded:
         merged_runs.update(sm["runs"])
         skipped += sm.get("skipped", [])
         plan += sm["plan"]
-        tables["history"].append(read_history(d / "history.csv.gz"))
-        tables["evals"].append(with_perturbed(pd.read_csv(d / "evals.csv")))
-        tables["g_stats"].append(with_perturbed(pd.read_csv(d / "g_stats.csv.gz")))
+        tables["history"].append(read_history(CONVERGENCE.path("history", d)))
+        tables["evals"].append(with_perturbed(pd.read_csv(CONVERGENCE.path("evals", d))))
+        tables["g_stats"].append(with_perturbed(pd.read_csv(CONVERGENCE.path("g_stats", d))))
     if not runs:
         raise ValueError("no run folders among the parts (only a profile)")
     seeds = sorted({p["seed"] for p in plan})
@@ -75,7 +75,7 @@ def merge_parts(parts: list[Path]) -> Recorded:
     ulps = tuple(sorted({p["seed"] for p in plan if p.get("perturbed")}))
     order = {s.name: i for i, s in enumerate(run_plan(seeds, reps[0] if reps else None, PATHS, ulps))}
     plan.sort(key=lambda p: order.get(p["name"], len(order)))
-    profile = pd.read_csv(profiles[0] / "profile.csv") if profiles else pd.DataFrame(
+    profile = pd.read_csv(CONVERGENCE.path("profile", profiles[0])) if profiles else pd.DataFrame(
         columns=["path", "impl", "step", "seconds"])
     first = summaries[parts.index(runs[0])]
     summary = {**first,
@@ -102,12 +102,13 @@ def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None, loss_on
     (the device machine's copy has no ``.git``). ``loss_only``: the per-step loss and
     ``summary.json`` alone (what the same-batch test reads)."""
     rec = merge_parts(parts)
+    name = CONVERGENCE.relpath
     history = rec.history[rec.history.metric == "loss"] if loss_only else rec.history
-    tables = {"history.csv.gz": order(history, ["metric", "value"]), "summary.json": rec.summary}
+    tables = {name("history"): order(history, ["metric", "value"]), name("summary"): rec.summary}
     if not loss_only:
-        tables |= {"evals.csv": order(rec.evals, ["metric", "value"]),
-                   "g_stats.csv.gz": order(rec.g_stats, ["module", "statistic", "value"]), "profile.csv": rec.profile}
-    return recording.ingest(tables, Path(dest), machine=recording.machine_from_sidecar(rec.folder / "summary.json"),
+        tables |= {name("evals"): order(rec.evals, ["metric", "value"]),
+                   name("g_stats"): order(rec.g_stats, ["module", "statistic", "value"]), name("profile"): rec.profile}
+    return recording.ingest(tables, Path(dest), machine=recording.machine_from_sidecar(CONVERGENCE.path("summary", rec.folder)),
                             producer=CONVERGENCE.producer,
                            git_sha=git_sha, params=rec.summary["config"], sources=parts,
-                           float_formats={"history.csv.gz": HISTORY_FLOAT_FORMAT})
+                           float_formats={name("history"): HISTORY_FLOAT_FORMAT})

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ...adapters.train import TrainHooks, train
 from ...repro.provenance import save_dataframe, save_json
 from ...ops.compose import fused_available
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .config import (HISTORY_FLOAT_FORMAT, PATHS, PROFILE_WARMUP, RUN_ORDER_NOTE, SMOKE, ConvergenceConfig, RunSpec,
                      run_plan, train_config)
 from .datasets import CONVERGENCE
@@ -215,8 +215,8 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
         summary["elapsed_s"] = time.perf_counter() - t_start
         if out is not None and dist_.main:
             prov = dict(params=params, producer=CONVERGENCE.producer)
-            save_dataframe(prof_df, out / "profile.csv", **prov)
-            save_json(summary, out / "summary.json", **prov)
+            save_dataframe(prof_df, CONVERGENCE.path("profile", out), **prov)
+            save_json(summary, CONVERGENCE.path("summary", out), **prov)
         empty = pd.DataFrame()
         return StudyResult(empty, empty, empty, prof_df, summary)
 
@@ -229,13 +229,13 @@ def _run_study(cfg, out, *, base_path, corpus, dist_, log) -> StudyResult:
         if out is None or not dist_.main:
             return
         prov = dict(params=params, producer=CONVERGENCE.producer)
-        save_dataframe(order(pd.concat(hist, ignore_index=True), ["metric", "value"]), out / "history.csv.gz",
+        save_dataframe(order(pd.concat(hist, ignore_index=True), ["metric", "value"]), CONVERGENCE.path("history", out),
                        float_format=HISTORY_FLOAT_FORMAT, **prov)
-        save_dataframe(order(pd.concat(evs, ignore_index=True), ["metric", "value"]), out / "evals.csv", **prov)
+        save_dataframe(order(pd.concat(evs, ignore_index=True), ["metric", "value"]), CONVERGENCE.path("evals", out), **prov)
         save_dataframe(order(pd.concat(gst, ignore_index=True), ["module", "statistic", "value"]),
-                       out / "g_stats.csv.gz", **prov)
-        save_dataframe(prof_df, out / "profile.csv", **prov)
-        save_json(summary, out / "summary.json", **prov)
+                       CONVERGENCE.path("g_stats", out), **prov)
+        save_dataframe(prof_df, CONVERGENCE.path("profile", out), **prov)
+        save_json(summary, CONVERGENCE.path("summary", out), **prov)
 
     for spec in plan:
         elapsed = time.perf_counter() - t_start
@@ -302,10 +302,11 @@ def build_parser(prog: str = "dora-num record convergence", name: str = "converg
     p.add_argument("--runs", nargs="+", default=None, metavar="NAME",
                    help="only these runs of the plan, e.g. eager_s0_rep1 (one run per GPU process)")
     p.add_argument("--profile-only", action="store_true",
-                   help="only time both paths (--profile-steps steps) and write profile.csv, summary.json")
+                   help=f"only time both paths (--profile-steps steps) and write {CONVERGENCE.filename('profile')}, "
+                        f"{CONVERGENCE.filename('summary')}")
     p.add_argument("--loss-only", action="store_true",
-                   help="with --ingest: keep the per-step loss and summary.json only (a same-batch wave; the repo's "
-                        "data budget)")
+                   help=f"with --ingest: keep the per-step loss ({CONVERGENCE.filename('history')}) and "
+                        f"{CONVERGENCE.filename('summary')} only (a same-batch wave; the repo's data budget)")
     return p
 
 

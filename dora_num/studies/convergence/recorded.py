@@ -30,22 +30,28 @@ def load_recorded(folder: str | Path | None = None) -> Recorded:
     error naming the command that records them when they are missing."""
     CONVERGENCE.require(folder)
     folder = Path(folder) if folder is not None else committed_data(CONVERGENCE.folder)
-    return Recorded(read_history(folder / "history.csv.gz"), with_perturbed(pd.read_csv(folder / "evals.csv")),
-                    with_perturbed(pd.read_csv(folder / "g_stats.csv.gz")), pd.read_csv(folder / "profile.csv"),
-                    json.loads((folder / "summary.json").read_text()), folder)
+    def path(role):
+        return CONVERGENCE.path(role, folder)
+
+    return Recorded(read_history(path("history")), with_perturbed(pd.read_csv(path("evals"))),
+                    with_perturbed(pd.read_csv(path("g_stats"))), pd.read_csv(path("profile")),
+                    json.loads(path("summary").read_text()), folder)
 
 
 def load_samebatch(folder: str | Path | None = None) -> tuple[pd.DataFrame, dict]:
     """The same-batch wave (``data/gpu/convergence_samebatch``, :data:`.datasets.SAMEBATCH`): its per-step
     losses (tidy) and summary; a clear error naming the command that records it when missing."""
-    history, summary = SAMEBATCH.require(folder)
-    return read_history(history), json.loads(Path(summary).read_text())
+    SAMEBATCH.require(folder)
+    return (read_history(SAMEBATCH.path("history", folder)),
+            json.loads(SAMEBATCH.path("summary", folder).read_text()))
 
 
-def measured_at(folder: str | Path) -> str:
-    """Where and at which commit the recorded runs ran, from the history's provenance sidecar: the GPU, and
-    the commit of every process (one when the runs were recorded at one commit)."""
-    side = json.loads((Path(folder) / "history.csv.gz.provenance.json").read_text())
+def measured_at(history: str | Path) -> str:
+    """Where and at which commit the recorded runs ran, from the provenance sidecar of their ``history``
+    file: the GPU, and the commit of every process (one when the runs were recorded at one commit)."""
+    from ...repro.provenance import read_provenance
+
+    side = read_provenance(Path(history))
     extra = side.get("extra") or {}
     gpu = (side.get("device") or {}).get("name") or (side.get("device") or {}).get("device", {}).get("name")
     sha = extra.get("measured_at_git_sha") or (side.get("parameters") or {}).get("git_sha") or side["git"]["sha"]

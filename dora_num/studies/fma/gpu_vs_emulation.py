@@ -21,6 +21,7 @@ from tqdm.std import tqdm
 from ...numerics.formats import round_to, ulp_distance
 from ...numerics.formulas import scale_constants
 from ...repro.paths import committed_data
+from ...repro.recording import MACHINE_FILE
 from .. import inputs
 from .datasets import FMA
 from . import models as M
@@ -37,11 +38,12 @@ def load(folder: Path | None = None) -> dict:
     file and how to record it (:data:`.datasets.FMA`)."""
     FMA.require(folder)
     folder = Path(folder) if folder is not None else committed_data(FMA.folder)
-    csv = pd.read_csv(folder / "fma_sqrt.csv")
-    with np.load(folder / "fma_sqrt_sample.npz") as z:
+    variants = FMA.path("variants", folder)
+    csv = pd.read_csv(variants)
+    with np.load(FMA.path("sample", folder)) as z:
         sample = {k: z[k] for k in z.files}
-    dev = folder / "device.json"
-    prov = folder / "fma_sqrt.csv.provenance.json"
+    dev = folder / MACHINE_FILE
+    prov = variants.with_name(variants.name + ".provenance.json")
     return {"csv": csv, "sample": sample, "device": json.loads(dev.read_text()) if dev.is_file() else {},
             "provenance": json.loads(prov.read_text()) if prov.is_file() else {}}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .census import CHUNK, SUB_BLOCK, census, cpu_capability
 from .datasets import SQRT_CENSUS_CPU
 
@@ -28,7 +28,7 @@ def record_census(out_dir=None, *, workers: int = 2) -> list:
     params = {"chunk": CHUNK, "sub_block": SUB_BLOCK, "workers": workers, "wall_s": round(secs, 1),
               "torch_cpu_capability": cpu_capability(), "cpu": platform.processor() or platform.machine()}
     prov = {"params": params, "producer": SQRT_CENSUS_CPU.producer}
-    paths = [save_dataframe(t, out / Path(f).name, **prov) for t, f in zip((counts, per), SQRT_CENSUS_CPU.files)]
+    paths = [save_dataframe(t, p, **prov) for t, p in zip((counts, per), SQRT_CENSUS_CPU.paths(out))]
     print(f"[census] {counts['count'].sum():,} inputs x {counts['implementation'].nunique()} implementations "
           f"in {secs:.0f} s with {workers} workers")
     return paths

@@ -20,6 +20,7 @@ from ...ops.kernels import compose as kc
 from ...ops.kernels.norm_assembly import SQRT_VARIANTS, norm_assembly_triton, ptx_instruction_counts
 from .. import inputs
 from ..bench import bitwise_agreement, ulp_histogram
+from .datasets import FMA
 
 
 def _diff_record(save: dict, name: str, out, ref_out, sample: int) -> None:
@@ -87,5 +88,5 @@ def bench_fma(out_dir: Path, n: int = inputs.SUITE_FMA_N, sample: int = 1 << 18)
                          **{f"ulp_{k}": v for k, v in ulp_histogram(out, want).items()},
                          **{f"ptx_{k}": v for k, v in ptx_instruction_counts(kern).items()}})
             _diff_record(save, name, out, want, sample)
-    np.savez_compressed(out_dir / "fma_sqrt_sample.npz", **save)
+    np.savez_compressed(FMA.path("sample", out_dir), **save)
     return rows

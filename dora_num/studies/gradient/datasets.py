@@ -2,7 +2,8 @@
 
 from ...repro.paths import DataSet
 
-MEMORY = DataSet("memory", ("gpu/memory/memory_peaks.csv",), recorder="memory --base .carry/minilm",
-                 notebooks=("06",))
+MEMORY = DataSet("memory", {"peaks": "gpu/memory/memory_peaks.csv"}, recorder="memory --base .carry/minilm",
+                 notebooks=("06",), module="dora_num.studies.gradient.record_memory",
+                 about="GPU: peak memory of training steps against the memory model (06)")
 
 DATASETS = (MEMORY,)

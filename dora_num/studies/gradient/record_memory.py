@@ -31,7 +31,7 @@ from ...adapters.train import TrainConfig, inject_dora
 from ...ops.layer import DoRALinear
 from ...oracles import measure_cpu_allocations
 from ...repro import recording as recorded
-from ..cli import parser as recorder_parser, require_cuda
+from ...repro.recording import parser as recorder_parser, require_cuda
 from .datasets import MEMORY
 from .memory_model import MINILM, NORMS, TOLERANCE, MemoryConfig, predict_peak
 
@@ -197,9 +197,9 @@ def run_measure(out: Path, *, base_path=None, smoke: bool = False, git_sha: str 
         print(f"[memory] {cfg.arch} h={cfg.hidden} {cfg.dtype} norm={cfg.norm} ckpt={cfg.checkpointing} "
               f"compose={cfg.compose}: measured={row.get('measured')} predicted={row.get('predicted')} "
               f"rel_err={row.get('rel_err')} {row['error']}", flush=True)
-    pd.DataFrame(rows).to_csv(out / "memory_peaks.csv", index=False, lineterminator="\n")
+    pd.DataFrame(rows).to_csv(MEMORY.path("peaks", out), index=False, lineterminator="\n")
     recorded.write_machine(out, recorded.describe_machine(git_sha, smoke=smoke, tolerance=TOLERANCE))
-    return out / "memory_peaks.csv"
+    return MEMORY.path("peaks", out)
 
 
 def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
@@ -207,12 +207,12 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
     provenance (the GPU's description from the folder's ``device.json``)."""
     meta = recorded.read_machine(src)
     return recorded.ingest_folder(src, dest or MEMORY.dest(), producer=MEMORY.producer,
-                                  names=("memory_peaks.csv",), git_sha=git_sha,
+                                  names=(MEMORY.filename("peaks"),), git_sha=git_sha,
                                   params={"tolerance": meta.get("tolerance"), "smoke": meta.get("smoke")})
 
 
 def build_parser(prog: str = "dora-num record memory", name: str = "memory"):
-    p = recorder_parser(prog, __doc__, smoke="small sizes", out="output folder (memory_peaks.csv, device.json)")
+    p = recorder_parser(prog, __doc__, smoke="small sizes", out=f"output folder ({MEMORY.filename('peaks')}, {recorded.MACHINE_FILE})")
     p.add_argument("--base", type=Path, default=None, help="MiniLM model folder (default: the packaged one)")
     return p
 

@@ -3,33 +3,32 @@ shows every data set)."""
 
 from ...repro.paths import DataSet
 
-SUITE = DataSet("suite", ("gpu/device.json", "gpu/suite.log"), recorder="suite", notebooks=("05",))
-COMPOSE = DataSet("compose", ("gpu/compose_bench.csv",), recorder="compose", notebooks=("05",))
-TILES = DataSet("tiles", ("gpu/tile_sweep.csv",), recorder="tiles")
-NORM = DataSet("norm", ("gpu/norm_bench.csv",), recorder="norm", notebooks=("05",))
-LAYER = DataSet("layer", ("gpu/layer_bench.csv", "gpu/layer_profile.txt"), recorder="layer", notebooks=("05",))
-MODEL = DataSet("model", tuple(f"gpu/model_{t}.csv" for t in ("bench", "agreement", "probe", "predictions")),
-                recorder="model", optional=("05",))
+_SUITE = "dora_num.studies.record_suite"
+SUITE = DataSet("suite", {"device": "gpu/device.json", "log": "gpu/suite.log"}, recorder="suite", notebooks=("05",),
+                module=_SUITE, about="GPU: every section of the GPU suite in one process (notebooks 02, 05)")
+COMPOSE = DataSet("compose", {"bench": "gpu/compose_bench.csv"}, recorder="compose", notebooks=("05",), module=_SUITE,
+                  about="GPU: compose kernels vs eager and torch.compile (05)")
+TILES = DataSet("tiles", {"sweep": "gpu/tile_sweep.csv"}, recorder="tiles", module=_SUITE,
+                about="GPU: tile sweep of the fused compose kernels (05)")
+NORM = DataSet("norm", {"bench": "gpu/norm_bench.csv"}, recorder="norm", notebooks=("05",), module=_SUITE,
+               about="GPU: row-norm time and memory (05)")
+LAYER = DataSet("layer", {"bench": "gpu/layer_bench.csv", "profile": "gpu/layer_profile.txt"}, recorder="layer",
+                notebooks=("05",), module=_SUITE, about="GPU: DoRALinear vs PEFT's DoRA layer (05)")
+_MODEL_TABLES = ("bench", "agreement", "probe", "predictions")
+MODEL = DataSet("model", {t: f"gpu/model_{t}.csv" for t in _MODEL_TABLES}, recorder="model", optional=("05",),
+                module="dora_num.studies.speed.record_model",
+                about="GPU: a Llama-architecture decoder at 8B layer shapes, PEFT vs this operator (05)")
 # the compiled rows (torch.compile default and reduce-overhead) of one short device call: one decoder layer
-MODEL_COMPILED = DataSet("model-compiled", tuple(f"gpu/compiled/model_{t}.csv" for t in (
-    "bench", "agreement", "probe", "predictions")), recorder="model --compile default reduce-overhead --layers 1 "
-    "--ranks 384 --no-checkpointing --rounds 3")
-TRAIN_GRAPHS = DataSet("train-graphs", ("gpu/train_graphs.csv",), recorder="train-graphs", notebooks=("05",))
-OVERHEAD = DataSet("overhead", ("gpu/host_overhead.log",), recorder="overhead")
-GUARD_COST = DataSet("guard-cost", ("gpu/guard_cost.csv",), recorder="guard-cost")
-# Host-cost diagnostics of DoRALinear: device scripts, their output committed with a sidecar
-LAYER_HOST = DataSet("layer-host", ("gpu/layer_host.log",), recorder="python3 .ci/gpu/layer_host_wait.py")
-LAYER_BREAKDOWN = DataSet("layer-breakdown", ("gpu/diagnostics/layer_breakdown.csv",),
-                          recorder="python3 .ci/gpu/layer_breakdown.py OUT")
-LAYER_HOST_CPROFILE = DataSet("layer-host-cprofile", ("gpu/diagnostics/layer_host_cprofile_c658e09.log",),
-                              recorder="python3 .ci/gpu/layer_host_cprofile.py")
-LAYER_TIMELINE = DataSet("layer-timeline", ("gpu/diagnostics/layer_timeline_c658e09.log",),
-                         recorder="python3 .ci/gpu/layer_timeline.py")
-COMPILE_PROBE = DataSet("compile-probe", tuple(f"gpu/diagnostics/{f}" for f in (
-    "compile_probe.json", "compile_probe_host.json", "compile_host_cprofile.txt")),
-    recorder="python3 .ci/gpu/compile_probe.py OUT (sections: kernels layer peft bench; then host)")
-LAYER_CHECK_AB = DataSet("layer-check-ab", ("gpu/layer_check_ab.log",),
-                         recorder="python3 .ci/gpu/layer_check_ab.py (removed; at 7a50873)")
+MODEL_COMPILED = DataSet("model-compiled", {t: f"gpu/compiled/model_{t}.csv" for t in _MODEL_TABLES},
+                         recorder="model --compile default reduce-overhead --layers 1 --ranks 384 --no-checkpointing "
+                         "--rounds 3")
+TRAIN_GRAPHS = DataSet("train-graphs", {"timing": "gpu/train_graphs.csv"}, recorder="train-graphs", notebooks=("05",),
+                       module="dora_num.studies.speed.record_train_graphs",
+                       about="GPU: the training compose on the device alone, under CUDA graphs (05)")
+OVERHEAD = DataSet("overhead", {"log": "gpu/host_overhead.log"}, recorder="overhead",
+                   module="dora_num.studies.speed.record_overhead", about="GPU: host (CPU) cost of the fused tier per call (05)")
+GUARD_COST = DataSet("guard-cost", {"interleaved": "gpu/guard_cost.csv"}, recorder="guard-cost",
+                     module="dora_num.studies.speed.record_guard_cost",
+                     about="GPU: what the cancellation guard costs, on vs off interleaved")
 
-DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST, LAYER_HOST,
-            LAYER_BREAKDOWN, LAYER_HOST_CPROFILE, LAYER_TIMELINE, COMPILE_PROBE, LAYER_CHECK_AB)
+DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST)

@@ -36,13 +36,11 @@ PUBLIC_COMPOSE_PCT = 85.0
 def load_model(folder: str | Path | None = None) -> dict | None:
     """The recorded model section (DataFrames ``bench``, ``agreement``, ``probe``, ``predictions``),
     or None where it was not recorded."""
-    if MODEL.subset("model_bench.csv").missing(folder):
+    if MODEL.subset("bench").missing(folder):
         return None
-    root = MODEL.paths(folder)[0].parent
     out = {}
-    for key, name in (("bench", "model_bench.csv"), ("agreement", "model_agreement.csv"),
-                      ("probe", "model_probe.csv"), ("predictions", "model_predictions.csv")):
-        p = root / name
+    for key in ("bench", "agreement", "probe", "predictions"):
+        p = MODEL.path(key, folder)
         out[key] = pd.read_csv(p) if p.is_file() else pd.DataFrame()
     b = out["bench"]
     compiled = b["compile"].fillna("eager") != "eager" if "compile" in b.columns else pd.Series(False, index=b.index)

@@ -19,7 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
+from ...repro.recording import MACHINE_FILE
 from .datasets import GUARD_COST
 
 ROUNDS = 5
@@ -94,7 +95,7 @@ def run(out: Path, *, smoke: bool = False, git_sha: str | None = None) -> Path:
 
     from ...repro.provenance import device_info, versions
     from ..bench import time_ms
-    from ..cli import require_cuda
+    from ...repro.recording import require_cuda
 
     require_cuda("guard-cost", torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
@@ -121,11 +122,11 @@ def run(out: Path, *, smoke: bool = False, git_sha: str | None = None) -> Path:
               ", ".join(f"{a.measure} {a.on_over_off:.4f}" for a in med.itertuples()), flush=True)
         del fns
         torch.cuda.empty_cache()
-    pd.DataFrame(rows).to_csv(out / "guard_cost.csv", index=False, lineterminator="\n")
+    pd.DataFrame(rows).to_csv(GUARD_COST.path(folder=out), index=False, lineterminator="\n")
     meta = {"device": device_info(), "versions": versions(), "git_sha": git_sha, "smoke": smoke,
             "rounds": 1 if smoke else ROUNDS, "argv": sys.argv}
-    (out / "device.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    return out / "guard_cost.csv"
+    (out / MACHINE_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return GUARD_COST.path(folder=out)
 
 
 def summary(df):
@@ -142,10 +143,10 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
 
     from ...repro.provenance import save_dataframe
 
-    meta = json.loads((src / "device.json").read_text())
-    df = pd.read_csv(src / "guard_cost.csv")
+    meta = json.loads((src / MACHINE_FILE).read_text())
+    df = pd.read_csv(GUARD_COST.path(folder=src))
     dest = dest or GUARD_COST.dest()
-    return save_dataframe(df, dest / "guard_cost.csv", device=meta["device"],
+    return save_dataframe(df, GUARD_COST.path(folder=dest), device=meta["device"],
                           producer=GUARD_COST.producer,
                           params={"smoke": meta.get("smoke"), "rounds": meta.get("rounds"),
                                   "update_ratio": UPDATE_RATIO},
@@ -155,7 +156,7 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
 
 def build_parser(prog: str = "dora-num record guard-cost", name: str = "guard-cost"):
     return recorder_parser(prog, __doc__, smoke="small shapes, one round (seconds)",
-                           out="output folder (guard_cost.csv, device.json)")
+                           out=f"output folder ({GUARD_COST.filename()}, {MACHINE_FILE})")
 
 
 def ingest_args(a) -> list[Path]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import parser as recorder_parser
+from ...repro.recording import MACHINE_FILE, parser as recorder_parser
 from .datasets import MODEL, MODEL_COMPILED
 from .model_agreement import agreement, full_size_agreement
 from .model_variants import (FULL, MODES, RANKS, SEED, SMOKE, SMOKE_RANKS, VARIANTS, Runner, Shape, _bump,
@@ -388,16 +388,16 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
                                    modes=compile_modes, checkpointing=checkpointing, backend=compile_backend)
             g_rows += g_error_rows(base, r, state, device, backend=compile_backend)
             del state
-        pd.DataFrame(rows).to_csv(out / "model_bench.csv", index=False, lineterminator="\n")
+        pd.DataFrame(rows).to_csv(MODEL.path("bench", out), index=False, lineterminator="\n")
     del base
     fid += agreement(device, ranks=(ranks[0],) if small else (16, 64))
-    pd.DataFrame(fid).to_csv(out / "model_agreement.csv", index=False, lineterminator="\n")
+    pd.DataFrame(fid).to_csv(MODEL.path("agreement", out), index=False, lineterminator="\n")
     pd.DataFrame(probe(device, smoke=smoke, copy_gbps=copy_gbps) + g_rows).to_csv(
-        out / "model_probe.csv", index=False, lineterminator="\n")
+        MODEL.path("probe", out), index=False, lineterminator="\n")
     preds = [{"rank": r, "checkpointing": c, "variant": v, "predicted_ms": t}
              for r in ranks for c in (False, True) for v, t in predict(shape, r, c, **(
                  {"copy_gbps": copy_gbps} if copy_gbps else {})).items()]
-    pd.DataFrame(preds).to_csv(out / "model_predictions.csv", index=False, lineterminator="\n")
+    pd.DataFrame(preds).to_csv(MODEL.path("predictions", out), index=False, lineterminator="\n")
     summary = {"shape": asdict(shape), "ranks": list(ranks), "rounds": rounds, "reps": reps, "device": device,
                "compile_modes": list(compile_modes), "checkpointing": list(checkpointing),
                "wall_s": time.time() - t0, "smoke": smoke}
@@ -422,10 +422,10 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
            "checkpointing": run_.get("checkpointing", [False, True])}
     if not compiled and run_ and got != full:  # the eager suite's data set holds the full table only
         raise SystemExit(f"dora-num record model: {src} is an eager run of {got}, not the suite's {full}; "
-                         "recording it would replace data/gpu/model_*.csv with a smaller table")
+                         f"recording it would replace {', '.join(map(str, MODEL.files))} in data/ with a smaller table")
     ds = MODEL_COMPILED if compiled else MODEL
     return ingest_folder(Path(src), dest or ds.dest(), producer=ds.producer, git_sha=git_sha,
-                         names=tuple(Path(f).name for f in ds.files))
+                         names=tuple(p.name for p in ds.paths(src)))
 
 
 def describe(device: str, smoke: bool) -> dict:
@@ -449,7 +449,7 @@ def describe(device: str, smoke: bool) -> dict:
 
 def build_parser(prog: str = "dora-num record model", name: str = "model"):
     p = recorder_parser(prog, __doc__, smoke="tiny sizes, two ranks, two rounds (tests the machinery)",
-                        out="output folder (model_*.csv, device.json)")
+                        out=f"output folder ({', '.join(MODEL.filename(t) for t in MODEL.roles)}, {MACHINE_FILE})")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
     p.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {ROUNDS}; smoke {SMOKE_ROUNDS})")
     p.add_argument("--ranks", type=int, nargs="+", default=None, help=f"ranks (default {' '.join(map(str, RANKS))})")

@@ -19,10 +19,10 @@ from ...ops.kernels import compose as kc
 from ...ops.layer import DoRALinear
 from ...repro import recording as recorded
 from ..bench import host_path
-from ..cli import parser as recorder_parser
+from ...repro.recording import parser as recorder_parser
 from .datasets import OVERHEAD
 
-LOG = "host_overhead.log"
+LOG = OVERHEAD.filename()
 
 
 def measure(emit=print, *, smoke: bool = False) -> None:
@@ -119,7 +119,7 @@ def layer_host_cost(rounds: int = 7, reps: int = 200, emit=print) -> None:
 
 def build_parser(prog: str = "dora-num record overhead", name: str = "overhead"):
     return recorder_parser(prog, __doc__, smoke="the small shape only, few rounds (a check of the probe)",
-                           out=f"also write {LOG} and device.json into this folder", out_required=False)
+                           out=f"also write {LOG} and {recorded.MACHINE_FILE} into this folder", out_required=False)
 
 
 def ingest_args(a) -> list[Path]:
@@ -128,7 +128,7 @@ def ingest_args(a) -> list[Path]:
 
 
 def record(a) -> int:
-    from ..cli import require_cuda
+    from ...repro.recording import require_cuda
 
     require_cuda("overhead", torch.cuda.is_available())
     lines = []

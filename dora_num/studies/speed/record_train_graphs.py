@@ -16,7 +16,7 @@ from ...ops.compose import ComposeFunction
 from ...ops.config import get_config
 from ...repro import recording as recorded
 from ..bench import Timing, bitwise_equal, compose_bytes, copy_bandwidth, max_rel_err, time_ms
-from ..cli import parser as recorder_parser, require_cuda
+from ...repro.recording import parser as recorder_parser, require_cuda
 from ..inputs import suite_compose_torch
 from .datasets import TRAIN_GRAPHS
 from .record_compose import BASELINE_TOL, SCALE, SEED, autograd_expr
@@ -113,20 +113,20 @@ def measure(shapes=SHAPES, repeats: int = 3) -> list[dict]:
 
 def build_parser(prog: str = "dora-num record train-graphs", name: str = "train-graphs"):
     p = recorder_parser(prog, __doc__, smoke="one 1024x1024 shape, one round (a check of the recorder)",
-                        out="folder for train_graphs.csv and device.json")
+                        out=f"folder for {TRAIN_GRAPHS.filename()} and {recorded.MACHINE_FILE}")
     p.add_argument("--repeats", type=int, default=3)
     return p
 
 
 def ingest_args(a) -> list[Path]:
     return recorded.ingest_folder(a.ingest, a.out or TRAIN_GRAPHS.dest(), producer=TRAIN_GRAPHS.producer,
-                                  names=("train_graphs.csv",), git_sha=a.git_sha)
+                                  names=(TRAIN_GRAPHS.filename(),), git_sha=a.git_sha)
 
 
 def record(a) -> int:
     require_cuda("train-graphs", torch.cuda.is_available())
     a.out.mkdir(parents=True, exist_ok=True)
     shapes, repeats = (((1024, 1024),), 1) if a.smoke else (SHAPES, a.repeats)
-    pd.DataFrame(measure(shapes, repeats=repeats)).to_csv(a.out / "train_graphs.csv", index=False)
+    pd.DataFrame(measure(shapes, repeats=repeats)).to_csv(TRAIN_GRAPHS.path(folder=a.out), index=False)
     recorded.write_machine(a.out, recorded.describe_machine(a.git_sha, repeats=repeats, smoke=a.smoke))
     return 0

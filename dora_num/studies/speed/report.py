@@ -34,11 +34,10 @@ def load_recorded(folder: str | Path | None = None) -> dict:
     """The recorded suite (:data:`RECORDED`; a live run's ``folder`` may lack some sections):
     DataFrames ``compose``, ``norm``, ``layer``, ``train_graphs`` (empty where not recorded) and ``device``."""
     root = Path(folder) if folder is not None else committed_data(D.SUITE.folder)
-    D.SUITE.subset("device.json").require(folder)
-    out = {"device": json.loads((root / "device.json").read_text())}
-    for key, name in (("compose", "compose_bench.csv"), ("norm", "norm_bench.csv"), ("layer", "layer_bench.csv"),
-                      ("train_graphs", "train_graphs.csv")):
-        p = root / name
+    D.SUITE.subset("device").require(folder)
+    out = {"device": json.loads(D.SUITE.path("device", root).read_text())}
+    for key, p in (("compose", D.COMPOSE.path("bench", root)), ("norm", D.NORM.path("bench", root)),
+                   ("layer", D.LAYER.path("bench", root)), ("train_graphs", D.TRAIN_GRAPHS.path("timing", root))):
         out[key] = pd.read_csv(p) if p.is_file() else pd.DataFrame()
     out["copy_gbps"] = float(out["device"]["copy"]["gbps"])
     return out

@@ -227,7 +227,7 @@ def test_smoke_ingest_writes_the_recorded_data_vocabulary(smoke):
 
     run_side = read_provenance(next(iter(smoke.raw.runs.values())).folder / "run.json")
     files = sorted(p for p in smoke.dest.rglob("*") if p.is_file() and not p.name.endswith(".provenance.json"))
-    assert {p.relative_to(smoke.dest).as_posix() for p in files} >= set(T.READ) | {"crosscheck.csv"}
+    assert {p.relative_to(smoke.dest).as_posix() for p in files} >= {T.TRAINED.relpath(r) for r in (*T.READ, "crosscheck")}
     for p in files:
         side = read_provenance(p)
         assert side["device"] == run_side["device"] and side["producer"].startswith("dora-num record adapters-gpu")

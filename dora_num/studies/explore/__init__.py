@@ -24,10 +24,12 @@ from fractions import Fraction
 import numpy as np
 import pandas as pd
 
-from ..numerics.bounds import compose_bound, compose_condition, compose_ulp_bound, one_ulp_condition
-from ..numerics.emulate import emulate
-from ..numerics.formats import STUDIED_FORMATS, get_format, round_fraction, round_to, ulp, ulp_distance
-from ..numerics.formulas import scale_constants
+from ...numerics.bounds import compose_bound, compose_condition, compose_ulp_bound, one_ulp_condition
+from ...numerics.emulate import emulate
+from ...numerics.formats import STUDIED_FORMATS, get_format, round_fraction, round_to, ulp, ulp_distance
+from ...numerics.formulas import scale_constants
+
+NOTEBOOK = "07_explore"  # the notebook this folder backs (names its headline in the README)
 
 FORMULAS = ("compose_stable", "compose_naive")
 ARITHS = ("fp32", "fp32_fma", "per_op")
@@ -239,7 +241,7 @@ def widgets(fmt="bf16", formula="compose_stable", arith="fp32", log10_gm1=-3.0, 
             lora=1e-3, n_sweep: int = 61):
     """An ipywidgets panel: controls, a table of :func:`point` and the plot of :func:`sweep`; ``None``
     where no frontend is attached (papermill, nbclient: a widget comm there can stall the run)."""
-    from ..repro.notebook import frontend_attached
+    from ...repro.notebook import frontend_attached
 
     if not frontend_attached():
         print("no live panel: no interactive frontend is attached (papermill/nbclient run); open the notebook "
