@@ -11,6 +11,7 @@ import pytest
 
 from dora_num.repro.paths import REPO_ROOT
 from dora_num.studies import cli
+from test_imports import imports as module_imports  # tests/ is on the path, as for _report
 
 STUDIES = REPO_ROOT / "dora_num" / "studies"
 # The recorders' measurement toolkit (do_bench timing, the copy bandwidth, the allocator's peak): it
@@ -30,22 +31,9 @@ def is_producer(name: str) -> bool:
 
 
 def imports(name: str) -> set[str]:
-    """Every module of the package that ``name`` imports, at the top or inside a function."""
-    tree = ast.parse(MODULES[name].read_text())
-    pkg = name if MODULES[name].name == "__init__.py" else name.rsplit(".", 1)[0]
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = pkg.split(".")
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            out.add(base)
-            out |= {f"{base}.{a.name}" for a in node.names}
-    return {m for m in out if m in MODULES}
+    """Every module of ``studies/`` that ``name`` imports, at the top or inside a function (the package-wide
+    reader of tests/test_imports.py, which also holds the package to no import circle)."""
+    return set(module_imports(name, MODULES[name], MODULES))
 
 
 def cli_uses(src: str) -> list[str]:
@@ -134,24 +122,6 @@ def test_every_producer_is_a_subcommand_or_imported_by_one():
             reached.add(m)
             todo += [i for i in imports(m) if is_producer(i)]
     assert sorted(m for m in MODULES if is_producer(m) and m not in reached) == []
-
-
-def test_no_import_circle_in_studies():
-    graph = {m: imports(m) - {m} for m in MODULES}
-    state: dict[str, int] = {}
-
-    def visit(m, path):
-        state[m] = 1
-        for n in sorted(graph[m]):
-            if state.get(n) == 1:
-                pytest.fail("import circle: " + " -> ".join(path[path.index(n):] + [n]))
-            if n not in state:
-                visit(n, path + [n])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
 
 
 # The modules of studies/ that every folder may use: the input regimes and the recorders' toolkit. Every
