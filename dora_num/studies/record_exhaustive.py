@@ -15,7 +15,7 @@ section stopped at ``--budget-s``; ``--ingest DIR`` copies a full run into ``dat
 
 from __future__ import annotations
 
-import gzip
+import lzma
 import json
 import math
 import time
@@ -217,7 +217,7 @@ def compose_gpu(out_dir, *, smoke: bool = False, budget_s: float = 540.0, log=pr
 
 def accumulation_gpu(out_dir, *, smoke: bool = False, log=print) -> list[dict]:
     """Probe ``torch.mm(a, b, out_dtype=torch.float32)`` on CUDA for every format x shape x K
-    and write ``accumulation_probe.json.gz`` (raw outputs) and ``accumulation_findings.json``."""
+    and write the raw outputs (``ACC.PROBE_FILE``, xz) and ``accumulation_findings.json``."""
     def mm(a, b):
         return torch.mm(a, b, out_dtype=torch.float32)
 
@@ -231,7 +231,7 @@ def accumulation_gpu(out_dir, *, smoke: bool = False, log=print) -> list[dict]:
                 recs.append(rec)
                 f = ACC.analyze(rec)
                 log(f"[accumulation] {fmt} {shape[0]} K={K}: {f}")
-    (out_dir / ACC.PROBE_FILE).write_bytes(gzip.compress((json.dumps(recs) + "\n").encode(), mtime=0))
+    (out_dir / ACC.PROBE_FILE).write_bytes(lzma.compress((json.dumps(recs) + "\n").encode(), preset=9))
     findings = [{**ACC.analyze(r), "bound": ACC.bound_factor(ACC.analyze(r))} for r in recs]
     (out_dir / ACCUMULATION.filename("findings")).write_text(json.dumps(findings, indent=1, default=str) + "\n")
     return findings

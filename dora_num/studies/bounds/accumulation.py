@@ -13,8 +13,8 @@ The method in full: docs/methods.md, studies/bounds/accumulation.py.
 
 from __future__ import annotations
 
-import gzip
 import json
+import lzma
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -377,7 +377,7 @@ def bound_factor(findings: dict) -> dict:
 
 SHAPES = (("U", 4096, 384), ("G", 384, 384))  # (product, M rows per call, N) as in the factored norm
 K_VALUES = (384, 4096)
-PROBE_FILE = ACCUMULATION.filename("probe")  # gzip (mtime 0): the raw outputs are 2.3 MB of JSON
+PROBE_FILE = ACCUMULATION.filename("probe")  # xz: the raw outputs are 2.3 MB of JSON, a few KB compressed
 
 
 def model_record(model: TensorCoreModel, fmt: str, K: int, positions=None) -> dict:
@@ -390,10 +390,10 @@ __all__ = ["TensorCoreModel", "analyze", "bound_factor", "fit_order", "model_lca
 
 
 def load_record(folder=None) -> list[dict]:
-    """The recorded probe (``data/gpu/exhaustive/accumulation_probe.json.gz``, or in ``folder``);
+    """The recorded probe (``data/gpu/exhaustive/``, or in ``folder``);
     :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
     path = ACCUMULATION.subset("probe").require(folder)[0]
-    return json.loads(gzip.decompress(path.read_bytes()))
+    return json.loads(lzma.decompress(path.read_bytes()))
 
 
 def findings_table(records: list[dict]):
@@ -427,32 +427,25 @@ def card_name(device_name: str) -> str:
     return "".join(c for c in device_name.lower() if c.isalnum())[:16] or "gpu"
 
 
-def pack_rows(records: list[dict], device: dict) -> tuple[bytes, bytes]:
-    """``(npz, json.gz)`` of probe records: each record's ``S(i, .)`` rows (uint16: K <= 2^16) under
-    ``"KEY|i"``, and its other fields (``key`` = format|product|M|N|K) with ``device``."""
-    import io
-
-    arrays, meta = {}, []
+def pack_probe(records: list[dict], device: dict) -> bytes:
+    """One card's probe records as xz-compressed JSON: each record's fields but the raw order outputs, and
+    its ``S(i, .)`` rows stored as differences along ``j`` (they step by a block or a segment: a few KB)."""
+    rows, meta = {}, []
     for rec in records:
         key = "|".join(str(x) for x in (rec["format"], *rec["shape"], rec["K"]))
-        if rec["K"] > 2**16:
-            raise ValueError(f"K = {rec['K']} does not fit the uint16 rows")
         for i, row in lca_sizes(rec).items():
-            arrays[f"{key}|{i}"] = row.astype(np.uint16)
+            rows[f"{key}|{i}"] = np.diff(row, prepend=0).tolist()
         meta.append({"key": key, **{k: v for k, v in rec.items() if k not in ("order_ij", "order_out")}})
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
-    text = json.dumps({"device": device, "records": meta}, default=str, sort_keys=True).encode()
-    return buf.getvalue(), gzip.compress(text, mtime=0)
+    text = json.dumps({"device": device, "records": meta, "rows_diff": rows}, default=str, sort_keys=True)
+    return lzma.compress(text.encode(), preset=9)
 
 
-def unpack_rows(npz_path, meta_path) -> tuple[dict, list[dict]]:
-    """``(device, records)`` from :func:`pack_rows`' files, each record as :func:`run_probes` returned it
+def unpack_probe(path) -> tuple[dict, list[dict]]:
+    """``(device, records)`` from :func:`pack_probe`'s file, each record as :func:`run_probes` returned it
     (``order_ij``/``order_out`` rebuilt from the rows), ready for :func:`analyze`."""
-    rows = np.load(npz_path)
-    data = json.loads(gzip.decompress(Path(meta_path).read_bytes()))
+    data = json.loads(lzma.decompress(Path(path).read_bytes()))
     by_key: dict[str, list[int]] = {}
-    for name in rows.files:
+    for name in data["rows_diff"]:
         key, i = name.rsplit("|", 1)
         by_key.setdefault(key, []).append(int(i))
     out = []
@@ -460,9 +453,10 @@ def unpack_rows(npz_path, meta_path) -> tuple[dict, list[dict]]:
         K, unit = m["K"], m["unit"]
         ij, y = [], []
         for i in sorted(by_key[m["key"]]):
+            row = np.cumsum(np.asarray(data["rows_diff"][f"{m['key']}|{i}"], dtype=np.int64))
             j = np.delete(np.arange(K), i)
             ij.append(np.stack([np.full(K - 1, i), j], axis=1))
-            y.append((K - rows[f"{m['key']}|{i}"][j].astype(np.int64)) * unit)
+            y.append((K - row[j]) * unit)
         out.append({**m, "order_ij": np.concatenate(ij).tolist(), "order_out": np.concatenate(y).tolist()})
     return data["device"], out
 
@@ -474,4 +468,4 @@ def load_operator_probe(card: str, folder=None) -> tuple[dict, list[dict]]:
 
     ds = operator_accumulation(card)
     ds.require(folder)
-    return unpack_rows(ds.path("rows", folder), ds.path("meta", folder))
+    return unpack_probe(ds.path("probe", folder))

@@ -12,7 +12,7 @@ COMPOSE_GPU = DataSet("compose-exhaustive", {
     "device": "gpu/exhaustive/device.json"}, recorder="exhaustive --only compose", optional=("01", "03"),
     module="dora_num.studies.record_exhaustive",
     about="GPU: exhaustive sqrt census, tensor-core accumulation probe, 16-bit compose checks (01-03)")
-ACCUMULATION = DataSet("accumulation", {"probe": "gpu/exhaustive/accumulation_probe.json.gz",
+ACCUMULATION = DataSet("accumulation", {"probe": "gpu/exhaustive/accumulation_probe.json.xz",
                                         "findings": "gpu/exhaustive/accumulation_findings.json"},
                        recorder="exhaustive --only accumulation", optional=("03",))
 
@@ -27,8 +27,7 @@ PRODUCTS = DataSet("products", {p: f"gpu/products/{f}" for p, f in (
 def operator_accumulation(card: str) -> DataSet:
     """The accumulation probe at the operator's GEMM shapes (r 8 to 384, K up to one TC_BLOCK_K block,
     split-K included), as one card recorded it: each card keeps its own record."""
-    return DataSet(f"accumulation-{card}", {"rows": f"gpu/products/accumulation_rows_{card}.npz",
-                                            "meta": f"gpu/products/accumulation_meta_{card}.json.gz"},
+    return DataSet(f"accumulation-{card}", {"probe": f"gpu/products/accumulation_probe_{card}.json.xz"},
                    recorder=f"products --only accumulation (on an {card.upper()})")
 
 

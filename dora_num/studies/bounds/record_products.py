@@ -12,7 +12,7 @@ sidecars (``--only``: tf32, bf16_base, fire_rate, accumulation, to split the run
   the GEMM shapes the operator calls (U: d_out x 3r and d_out x r, G: r x r and 3r x 3r, inner
   dimensions up to one ``TC_BLOCK_K`` block) and a probe of subnormal 16-bit inputs, each with the
   analysis and what it implies for the charge (``bound_factor``); the raw probe in
-  ``accumulation_rows_CARD.npz`` and ``accumulation_meta_CARD.json.gz`` (each card its own record);
+  ``accumulation_probe_CARD.json.xz`` (each card its own record);
 - ``guard_fire_rate.csv``: at the 8B and 70B projection shapes (bf16 W; fp32 and bf16 adapters; ranks
   16, 64, 256; ``||sBA|| = rho ||W||``, rho 0.05, 0.1, 0.2) the rows the guard flags (the tail kernel's
   count) and the norm's median time with the guard and without (``triton.testing.do_bench``).
@@ -123,7 +123,7 @@ def _subnormal_input_probe(fmt: str) -> dict:
 
 def record_accumulation(smoke: bool, keep_records: bool = False):
     """The probe's findings per (format, product, shape, K) and the subnormal-input probe; with
-    ``keep_records`` also the raw probe records (for :func:`~.accumulation.pack_rows`)."""
+    ``keep_records`` also the raw probe records (for :func:`~.accumulation.pack_probe`)."""
     from ...numerics.standard_model import TC_BLOCK_K
     from .accumulation import analyze, bound_factor, run_probes
 
@@ -250,13 +250,12 @@ def record(args) -> int:
         return 0
     acc, raw = record_accumulation(args.smoke, keep_records=True)
     write_artifact(out / ACCUMULATION.filename("findings"), (json.dumps(acc, indent=1, default=str) + "\n").encode(), **prov)
-    from .accumulation import card_name, pack_rows
+    from .accumulation import card_name, pack_probe
 
     name = torch.cuda.get_device_name()
     card = operator_accumulation(card_name(name))
-    rows, meta = pack_rows(raw, {"name": name, "torch": torch.__version__, "cuda": torch.version.cuda})
-    write_artifact(out / card.filename("rows"), rows, **prov)
-    write_artifact(out / card.filename("meta"), meta, **prov)
+    write_artifact(out / card.filename("probe"), pack_probe(raw, {"name": name, "torch": torch.__version__,
+                                                                   "cuda": torch.version.cuda}), **prov)
     bad = [f for f in acc if "bound" in f and not (f["bound"].get("valid") and f["bound"]["factor"] <= 1)]
     print(f"[record products] accumulation: {len(acc)} records, {len(bad)} where the order-free 2u charge is not "
           "confirmed by the blocked model", flush=True)
