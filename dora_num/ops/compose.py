@@ -164,20 +164,21 @@ def _writes_inner(need_dg: bool, fused: bool, cfg: OpConfig) -> bool:
 
 @torch.library.custom_op("dora_num::compose_fwd", mutates_args=())
 def _compose_fwd_op(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float,
-                    need_dg: bool, fused: bool, config: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    need_dg: bool, fused: bool, config: str, add_base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, inner)``; ``inner`` is empty unless ``need_dg`` on the eager tier (or with
     ``recompute_inner`` off), since the fused backward recomputes it.  ``config``: the
-    :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph.  No check of ``g`` here (it
-    would read the device): the compiled layer's norm flag covers its ``g``."""
+    :attr:`~dora_num.ops.config.OpConfig.key` traced with the graph; ``add_base``: ``out = base + delta``
+    from the same pass, as eagerly.  No check of ``g`` here (it would read the device): the compiled
+    layer's norm flag covers its ``g``."""
     cfg = OpConfig.from_key(config)
-    out, inner = _fwd_impl(base, lora, g, s, _writes_inner(need_dg, fused, cfg), fused, cfg)
+    out, inner = _fwd_impl(base, lora, g, s, _writes_inner(need_dg, fused, cfg), fused, cfg, add_base=add_base)
     if inner is None:
         inner = base.new_empty(_EMPTY, dtype=torch.float32)
     return out, inner
 
 
 @_compose_fwd_op.register_fake
-def _(base, lora, g, s, need_dg, fused, config):
+def _(base, lora, g, s, need_dg, fused, config, add_base=False):
     write_inner = _writes_inner(need_dg, fused, OpConfig.from_key(config))
     inner = base.new_empty(base.shape if write_inner else _EMPTY, dtype=torch.float32)
     return torch.empty_like(base), inner
@@ -186,27 +187,28 @@ def _(base, lora, g, s, need_dg, fused, config):
 @torch.library.custom_op("dora_num::compose_bwd", mutates_args=())
 def _compose_bwd_op(grad: torch.Tensor, inner: torch.Tensor, base: torch.Tensor, lora: torch.Tensor,
                     g: torch.Tensor, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool,
-                    fused: bool, config: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``inner`` empty means: recompute it from ``base`` and ``lora``."""
+                    fused: bool, config: str, add_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``inner`` empty means: recompute it from ``base`` and ``lora``; ``add_grad``: ``dbase`` also holds
+    ``grad`` (the backward of the forward's ``add_base``)."""
     have_inner = inner.numel() > 0 or grad.numel() == 0
     dlora, dbase, dg = _bwd_impl(grad, inner if need_dg and have_inner else None, g, s, need_dlora, need_dbase,
                                  need_dg, fused, OpConfig.from_key(config),
                                  base if need_dg and not have_inner else None,
-                                 lora if need_dg and not have_inner else None, stateless=True)
+                                 lora if need_dg and not have_inner else None, add_grad=add_grad, stateless=True)
     empty = grad.new_empty(_EMPTY)
     return (dlora if dlora is not None else empty, dbase if dbase is not None else empty,
             dg if dg is not None else grad.new_empty(_EMPTY, dtype=torch.float32))
 
 
 @_compose_bwd_op.register_fake
-def _(grad, inner, base, lora, g, s, need_dlora, need_dbase, need_dg, fused, config):
+def _(grad, inner, base, lora, g, s, need_dlora, need_dbase, need_dg, fused, config, add_grad=False):
     return (torch.empty_like(grad) if need_dlora else grad.new_empty(_EMPTY),
             torch.empty_like(grad) if need_dbase else grad.new_empty(_EMPTY),
             grad.new_empty((grad.shape[-1],) if need_dg else _EMPTY, dtype=torch.float32))
 
 
 def _op_setup_context(ctx, inputs, output):
-    base, lora, g, s, need_dg, fused, config = inputs
+    base, lora, g, s, need_dg, fused, config, add_base = inputs
     recompute = fused and OpConfig.from_key(config).recompute_inner and need_dg
     if recompute:
         ctx.save_for_backward(output[1], g, base, lora)
@@ -216,6 +218,7 @@ def _op_setup_context(ctx, inputs, output):
     ctx.fused = fused
     ctx.need_dg = need_dg
     ctx.config = config
+    ctx.add_base = add_base
 
 
 def _op_backward(ctx, grad_out, grad_inner):
@@ -224,9 +227,10 @@ def _op_backward(ctx, grad_out, grad_inner):
     if base is None:
         base = lora = grad_out.new_empty(_EMPTY)
     dlora, dbase, dg = _compose_bwd_op(grad_out.contiguous(), inner, base, lora, g, ctx.s, bool(need[1]),
-                                       bool(need[0]), bool(need[2]) and ctx.need_dg, ctx.fused, ctx.config)
+                                       bool(need[0]), bool(need[2]) and ctx.need_dg, ctx.fused, ctx.config,
+                                       bool(ctx.add_base and need[0]))
     return (dbase if need[0] else None, dlora if need[1] else None, dg if need[2] else None, None, None, None,
-            None)
+            None, None)
 
 
 _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -333,9 +337,7 @@ def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g:
         tier = _select_tier(base, lora, g, path, config)
     fused = tier != "eager"
     if torch.compiler.is_compiling():  # tier fixed at trace time; counters and logs are eager-only
-        res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused, config.key)[0]
-        if add_base:
-            res = base + res
+        res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused, config.key, add_base)[0]
         return res if out is None else out.copy_(res)
     else:
         count_tier(tier, base)

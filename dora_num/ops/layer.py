@@ -555,7 +555,8 @@ class DoRALinear(nn.Module):
         # bias and dropout the output add base + delta happens in the compose's pass
         # (add_base: bitwise the same two roundings; one launch and, in the backward,
         # autograd's accumulation of base's two gradients fewer).
-        out_buf = lora if inference and lora.is_contiguous() else None
+        # (compiled: the op's own output; a copy into lora would be one more pass)
+        out_buf = lora if inference and lora.is_contiguous() and not torch.compiler.is_compiling() else None
         if self.compose_fn is None:
             fold = cfg.fold_output_add and bias is None and not separate
             out = _compose(base_c, lora, g, self.scale, path=self.compose_path, out=out_buf, config=cfg,

@@ -10,7 +10,8 @@ would run for ``F.linear(xa, B)`` (``MmBackward0``'s layouts, the cast back to B
 gradient is bitwise the unfused path's (tests/ops/test_lora_compose.py).  One difference: an ``xa`` used
 by two forwards before one backward under autocast gets B's two gradient terms summed in fp32, where
 autocast's shared cast of B sums them in its dtype first (``OpConfig.recompute_lora=False`` restores it).
-Under ``torch.compile`` the same node is the custom op ``dora_num::lora_compose_fwd`` (:func:`lora_compose`).
+Under ``torch.compile`` the same node is the custom op ``dora_num::lora_compose_fwd`` (:func:`lora_compose`),
+with the output add in the same pass (the same kernels as eagerly, forward and backward).
 """
 
 from __future__ import annotations
@@ -97,27 +98,27 @@ def lora_compose(base, xa, B, g, s: float, cdt: torch.dtype, fused: bool, add_ba
     op ``dora_num::lora_compose_fwd`` (the same saved tensors; its output add is the graph's)."""
     if not torch.compiler.is_compiling():
         return LoraComposeFunction.apply(base, xa, B, g, s, cdt, fused, add_base, cfg)
-    out = _lora_compose_fwd_op(base, xa, B if B.dtype == cdt else B.to(cdt), g, s, fused, cfg.key)
-    return base + out if add_base else out
+    return _lora_compose_fwd_op(base, xa, B if B.dtype == cdt else B.to(cdt), g, s, fused, add_base, cfg.key)
 
 
 @torch.library.custom_op("dora_num::lora_compose_fwd", mutates_args=())
 def _lora_compose_fwd_op(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g: torch.Tensor, s: float,
-                         fused: bool, config: str) -> torch.Tensor:
-    """``compose(base, xa B^T, g)``; ``B`` already in the products' dtype."""
+                         fused: bool, add_base: bool, config: str) -> torch.Tensor:
+    """``compose(base, xa B^T, g)`` (``base +`` it with ``add_base``: the output add in the compose's
+    pass, as eagerly); ``B`` already in the products' dtype."""
     lora = torch.mm(xa.reshape(-1, xa.shape[-1]), B.t()).view(*base.shape[:-1], B.shape[0])
-    return _fwd_impl(base, lora, g, s, False, fused, OpConfig.from_key(config))[0]
+    return _fwd_impl(base, lora, g, s, False, fused, OpConfig.from_key(config), add_base=add_base)[0]
 
 
 @_lora_compose_fwd_op.register_fake
-def _(base, xa, B, g, s, fused, config):
+def _(base, xa, B, g, s, fused, add_base, config):
     return torch.empty_like(base)
 
 
 def _op_setup_context(ctx, inputs, output):
-    base, xa, B, g, s, fused, config = inputs
+    base, xa, B, g, s, fused, add_base, config = inputs
     ctx.save_for_backward(base, xa, B, g)
-    ctx.s, ctx.fused, ctx.config = s, fused, config
+    ctx.s, ctx.fused, ctx.add_base, ctx.config = s, fused, add_base, config
 
 
 def _op_backward(ctx, grad):
@@ -126,13 +127,14 @@ def _op_backward(ctx, grad):
     xa2 = xa.reshape(-1, xa.shape[-1])
     lora = torch.mm(xa2, B.t()).view(base.shape) if n_g else base.new_empty(_EMPTY)
     dlora, dbase, dg = _compose_bwd_op(grad.contiguous(), grad.new_empty(_EMPTY, dtype=torch.float32), base, lora,
-                                       g, ctx.s, bool(n_xa or n_B), bool(n_base), bool(n_g), ctx.fused, ctx.config)
+                                       g, ctx.s, bool(n_xa or n_B), bool(n_base), bool(n_g), ctx.fused, ctx.config,
+                                       bool(ctx.add_base and n_base))
     dxa = dB = None
     if n_xa or n_B:
         dl2 = dlora.reshape(-1, dlora.shape[-1])
         dB = _mm_mat2_grad(dl2, xa2, B.t()).t() if n_B else None
         dxa = _mm_mat1_grad(dl2, xa2, B.t()).view(xa.shape) if n_xa else None
-    return (dbase if n_base else None), dxa, dB, (dg if n_g else None), None, None, None
+    return (dbase if n_base else None), dxa, dB, (dg if n_g else None), None, None, None, None
 
 
 _lora_compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)

@@ -352,3 +352,43 @@ def test_no_division_is_left_to_the_compiler(m_dtype, bias, autocast, paths, sma
     assert any("dora_num" in t for t in targets)  # the graphs hold the layer's ops
     inexact = [t for t in targets if t.startswith(("aten.", "prims.")) and t.split(".")[1] in INEXACT]
     assert inexact == [], inexact
+
+
+@pytest.mark.parametrize("paths", PATHS)
+@pytest.mark.parametrize("recompute_lora", [True, False], ids=["lora-compose", "compose"])
+def test_compiled_forward_folds_the_output_add_as_eager(recompute_lora, paths, small_layer):
+    """The compiled layer runs the eager layer's passes: the output add ``base + delta`` inside the
+    compose op (``add_base``), not as one more pass over the output in the graph, and in the backward
+    ``dbase = grad + (g-1) grad`` from the op's own pass.  A graph with an ``aten.add`` in its forward
+    would read and write every output element once more (0.35 ms per 8B decoder layer in bf16)."""
+    with override(recompute_lora=recompute_lora, **paths):
+        layer = small_layer(16, 12, bias=False, m_noise=1e-3)
+        x = torch.randn(5, 16, requires_grad=True)
+        graphs = _traced_graphs(layer, x)
+        fwd = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+        ops = [n for n in fwd if "compose_fwd" in str(n.target)]
+        assert len(ops) == 1, [str(n.target) for n in fwd]
+        assert True in ops[0].args[5:], ops[0].args  # add_base (positional: after s and the tier's flags)
+        adds = [str(n.target) for n in fwd if str(n.target).startswith("aten.add")]
+        assert adds == [], adds
+        # inference: the same op, and no copy of its output into a buffer of the graph
+        with torch.no_grad():
+            inf = _traced_graphs_no_grad(layer, x)
+        targets = [str(n.target) for n in inf.graph.nodes if n.op == "call_function"]
+        assert not [t for t in targets if t.startswith(("aten.add", "aten.copy"))], targets
+
+
+def _traced_graphs_no_grad(fn, *args):
+    """The single inference graph AOT autograd hands to the compiler for ``fn(*args)`` under no_grad."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep, inference_compiler=keep))(*args)
+    assert len(graphs) == 1
+    return graphs[0]

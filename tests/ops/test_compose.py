@@ -103,12 +103,13 @@ def test_custom_op_opcheck(fused):
     base, lora, g, grad = compose_inputs((3, 20), torch.float32)
     g.requires_grad_(True)
     key = get_config().key
-    torch.library.opcheck(torch.ops.dora_num.compose_fwd.default, (base, lora, g, S, True, fused, key),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     inner = ref.compose_inner_ref(base, lora, S)
-    torch.library.opcheck(torch.ops.dora_num.compose_bwd.default,
-                          (grad, inner, base, lora, g.detach(), S, True, True, True, fused, key),
-                          test_utils=("test_schema", "test_faketensor"))
+    for add_base in (False, True):  # the output add in the compose's pass (and its gradient), or not
+        torch.library.opcheck(torch.ops.dora_num.compose_fwd.default, (base, lora, g, S, True, fused, key, add_base),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        torch.library.opcheck(torch.ops.dora_num.compose_bwd.default,
+                              (grad, inner, base, lora, g.detach(), S, True, True, True, fused, key, add_base),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_compile_fullgraph_no_graph_break():

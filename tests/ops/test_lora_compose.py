@@ -84,5 +84,7 @@ def test_compiled_node_is_a_registered_custom_op():
     torch.manual_seed(0)
     base, xa, B = torch.randn(6, 24), torch.randn(6, 4, requires_grad=True), torch.randn(24, 4, requires_grad=True)
     g = (1 + 1e-3 * torch.randn(24)).requires_grad_(True)
-    torch.library.opcheck(torch.ops.dora_num.lora_compose_fwd.default, (base, xa, B, g, 0.5, False, get_config().key),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for add_base in (False, True):  # the output add in the compose's pass, or not
+        torch.library.opcheck(torch.ops.dora_num.lora_compose_fwd.default,
+                              (base, xa, B, g, 0.5, False, add_base, get_config().key),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
