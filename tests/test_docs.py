@@ -33,8 +33,8 @@ def _first_line(path: Path) -> str:
     return " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
 
 
-def layout() -> str:
-    root = REPO / "dora_num" / "studies"
+def layout(root: Path = REPO / "dora_num" / "studies") -> str:
+    """The generated table of ``root``'s folders (default the package's ``studies/``)."""
     rows = ["| module | kind | what it is |", "|---|---|---|"]
     folders = [root] + sorted(p for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
     for folder in folders:

@@ -1,6 +1,6 @@
 """Binary floating-point formats: constants, exact rounding, ulp, ULP distance, bit patterns.
 
-A format is declared by its bit layout alone (:func:`_make`: exponent and significand field widths
+A format is declared by its bit layout alone (:func:`make_format`: exponent and significand field widths
 and what the all-ones exponent holds); its width, precision ``p``, exponent range, largest value,
 numpy/ml_dtypes type (the one whose ``finfo`` matches, if any) and torch dtype are derived.  Quantum
 ``ulp(x) = 2^(max(e, emin) - p + 1)`` for ``2^e <= |x| < 2^(e+1)``, unit roundoff ``u = 2^-p`` and
@@ -38,7 +38,7 @@ def name_seed(name: str) -> int:
 @dataclass(frozen=True)
 class Format:
     """A binary floating-point format (all numeric fields are Python floats/ints), derived from its
-    bit layout by :func:`_make`."""
+    bit layout by :func:`make_format`."""
 
     name: str
     bits: int  # 1 + ebits + p - 1
@@ -109,7 +109,7 @@ def _matching_dtype(bits, p, emin, emax, mx, has_inf, has_nan) -> type | None:
     return found[0] if found else None
 
 
-def _make(name: str, ebits: int, mbits: int, *, specials: str = "ieee", seed: int | None = None) -> Format:
+def make_format(name: str, ebits: int, mbits: int, *, specials: str = "ieee", seed: int | None = None) -> Format:
     """A format from its bit layout: sign, ``ebits`` exponent bits (bias ``2^(ebits-1) - 1``), ``mbits``
     trailing significand bits; ``specials`` says what the all-ones exponent field holds (see
     :class:`Format`).  ``seed`` defaults to :func:`name_seed` of the name."""
@@ -136,16 +136,17 @@ def _make(name: str, ebits: int, mbits: int, *, specials: str = "ieee", seed: in
 # Every format the package can round to, keyed by name.  A new format is one line here (its seed
 # derived from its name); the notebooks study the ones in STUDIED_FORMATS.  The first five keep the
 # seeds they drew every recorded data set with (their positions in this dict when it was recorded).
+# What else a new format touches (the tests' independent decoder): docs/extending.md.
 FORMATS: dict[str, Format] = {
-    "bf16": _make("bf16", 8, 7, seed=0),
-    "fp16": _make("fp16", 5, 10, seed=1),
-    "fp32": _make("fp32", 8, 23, seed=2),
-    "fp8_e4m3fn": _make("fp8_e4m3fn", 4, 3, specials="nan", seed=3),
-    "fp8_e5m2": _make("fp8_e5m2", 5, 2, seed=4),
+    "bf16": make_format("bf16", 8, 7, seed=0),
+    "fp16": make_format("fp16", 5, 10, seed=1),
+    "fp32": make_format("fp32", 8, 23, seed=2),
+    "fp8_e4m3fn": make_format("fp8_e4m3fn", 4, 3, specials="nan", seed=3),
+    "fp8_e5m2": make_format("fp8_e5m2", 5, 2, seed=4),
     # OCP Microscaling (MX v1.0) element formats: no inf, no NaN, saturating
-    "fp6_e3m2": _make("fp6_e3m2", 3, 2, specials="none"),  # max 28
-    "fp6_e2m3": _make("fp6_e2m3", 2, 3, specials="none"),  # max 7.5
-    "fp4_e2m1": _make("fp4_e2m1", 2, 1, specials="none"),  # max 6
+    "fp6_e3m2": make_format("fp6_e3m2", 3, 2, specials="none"),  # max 28
+    "fp6_e2m3": make_format("fp6_e2m3", 2, 3, specials="none"),  # max 7.5
+    "fp4_e2m1": make_format("fp4_e2m1", 2, 1, specials="none"),  # max 6
 }
 
 # The formats the notebooks study, in the order of their tables and figures (notebook 03 sweeps them
@@ -158,7 +159,7 @@ NARROW_FORMATS: tuple[str, ...] = tuple(f for f in STUDIED_FORMATS if FORMATS[f]
 
 # float64 as a Format, for rounding exact values to float64 (ground truth's ``value``); not one
 # of the storage formats studied, so not in FORMATS.
-FP64 = _make("fp64", 11, 52)
+FP64 = make_format("fp64", 11, 52)
 
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
             "float8_e4m3fn": "fp8_e4m3fn", "e4m3fn": "fp8_e4m3fn", "e4m3": "fp8_e4m3fn",

@@ -40,23 +40,27 @@ Headline = Callable[[Path], "tuple[list[str], Stats]"]
 Takeaway = Callable[[Path], "tuple[str, Stats]"]
 
 
-def _headline_modules() -> list[tuple[str, object]]:
-    """``(notebook stem, headline module)`` of every study folder with a ``headline.py``, in notebook order
-    (the folder's ``NOTEBOOK``).  Found by looking, so a new study folder needs no edit here."""
+def headline_modules(package: str = "dora_num.studies") -> list[tuple[str, object]]:
+    """``(notebook stem, headline module)`` of every study folder of ``package`` with a ``headline.py``, in
+    notebook order (the folder's ``NOTEBOOK``).  Found by looking, so a new study folder needs no edit here."""
     import importlib
 
-    studies = Path(__file__).resolve().parents[1] / "studies"
+    studies = Path(importlib.import_module(package).__file__).parent
     found = []
     for d in sorted(p for p in studies.iterdir() if (p / "headline.py").is_file()):
-        stem = importlib.import_module(f"dora_num.studies.{d.name}").NOTEBOOK
-        found.append((stem, importlib.import_module(f"dora_num.studies.{d.name}.headline")))
+        stem = importlib.import_module(f"{package}.{d.name}").NOTEBOOK
+        found.append((stem, importlib.import_module(f"{package}.{d.name}.headline")))
     return sorted(found, key=lambda t: t[0])
 
 
-# notebook stem -> (headline function, figures shown in the README); the takeaways in notebook order, each with
-# the figure that shows it
-_HEADLINES = _headline_modules()
-NOTEBOOKS: dict[str, tuple[Headline, tuple[str, ...]]] = {stem: (m.headline, tuple(m.FIGURES)) for stem, m in _HEADLINES}
+def headlines(modules) -> dict[str, tuple[Headline, tuple[str, ...]]]:
+    """notebook stem -> (headline function, figures shown in the README), from :func:`headline_modules`."""
+    return {stem: (m.headline, tuple(m.FIGURES)) for stem, m in modules}
+
+
+# the takeaways in notebook order, each with the figure that shows it
+_HEADLINES = headline_modules()
+NOTEBOOKS = headlines(_HEADLINES)
 TAKEAWAYS: tuple[tuple[Takeaway, str], ...] = tuple(t for _, m in _HEADLINES for t in getattr(m, "TAKEAWAYS", ()))
 
 
@@ -157,15 +161,16 @@ def _missing(d: Path) -> tuple[list[str], Stats]:
     raise LookupError("this notebook has no headline (a headline.py in its study folder)")
 
 
-def section(data: Path = COMMITTED_DATA_DIR, root: Path = REPO_ROOT) -> str:
-    """The Markdown between the markers (without them)."""
+def section(data: Path = COMMITTED_DATA_DIR, root: Path = REPO_ROOT, notebooks=None) -> str:
+    """The Markdown between the markers (without them); ``notebooks``: the headlines (default :data:`NOTEBOOKS`)."""
+    heads = NOTEBOOKS if notebooks is None else notebooks
     lines = ["## Results", "",
              "Generated from `data/` by `make reproduce`; each notebook's full rendering, with every table and "
              "figure, is in `notebooks/rendered/`.", ""]
-    stems = list(NOTEBOOKS) + sorted(p.stem for p in (root / "notebooks").glob("[0-9][0-9]_*.ipynb")
-                                     if p.stem not in NOTEBOOKS)
+    stems = list(heads) + sorted(p.stem for p in (root / "notebooks").glob("[0-9][0-9]_*.ipynb")
+                                 if p.stem not in heads)
     for stem in stems:
-        fn, figs = NOTEBOOKS.get(stem, (_missing, ()))
+        fn, figs = heads.get(stem, (_missing, ()))
         rendered = f"notebooks/rendered/{stem}.md"
         link = f"[{stem}]({rendered})" if (root / rendered).is_file() else f"`{stem}`"
         lines.append(f"**{link}**")

@@ -26,11 +26,14 @@ RECORDERS = datasets.RECORDERS  # derived from the data sets' declarations (and 
 TOOLS = tuple(datasets.TOOLS)
 
 
-def run(name: str, argv: list[str] | None = None, *, prog: str | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) with recorder ``name``'s parser and run it."""
-    if name not in RECORDERS:
-        raise SystemExit(f"dora-num record: unknown recorder {name!r}; have {', '.join(RECORDERS)}")
-    mod = importlib.import_module(RECORDERS[name].module)
+def run(name: str, argv: list[str] | None = None, *, prog: str | None = None,
+        recorders: dict[str, datasets.Recorder] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) with recorder ``name``'s parser and run it; ``recorders``:
+    the registry to look ``name`` up in (default :data:`RECORDERS`)."""
+    recorders = RECORDERS if recorders is None else recorders
+    if name not in recorders:
+        raise SystemExit(f"dora-num record: unknown recorder {name!r}; have {', '.join(recorders)}")
+    mod = importlib.import_module(recorders[name].module)
     p = mod.build_parser(prog or f"dora-num record {name}", name)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if getattr(args, "ingest", None):

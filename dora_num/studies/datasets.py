@@ -20,19 +20,25 @@ from ..repro.paths import DataSet, committed_data
 GPU_TESTS = DataSet("gpu-tests", {"log": "gpu/pytest_gpu.log"}, recorder="bash .ci/gpu/record.sh tests")
 
 
-def study_folders(module: str) -> list:
-    """The ``module`` (e.g. ``"datasets"``) of every study folder that has one, in the order of the
-    notebooks the folders back (each folder's ``NOTEBOOK``)."""
-    here = Path(__file__).parent
+def study_folders(module: str, package: str = __package__) -> list:
+    """The ``module`` (e.g. ``"datasets"``) of every study folder of ``package`` that has one, in the order
+    of the notebooks the folders back (each folder's ``NOTEBOOK``).  ``package``: this one; another (a
+    throwaway tree in a test, tests/test_extending.py) is searched the same way."""
+    here = Path(importlib.import_module(package).__file__).parent
     found = []
     for d in sorted(p for p in here.iterdir() if (p / "__init__.py").is_file() and (p / f"{module}.py").is_file()):
-        pkg = importlib.import_module(f"{__package__}.{d.name}")
-        found.append((pkg.NOTEBOOK, importlib.import_module(f"{__package__}.{d.name}.{module}")))
+        pkg = importlib.import_module(f"{package}.{d.name}")
+        found.append((pkg.NOTEBOOK, importlib.import_module(f"{package}.{d.name}.{module}")))
     return [m for _, m in sorted(found, key=lambda t: t[0])]
 
 
-DATASETS: dict[str, DataSet] = {d.name: d for d in (
-    *(d for m in study_folders("datasets") for d in m.DATASETS), GPU_TESTS, DURATIONS)}
+def declared(package: str = __package__) -> tuple[DataSet, ...]:
+    """The data sets the study folders of ``package`` declare (each ``datasets.py``'s ``DATASETS``), in
+    notebook order."""
+    return tuple(d for m in study_folders("datasets", package) for d in m.DATASETS)
+
+
+DATASETS: dict[str, DataSet] = {d.name: d for d in (*declared(), GPU_TESTS, DURATIONS)}
 
 
 class Recorder(NamedTuple):
@@ -40,7 +46,7 @@ class Recorder(NamedTuple):
     help: str
 
 
-def _recorders(datasets) -> dict[str, Recorder]:
+def recorders(datasets) -> dict[str, Recorder]:
     """``dora-num record``'s subcommands: one per recorder the data sets name, its module and help from
     the data set that declares them (exactly one per subcommand; the tests hold every subcommand to one)."""
     out: dict[str, Recorder] = {}
@@ -54,16 +60,17 @@ def _recorders(datasets) -> dict[str, Recorder]:
 
 # recorders of no data set: what a GPU run needs carried along
 TOOLS = {"carry": Recorder("dora_num.studies.record_carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine")}
-RECORDERS: dict[str, Recorder] = {**_recorders(DATASETS.values()), **TOOLS}
+RECORDERS: dict[str, Recorder] = {**recorders(DATASETS.values()), **TOOLS}
 
 NOT_RECORDED = ("corpus",)  # data/ folders that are inputs, not recordings (corpus: dora_num.adapters.corpus)
 
 
-def requires(notebook: str) -> list[str]:
+def requires(notebook: str, datasets=None) -> list[str]:
     """What notebook ``NN`` (or its stem) needs in a full run: the files of the data sets naming it
-    (repository paths, the form of its metadata's ``requires``)."""
+    (repository paths, the form of its metadata's ``requires``); ``datasets``: default :data:`DATASETS`."""
     nn = notebook[:2]
-    return [f"data/{f}" for d in DATASETS.values() if nn in d.notebooks for f in d.files]
+    return [f"data/{f}" for d in (DATASETS.values() if datasets is None else datasets) if nn in d.notebooks
+            for f in d.files]
 
 
 def owner(path: str) -> DataSet | None:

@@ -43,20 +43,32 @@ def test_the_table_holds_every_recorded_file_once():
     assert sorted(set(owners) - committed) == []
 
 
+def registry_problems(table, registry, tools=()) -> list[str]:
+    """What the data sets ``table`` and the recorder registry ``registry`` disagree on: a subcommand no data
+    set declares (``module=``, ``about=``) or more than one does, a recorder of no data set (``tools``
+    aside), a data set naming another module than its subcommand's, a module that is not there."""
+    import importlib.util
+
+    record = [d for d in table if d.kind == "record"]
+    subcommands = {d.subcommand for d in record}
+    found = [f"{s}: named by a data set, declared by none (module=, about=)"
+             for s in sorted(subcommands - set(registry))]
+    found += [f"{s}: a recorder of no data set" for s in sorted(set(registry) - subcommands - set(tools))]
+    for sub in sorted(subcommands):
+        declaring = [d.name for d in record if d.subcommand == sub and d.about]
+        found += [f"{sub}: declared by {declaring}, not by exactly one data set"] if len(declaring) > 1 else []
+    found += [f"{d.name}: module {d.module} is not its recorder's" for d in record
+              if d.module and d.subcommand in registry and d.module != registry[d.subcommand].module]
+    return found + [f"{s}: no module {r.module}" for s, r in registry.items()
+                    if importlib.util.find_spec(r.module) is None]
+
+
 def test_recorders_and_data_sets_name_each_other():
     """The registry is derived: every subcommand a data set names is declared by exactly one data set
     (its module and help), and its module is a recorder of the package."""
     import importlib.util
 
-    record = [d for d in datasets.DATASETS.values() if d.kind == "record"]
-    subcommands = {d.subcommand for d in record}
-    assert sorted(subcommands - set(cli.RECORDERS)) == []
-    assert sorted(set(cli.RECORDERS) - subcommands - set(cli.TOOLS)) == []
-    for sub in subcommands:
-        declaring = [d.name for d in record if d.subcommand == sub and d.about]
-        assert len(declaring) == 1, (sub, declaring)
-    assert all(not d.module or d.module == cli.RECORDERS[d.subcommand].module for d in record)
-    assert all(importlib.util.find_spec(r.module) is not None for r in cli.RECORDERS.values())
+    assert registry_problems(datasets.DATASETS.values(), cli.RECORDERS, cli.TOOLS) == []
     for d in datasets.DATASETS.values():
         assert d.recorder.split()[0] in d.how_to_record or d.kind == "notebook", d
         if d.kind == "script" and " -m dora_num." in d.recorder:  # a module of the package
@@ -182,9 +194,9 @@ def test_notebooks_print_the_declared_recording_command():
     assert typed == []
 
 
-def _reads(nb_path) -> dict[str, bool]:
-    """The data sets a notebook asks for with ``ctx.recorded(...)`` (evaluated in the notebook's
-    imports, at its parameters' defaults): name -> required in a full run."""
+def _reads(nb_path, table: dict[str, DataSet], package: str = "dora_num") -> dict[str, bool]:
+    """The data sets of ``table`` a notebook asks for with ``ctx.recorded(...)`` (evaluated in the notebook's
+    imports of ``package``, at its parameters' defaults): name -> required in a full run."""
     book = json.loads(nb_path.read_text())
     cells = ["".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code"]
     ns: dict = {}
@@ -193,7 +205,7 @@ def _reads(nb_path) -> dict[str, bool]:
     for src in cells:
         for node in ast.parse(src).body:
             if isinstance(node, (ast.Import, ast.ImportFrom)) and (
-                    isinstance(node, ast.Import) or (node.module or "").startswith("dora_num")):
+                    isinstance(node, ast.Import) or (node.module or "").startswith(package)):
                 exec(compile(ast.Module([node], []), nb_path.name, "exec"), ns)
     out: dict[str, bool] = {}
     for src in cells:
@@ -205,18 +217,30 @@ def _reads(nb_path) -> dict[str, bool]:
                     a = a.value if isinstance(a, ast.Starred) else a
                     val = eval(ast.unparse(a), ns)
                     for item in (val if isinstance(val, tuple) else (val,)):
-                        d = datasets.owner(item) if isinstance(item, str) else datasets.DATASETS[item.name]
+                        d = (next((d for d in table.values() if item in d.files), None) if isinstance(item, str)
+                             else table.get(item.name))
                         assert d is not None, (nb_path.name, item)
                         out[d.name] = out.get(d.name, False) or required
     return out
 
 
+def read_problems(nb, table: dict[str, DataSet] | None = None, package: str = "dora_num") -> list[str]:
+    """Where notebook ``nb`` disagrees with the data sets ``table`` (default: the package's) about what it
+    reads: a ``ctx.recorded`` call against the data set's ``notebooks`` / ``optional``, and its metadata's
+    ``requires`` against :func:`dora_num.studies.datasets.requires`."""
+    table = datasets.DATASETS if table is None else table
+    nn, reads = nb.stem[:2], _reads(nb, table, package)
+    found = []
+    for required, field in ((True, "notebooks"), (False, "optional")):
+        got = sorted(n for n, req in reads.items() if req == required)
+        want = sorted(d.name for d in table.values() if nn in getattr(d, field))
+        if got != want:
+            found.append(f"reads {got} with required={required}; the data sets naming {nn} in {field}: {want}")
+    meta = json.loads(nb.read_text())["metadata"].get("dora_num", {}).get("requires")
+    want = datasets.requires(nb.stem, table.values())
+    return found + ([f"metadata dora_num.requires is {meta}, not {want}"] if meta != want else [])
+
+
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_notebook_requires_what_it_reads(nb):
-    nn = nb.stem[:2]
-    reads = _reads(nb)
-    assert sorted(n for n, req in reads.items() if req) == sorted(
-        d.name for d in datasets.DATASETS.values() if nn in d.notebooks)
-    assert sorted(n for n, req in reads.items() if not req) == sorted(
-        d.name for d in datasets.DATASETS.values() if nn in d.optional)
-    assert json.loads(nb.read_text())["metadata"]["dora_num"]["requires"] == datasets.requires(nb.stem)
+    assert read_problems(nb) == []

@@ -101,7 +101,7 @@ def test_inserting_a_format_anywhere_changes_no_other_formats_draws(monkeypatch)
     """A toy format registered before, between and after the others: every other format draws the
     same inputs (its seed is its own, not its position), the toy its name's."""
     before = {n: _draws(n) for n in FORMATS}
-    toy = fm._make("toy_e3m3", 3, 3, specials="none")
+    toy = fm.make_format("toy_e3m3", 3, 3, specials="none")
     items = list(FORMATS.items())
     toy_draws = set()
     for i in range(len(items) + 1):
