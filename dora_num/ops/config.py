@@ -64,7 +64,12 @@ class ComposeTiles:
 
 @dataclass(frozen=True)
 class NormTailTiles:
-    """Launch geometry of the factored norm's tail kernel (:mod:`dora_num.ops.kernels.norm_tail`)."""
+    """Launch geometry of the factored norm's tail kernel (:mod:`dora_num.ops.kernels.norm_tail`).
+
+    Defaults from the sweep in ``data/gpu/tile_sweep.csv`` (``dora-num record tiles``, its ``norm_tail``
+    rows at the operator's shapes and ranks).  ``block_m`` is the divisor of the flag's program count;
+    ``block_r`` and ``block_k`` fix the order of ``cross`` and ``ba`` (within lemma 4's bound in any).
+    """
 
     block_m: int = 32  # rows per program (d_out = 4096 -> 128 programs on 132 SMs)
     block_r: int = 64  # columns of B G (and of cross) per step
@@ -79,11 +84,39 @@ class NormTailTiles:
         _check_positive_ints(self)
 
 
+@dataclass(frozen=True)
+class RowSumsqTiles:
+    """Launch geometry of the row-sum kernel ``base_sq = rowsum(W*W)`` (:mod:`dora_num.ops.kernels.row_sumsq`).
+
+    ``block_m`` and ``block_k`` fix the order of every row's sum (blocks of ``block_k`` columns, each
+    reduced by ``tl.sum``'s tree, added in sequence), so they are part of what a cached ``base_sq``
+    was formed under (:func:`dora_num.ops.norm.base_cache_key`); any tiles are within lemma 4's bound
+    of ``base``.  Defaults from the sweep in ``data/gpu/tile_sweep.csv`` (``dora-num record tiles``, its
+    ``row_sumsq`` rows at the operator's shapes against the copy bandwidth).  Powers of two
+    (``tl.arange``'s extents and Triton's warp counts).
+    """
+
+    block_m: int = 8  # rows per program (d_out = 1024: 128 programs on 132 SMs)
+    block_k: int = 512  # columns per step (1 KiB of bf16 per row per step)
+    num_warps: int = 4
+
+    def __post_init__(self):
+        _check_positive_ints(self)
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v & (v - 1):
+                raise ValueError(f"RowSumsqTiles.{f.name} must be a power of two, got {v}")
+
+
 def _check_positive_ints(obj) -> None:
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive int, got {v!r}")
+
+
+# OpConfig's fields that hold a kernel's tiles: validated by type, written into the key as objects
+_TILES = {"compose_tiles": ComposeTiles, "norm_tail_tiles": NormTailTiles, "row_sumsq_tiles": RowSumsqTiles}
 
 
 @dataclass(frozen=True)
@@ -124,6 +157,7 @@ class OpConfig:
     recompute_lora: bool = True  # DoRALinear's backward recomputes lora = (x A^T) B^T (saves x A^T, not lora)
     compose_tiles: ComposeTiles = field(default_factory=ComposeTiles)
     norm_tail_tiles: NormTailTiles = field(default_factory=NormTailTiles)
+    row_sumsq_tiles: RowSumsqTiles = field(default_factory=RowSumsqTiles)  # also in the key of a cached base_sq
     interpret: bool = False  # Triton runs under TRITON_INTERPRET=1 (CPU); read from the environment
     poison: bool = False  # fill every buffer a kernel launcher allocates with NaN (tests)
     finite_check: str = "deferred"  # finiteness checks on CUDA: deferred / late / sync / off (class docstring)
@@ -146,13 +180,12 @@ class OpConfig:
                      "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.compose_tiles, ComposeTiles):
-            raise TypeError(f"compose_tiles must be a ComposeTiles, got {type(self.compose_tiles).__name__}")
-        if not isinstance(self.norm_tail_tiles, NormTailTiles):
-            raise TypeError(f"norm_tail_tiles must be a NormTailTiles, got {type(self.norm_tail_tiles).__name__}")
+        for name, cls in _TILES.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        fields["compose_tiles"] = dataclasses.asdict(self.compose_tiles)
-        fields["norm_tail_tiles"] = dataclasses.asdict(self.norm_tail_tiles)
+        for name in _TILES:
+            fields[name] = dataclasses.asdict(fields[name])
         object.__setattr__(self, "key", json.dumps(fields, sort_keys=True, separators=(",", ":")))
 
     @staticmethod
@@ -166,8 +199,8 @@ class OpConfig:
 @functools.lru_cache(maxsize=64)
 def _from_key(key: str) -> OpConfig:
     fields = json.loads(key)
-    fields["compose_tiles"] = ComposeTiles(**fields["compose_tiles"])
-    fields["norm_tail_tiles"] = NormTailTiles(**fields["norm_tail_tiles"])
+    for name, cls in _TILES.items():
+        fields[name] = cls(**fields[name])
     return OpConfig(**fields)
 
 

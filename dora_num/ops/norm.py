@@ -32,7 +32,7 @@ from .magnitude import default_eps, initial_magnitude, magnitude_scale  # noqa: 
 from .products import (CHUNK_ALIGN, DEFAULT_CHUNK_BYTES, _products, autocast_off, chunk_columns,  # noqa: F401
                        resolve_chunk_bytes, split_gram, split_mm, split_pieces)
 from .terms import (ROW_CHUNK_BYTES, _base_and_zero_rows, _check_base_sq, _torch_tail_terms,  # noqa: F401
-                    base_passes, base_row_norm_sq, factored_terms)
+                    base_pass, base_passes, base_row_norm_sq, factored_terms)
 from .validation import check_finite, check_lora_factors, check_scale, check_tensor
 
 _autocast_off = autocast_off  # the name the package used before autocast_off moved to ops.products
@@ -68,8 +68,10 @@ _CACHE_ATTR = "_dora_num_base_sq"
 
 def _cached_base_and_zero_rows(W: torch.Tensor, chunk_bytes, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rowsum(W*W), W's exactly zero rows)`` cached on the tensor ``W`` itself (key: its storage
-    pointer, version counter, shape, dtype and device)."""
-    key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device)
+    pointer, version counter, shape, dtype and device, and the pass that forms them under ``cfg``:
+    the row kernel's tiles or torch's column chunk width, :func:`~dora_num.ops.terms.base_pass`,
+    since each sums in its own order)."""
+    key = (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device, base_pass(W, chunk_bytes, cfg))
     hit = getattr(W, _CACHE_ATTR, None)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -117,11 +119,11 @@ _GENERATION = [0]  # bumped by clear_base_sq_cache; part of every layer cache's 
 def base_cache_key(W: torch.Tensor, chunk_bytes, cfg: OpConfig) -> tuple:
     """What ``rowsum(W*W)`` and the zero rows depend on: W's storage pointer, version counter, shape,
     dtype and device (as :func:`cached_base_row_norm_sq` keys them), the pass that forms them (the row
-    kernel, or torch over column chunks of that width) and the count of :func:`clear_base_sq_cache`
-    calls."""
-    tail = uses_tail_kernel(W.device, cfg)
-    cols = None if tail else chunk_columns(W.shape[0], W.shape[1], chunk_bytes)
-    return (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device, tail, cols, _GENERATION[0])
+    kernel with its tiles, or torch over column chunks of that width:
+    :func:`~dora_num.ops.terms.base_pass`; a value summed under other tiles is never reused) and the
+    count of :func:`clear_base_sq_cache` calls."""
+    return (W.data_ptr(), W._version, tuple(W.shape), W.dtype, W.device, base_pass(W, chunk_bytes, cfg),
+            _GENERATION[0])
 
 
 def refresh_base_cache(W: torch.Tensor, base_sq: torch.Tensor, zero_rows: torch.Tensor, chunk_bytes,

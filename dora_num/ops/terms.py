@@ -33,19 +33,29 @@ def base_passes() -> int:
     return _PASSES[0]
 
 
+def base_pass(W: torch.Tensor, chunk_bytes, cfg: OpConfig) -> tuple:
+    """Which pass :func:`_base_and_zero_rows` runs over ``W`` under ``cfg``, as a hashable key: the row
+    kernel with its tiles (``("kernel", OpConfig.row_sumsq_tiles)``), or torch over fp32 column chunks
+    of that width (``("torch", columns)``).  Each fixes the order of ``rowsum(W*W)``: a value formed by
+    one pass is not another's bit for bit, so every cache of it keys on this."""
+    if uses_tail_kernel(W.device, cfg):
+        return ("kernel", cfg.row_sumsq_tiles)
+    return ("torch", chunk_columns(W.shape[0], W.shape[1], chunk_bytes))
+
+
 def _base_and_zero_rows(W: torch.Tensor, chunk_bytes, cfg: OpConfig, zero: bool = True):
     """``(rowsum(W*W), W's exactly zero rows)`` (fp32, bool ``[d_out]``; the second None without
-    ``zero``), from one pass over W (the kernel where the tail is the Triton one, else fp32 column
+    ``zero``), from one pass over W (:func:`base_pass`: the kernel where the tail is the Triton one, else fp32 column
     chunks of W under ``chunk_bytes``)."""
     d_out, d_in = W.shape
+    kind, cols = base_pass(W, chunk_bytes, cfg)
     _PASSES[0] += 1
     with torch.no_grad():
-        if uses_tail_kernel(W.device, cfg):
+        if kind == "kernel":
             from .kernels.row_sumsq import row_sumsq  # imported lazily: triton is heavy
 
             base, zero_rows = row_sumsq(W.detach(), config=cfg)
             return base, (zero_rows if zero else None)
-        cols = chunk_columns(d_out, d_in, chunk_bytes)
         with autocast_off(W.device.type):
             acc = torch.zeros(d_out, dtype=torch.float32, device=W.device)
             zero_rows = torch.ones(d_out, dtype=torch.bool, device=W.device) if zero else None

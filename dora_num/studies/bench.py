@@ -49,11 +49,12 @@ def lift_recompile_limits() -> None:
             setattr(torch._dynamo.config, name, value)
 
 
-def copy_bandwidth(nbytes: int = 2 * 2**30, device: str = "cuda") -> dict:
-    """Device-to-device copy: GB/s counting bytes read + bytes written."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+def copy_bandwidth(nbytes: int = 2 * 2**30, device: str = "cuda", timer=time_ms) -> dict:
+    """Device-to-device copy of ``nbytes`` (read, and as many written): GB/s counting bytes read +
+    bytes written, timed by ``timer`` (:func:`time_ms`'s signature)."""
+    src = torch.empty(max(1, nbytes // 4), dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    t = time_ms(lambda: dst.copy_(src))
+    t = timer(lambda: dst.copy_(src))
     moved = 2 * src.numel() * 4
     del src, dst
     return {"bytes": moved, **t.as_dict(), "gbps": moved / (t.ms * 1e-3) / 1e9}
@@ -94,6 +95,21 @@ def compose_bytes(kind: str, n_elems: int, itemsize: int, n_cols: int, *, n_rows
         return compose_bytes("fwd_inner", n_elems, b, n_cols) + compose_bytes(
             "bwd", n_elems, b, n_cols, n_rows=n_rows, bwd_block_m=bwd_block_m)
     raise ValueError(f"unknown traffic kind {kind!r}")
+
+
+def row_sumsq_bytes(d_out: int, d_in: int, itemsize: int) -> int:
+    """Useful bytes of the row-sum kernel (:mod:`dora_num.ops.kernels.row_sumsq`): W read once, the fp32
+    sums and the int8 zero-row mask written."""
+    return d_out * d_in * itemsize + 5 * d_out
+
+
+def norm_tail_bytes(d_out: int, r: int, b_itemsize: int, *, m_itemsize: int = 4, block_m: int = 32) -> int:
+    """Useful bytes of the norm's tail kernel (:mod:`dora_num.ops.kernels.norm_tail`) with ``m``, the
+    guard and the zero rows, as the layer launches it: ``U`` (fp32) and ``B`` read once, ``G`` once
+    (every program reads it again, from L2), ``base_sq``, ``m`` and the zero rows read; ``wnorm``,
+    ``den``, the guard's three rows (``aux``) and one flag per program written."""
+    return d_out * r * (4 + b_itemsize) + 4 * r * r + d_out * (4 + m_itemsize + 1) + d_out * (4 + 4 + 12) \
+        + 4 * -(-d_out // block_m)
 
 
 def peak_extra_bytes(fn) -> tuple[int, object]:
@@ -165,18 +181,33 @@ def log(msg: str) -> None:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    """The rows of a suite section as a CSV in the recorder's output folder."""
-    pd.DataFrame(rows).to_csv(path, index=False, lineterminator="\n")
-    log(f"wrote {path.name} ({len(rows)} rows)")
+    """The rows of a suite section as a CSV in the recorder's output folder, written atomically (the
+    whole table rendered first, then renamed into place: a section that fails while writing leaves
+    the file it had, never a part of one)."""
+    from ..repro.provenance import _atomic_write_bytes
+
+    text = pd.DataFrame(rows).to_csv(index=False, lineterminator="\n")
+    _atomic_write_bytes(Path(path), text.encode())
+    log(f"wrote {Path(path).name} ({len(rows)} rows)")
+
+
+def device_name(device) -> str:
+    """The name of the device a measurement ran on: the GPU's, or ``"cpu"``."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
 
 
 def gpu_description(git_sha: str | None) -> dict:
     """A GPU recording's ``device.json`` (:func:`dora_num.repro.recording.describe_machine`) with the
-    Triton runtime and where ``dg``'s second stage runs (it changes what the compose rows time)."""
+    Triton runtime, where ``dg``'s second stage runs (it changes what the compose rows time) and the
+    operator configuration every section ran under (``op_config``: :attr:`OpConfig.key
+    <dora_num.ops.config.OpConfig.key>`, its tiles included; :meth:`OpConfig.from_key
+    <dora_num.ops.config.OpConfig.from_key>` rebuilds it)."""
     import triton
 
     from ..ops.config import get_config
     from ..repro.recording import describe_machine
 
-    return describe_machine(git_sha, triton_runtime=triton.__version__,
-                            dg_final_in_kernel=get_config().dg_stage2_in_kernel)
+    cfg = get_config()
+    return describe_machine(git_sha, triton_runtime=triton.__version__, dg_final_in_kernel=cfg.dg_stage2_in_kernel,
+                            op_config=cfg.key)

@@ -1,10 +1,12 @@
 """``dora-num record suite --out DIR`` (alias ``dora-num gpu-suite``): every GPU measurement of
 notebooks 02 and 05, in one process; ``dora-num record SECTION`` runs one section alone.
 
-Each section lives beside its question (``fma``: :mod:`.fma.record_fma`; ``tiles``, ``compose``:
-:mod:`.speed.record_compose`; ``norm``, ``layer``, ``model``: :mod:`.speed.record_norm`,
-:mod:`.speed.record_layer`, :mod:`.speed.record_model`) and writes its data set's files under DIR;
-``device.json`` holds the device, versions, git sha and the copy bandwidth every percentage is taken
+Each section lives beside its question (``fma``: :mod:`.fma.record_fma`; ``compose``:
+:mod:`.speed.record_compose`; ``tiles``: :func:`tiles_section`, the compose kernels' sweep of
+:mod:`.speed.record_compose` and the norm kernels' of :mod:`.speed.record_norm`; ``norm``, ``layer``,
+``model``: :mod:`.speed.record_norm`, :mod:`.speed.record_layer`, :mod:`.speed.record_model`) and
+writes its data set's files under DIR (atomically); ``device.json`` holds the device, versions, git
+sha, the operator configuration (``op_config``) and the copy bandwidth every percentage is taken
 against.  ``--ingest DIR`` copies a suite folder into ``data/gpu/`` (a section: its own files only).
 """
 
@@ -22,11 +24,11 @@ from ..repro.recording import parser as recorder_parser
 from .datasets import DATASETS
 from .fma.datasets import FMA
 from .speed import datasets as D
-from .bench import copy_bandwidth, gpu_description, log, write_csv
+from .bench import copy_bandwidth, device_name, gpu_description, log, time_ms, write_csv
 from .fma.record_fma import bench_fma
 from .speed.record_compose import DEFAULT_DOUT, DEFAULT_TOKENS, bench_compose, tile_sweep
 from .speed.record_layer import LAYER_SHAPES, bench_layers
-from .speed.record_norm import NORM_SHAPES, bench_norms
+from .speed.record_norm import NORM_SHAPES, NORM_TILES_FULL, NORM_TILES_SMOKE, bench_norms, norm_tile_sweep
 
 # The sections: the data sets recorded by this module, and the model level (its own recorder, run here too)
 SECTION_DATA = {d.subcommand: d for d in DATASETS.values() if d.module == __name__ and d is not D.SUITE} | {
@@ -64,8 +66,7 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
     section(FMA.subcommand, lambda: write_csv(bench_fma(out, n=1 << (16 if smoke else 22),
                                                         sample=1 << (12 if smoke else 18)),
                                               FMA.path("variants", out)))
-    if not smoke:
-        section(D.TILES.subcommand, lambda: write_csv(tile_sweep(copy_gbps), D.TILES.path("sweep", out)))
+    section(D.TILES.subcommand, lambda: tiles_section(out, copy_gbps, smoke=smoke))
     section(D.NORM.subcommand, lambda: write_csv(bench_norms(((1024, 1024, 64),) if smoke else NORM_SHAPES,
                                                              (torch.bfloat16, torch.float32)), D.NORM.path("bench", out)))
     section(D.LAYER.subcommand, lambda: write_csv(bench_layers(((1024, 1024, 64, 512),) if smoke else LAYER_SHAPES,
@@ -91,6 +92,18 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
     desc["wall_s"] = time.time() - t0
     recorded.write_machine(out, desc)
     log(f"done in {desc['wall_s']:.0f} s")
+
+
+def tiles_section(out: Path, copy_gbps: float | None, *, smoke: bool = False, device="cuda", timer=time_ms) -> Path:
+    """The ``tiles`` section: the compose kernels' sweep at 8192x8192 bf16 (not with ``smoke``; against
+    the suite's ``copy_gbps``) and the norm kernels' (:func:`~.speed.record_norm.norm_tile_sweep`, at
+    the operator's shapes, or tiny ones with ``smoke``, on ``device``, timed by ``timer``), one table
+    whose rows name their kernel, tiles and device, written atomically into ``out``."""
+    rows = [] if smoke else [{**r, "gpu": device_name(device)} for r in tile_sweep(copy_gbps)]
+    rows += norm_tile_sweep(**(NORM_TILES_SMOKE if smoke else NORM_TILES_FULL), device=device, timer=timer)
+    path = D.TILES.path("sweep", out)
+    write_csv(rows, path)
+    return path
 
 
 def ingest(src: Path, dest: Path | None = None, only: tuple[str, ...] | None = None,

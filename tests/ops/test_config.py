@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from dora_num.ops.config import ComposeTiles, NormTailTiles, OpConfig, from_env, get_config, override, reload
+from dora_num.ops.config import ComposeTiles, NormTailTiles, OpConfig, RowSumsqTiles, from_env, get_config, override, reload
 
 
 @pytest.mark.parametrize("name,value", [("DORA_NUM_COMPOSE_PATH", "turbo"), ("DORA_NUM_NORM_TAIL", "cuda"),
@@ -29,18 +29,26 @@ def test_environment_values():
     assert c.compose_tiles == ComposeTiles.for_interpreter()
     d = from_env({})
     assert d == OpConfig() and d.compose_tiles == ComposeTiles() and d.norm_tail_tiles == NormTailTiles()
+    assert d.row_sumsq_tiles == RowSumsqTiles() == RowSumsqTiles(block_m=8, block_k=512, num_warps=4)
 
 
 def test_fields_are_validated_and_named():
     for kw, match in [({"compose_path": "x"}, "compose_path"), ({"norm_tail": "x"}, "norm_tail"),
                       ({"finite_check": "x"}, "finite_check"), ({"poison": 1}, "poison"),
-                      ({"compose_tiles": (1, 2)}, "compose_tiles"), ({"norm_tail_tiles": None}, "norm_tail_tiles")]:
+                      ({"compose_tiles": (1, 2)}, "compose_tiles"), ({"norm_tail_tiles": None}, "norm_tail_tiles"),
+                      ({"row_sumsq_tiles": NormTailTiles()}, "row_sumsq_tiles must be a RowSumsqTiles")]:
         with pytest.raises((ValueError, TypeError), match=match):
             OpConfig(**kw)
     with pytest.raises(ValueError, match="ComposeTiles.bwd_block_m must be a positive int"):
         ComposeTiles(bwd_block_m=0)
     with pytest.raises(ValueError, match="NormTailTiles.block_r must be a positive int"):
         NormTailTiles(block_r=True)
+    with pytest.raises(ValueError, match="RowSumsqTiles.block_k must be a positive int"):
+        RowSumsqTiles(block_k=0)
+    with pytest.raises(ValueError, match="RowSumsqTiles.block_m must be a power of two, got 12"):
+        RowSumsqTiles(block_m=12)
+    with pytest.raises(ValueError, match="RowSumsqTiles.num_warps must be a power of two, got 3"):
+        RowSumsqTiles(num_warps=3)
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_switch'"):
         with override(no_such_switch=True):
             pass
@@ -50,9 +58,12 @@ def test_fields_are_validated_and_named():
 
 
 def test_key_round_trips():
-    c = OpConfig(norm_tail="torch", compose_tiles=ComposeTiles(bwd_block_m=16), poison=True)
+    c = OpConfig(norm_tail="torch", compose_tiles=ComposeTiles(bwd_block_m=16), poison=True,
+                 row_sumsq_tiles=RowSumsqTiles(block_m=16, block_k=128, num_warps=8))
     assert OpConfig.from_key(c.key) == c and OpConfig.from_key(c.key).key == c.key
     assert c.key != OpConfig().key
+    # the row sums' tiles alone make another key (a compiled graph holding it is another graph)
+    assert OpConfig(row_sumsq_tiles=RowSumsqTiles(block_k=256)).key != OpConfig().key
 
 
 def test_override_nests_and_restores_also_after_an_exception():

@@ -234,6 +234,38 @@ def test_weight_norm_op_and_base_sq_cache():
     assert torch.equal(again, dn.base_row_norm_sq(W))
 
 
+@pytest.mark.interpreter
+def test_base_caches_key_on_the_row_sum_tiles():
+    """``rowsum(W*W)`` is summed in an order the row kernel's tiles fix: the same W under other tiles
+    is formed again (a pass over W, ``base_passes``), in the eager cache on W and in a layer's cache
+    (``refresh_base_cache``), and each cache then holds that configuration's own bits."""
+    import dataclasses
+
+    from dora_num.ops.config import RowSumsqTiles, get_config, override
+    from dora_num.ops.kernels.row_sumsq import row_sumsq
+    from dora_num.ops.norm import _cached_base_and_zero_rows, refresh_base_cache
+    from dora_num.ops.terms import base_passes
+
+    W = torch.randn(37, 1000, generator=torch.Generator().manual_seed(11))
+    with override(norm_tail="triton") as cfg:  # the row kernel (under the interpreter on the CPU)
+        other = dataclasses.replace(cfg, row_sumsq_tiles=RowSumsqTiles(1, 16, 1))
+        want = {id(c): row_sumsq(W, config=c)[0] for c in (cfg, other)}
+        assert not torch.equal(want[id(cfg)], want[id(other)])  # the two orders give other bits
+        base = torch.empty(37)
+        zero = torch.empty(37, dtype=torch.bool)
+        for c, passes in ((cfg, 2), (cfg, 0), (other, 2), (other, 0), (cfg, 2)):  # eager cache, then the layer's
+            n0 = base_passes()
+            got = _cached_base_and_zero_rows(W, None, c)[0]
+            formed = refresh_base_cache(W, base, zero, None, c)
+            assert base_passes() - n0 == passes and formed == (passes > 0)
+            assert torch.equal(got, want[id(c)]) and torch.equal(base, want[id(c)])
+    with override(norm_tail="torch") as torch_cfg:  # the torch pass: its own order and its own entry
+        n0 = base_passes()
+        _cached_base_and_zero_rows(W, None, torch_cfg)
+        assert base_passes() - n0 == 1
+    assert get_config().row_sumsq_tiles == RowSumsqTiles()
+
+
 @pytest.mark.gpu
 def test_factored_norm_tensor_core_within_bound_and_small():
     """At the target shape 8192x8192, r=384, bf16 on the H200: U within its bound, peak extra

@@ -10,6 +10,10 @@ Every kernel is launched with ``enable_fp_fusion=False``, so the outputs are bit
 reference's.  ``dg`` is a fixed-order two-stage sum (per-block partials, then chunks in sequence; no
 float atomics): ``|dg^ - dg| <= gamma_{A+1} sum |inner D|`` (:func:`dg_error_bound`).  The sequence,
 the ``ADD_BASE``/``ADD_GRAD`` folds and the reduction order in full: docs/operator.md.
+
+References: tiles (``OpConfig.compose_tiles``) from the sweep in ``data/gpu/tile_sweep.csv``
+(``dora-num record tiles``); bounds: lemma 1 (the compose) and lemma 7 (``dg``) of docs/bounds.md;
+docs/operator.md, "The compose kernels".
 """
 
 from __future__ import annotations
@@ -19,19 +23,9 @@ import triton
 import triton.language as tl
 
 from ..config import OpConfig, get_config
+from ._common import new_buffer
 
 U32 = 2.0**-24
-
-
-def new_buffer(shape, dtype, device, poison: bool) -> torch.Tensor:
-    """A kernel's output buffer: ``torch.empty``, or with ``poison`` (``OpConfig.poison``, set
-    by the tests) filled with NaN (-1 for integers) first, so an element a kernel fails to
-    write shows up (one extra pass).  Every launcher of :mod:`dora_num.ops.kernels` allocates
-    through it."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if not poison:
-        return t
-    return t.fill_(float("nan") if t.is_floating_point() else -1)
 
 
 # --------------------------------------------------------------------------

@@ -6,6 +6,9 @@ the two multiply-adds into FMA) and ``sqrt`` (``"approx"``: ``tl.sqrt``, 1 ulp o
 inputs on the H200; ``"rn"``: ``tl.sqrt_rn``; ``"ptx"``: inline ``sqrt.rn.f32``).  Production,
 ``fp_fusion=False, sqrt="rn"``, is bitwise ``norm_assembly(TorchFP32CorrectSqrt, ...)``.  In full:
 docs/operator.md.
+
+References: bound: lemma 3 of docs/bounds.md (the assembly; lemma 9, the correctly rounded sqrt);
+the variants measured in ``data/gpu/fma_sqrt.csv`` (``dora-num record fma``, notebook 02).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..config import OpConfig, get_config
-from .compose import new_buffer
+from ._common import new_buffer
 
 SQRT_VARIANTS = ("approx", "rn", "ptx")
 _SQRT_CODE = {"approx": 0, "rn": 1, "ptx": 2}

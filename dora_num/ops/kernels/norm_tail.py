@@ -6,6 +6,11 @@ the cancellation guard (``kappa``, the bound ``rel`` of lemma 4', the float64 re
 it flags) and, for the layer, the denominator of ``g = m / den`` with one device flag.  Within
 :func:`~dora_num.numerics.bounds.factored_norm_bound` of the exact norm.  The kernel's arithmetic,
 its blocks and its flag in full: docs/operator.md, "The norm's tail kernel".
+
+References: tiles (``OpConfig.norm_tail_tiles``) from the sweep in ``data/gpu/tile_sweep.csv``
+(``dora-num record tiles``, its ``norm_tail`` rows); bounds: lemma 4 (the terms), lemma 4' (the
+guard's ``rel``) and lemma 5' (the float64 recompute) of docs/bounds.md; the guard's cost in
+``data/gpu/guard_cost.csv``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import triton.language as tl
 from ...numerics.norm_posterior import KERNEL_FIELDS, PosteriorConstants
 from ...numerics.standard_model import U64, gamma, up32
 from ..config import OpConfig, get_config
-from .compose import new_buffer
+from ._common import new_buffer, row_block
 from .norm_assembly import assemble
 
 # the order in which the kernel loads the constants (numerics.norm_posterior.KERNEL_FIELDS), then
@@ -162,8 +167,7 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
             rc = (_c(gc, 35) * inv) + 2.0**-149
             rab = (_c(gc, 36) * inv) + 2.0**-149
             na_res = (_c(gc, 37) * inv) + 2.0**-149
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < d_out
+    rows, row_mask = row_block(d_out, BLOCK_M)
     row_off = rows.to(tl.int64)[:, None] * r
     cross = tl.zeros([BLOCK_M], dtype=tl.float32)
     ba = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -9,7 +9,7 @@ SUITE = DataSet("suite", {"device": "gpu/device.json", "log": "gpu/suite.log"}, 
 COMPOSE = DataSet("compose", {"bench": "gpu/compose_bench.csv"}, recorder="compose", notebooks=("05",), module=_SUITE,
                   about="GPU: compose kernels vs eager and torch.compile (05)")
 TILES = DataSet("tiles", {"sweep": "gpu/tile_sweep.csv"}, recorder="tiles", module=_SUITE,
-                about="GPU: tile sweep of the fused compose kernels (05)")
+                about="GPU: tile sweep of the compose kernels and the norm's row sums and tail (05)")
 NORM = DataSet("norm", {"bench": "gpu/norm_bench.csv"}, recorder="norm", notebooks=("05",), module=_SUITE,
                about="GPU: row-norm time and memory (05)")
 LAYER = DataSet("layer", {"bench": "gpu/layer_bench.csv", "profile": "gpu/layer_profile.txt"}, recorder="layer",

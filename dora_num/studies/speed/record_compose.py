@@ -8,7 +8,8 @@ the eager reference (dg against fp64 within its bound) before they are timed; a
 failed check is recorded and the configuration not timed.
 
 ``tiles``: a small tile sweep of the fused compose kernels at 8192x8192 bf16 (the
-evidence behind the tile constants).
+evidence behind ``ComposeTiles``; the norm kernels' rows of the same section:
+:func:`dora_num.studies.speed.record_norm.norm_tile_sweep`).
 """
 
 from __future__ import annotations
