@@ -26,7 +26,8 @@ def holdout_sentence(d: Path) -> tuple[str, Stats]:
     reg = pd.read_csv(reg_path)
     side = json.loads(Path(str(reg_path) + ".provenance.json").read_text())
     sha = str((side.get("extra") or {}).get("predicted_at_git_sha") or "")[:7]
-    head = f"memory model out of sample ({len(reg)} configurations, predictions committed at {sha} before any was measured)"
+    head = (f"memory model out of sample ({len(reg)} configurations, predicted by the model at commit {sha} and "
+            "committed before any was measured)")
     meas_path = d / MEMORY_HOLDOUT.file()
     if not meas_path.is_file():
         return f"{head}: not measured yet", {"memory_holdout_n": len(reg)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 from dataclasses import asdict
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -157,3 +158,26 @@ def test_the_recorded_holdout_was_measured_after_its_predictions():
     except OSError:
         pytest.skip("no git to order the two commits")
     assert r.returncode == 0, f"measured at {meas_sha}, not after the predictions' commit {pred_sha}"
+
+
+def test_the_headline_states_the_verdict_and_the_first_miss(tmp_path):
+    """06's out-of-sample sentence on a hand-built data folder: registered, then measured with a known first
+    miss (c1: predicted 80 for a measured 100, -20%; c2 misses by more but later)."""
+    from dora_num.studies.gradient.headline import holdout_sentence
+
+    reg = _registered(100, 80, 200)
+    reg_path = tmp_path / MEMORY_HOLDOUT_PREDICTIONS.file("predictions")
+    reg_path.parent.mkdir(parents=True)
+    reg.to_csv(reg_path, index=False)
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    Path(str(reg_path) + ".provenance.json").write_text(json.dumps({"extra": {"predicted_at_git_sha": sha}}))
+    text, stats = holdout_sentence(tmp_path)
+    assert text.endswith("not measured yet") and "3 configurations" in text and "0123456" in text
+    meas_path = tmp_path / MEMORY_HOLDOUT.file()
+    meas_path.parent.mkdir(parents=True)
+    pd.DataFrame({"id": ["c0", "c1", "c2"], "measured": [100, 100, 100], "device": "NVIDIA H100 80GB HBM3"}
+                 ).to_csv(meas_path, index=False)
+    text, stats = holdout_sentence(tmp_path)
+    assert "on the NVIDIA H100 80GB HBM3: 1 of 3 within the a-priori +-15%" in text
+    assert "first miss in the registered order: c1 (-20%)" in text and text.endswith("worst error 100%")
+    assert stats == {"memory_holdout_n": 3, "memory_holdout_within": 1, "memory_holdout_err_max": 1.0}
