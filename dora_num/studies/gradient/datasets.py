@@ -5,5 +5,13 @@ from ...repro.paths import DataSet
 MEMORY = DataSet("memory", {"peaks": "gpu/memory/memory_peaks.csv"}, recorder="memory --base .carry/minilm",
                  notebooks=("06",), module="dora_num.studies.gradient.record_memory",
                  about="GPU: peak memory of training steps against the memory model (06)")
+# the memory model out of sample (studies/gradient/memory_holdout.py): its predictions registered on the
+# CPU before any measurement, then the same configurations measured on one GPU
+MEMORY_HOLDOUT_PREDICTIONS = DataSet(
+    "memory-holdout-predictions", {"predictions": "06_gradient_and_memory/memory_holdout_predictions.csv"},
+    recorder="memory --predict-holdout", where="the CPU, a second", ingest=False)
+MEMORY_HOLDOUT = DataSet("memory-holdout", {"measured": "gpu/memory/memory_holdout.csv"},
+                         recorder="memory --holdout --base .carry/minilm", where="one H100 or H200, under 2 minutes")
 
-DATASETS = (MEMORY,)
+# MEMORY_HOLDOUT joins once recorded (every data set here is committed: tests/studies/test_datasets.py)
+DATASETS = (MEMORY, MEMORY_HOLDOUT_PREDICTIONS)

@@ -1,9 +1,13 @@
-"""A peak-memory model of DoRA fine-tuning, and its measurement.
+"""A peak-memory model of DoRA fine-tuning.
 
 :func:`predict_peak` adds, for one training step in steady state (optimizer states
-exist, gradients set to None before the forward), the bytes of::
-
-The method in full: docs/methods.md, studies/gradient/memory_model.py.
+exist, gradients set to None before the forward), the bytes of the frozen weights, the
+adapters, their optimizer states and gradients, the saved activations and the largest
+transient of three phases (the forward's norm, the loss head's backward, a layer's
+backward), within :data:`TOLERANCE` of the measured peak, stated a priori.  Its measurement:
+:mod:`~dora_num.studies.gradient.record_memory`; out of sample:
+:mod:`~dora_num.studies.gradient.memory_holdout`.  The method in full: docs/methods.md,
+"studies/gradient/memory_model.py".
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ allocator events during the step, above the level at its start), compared with
 ``dora-num record memory --out DIR [--base MODEL_DIR]`` runs the H200 validation
 (:func:`gpu_configs`) in one process;
 ``dora-num record memory --ingest DIR --git-sha SHA`` records it into
-``data/gpu/memory/``.
+``data/gpu/memory/``.  The out-of-sample check (:mod:`~dora_num.studies.gradient.memory_holdout`):
+``--predict-holdout`` registers the predictions here, on the CPU, before any measurement;
+``--holdout --out DIR`` measures the registered configurations on one GPU (under 2 minutes on an
+H100; ``--smoke``: the stack ones at CPU sizes, on the CPU where there is no GPU) and prints the
+verdict against the registered predictions; ``--ingest DIR`` records whichever tables DIR holds.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from ...ops.layer import DoRALinear
 from ...oracles import measure_cpu_allocations
 from ...repro import recording as recorded
 from ...repro.recording import parser as recorder_parser, require_cuda
-from .datasets import MEMORY
+from . import memory_holdout as holdout
+from .datasets import MEMORY, MEMORY_HOLDOUT, MEMORY_HOLDOUT_PREDICTIONS
 from .memory_model import MINILM, NORMS, TOLERANCE, MemoryConfig, predict_peak
 
 
@@ -75,6 +80,9 @@ class _Stack:
 
 
 def _bert_build(cfg: MemoryConfig, device, base_path):
+    if cfg.targets != "all":  # inject_dora below adapts every encoder linear
+        raise ValueError(f"measure_peak adapts every linear of the encoder (targets='all'); targets="
+                         f"{cfg.targets!r} is modelled by predict_peak, not measured")
     dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
     model, _ = load_base_model(base_path, dtype=dt)
     inject_dora(model, TrainConfig(rank=cfg.rank, compose_path=cfg.compose, progress=False), norm=cfg.norm)
@@ -203,17 +211,31 @@ def run_measure(out: Path, *, base_path=None, smoke: bool = False, git_sha: str 
 
 
 def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
-    """Copy a recorder's folder's ``memory_peaks.csv`` into ``data/gpu/memory/`` with
-    provenance (the GPU's description from the folder's ``device.json``)."""
+    """Copy a recorder's folder's tables (``memory_peaks.csv`` of the validation, the holdout's table, or
+    both) into ``data/gpu/memory/`` with provenance (the GPU's description from the folder's ``device.json``)."""
     meta = recorded.read_machine(src)
-    return recorded.ingest_folder(src, dest or MEMORY.dest(), producer=MEMORY.producer,
-                                  names=(MEMORY.filename("peaks"),), git_sha=git_sha,
-                                  params={"tolerance": meta.get("tolerance"), "smoke": meta.get("smoke")})
+    sets = [d for d in (MEMORY, MEMORY_HOLDOUT) if (Path(src) / d.filename()).is_file()]
+    if not sets:
+        raise FileNotFoundError(f"{src} holds neither {MEMORY.filename()} nor {MEMORY_HOLDOUT.filename()}")
+    if MEMORY_HOLDOUT in sets and meta.get("smoke"):  # CPU sizes, other configurations: not the registered set
+        raise ValueError(f"{src} is a --smoke run of the holdout, not its measurement: nothing ingested")
+    out = []
+    for d in sets:
+        out += recorded.ingest_folder(src, dest or d.dest(), producer=d.producer, names=(d.filename(),),
+                                      git_sha=git_sha, params={k: meta.get(k) for k in ("tolerance", "smoke", "holdout")})
+    return out
 
 
 def build_parser(prog: str = "dora-num record memory", name: str = "memory"):
-    p = recorder_parser(prog, __doc__, smoke="small sizes", out=f"output folder ({MEMORY.filename('peaks')}, {recorded.MACHINE_FILE})")
+    p = recorder_parser(prog, __doc__, smoke="small sizes (with --holdout: CPU sizes, on the CPU without a GPU)",
+                        out=f"output folder ({MEMORY.filename()} or, with --holdout, {MEMORY_HOLDOUT.filename()}; "
+                            f"{recorded.MACHINE_FILE})", out_required=False)
     p.add_argument("--base", type=Path, default=None, help="MiniLM model folder (default: the packaged one)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--holdout", action="store_true",
+                   help="measure the pre-registered out-of-sample configurations (memory_holdout.holdout_configs)")
+    g.add_argument("--predict-holdout", action="store_true",
+                   help="register the holdout's predictions under data/ (CPU; once, before any measurement)")
     return p
 
 
@@ -221,6 +243,82 @@ def ingest_args(a) -> list[Path]:
     return ingest(a.ingest, a.out, git_sha=a.git_sha)
 
 
+def write_predictions(dest=None, *, git_sha: str | None = None) -> Path:
+    """Register the holdout's predictions (``dest``: a data folder, default the data set's under ``data/``):
+    written atomically with provenance (the commit that predicted, the tolerance), and only where no
+    different registration exists: the holdout is predicted once, before it is measured."""
+    from ...repro.provenance import git_state, save_dataframe
+
+    d = MEMORY_HOLDOUT_PREDICTIONS
+    path = d.path("predictions", dest) if dest is not None else d.dest() / d.filename("predictions")
+    table = holdout.predictions_table()
+    if path.is_file():
+        changes = holdout.prediction_changes(pd.read_csv(path), table)
+        if changes:
+            raise ValueError(f"{path} registers other predictions ({'; '.join(changes[:3])}): the holdout is "
+                             "predicted once, before it is measured; a model changed since is disclosed, not "
+                             "re-predicted (remove the file only to register a new holdout set)")
+    state = git_state()
+    return save_dataframe(table, path, producer=d.producer,
+                          params={"tolerance": TOLERANCE, "configurations": len(table), "compared": holdout.COMPARED},
+                          extra={"predicted_at_git_sha": git_sha or state.get("sha"),
+                                 "predicted_with_dirty_tree": state.get("dirty"),
+                                 "model": "dora_num.studies.gradient.memory_model.predict_peak"})
+
+
+def run_holdout(out: Path, *, base_path=None, smoke: bool = False, git_sha: str | None = None,
+                device: str | None = None) -> tuple[Path, "holdout.Verdict"]:
+    """Measure the registered holdout (``smoke``: :func:`~dora_num.studies.gradient.memory_holdout.smoke_configs`)
+    into ``out``, one row per configuration in the registered order, and its verdict.  Against the
+    REGISTERED predictions (``predicted``; ``predicted_now``: today's model, for the record); in a smoke
+    run, where nothing is registered, against the run's own (on the CPU: the dynamic part)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not smoke:
+        require_cuda("memory --holdout", device == "cuda", "it records torch.cuda.max_memory_allocated")
+    cases = holdout.smoke_configs() if smoke else holdout.holdout_configs()
+    registered = None if smoke else holdout.registered_predictions()
+    if registered is not None:
+        changes = holdout.prediction_changes(registered)
+        for c in changes[:5]:  # disclosed in the log; the verdict uses the registered numbers
+            print(f"[memory holdout] the model changed since registration: {c}", flush=True)
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, h in enumerate(cases):
+        t0 = time.perf_counter()
+        row = {"order": i, "id": h.id, **asdict(h.config)}
+        try:
+            r = compare([h.config], device=device, base_path=base_path).iloc[0]
+            row.update(measured=int(r["measured"]), compared=r["compared"], predicted_now=int(r["predicted"]), error="")
+        except Exception as e:  # noqa: BLE001 - record and continue: one call of GPU time
+            row.update(measured=float("nan"), compared="", predicted_now=float("nan"), error=repr(e)[:300])
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    reg = registered if registered is not None else table.rename(columns={"predicted_now": "predicted"})
+    v = holdout.verdict(table, reg[["order", "id", "predicted"]])
+    table = table.merge(v.table[["id", "predicted", "rel_err", "status"]], on="id")
+    table["within_tolerance"] = table["status"] == "within"
+    table["device"] = name
+    for r in table.itertuples():
+        print(f"[memory holdout] {r.order:2d} {r.id:36s} measured={r.measured} predicted={r.predicted} "
+              f"rel_err={r.rel_err:+.4f} {r.status} {r.error}", flush=True)
+    print(f"[memory holdout] {v.summary()}", flush=True)
+    path = MEMORY_HOLDOUT.path(None, out)
+    table.to_csv(path, index=False, lineterminator="\n")
+    recorded.write_machine(out, recorded.describe_machine(git_sha, smoke=smoke, tolerance=TOLERANCE, holdout=True,
+                                                          first_miss=v.first_miss, max_abs_rel_err=v.max_abs_rel_err))
+    return path, v
+
+
 def record(a) -> int:
+    if a.predict_holdout:
+        print(write_predictions(a.out, git_sha=a.git_sha))
+        return 0
+    if a.out is None:  # a usage error (exit 2), as every recorder's missing --out
+        build_parser().error("--out DIR is required (or --ingest DIR); --predict-holdout needs neither")
+    if a.holdout:
+        print(run_holdout(a.out, base_path=a.base, smoke=a.smoke, git_sha=a.git_sha)[0])
+        return 0
     print(run_measure(a.out, base_path=a.base, smoke=a.smoke, git_sha=a.git_sha))
     return 0
