@@ -56,7 +56,8 @@ def merge_parts(parts: list[Path]) -> Recorded:
     merged_runs, skipped, plan, processes = {}, [], [], []
     for d, sm in zip(parts, summaries):
         processes.append({"folder": d.name, "profile_only": bool(sm.get("profile_only")),
-                          "runs": list(sm.get("runs", {})), "elapsed_s": sm.get("elapsed_s")})
+                          "runs": list(sm.get("runs", {})), "elapsed_s": sm.get("elapsed_s"),
+                          "git_sha": _part_commit(CONVERGENCE.path("summary", d))})
         if sm.get("profile_only"):
             continue
         dup = set(sm["runs"]) & set(merged_runs)
@@ -95,6 +96,27 @@ def merge_parts(parts: list[Path]) -> Recorded:
                     runs[0])
 
 
+def _part_commit(summary_file: Path) -> str | None:
+    """The commit a part's process ran, from its own sidecar (None where the sidecar names none: the
+    device machine's copy has no ``.git``, so the recorder writes the ``--git-sha`` it was given)."""
+    side = summary_file.with_name(summary_file.name + ".provenance.json")
+    if not side.is_file():
+        return None
+    return (json.loads(side.read_text()).get("git") or {}).get("sha")
+
+
+def commits_by_seed(summary: dict) -> dict[int, list[str | None]]:
+    """``{seed: [commits]}``: the distinct commits the processes of each seed's runs ran (the same-batch
+    test compares a seed's fused run with its own 1-ulp replicates only, so one commit per seed is what
+    it needs; a merged record may hold seeds recorded at different commits)."""
+    seed_of = {p["name"]: p["seed"] for p in summary["plan"]}
+    out: dict[int, set] = {}
+    for proc in summary["processes"]:
+        for run in proc["runs"]:
+            out.setdefault(seed_of[run], set()).add(proc.get("git_sha"))
+    return {s: sorted(c, key=str) for s, c in sorted(out.items())}
+
+
 def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None, loss_only: bool = False) -> list[Path]:
     """Merge the GPU processes' folders (:func:`merge_parts`) into ``dest`` (e.g.
     ``data/gpu/convergence``) with provenance: the GPU machine's device description
@@ -102,6 +124,9 @@ def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None, loss_on
     (the device machine's copy has no ``.git``). ``loss_only``: the per-step loss and
     ``summary.json`` alone (what the same-batch test reads)."""
     rec = merge_parts(parts)
+    mixed = {s: c for s, c in commits_by_seed(rec.summary).items() if len(c) != 1}
+    if mixed:  # a seed's fused run and its floor at different commits: no like-for-like floor
+        raise ValueError(f"the runs of seed(s) {sorted(mixed)} were recorded at more than one commit: {mixed}")
     name = CONVERGENCE.relpath
     history = rec.history[rec.history.metric == "loss"] if loss_only else rec.history
     tables = {name("history"): order(history, ["metric", "value"]), name("summary"): rec.summary}

@@ -170,6 +170,35 @@ def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
         ingest_convergence.merge_parts([tmp_path])
 
 
+def test_ingest_keeps_each_parts_commit_and_refuses_a_seed_split_across_commits(tmp_path):
+    """A merged record may hold seeds recorded at different commits (each seed's fused run is compared
+    with its own 1-ulp replicates only), but never one seed's runs at two commits: the floor would
+    then not be the runs' own.  Each process keeps the commit its sidecar names."""
+    import json
+
+    base = dict(TINY, profile_steps=0, repeat_seed=None)
+    for seed, runs in ((0, ("eager_s0",)), (0, ("fused_s0",)), (1, ("eager_s1", "fused_s1"))):
+        cv.run_study(cc.ConvergenceConfig(**dict(base, seeds=(seed,), runs=runs)), tmp_path / runs[0],
+                     log=lambda *_: None)
+
+    def set_commit(folder, sha):
+        side = folder / "summary.json.provenance.json"
+        d = json.loads(side.read_text())
+        d["git"] = {"sha": sha, "dirty": False}
+        side.write_text(json.dumps(d))
+
+    set_commit(tmp_path / "eager_s0", "aaa")
+    set_commit(tmp_path / "fused_s0", "aaa")
+    set_commit(tmp_path / "eager_s1", "bbb")
+    parts = [tmp_path / n for n in ("eager_s0", "fused_s0", "eager_s1")]
+    rec = ingest_convergence.merge_parts(parts)
+    assert ingest_convergence.commits_by_seed(rec.summary) == {0: ["aaa"], 1: ["bbb"]}
+    assert ingest_convergence.ingest(parts, tmp_path / "ok", git_sha="bbb", loss_only=True)
+    set_commit(tmp_path / "fused_s0", "ccc")
+    with pytest.raises(ValueError, match=r"seed\(s\) \[0\] were recorded at more than one commit"):
+        ingest_convergence.ingest(parts, tmp_path / "bad", git_sha="bbb", loss_only=True)
+
+
 def test_deadline_skips_whole_runs():
     """A run that would end after the deadline is skipped, never cut short."""
     cfg = cc.ConvergenceConfig(**dict(TINY, steps=1, eval_every=1, repeat_seed=None, deadline_s=1e-6))
