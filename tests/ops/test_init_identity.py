@@ -77,7 +77,10 @@ def test_init_g_is_one_and_the_layer_is_its_base_bitwise(device, tail, dtype):
     assert float(layer.magnitude.detach()[ZERO_ROW]) == np.float32(1e-12)  # eps / eps at the zero row
     assert float(layer.magnitude.detach()[SUBNORMAL_ROW]) > 0  # the recomputed (float64) norm, not 0
     _assert_same_bits(y, want)
-    y2 = layer(x.clone().requires_grad_(True))  # the training path (its own compose buffers)
+    with override(norm_tail=tail):  # the training path (its own compose buffers), under the configuration
+        # m was formed with: another tail sums rowsum(W*W) in another order (its own cache entry), and g = 1
+        # exactly is the claim for the norm m came from
+        y2 = layer(x.clone().requires_grad_(True))
     _assert_same_bits(y2.detach(), want)
 
 
