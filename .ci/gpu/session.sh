@@ -21,6 +21,11 @@
 #                                                                            -> $OUT/session_operator.tgz
 #   verify the gpu-marked tests of $VERIFY_TESTS (default: all), then the guard's cost
 #                                                                            -> $OUT/session_verify.tgz
+#   timing the kernel tile sweep, then the compiled profile (.ci/gpu/compiled_profile.py), alone on the GPU
+#                                                                            -> $OUT/session_timing.tgz
+#   wave   seed $CONV_SEEDS's same-batch wave (3 replicates), the deep-stack study and the memory holdout
+#          beside all gpu-marked tests (a correctness record: its timings are not claims)
+#                                                                            -> $OUT/session_wave.tgz
 #   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (no default: one seed a call) eager,
 #          fused and $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus
 #          the bitwise repeat of eager seed 0, one process each. Measured: all three seeds at once (13
@@ -140,5 +145,27 @@ case "${1:-}" in
     wait
     pack samebatch
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch" >&2; exit 2 ;;
+  timing)  # alone on the GPU: the kernel tile sweep (compose, row_sumsq, norm tail), then where a compiled step's
+    # GPU time goes (.ci/gpu/compiled_profile.py: eager, compile, reduce-overhead, kernel by kernel)
+    job tiles 200 python3 -m dora_num record tiles --out "$W/tiles" --git-sha "$SHA"
+    left=$(( 575 - ($(date +%s) - t0) ))
+    job profile "$left" python3 .ci/gpu/compiled_profile.py "$W/profile" --layers "${PROFILE_LAYERS:-1}" \
+      --ranks ${PROFILE_RANKS:-384}
+    pack timing
+    ;;
+  wave)  # correctness and convergence together (no timing claims): the same-batch wave of seed $CONV_SEEDS
+    # (5 processes), the deep-stack division study and the memory holdout beside it, then all gpu-marked tests
+    s=${CONV_SEEDS:?name one seed}
+    for name in eager_s$s fused_s$s eager_s${s}_ulp eager_s${s}_rep1_ulp eager_s${s}_rep2_ulp; do
+      job "conv_$name" "${CONV_S:-540}" env OMP_NUM_THREADS=1 python3 -m dora_num record convergence \
+        --out "$W/conv/$name" --base .carry/minilm --seeds "$s" --ulp-seeds "$s" --no-repeat \
+        --ulp-replicates 3 --runs "$name" --profile-steps 0 --no-progress &
+    done
+    job deepstack 240 python3 -m dora_num record deep-stack --out "$W/deepstack" --git-sha "$SHA" &
+    job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm --git-sha "$SHA"
+    job pytest "${PYTEST_S:-360}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests
+    wait
+    pack wave
+    ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave" >&2; exit 2 ;;
 esac
