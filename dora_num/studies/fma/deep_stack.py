@@ -33,6 +33,12 @@ of order 1e-3 of that or less; none comes near 0.991 unless bf16 itself does. Th
 production, by a factor of several in ``1 - cos``. If this holds, the paper's 0.991 came from something its fix
 also changed: a missing barrier is a race (a value read before it is stored), not a rounding error, unbounded and
 varying from run to run, like the reported range.
+
+After a first H100 run (the prediction above left as written): against float64 it held; two estimates did not.
+Against production the switches' deficit is of the order of the bf16 floor itself, not 1e-3 of it: one flipped
+bf16 output changes what every later rounding rounds, so the two runs' rounding errors decorrelate (they do not
+grow beyond the floor).  The bf16 control is only slightly worse than production: the residual stream's own bf16
+roundings, not the DoRA layer's, dominate this stack's deficit.
 """
 
 from __future__ import annotations
