@@ -68,7 +68,8 @@ def test_recorders_and_data_sets_name_each_other():
     (its module and help), and its module is a recorder of the package."""
     import importlib.util
 
-    assert registry_problems(datasets.DATASETS.values(), cli.RECORDERS, cli.TOOLS) == []
+    assert registry_problems([*datasets.DATASETS.values(), *datasets.UNRECORDED.values()], cli.RECORDERS,
+                             cli.TOOLS) == []
     for d in datasets.DATASETS.values():
         assert d.recorder.split()[0] in d.how_to_record or d.kind == "notebook", d
         if d.kind == "script" and " -m dora_num." in d.recorder:  # a module of the package
@@ -76,6 +77,16 @@ def test_recorders_and_data_sets_name_each_other():
         elif d.kind == "script":  # the device script exists (a data set whose recorder is gone is not declared)
             script = next(w for w in d.recorder.split() if w.startswith(".ci/"))
             assert (REPO_ROOT / script).is_file(), d
+
+
+def test_an_unrecorded_data_set_is_not_committed():
+    """A data set declared before its first recording (a study folder's ``UNRECORDED``) has its recorder
+    registered and none of its files under data/: once they are committed it moves into ``DATASETS`` (and the
+    first test above then holds it to its sidecars)."""
+    for name, d in datasets.UNRECORDED.items():
+        assert name not in datasets.DATASETS and d.kind == "record" and d.subcommand in cli.RECORDERS, d
+        assert d.missing() == d.paths(), f"{name} is recorded now: move it from UNRECORDED into DATASETS"
+        assert all(datasets.owner(f) is None for f in d.files), d
 
 
 def test_how_to_record_follows_the_recorder():
@@ -110,7 +121,8 @@ RAW_NAMES = {("dora_num/studies/cancellation/runs.py", "RAW_FILES")}
 
 
 def _declared_files() -> set[str]:
-    return {f for d in datasets.DATASETS.values() for f in d.files if Path(f).name not in FORMAT_NAMES}
+    return {f for d in (*datasets.DATASETS.values(), *datasets.UNRECORDED.values()) for f in d.files
+            if Path(f).name not in FORMAT_NAMES}
 
 
 def typed_names(src: str, files: set[str], allowed_assignments=()) -> list[tuple[int, str]]:
