@@ -12,6 +12,13 @@ TRAINED = DataSet("trained-adapters", {
     recorder="adapters-gpu --base .carry/minilm", notebooks=("01", "02"),
     module="dora_num.studies.cancellation.record_trained",
     about="GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training (01, 02)")
+# The seeds plan's record (studies/cancellation/seeds.py).  Declared before it is recorded: it joins DATASETS
+# once data/adapters/trained_seeds/ is committed (tests/studies/test_datasets.py holds every data set of
+# DATASETS to its committed files).
+TRAINED_SEEDS = DataSet("trained-adapters-seeds", {
+    role: f"adapters/trained_seeds/{f}" for role, f in (
+        ("manifest", "manifest.json"), ("stats", "stats.csv.gz"), ("evals", "evals.csv"))},
+    recorder="adapters-gpu --plan seeds --seeds K --base .carry/minilm --wall-s 540")
 AGREEMENT = DataSet("agreement", {"runs": "adapters/agreement.csv"}, recorder="adapters --agreement-only",
                     where="the CPU, a few minutes on 2 cores", ingest=False, notebooks=("01",),
                     module="dora_num.studies.cancellation.record_adapters",

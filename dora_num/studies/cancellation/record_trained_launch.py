@@ -59,6 +59,50 @@ def predict(plan: list[RunSpec], cfg, wall_s: float) -> dict:
     return out
 
 
+RECORDED_PROCESSES = 13  # processes side by side in the launch of data/adapters/trained (its manifest's processes)
+PACK_S = 5.0  # plan.json and the tar of one seeds launch (~10 MB): measured ~1 s for 50 MB
+
+
+def predict_seeds_wall(plan: list[RunSpec], wall_s: float, manifest: dict | None = None) -> dict:
+    """The wall time of a seeds launch from the recorded launch of the same configurations (H200, seed 0,
+    13 processes on one GPU: its manifest's ``processes.*.wall_s``, ``runs.*.capture_s``).
+
+    Per run: the recorded process wall of its (rank, lr, rsLoRA) configuration, times ``max(1, n / 13)``
+    (GPU-bound: ``n`` processes time-share the GPU as 13 did; fewer are not assumed faster), plus one
+    capture per evaluation up to its recorded best step (the most a new-best capture can add: each
+    evaluation a new best) at the run's largest recorded capture time.  The launch ends with its slowest run,
+    then packs.  Not predicted: a seed whose plateau comes later than seed 0's (the launch's deadline,
+    ``wall_s - PACK_RESERVE_S``, then stops it: stop reason ``deadline``)."""
+    import json
+
+    if manifest is None:
+        manifest = json.loads(TRAINED.path("manifest").read_text())
+    every = manifest["config"]["eval_every"]
+    rec = {}
+    for name, r in manifest["runs"].items():
+        s = r["spec"]
+        if r["role"] != "grid":
+            continue
+        rec[(s["rank"], s["lr"], s["use_rslora"])] = {
+            "wall_s": manifest["processes"][name]["wall_s"], "best_step": r["best_step"],
+            "capture_s_max": max(r["capture_s"].values())}
+    factor = max(1.0, len(plan) / RECORDED_PROCESSES)
+    runs = {}
+    for spec in plan:
+        k = (spec.rank, spec.lr, spec.use_rslora)
+        if k not in rec:
+            raise ValueError(f"{spec.name}: no recorded run of rank {spec.rank}, lr {spec.lr:g}, rsLoRA "
+                             f"{spec.use_rslora} to predict it from")
+        r = rec[k]
+        runs[spec.name] = r["wall_s"] * factor + (r["best_step"] // every) * r["capture_s_max"]
+    slowest = max(runs.values())
+    total = slowest + PACK_S
+    return {"basis": "data/adapters/trained manifest: recorded process wall per configuration (H200, 13 processes)",
+            "processes": len(plan), "gpu_share_factor": factor, "run_wall_s": runs, "slowest_run_s": slowest,
+            "launch_wall_s": total, "wall_s": wall_s,
+            "fits": bool(slowest <= wall_s - PACK_RESERVE_S)}
+
+
 def _log_to(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -145,7 +189,9 @@ def run_command(spec: RunSpec, plan_name: str, cfg, work: Path, *, deadline_at: 
                 base_path=None, python: str = sys.executable) -> list[str]:
     """The command line of one run's process (``dora-num record adapters-gpu --run NAME ...``)."""
     cmd = [python, "-m", "dora_num", "record", "adapters-gpu", "--run", spec.name, "--work", str(work),
-           "--device", cfg.device] + (["--smoke"] if plan_name == "smoke" else [])
+           "--device", cfg.device] + (["--smoke"] if plan_name.endswith("smoke") else [])
+    if plan_name.startswith("seeds"):
+        cmd += ["--plan", "seeds", "--seeds", str(spec.seed)]
     if deadline_at is not None:
         cmd += ["--deadline-at", repr(deadline_at)]
     if base_path is not None:

@@ -10,6 +10,7 @@ absorption and the base weights a run used are defined here once.  Recorder:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ LRS = (1e-4, 1e-3)
 CROSSCHECK = (16, 1e-3)  # the configuration run through PEFT and with m + 1 ulp
 # The raw record of one run (runs/<name>/ in a launch's output; not a data set: the ingest reads it and
 # writes data/adapters/trained): these names are typed here only.
-RAW_FILES = {"info": "run.json", "history": "history.csv.gz", "evals": "evals.csv", "captures": "captures.npz"}
+RAW_FILES = {"info": "run.json", "history": "history.csv.gz", "evals": "evals.csv", "captures": "captures.npz",
+             "stats": "stats.csv.gz"}  # stats: plan seeds only (seed_stats)
 EXPORTS = ((16, 1e-3), (64, 1e-4))  # (rank, lr) of the standard runs exported in PEFT format
 COMMIT_MAX_RANK = 16  # exported adapters committed up to this rank (r = 16: 2.75 MB; r = 64: 10.6 MB)
 RSLORA_ALPHA = 192.0  # alpha = r/2 at r = 384: the paper's rsLoRA setting, s = 192 / sqrt(384) = 9.80
@@ -47,11 +49,13 @@ class RunSpec:
     backend: str = "dora_num"
     perturbed: bool = False  # every initial m moved by one fp32 ulp, random signs (the chaos baseline)
     export: bool = False
+    seed: int | None = None  # None: the study configuration's seed (the full plan's runs are seed 0)
 
     @property
     def name(self) -> str:
         return (f"r{self.rank}_lr{self.lr:g}" + ("_rslora" if self.use_rslora else "")
-                + ("_peft" if self.backend == "peft" else "") + ("_ulp" if self.perturbed else ""))
+                + ("_peft" if self.backend == "peft" else "") + ("_ulp" if self.perturbed else "")
+                + (f"_s{self.seed}" if self.seed is not None else ""))
 
     @property
     def scale(self) -> float:
@@ -68,6 +72,22 @@ def full_plan() -> list[RunSpec]:
     plan.append(RunSpec(384, 1e-4, use_rslora=True, alpha=RSLORA_ALPHA))
     plan += [RunSpec(*CROSSCHECK, backend="peft"), RunSpec(*CROSSCHECK, perturbed=True)]
     return plan
+
+
+def seeds_plan(seeds) -> list[RunSpec]:
+    """The full plan's grid runs (ranks x learning rates, and the rsLoRA run; no twins, no exports) once
+    per seed in ``seeds``: the replicates of the collapse fractions (:mod:`.seeds`)."""
+    seeds = [int(s) for s in seeds]
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 1:
+        raise ValueError(f"seeds must be distinct integers >= 1 (seed 0 is the full plan's record), got {seeds}")
+    grid = [s for s in full_plan() if s.role == "grid"]
+    return [dataclasses.replace(s, export=False, seed=k) for k in seeds for s in grid]
+
+
+def seeds_smoke_plan(seeds=(1,)) -> list[RunSpec]:
+    """Every code path of the seeds plan on two small runs per seed (both learning rates, one with rsLoRA)."""
+    return [RunSpec(8, 1e-3, seed=k) for k in seeds] + [RunSpec(8, 1e-4, use_rslora=True, alpha=4.0, seed=k)
+                                                        for k in seeds]
 
 
 def smoke_plan() -> list[RunSpec]:
