@@ -12,9 +12,9 @@ TRAINED = DataSet("trained-adapters", {
     recorder="adapters-gpu --base .carry/minilm", notebooks=("01", "02"),
     module="dora_num.studies.cancellation.record_trained",
     about="GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training (01, 02)")
-# The seeds plan's record (studies/cancellation/seeds.py).  Declared before it is recorded: it joins DATASETS
-# once data/adapters/trained_seeds/ is committed (tests/studies/test_datasets.py holds every data set of
-# DATASETS to its committed files).
+# The seeds plan's record (studies/cancellation/seeds.py).  Declared before it is recorded (UNRECORDED): it
+# joins DATASETS once data/adapters/trained_seeds/ is committed (tests/studies/test_datasets.py holds every
+# data set of DATASETS to its committed files, and fails on an UNRECORDED one whose files are committed).
 TRAINED_SEEDS = DataSet("trained-adapters-seeds", {
     role: f"adapters/trained_seeds/{f}" for role, f in (
         ("manifest", "manifest.json"), ("stats", "stats.csv.gz"), ("evals", "evals.csv"))},
@@ -28,3 +28,4 @@ PAPER_SHAPE = DataSet("paper-shape", {"at_g1": "01_cancellation_at_g1/paper_benc
                       notebooks=("01",))
 
 DATASETS = (TRAINED, AGREEMENT, PAPER_SHAPE)
+UNRECORDED = (TRAINED_SEEDS,)
