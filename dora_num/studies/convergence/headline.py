@@ -49,7 +49,9 @@ def _wave(d: Path) -> Stats:
     t = w[w.role == "tested"]
     agree, differ = w[w.role == "control: agree"], w[w.role == "control: differ"]
     dev = read_json(d, SAMEBATCH.file("history") + ".provenance.json")["device"]["name"]
-    return {"wave_seeds": len(t), "wave_seed_list": ", ".join(str(int(x)) for x in t.seed),
+    procs = read_json(d, SAMEBATCH.file("summary"))["processes"]
+    commits = {p.get("git_sha") for p in procs} - {None}  # per process, from its sidecar (one per seed: the ingest)
+    return {"wave_seeds": len(t), "wave_commits": len(commits) or 1, "wave_seed_list": ", ".join(str(int(x)) for x in t.seed),
             "wave_ratio_min": t.ratio.min(), "wave_ratio_max": t.ratio.max(), "wave_high_max": t.ratio_high.max(),
             "wave_passed": int(t.within.sum()), "wave_ulp_runs_per_seed": int(t.replicates.min()),
             "wave_agree_passed": int(agree.within.sum()), "wave_agree": len(agree),
@@ -73,8 +75,12 @@ def _training_text(s: Stats) -> str:
             f"{high}, below the pre-set {s['bound']:g} on {s['tests_passed']} of {s['tests']} seeds (power at a "
             f"true ratio of 1: at least {s['power_at_1_min']:.2f}), and the same test rejects eager runs of another "
             f"seed, on different batches ({s['differ_failed']} of {s['differ_controls']}, ratios from "
-            f"{s['differ_ratio_min']:.3g}); {reps}{other}. At one commit on an {s['wave_gpu']} with "
-            f"{s['wave_ulp_runs_per_seed']} 1-ulp runs per seed (seeds {s['wave_seed_list']} so far), R is "
+            f"{s['differ_ratio_min']:.3g}); {reps}{other}. In a wave recorded on an {s['wave_gpu']}, each seed's runs at "
+            f"one commit, with "
+            f"{s['wave_ulp_runs_per_seed']} 1-ulp runs per seed (seeds {s['wave_seed_list']}"
+            f"{'' if s['wave_seeds'] >= s['seeds'] else ' so far'}"
+            f"{'' if s['wave_commits'] == 1 else '; ' + str(s['wave_commits']) + ' commits'}"
+            f"), R is "
             f"{s['wave_ratio_min']:.3g} to {s['wave_ratio_max']:.3g} (upper bounds at most {s['wave_high_max']:.3g}), "
             f"{s['wave_agree_passed']} of {s['wave_agree']} known-agree controls pass (each replicate against the "
             f"others: R {s['wave_agree_min']:.3g} to {s['wave_agree_max']:.3g}) and {s['wave_differ_failed']} of "
