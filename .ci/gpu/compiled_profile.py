@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dora_num.studies.bench import lift_recompile_limits  # noqa: E402
 from dora_num.studies.speed.model_variants import (SEED, Shape, adapter_state, build_base,  # noqa: E402
                                                    make_variant)
-from dora_num.studies.speed.record_model import CompiledRunner  # noqa: E402
+from dora_num.studies.speed.record_model import CompiledRunner, time_steps  # noqa: E402
 
 
 class EagerRunner:
@@ -50,15 +50,7 @@ class EagerRunner:
 
 
 def step_ms(fn, n=5):
-    out = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return statistics.median(out)
+    return statistics.median(time_steps(fn, n, "cuda"))
 
 
 def host_ms(fn, n=5):
