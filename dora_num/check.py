@@ -13,7 +13,11 @@ under the product model the operator used, and ``err/bound`` of one element (the
 the bare factored norm (lemma 4), the guarded factored norm (4' or 5'), on CUDA the norm as the
 layer's tail runs it, the dense norm (lemma 5), the magnitude division (lemma 6, on every row) and
 ``g`` end to end, the stable and naive compose on ``x`` (lemmas 1 and 2) in the arithmetic
-``DoRALinear`` runs for these dtypes.  A value violates its bound if it is not finite (or NaN)
+``DoRALinear`` runs for these dtypes.  Where the norm's products run on tensor cores (16-bit W on CUDA),
+lemma 4's charge of ``2u`` per addition is an assumption about the card: the kit applies it only to the
+GEMMs a committed probe of this card covers or a probe run now on the layer's shapes confirms
+(:mod:`dora_num.check_accumulation`; the header names the evidence), and elsewhere lists the rows resting
+on it (lemmas 4 and 4') without a finite bound.  A value violates its bound if it is not finite (or NaN)
 against a finite bound, or ``|computed - exact| > bound (1 + 2^-50) + c 2^-52 |exact|``; each check
 counts its elements within, without a finite bound (listed with the reason: overflow listed, never
 fatal) and not checked.  Row norms: every row where that takes seconds, else a sample keeping zero
@@ -83,7 +87,7 @@ class BoundsReport:
     """``table``: one row per check (every column of one element, the worst); ``worst``: the worst
     elements of each check; ``no_bound``: elements without a finite bound and why; ``elements``: every
     checked element with its inputs (``--out``); ``header``: provenance, device, scale constants, eps,
-    arithmetic, rows, product models and rules; ``verdict``: one line; ``exit_code``: of the CLI."""
+    arithmetic, rows, product models, the accumulation evidence and rules; ``verdict``: one line; ``exit_code``: of the CLI."""
 
     table: pd.DataFrame
     worst: pd.DataFrame
@@ -437,16 +441,19 @@ def gradual_underflow(device) -> str | None:
 
 
 def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int | None, seed: int,
-                 max_elements: int, ops: dict) -> list[str]:
-    """Every check of one layer into ``acc`` (``ops``: the operators under test); returns its header lines."""
+                 max_elements: int, ops: dict, cards=None, probed: dict | None = None) -> list[str]:
+    """Every check of one layer into ``acc`` (``ops``: the operators under test; ``cards``, ``probed``: the
+    accumulation evidence's seam and its verdicts so far, :mod:`dora_num.check_accumulation`); returns its
+    header lines."""
     from fractions import Fraction
 
+    from .check_accumulation import accumulation_evidence, charged_route
     from .numerics.bounds import compose_bound, dense_norm_bound, factored_norm_bound, magnitude_scale_bound
     from .numerics.formats import get_format
     from .numerics.ground_truth import compose_exact, mp_dense_row_norm_sq, mp_magnitude_scale, rn64_over_sqrt
     from .ops.config import get_config, override
     from .ops.guard import guard_rows
-    from .ops.products import fp32_matmul_precision, product_model
+    from .ops.products import fp32_matmul_precision, product_model, tensor_core_gemms
 
     lines = []
     d_out, d_in = W.shape
@@ -455,8 +462,14 @@ def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int
     if any(t.dtype == torch.float64 for t in (W, A, B, m)):
         lines.append("float64 inputs: rounded to fp32 once (what the operators compute with); exact values are of the "
                      "inputs as given; each bound charges the rounding (||dx|| per row, |fl32(m) - m| in lemma 6)")
-    model = product_model(Wc, Ac)
+    try:
+        model = charged_route(product_model(Wc, Ac), cards, Wc, Ac)
+    except ValueError as e:
+        raise BoundsCheckError(str(e)) from None
     gemm = fp32_matmul_precision(Wc.device.type)
+    # lemma 4's 2u per addition on tensor cores is an assumption about the card: confirmed for these GEMMs by
+    # a committed probe or one run now, else the rows that rest on it (lemmas 4 and 4') get no finite bound
+    ev = accumulation_evidence(model, tensor_core_gemms(Wc, Ac, model), Wc.device, cards, probed)
     e32 = float(np.float32(eps_v))
     # ---- the guarded norm and g on every row (cheap); guard_rows re-derives the guard's decision row by row
     # from the torch tail, which the operator under the same tail must reproduce bit for bit
@@ -487,6 +500,7 @@ def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int
     skipped = d_out - rows.size
     lines.append(f"rows: magnitude division on every row ({d_out}); the row norms and g end to end on {how}; "
                  f"factored norm products: {model.label}; fp32 GEMMs on {Wc.device.type}: {gemm}")
+    lines.append(ev.line)
     where = {"row": rows}
     Ws, Bs = W64[rows], B64[rows]
     Q = mp_dense_row_norm_sq(Ws, A64, Bs, s)  # exact, once: the exact norm and the exact g both round it once
@@ -495,8 +509,10 @@ def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int
     bare = gr.bare.double().cpu().numpy()[rows]
     fmt_b = "fp16" if Wc.dtype == torch.float16 else "bf16"
     b4 = factored_norm_bound(Ws, A64, Bs, s, products=model.u, split_pieces=model.pieces, split_format=fmt_b) + dx
+    if not ev.confirmed:
+        b4 = np.full(rows.size, math.inf)
     acc.add("factored row norm, bare", "4", model.label, bare, exact_w, b4, where,
-            "an fp32 intermediate (U, G, B G, a term or a partial sum of the assembly) may overflow",
+            ev.reason or "an fp32 intermediate (U, G, B G, a term or a partial sum of the assembly) may overflow",
             not_checked=skipped)
     rec = gr.recomputed.cpu().numpy()[rows]
     rel_out = gr.rel_out.double().cpu().numpy()[rows]
@@ -504,10 +520,14 @@ def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int
         b45 = np.where(np.isfinite(rel_out), rel_out * (exact_w + dx) + dx, np.inf)
     beyond = exact_w + b45 >= FP32_OVERFLOW  # the value may round to inf: no finite bound
     b45 = np.where(beyond, np.inf, b45)
+    # a row certified by lemma 4' rests on the accumulator's charge; a row recomputed in float64 (5') does not
+    unconfirmed = ~rec & (not ev.confirmed)
+    b45 = np.where(unconfirmed, np.inf, b45)
     wg_r = wg_all[rows]
     acc.add("factored row norm, guarded", np.where(rec, "5'", "4'"), f"{model.label}; guard on the torch tail",
             wg_r, exact_w, b45, where,
-            lambda i: ("the norm is at fp32's overflow threshold (it may round to inf)" if beyond[i] else
+            lambda i: (ev.reason if unconfirmed[i] else
+                       "the norm is at fp32's overflow threshold (it may round to inf)" if beyond[i] else
                        "lemma 5': the float64 recompute's bound exceeds the norm (a norm of a few subnormal steps, "
                        "or W + sBA cancelling to float64 roundoff)"), not_checked=skipped)
     if bool(gr.recomputed.any()):
@@ -523,7 +543,7 @@ def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int
             run = np.full(rows.size, math.inf)
         acc.add("factored row norm, as run", np.where(rec, "4 or 5'", "4"), f"{model.label}; the {get_config().norm_tail}"
                 " tail (the layer's on this device)", run, exact_w, np.maximum(b4, b45), where,
-                "an fp32 intermediate may overflow", not_checked=skipped)
+                ev.reason or "an fp32 intermediate may overflow", not_checked=skipped)
     dense = np.empty(rows.size)
     try:
         dense[:] = ops["dense_row_norm"](Wc[rows], Ac, Bc[rows], s).double().cpu().numpy()
@@ -543,12 +563,13 @@ def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int
     zero = exact_w == 0
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(zero, np.where(wg_r == 0, 0.0, np.inf), b45 / np.where(zero, 1.0, exact_w) * (1 + 2.0**-50))
-    ok6 = np.isfinite(wg_r)
+    ok6 = np.isfinite(wg_r) & ~unconfirmed
     b6 = np.full(rows.size, math.inf)
     if ok6.any():
         b6[ok6] = magnitude_scale_bound(m_r[ok6], wg_r[ok6], e32, np.where(np.isfinite(rel), rel, 1.0)[ok6])
     acc.add("g end to end", np.where(rec, "6 with 5'", "6 with 4'"), "fp32 division of the guarded norm", gc, g_true,
-            b6, where, lambda i: (no_norm if not ok6[i] else "the norm's guarantee is not below 1 (rel >= 1)"
+            b6, where, lambda i: (ev.reason if unconfirmed[i] else no_norm if not np.isfinite(wg_r[i]) else
+                                  "the norm's guarantee is not below 1 (rel >= 1)"
                                   if not rel[i] < 1 else "g may overflow fp32"), slack=4.0, inputs={"m": m_r},
             not_checked=skipped)
     if x is None:
@@ -619,7 +640,7 @@ def _checked_eps(eps) -> float:
 def check_bounds(W=None, A=None, B=None, m=None, x=None, *, scale: float | None = None, file=None, base=None,
                  module=None, eps: float | None = None, max_rows: int | None = None, top: int = 5, seed: int = 0,
                  max_elements: int = MAX_COMPOSE_ELEMENTS, max_bytes: int = MAX_FILE_BYTES, device=None,
-                 operators: dict | None = None) -> BoundsReport:
+                 operators: dict | None = None, accumulation=None) -> BoundsReport:
     """Measured error vs the lemma's bound for every formula (module docstring).
 
     Pass the tensors (``x`` may be None: then no compose rows), or ``file=``: a one-layer safetensors
@@ -629,7 +650,9 @@ def check_bounds(W=None, A=None, B=None, m=None, x=None, *, scale: float | None 
     per module (default: every row where that takes seconds, else a sample, :func:`_rows_to_check`).
     ``device``: where the operators run (default the tensors' own; files load on the CPU).  ``operators``:
     name -> callable replacing the package's operator of that name (:data:`OPERATORS`), the seam to check
-    another implementation.  Raises :class:`BoundsCheckError` (a ``ValueError``) naming the problem for
+    another implementation.  ``accumulation``: a :class:`~dora_num.check_accumulation.CardProbes`, where the
+    evidence for the tensor-core accumulator comes from (default: the card's committed probe where it covers
+    the layer's GEMMs, else a probe run now on them).  Raises :class:`BoundsCheckError` (a ``ValueError``) naming the problem for
     unusable input, the flush-to-zero of subnormals included."""
     import dora_num as dn
 
@@ -676,6 +699,7 @@ def check_bounds(W=None, A=None, B=None, m=None, x=None, *, scale: float | None 
     else:
         layers.append(("", dict(W=W, A=A, B=B, m=m, x=x), scale, "tensors"))
     lines: dict[str, list[str]] = {}  # header line -> the modules it describes
+    probed: dict = {}  # (card, GEMM) -> the accumulation evidence's verdict: a shape is probed once per check
     tables, worst, nob, elements, notes = [], [], [], [], []
     devices = []
     for name, t, sc, source in layers:
@@ -714,7 +738,8 @@ def check_bounds(W=None, A=None, B=None, m=None, x=None, *, scale: float | None 
                 "|computed - exact| > bound (1 + 2^-50) + c 2^-52 |exact| (c = 1, 4 for g end to end), or if it "
                 "is not finite (or NaN) against a finite bound"]
         acc = _Acc(name, top, r, s_raw)
-        mine += _check_layer(acc, Wt, At, Bt, mt, xt, s_raw, eps_v, max_rows, seed, max_elements, ops)
+        mine += _check_layer(acc, Wt, At, Bt, mt, xt, s_raw, eps_v, max_rows, seed, max_elements, ops, accumulation,
+                             probed)
         for rows in (acc.table, acc.worst, acc.no_bound):  # the order of the formulas, whatever the order of work
             rows.sort(key=lambda row: CHECKS.index(row["check"]))
         acc.elements.sort(key=lambda df: CHECKS.index(df["check"].iloc[0]) if len(df) else 0)

@@ -1,6 +1,7 @@
 """An operator under test is varied through a seam, never by assigning another module's globals: no test
 assigns (or monkeypatches) an attribute of a ``dora_num`` module.  The seams: ``check_bounds(...,
-operators={name: fn})`` for the reviewer's kit, ``DoRALinear(..., norm=, compose_fn=)``, ``layer(x, g=)``,
+operators={name: fn})`` and ``check_bounds(..., accumulation=CardProbes(...))`` (the card, its records, the
+accumulation probe) for the reviewer's kit, ``DoRALinear(..., norm=, compose_fn=)``, ``layer(x, g=)``,
 ``with override(...)`` (``ops/config.py``)."""
 
 from __future__ import annotations

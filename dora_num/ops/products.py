@@ -244,6 +244,45 @@ def _mm32_once(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
     return _mm_cpu_fp32(a, b) if out is None else out
 
 
+def tensor_core_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit operands with fp32 output exactly as the factored norm forms one block of ``U`` or
+    ``G`` (``torch.mm(a, b, out_dtype=float32)`` on CUDA): the product the accumulation probe
+    (:func:`dora_num.numerics.accumulation.run_probes`) measures."""
+    return _mm32_once(a, b)
+
+
+class TensorCoreGemm(NamedTuple):
+    """One tensor-core GEMM of the factored norm: ``product`` (``"U"``, ``"G"``, ``"U split"``, ``"G split"``:
+    the labels of the accumulation probe's records), the 16-bit format, ``a [M, K] @ b [K, N]`` and the
+    row stride ``lead`` of ``a`` and of ``b``'s transpose (``d_in``: a column block of W, A or the split's
+    pieces)."""
+
+    product: str
+    fmt: str
+    M: int
+    N: int
+    K: int
+    lead: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.fmt} {self.product} [{self.M} x {self.K}] @ [{self.K} x {self.N}]"
+
+
+def tensor_core_gemms(W: torch.Tensor, A: torch.Tensor, model: ProductModel) -> list[TensorCoreGemm]:
+    """The distinct tensor-core GEMMs :func:`_products` runs for ``W [d_out, d_in]``, ``A [r, d_in]`` under
+    ``model`` (none for the ``"fp32"`` and ``"fp64"`` routes): ``U`` through :func:`_mm32` (``W A^T``; the
+    split: ``W S^T`` with ``S`` the ``pieces r`` rows of A's pieces), ``G`` likewise (``A A^T``, ``S S^T``),
+    each in the column blocks of :func:`~dora_num.numerics.standard_model.tc_blocks`."""
+    if model.u not in ("tensor_core", "split"):
+        return []
+    d_out, d = W.shape
+    n = A.shape[0] * (model.pieces if model.u == "split" else 1)
+    tag = " split" if model.u == "split" else ""
+    ks = sorted({b1 - b0 for b0, b1 in tc_blocks(d)}, reverse=True)
+    return [TensorCoreGemm(p + tag, model.split_format, m, n, k, d) for p, m in (("U", d_out), ("G", n)) for k in ks]
+
+
 def _mm32(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
     """``a @ b`` of 16-bit operands with fp32 output: ``mm`` if given (the tests' tensor-core
     emulation), else the tensor-core product (:func:`_mm_fp32_out`), else fp32 products.  Over an inner

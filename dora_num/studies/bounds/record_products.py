@@ -107,28 +107,12 @@ def record_bf16_base(smoke: bool) -> list[dict]:
     return rows
 
 
-def _subnormal_input_probe(fmt: str) -> dict:
-    """Are 16-bit subnormal inputs kept by torch.mm(out_dtype=float32)?  a = the format's smallest subnormal
-    times 3, b = a power of two that makes the product a normal fp32 number: the output is the exact
-    product if the input is kept, 0 if it is flushed."""
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
-    tiny = torch.finfo(dt).smallest_normal / 2 ** (7 if fmt == "bf16" else 10) * 3  # 3 subnormal steps
-    a = torch.zeros(16, 16, dtype=dt, device="cuda")
-    b = torch.zeros(16, 16, dtype=dt, device="cuda")
-    a[0, 0], b[0, 0] = tiny, 2.0**8
-    out = float(torch.mm(a, b, out_dtype=torch.float32)[0, 0])
-    return {"format": fmt, "input": float(a[0, 0]), "times": 2.0**8, "output": out, "exact": float(a[0, 0]) * 2.0**8,
-            "subnormal_inputs_kept": out == float(a[0, 0]) * 2.0**8}
-
-
 def record_accumulation(smoke: bool, keep_records: bool = False):
     """The probe's findings per (format, product, shape, K) and the subnormal-input probe; with
     ``keep_records`` also the raw probe records (for :func:`~.accumulation.pack_probe`)."""
     from ...numerics.standard_model import TC_BLOCK_K
-    from .accumulation import analyze, bound_factor, run_probes
-
-    def mm(a, b):
-        return torch.mm(a, b, out_dtype=torch.float32)
+    from ...ops.products import tensor_core_mm as mm
+    from .accumulation import analyze, bound_factor, run_probes, subnormal_input_probe
 
     ks = (384,) if smoke else (64, 384, 4096, TC_BLOCK_K)
     shapes = [("U", 4096, 3 * 16)] if smoke else [
@@ -143,7 +127,7 @@ def record_accumulation(smoke: bool, keep_records: bool = False):
                 out.append({"format": fmt, "product": shape[0], "M": shape[1], "N": shape[2], "K": K, **f,
                             "bound": bound_factor(f)})
                 raw.append(rec)
-        out.append({"format": fmt, "probe": "subnormal inputs", **_subnormal_input_probe(fmt)})
+        out.append({"format": fmt, "probe": "subnormal inputs", **subnormal_input_probe(mm, fmt, device="cuda")})
     return (out, raw) if keep_records else out
 
 
