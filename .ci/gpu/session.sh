@@ -26,6 +26,7 @@
 #   wave   seed $CONV_SEEDS's same-batch wave (3 replicates), the deep-stack study and the memory holdout
 #          beside all gpu-marked tests (a correctness record: its timings are not claims)
 #                                                                            -> $OUT/session_wave.tgz
+#   bundle the wave, then the tile sweep alone with the time left             -> $OUT/session_bundle.tgz
 #   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (no default: one seed a call) eager,
 #          fused and $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus
 #          the bitwise repeat of eager seed 0, one process each. Measured: all three seeds at once (13
@@ -60,6 +61,19 @@ pack() {  # pack NAME: everything under $W as one file in $OUT
   tail -n 3 "$W"/logs/*.log
   tar czf "$OUT/session_$1.tgz" -C "$W" .
   ls -la "$OUT"
+}
+wave_jobs() {  # wave_jobs CONV_S PYTEST_S: seed $CONV_SEEDS's same-batch wave (5 processes, 3 replicates), the
+  # deep-stack division study and the memory holdout beside it, then all gpu-marked tests; waits for all
+  local s=${CONV_SEEDS:?name one seed} name
+  for name in eager_s$s fused_s$s eager_s${s}_ulp eager_s${s}_rep1_ulp eager_s${s}_rep2_ulp; do
+    job "conv_$name" "$1" env OMP_NUM_THREADS=1 python3 -m dora_num record convergence \
+      --out "$W/conv/$name" --base .carry/minilm --seeds "$s" --ulp-seeds "$s" --no-repeat \
+      --ulp-replicates 3 --runs "$name" --profile-steps 0 --no-progress &
+  done
+  job deepstack 240 python3 -m dora_num record deep-stack --out "$W/deepstack" --git-sha "$SHA" &
+  job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm --git-sha "$SHA"
+  job pytest "$2" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests
+  wait
 }
 case "${1:-}" in
   smoke)
@@ -153,19 +167,15 @@ case "${1:-}" in
       --ranks ${PROFILE_RANKS:-384}
     pack timing
     ;;
-  wave)  # correctness and convergence together (no timing claims): the same-batch wave of seed $CONV_SEEDS
-    # (5 processes), the deep-stack division study and the memory holdout beside it, then all gpu-marked tests
-    s=${CONV_SEEDS:?name one seed}
-    for name in eager_s$s fused_s$s eager_s${s}_ulp eager_s${s}_rep1_ulp eager_s${s}_rep2_ulp; do
-      job "conv_$name" "${CONV_S:-540}" env OMP_NUM_THREADS=1 python3 -m dora_num record convergence \
-        --out "$W/conv/$name" --base .carry/minilm --seeds "$s" --ulp-seeds "$s" --no-repeat \
-        --ulp-replicates 3 --runs "$name" --profile-steps 0 --no-progress &
-    done
-    job deepstack 240 python3 -m dora_num record deep-stack --out "$W/deepstack" --git-sha "$SHA" &
-    job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm --git-sha "$SHA"
-    job pytest "${PYTEST_S:-360}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests
-    wait
+  wave)  # correctness and convergence together (no timing claims): wave_jobs (above)
+    wave_jobs "${CONV_S:-540}" "${PYTEST_S:-360}"
     pack wave
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave" >&2; exit 2 ;;
+  bundle)  # one call: the wave (no timing claims), then the tile sweep alone on the GPU (a timing) with the time left
+    wave_jobs "${CONV_S:-400}" "${PYTEST_S:-330}"
+    left=$(( 585 - ($(date +%s) - t0) ))
+    job tiles "$left" python3 -m dora_num record tiles --out "$W/tiles" --git-sha "$SHA"
+    pack bundle
+    ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle" >&2; exit 2 ;;
 esac
