@@ -62,10 +62,11 @@ pack() {  # pack NAME: everything under $W as one file in $OUT
   tar czf "$OUT/session_$1.tgz" -C "$W" .
   ls -la "$OUT"
 }
-wave_jobs() {  # wave_jobs CONV_S PYTEST_S: seed $CONV_SEEDS's same-batch wave (5 processes, 3 replicates), the
+wave_jobs() {  # wave_jobs CONV_S PYTEST_S: seed $CONV_SEEDS's (if set) same-batch wave (5 processes, 3 replicates), the
   # deep-stack division study and the memory holdout beside it, then all gpu-marked tests; waits for all
-  local s=${CONV_SEEDS:?name one seed} name
-  for name in eager_s$s fused_s$s eager_s${s}_ulp eager_s${s}_rep1_ulp eager_s${s}_rep2_ulp; do
+  local s=${CONV_SEEDS:-none} name names=""  # CONV_SEEDS unset: no convergence runs
+  [ "$s" != none ] && names="eager_s$s fused_s$s eager_s${s}_ulp eager_s${s}_rep1_ulp eager_s${s}_rep2_ulp"
+  for name in $names; do
     job "conv_$name" "$1" env OMP_NUM_THREADS=1 python3 -m dora_num record convergence \
       --out "$W/conv/$name" --base .carry/minilm --seeds "$s" --ulp-seeds "$s" --no-repeat \
       --ulp-replicates 3 --runs "$name" --profile-steps 0 --no-progress &
