@@ -35,11 +35,12 @@ def base_passes() -> int:
 
 def base_pass(W: torch.Tensor, chunk_bytes, cfg: OpConfig) -> tuple:
     """Which pass :func:`_base_and_zero_rows` runs over ``W`` under ``cfg``, as a hashable key: the row
-    kernel with its tiles (``("kernel", OpConfig.row_sumsq_tiles)``), or torch over fp32 column chunks
-    of that width (``("torch", columns)``).  Each fixes the order of ``rowsum(W*W)``: a value formed by
-    one pass is not another's bit for bit, so every cache of it keys on this."""
+    kernel with its tiles and W's strides, which the launch specializes on (``("kernel",
+    OpConfig.row_sumsq_tiles, strides)``), or torch over fp32 column chunks of that width (``("torch",
+    columns)``).  Each fixes the order of ``rowsum(W*W)``: a value formed by one pass is not another's
+    bit for bit, so every cache of it keys on this."""
     if uses_tail_kernel(W.device, cfg):
-        return ("kernel", cfg.row_sumsq_tiles)
+        return ("kernel", cfg.row_sumsq_tiles, tuple(W.stride()))
     return ("torch", chunk_columns(W.shape[0], W.shape[1], chunk_bytes))
 
 
@@ -48,7 +49,7 @@ def _base_and_zero_rows(W: torch.Tensor, chunk_bytes, cfg: OpConfig, zero: bool 
     ``zero``), from one pass over W (:func:`base_pass`: the kernel where the tail is the Triton one, else fp32 column
     chunks of W under ``chunk_bytes``)."""
     d_out, d_in = W.shape
-    kind, cols = base_pass(W, chunk_bytes, cfg)
+    kind, cols = base_pass(W, chunk_bytes, cfg)[:2]
     _PASSES[0] += 1
     with torch.no_grad():
         if kind == "kernel":

@@ -3,10 +3,11 @@
 ``base_sq`` of the factored norm (:mod:`dora_num.ops.norm`).  Per program, ``block_m`` rows; per row,
 the products ``w*w`` of the upcast entries (exact upcast, one fp32 rounding each), summed over column
 blocks of ``block_k`` by ``tl.sum``'s fixed tree into a running fp32 sum (the tiles:
-``OpConfig.row_sumsq_tiles``).  The order is fixed by the tiles, so the result is bitwise the same on
-every call under one configuration: eager (cached on W) and compiled (recomputed per call, since a
-compiled graph keeps no cache) agree bit for bit, and a cached value carries the tiles it was formed
-under (:func:`dora_num.ops.norm.base_cache_key`).  Bound, any order and so any tiles:
+``OpConfig.row_sumsq_tiles``).  The order is fixed by the tiles and by W's strides (Triton specializes a
+launch on them: on the H100 a transposed W and its contiguous copy differ in the last bit on 25 of 70 rows),
+so the result is bitwise the same on every call for one W under one configuration: eager (cached on W)
+and compiled (recomputed per call, since a compiled graph keeps no cache) agree bit for bit, and a
+cached value carries the tiles and strides it was formed under (:func:`dora_num.ops.norm.base_cache_key`).  Bound, any order and so any tiles:
 ``|base^ - base| <= gamma_{d_in} base + (1 + gamma_{d_in}) n_b 2^-150``, ``n_b <= d_in`` the squares
 below fp32's normal range.  Launched without contraction, like every kernel of the package.
 

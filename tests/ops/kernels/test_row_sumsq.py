@@ -94,7 +94,10 @@ def test_row_sums_within_lemma_4_of_the_exact_sum(device, dtype, case):
     assert_within_lemma_4(W, base, zero)
     if case.startswith("strided") or case.startswith("transposed"):
         assert not W.is_contiguous()
-        assert_bitwise(base, row_sumsq(W.contiguous())[0])  # the same order: strides change the loads only
+        # the order is fixed per W and configuration (the launch specializes on W's strides: on the H100 a
+        # transposed W and its contiguous copy differ in the last bit, each within the bound above)
+        assert_bitwise(base, row_sumsq(W)[0])
+        assert_within_lemma_4(W.contiguous(), row_sumsq(W.contiguous())[0], zero)
 
 
 def extreme_rows(dtype, device) -> torch.Tensor:
