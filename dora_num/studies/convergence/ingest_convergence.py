@@ -56,8 +56,7 @@ def merge_parts(parts: list[Path]) -> Recorded:
     merged_runs, skipped, plan, processes = {}, [], [], []
     for d, sm in zip(parts, summaries):
         processes.append({"folder": d.name, "profile_only": bool(sm.get("profile_only")),
-                          "runs": list(sm.get("runs", {})), "elapsed_s": sm.get("elapsed_s"),
-                          "git_sha": _part_commit(CONVERGENCE.path("summary", d))})
+                          "runs": list(sm.get("runs", {})), "elapsed_s": sm.get("elapsed_s")})
         if sm.get("profile_only"):
             continue
         dup = set(sm["runs"]) & set(merged_runs)
@@ -96,19 +95,10 @@ def merge_parts(parts: list[Path]) -> Recorded:
                     runs[0])
 
 
-def _part_commit(summary_file: Path) -> str | None:
-    """The commit a part's process ran, from its own sidecar (None where the sidecar names none: the
-    device machine's copy has no ``.git``, so the recorder writes the ``--git-sha`` it was given)."""
-    side = summary_file.with_name(summary_file.name + ".provenance.json")
-    if not side.is_file():
-        return None
-    return (json.loads(side.read_text()).get("git") or {}).get("sha")
-
-
 def commits_by_seed(summary: dict) -> dict[int, list[str | None]]:
-    """``{seed: [commits]}``: the distinct commits the processes of each seed's runs ran (the same-batch
-    test compares a seed's fused run with its own 1-ulp replicates only, so one commit per seed is what
-    it needs; a merged record may hold seeds recorded at different commits)."""
+    """``{seed: [commits]}``: the distinct commits the processes of each seed's runs ran, as the ingest
+    named them (the same-batch test compares a seed's fused run with its own 1-ulp replicates only, so one
+    commit per seed is what it needs; a merged record may hold seeds recorded at different commits)."""
     seed_of = {p["name"]: p["seed"] for p in summary["plan"]}
     out: dict[int, set] = {}
     for proc in summary["processes"]:
@@ -117,13 +107,22 @@ def commits_by_seed(summary: dict) -> dict[int, list[str | None]]:
     return {s: sorted(c, key=str) for s, c in sorted(out.items())}
 
 
-def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None, loss_only: bool = False) -> list[Path]:
+def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None, loss_only: bool = False,
+           seed_commits: dict[int, str] | None = None) -> list[Path]:
     """Merge the GPU processes' folders (:func:`merge_parts`) into ``dest`` (e.g.
     ``data/gpu/convergence``) with provenance: the GPU machine's device description
     and library versions from the parts' own sidecars, ``git_sha`` the commit that ran
-    (the device machine's copy has no ``.git``). ``loss_only``: the per-step loss and
-    ``summary.json`` alone (what the same-batch test reads)."""
+    (the device machine's copy of the repository has no ``.git`` of its own commit: the sidecars'
+    ``git`` is not it).  ``seed_commits``: the commit each seed's processes ran where the parts
+    come from several device calls (``{seed: sha}``; a seed not named ran ``git_sha``), kept per
+    process in the summary.  ``loss_only``: the per-step loss and ``summary.json`` alone (what the
+    same-batch test reads)."""
     rec = merge_parts(parts)
+    seed_of = {p["name"]: p["seed"] for p in rec.summary["plan"]}
+    for proc in rec.summary["processes"]:
+        seeds = {seed_of[r] for r in proc["runs"]}
+        shas = {(seed_commits or {}).get(s, git_sha) for s in seeds}
+        proc["git_sha"] = shas.pop() if len(shas) == 1 else sorted(shas, key=str)
     mixed = {s: c for s, c in commits_by_seed(rec.summary).items() if len(c) != 1}
     if mixed:  # a seed's fused run and its floor at different commits: no like-for-like floor
         raise ValueError(f"the runs of seed(s) {sorted(mixed)} were recorded at more than one commit: {mixed}")

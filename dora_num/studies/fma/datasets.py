@@ -14,9 +14,7 @@ SQRT_CENSUS_GPU = DataSet("sqrt-census-gpu",
                           recorder="exhaustive --only census", optional=("02",))
 
 DEEP_STACK = DataSet("deep-stack", {"cosines": "gpu/deep_stack_cosine.csv"}, recorder="deep-stack",
-                     module="dora_num.studies.fma.record_deep_stack",
+                     module="dora_num.studies.fma.record_deep_stack", notebooks=("02",),
                      about="GPU: the paper's fused kernel (approximate division, sqrt, FMA), 48-layer stack (02)")
 
-DATASETS = (FMA, SQRT_CENSUS_CPU, SQRT_CENSUS_GPU)
-# Declared, its recorder registered, not yet recorded: moves into DATASETS when its files are committed
-UNRECORDED = (DEEP_STACK,)
+DATASETS = (FMA, SQRT_CENSUS_CPU, SQRT_CENSUS_GPU, DEEP_STACK)

@@ -337,3 +337,24 @@ def measure(stack: Stack, seed: int) -> list[dict]:
                          **_g_stats(gs[name][:depth], g_prod[:depth], ones),
                          **{f"ptx_{k}": v for k, v in ptx.get(name, {}).items()}})
     return rows
+
+
+def summary(df) -> "pd.DataFrame":
+    """Per path and depth over the recorded seeds: the worst token's ``1 - cos`` against float64 (the largest
+    over seeds), that over production's (``vs_production_ratio``: 1 = no worse than production), the largest
+    ``1 - cos`` against production itself, and the cosine the paper would report (``1 -`` the worst deficit);
+    ``paper_gap``: how far the worst deficit is from the paper's 0.991 (``0.009 / deficit``)."""
+    import pandas as pd
+
+    g = df.groupby(["depth", "path"], sort=False)
+    out = g.agg(seeds=("seed", "nunique"), one_minus_cos_max=("one_minus_cos_max", "max"),
+                vs_production_max=("one_minus_cos_max_vs_production", "max"),
+                g_exactly_one_at_g1=("g_frac_exactly_one_in_g1_rows", "min")).reset_index()
+    prod = out[out.path == "production"].set_index("depth").one_minus_cos_max
+    out["vs_production_ratio"] = out.one_minus_cos_max / out.depth.map(prod)
+    out["cosine_min"] = 1.0 - out.one_minus_cos_max
+    out["paper_gap"] = PAPER_DEFICIT / out.one_minus_cos_max
+    return pd.DataFrame(out)
+
+
+PAPER_DEFICIT = 1.0 - 0.991  # the paper's worst final-logit cosine (docs/paper.md), as a deficit

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...repro.headline import Stats, pct, read_csv, read_json
+from .datasets import DEEP_STACK
 
 # shown under the headline in the README (figures/02_fma_and_sqrt/*.png)
 FIGURES = ("assembly_ulp_hist",)
@@ -65,23 +66,45 @@ def _fma_text(s: Stats) -> str:
             f"its bf16 ones (by up to {s['trained_bf16_ulps']:.0f} ulps)")
 
 
+def _deep(d: Path) -> Stats:
+    """Notebook 02's deep stack (recorded on the GPU): the worst final-logit 1 - cos against float64 of every
+    path over seeds and depths, the largest ratio of a kernel variant's to production's, the paper's gap."""
+    t = read_csv(d, "02_fma_and_sqrt/deep_stack_summary.csv")
+    v = t[t.path.isin(["div_approx", "sqrt_approx", "fma", "paper"])]
+    dev = read_json(d, DEEP_STACK.file("cosines") + ".provenance.json")["device"]["name"]
+    return {"deep_layers": int(t.depth.max()), "deep_seeds": int(t.seeds.min()),
+            "deep_deficit_max": v.one_minus_cos_max.max(), "deep_ratio_max": v.vs_production_ratio.max(),
+            "deep_production": t[t.path == "production"].one_minus_cos_max.max(),
+            "deep_bf16_ratio": t[t.path == "peft_bf16"].vs_production_ratio.max(),
+            "deep_paper_gap": v.paper_gap.min(), "deep_g1_kept_min": v.g_exactly_one_at_g1.min(),
+            "deep_gpu": dev.replace("NVIDIA ", "").split(" ")[0]}
+
+
+def _deep_text(s: Stats) -> str:
+    return (f"the paper's failing configuration, tested on an {s['deep_gpu']} (a fused kernel with an approximate "
+            f"division, an approximate sqrt and contraction, in a {s['deep_layers']}-layer bf16 stack, "
+            f"{s['deep_seeds']} seeds): its worst final-logit 1 - cos against float64 is {s['deep_deficit_max']:.2g}, "
+            f"at most {s['deep_ratio_max']:.3f} times production's, {s['deep_paper_gap']:.0f} times short of the "
+            f"paper's 0.991, so rounding in these three does not explain it in this stack (no attention, no large "
+            f"activations); the approximate division does break g == 1 exactly, keeping it on "
+            f"{pct(s['deep_g1_kept_min'])} of the rows where production has it")
+
+
 def headline(d: Path) -> tuple[list[str], Stats]:
-    s = _fma(d)
+    s = {**_fma(d), **_deep(d)}
     return ([_fma_text(s),
              f"at the sentence embeddings every variant (contraction, approximate sqrt) stays within "
-             f"1 - cosine = {s['one_minus_cosine_max']:.3g} of production (the synthetic adapter); the paper's "
-             f"failing configuration (an approximate division inside the kernel, in a deep decoder) are not tested"],
+             f"1 - cosine = {s['one_minus_cosine_max']:.3g} of production (the synthetic adapter); {_deep_text(s)}"],
             s)
 
 
 def _t_fma(d: Path) -> tuple[str, Stats]:
-    s = _fma(d)
+    s = {**_fma(d), **_deep(d)}
     return (f"**FMA contraction changes few of MiniLM's row norms, none of the trained adapter's and many of the GPU "
             f"suite's, and a tenth of the trained adapter's fp32 compose outputs; neither it nor an approximate square "
             f"root moves MiniLM's embeddings much.** {_fma_text(s)[0].upper()}"
             f"{_fma_text(s)[1:]}. The model's sentence embeddings stay within 1 - cosine = "
-            f"{s['one_minus_cosine_max']:.2g} of the production kernel's. The paper's failing configuration (an "
-            f"approximate division inside the kernel, in a deep decoder) is not tested here.", s)
+            f"{s['one_minus_cosine_max']:.2g} of the production kernel's. In {_deep_text(s)}.", s)
 
 
 # the README's numbered takeaways this notebook backs: (function, the figure that shows it)

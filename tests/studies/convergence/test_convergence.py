@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -170,33 +171,24 @@ def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
         ingest_convergence.merge_parts([tmp_path])
 
 
-def test_ingest_keeps_each_parts_commit_and_refuses_a_seed_split_across_commits(tmp_path):
+def test_ingest_names_each_seeds_commit(tmp_path):
     """A merged record may hold seeds recorded at different commits (each seed's fused run is compared
-    with its own 1-ulp replicates only), but never one seed's runs at two commits: the floor would
-    then not be the runs' own.  Each process keeps the commit its sidecar names."""
-    import json
-
+    with its own 1-ulp replicates only), named at the ingest (``--seed-git-sha``; the device's copy of the
+    repository has no ``.git`` of the commit it ran): each process keeps its seed's commit."""
     base = dict(TINY, profile_steps=0, repeat_seed=None)
-    for seed, runs in ((0, ("eager_s0",)), (0, ("fused_s0",)), (1, ("eager_s1", "fused_s1"))):
+    for seed, runs in ((0, ("eager_s0", "fused_s0")), (1, ("eager_s1", "fused_s1"))):
         cv.run_study(cc.ConvergenceConfig(**dict(base, seeds=(seed,), runs=runs)), tmp_path / runs[0],
                      log=lambda *_: None)
+    parts = [tmp_path / "eager_s0", tmp_path / "eager_s1"]
+    out = tmp_path / "merged"
+    from dora_num.studies import cli
 
-    def set_commit(folder, sha):
-        side = folder / "summary.json.provenance.json"
-        d = json.loads(side.read_text())
-        d["git"] = {"sha": sha, "dirty": False}
-        side.write_text(json.dumps(d))
-
-    set_commit(tmp_path / "eager_s0", "aaa")
-    set_commit(tmp_path / "fused_s0", "aaa")
-    set_commit(tmp_path / "eager_s1", "bbb")
-    parts = [tmp_path / n for n in ("eager_s0", "fused_s0", "eager_s1")]
-    rec = ingest_convergence.merge_parts(parts)
-    assert ingest_convergence.commits_by_seed(rec.summary) == {0: ["aaa"], 1: ["bbb"]}
-    assert ingest_convergence.ingest(parts, tmp_path / "ok", git_sha="bbb", loss_only=True)
-    set_commit(tmp_path / "fused_s0", "ccc")
-    with pytest.raises(ValueError, match=r"seed\(s\) \[0\] were recorded at more than one commit"):
-        ingest_convergence.ingest(parts, tmp_path / "bad", git_sha="bbb", loss_only=True)
+    assert cli.run("convergence", ["--ingest", *map(str, parts), "--out", str(out), "--git-sha", "bbb",
+                                   "--seed-git-sha", "0=aaa", "--loss-only"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert ingest_convergence.commits_by_seed(summary) == {0: ["aaa"], 1: ["bbb"]}
+    with pytest.raises(SystemExit, match="SEED=SHA"):
+        cli.run("convergence", ["--ingest", *map(str, parts), "--out", str(out), "--seed-git-sha", "x=aaa"])
 
 
 def test_deadline_skips_whole_runs():
