@@ -36,10 +36,11 @@ _FALSE = ("0", "false", "no", "off")
 class ComposeTiles:
     """Launch geometry of the compose kernels (:mod:`dora_num.ops.kernels.compose`).
 
-    From the tile sweep at 8192x8192 bf16 on the H200 (``data/gpu/tile_sweep.csv``): forward tiles of
-    2048..16384 elements all reached 92-93% of the copy bandwidth (4096 / 4 warps kept); backward 64 x 128
-    / 4 warps was best for both kernels, and taller tiles keep the row blocks (which enter the dg bound)
-    few.  ``bwd_block_m`` and ``fin_chunk`` fix the order of ``dg``'s sum
+    From the tile sweep at 8192x8192 bf16 (``data/gpu/tile_sweep.csv``; the H200 first, the H100 since
+    90d2c3b): forward tiles of 2048..16384 elements all reach 92-93% of the copy bandwidth on both (4096 / 4
+    warps kept); backward 64 x 128 / 4 warps was best for both kernels on the H200 and is within 1% of the
+    H100's best (128 x 128 for the kernel that reads ``inner``, 91.7% against 91.3% of copy), and taller
+    tiles keep the row blocks (which enter the dg bound) few.  ``bwd_block_m`` and ``fin_chunk`` fix the order of ``dg``'s sum
     (:func:`dora_num.ops.kernels.compose.dg_error_bound`).  The interpreter pays per program:
     :meth:`for_interpreter`.
     """
@@ -91,9 +92,12 @@ class RowSumsqTiles:
     ``block_m`` and ``block_k`` fix the order of every row's sum (blocks of ``block_k`` columns, each
     reduced by ``tl.sum``'s tree, added in sequence), so they are part of what a cached ``base_sq``
     was formed under (:func:`dora_num.ops.norm.base_cache_key`); any tiles are within lemma 4's bound
-    of ``base``.  Defaults from the sweep in ``data/gpu/tile_sweep.csv`` (``dora-num record tiles``, its
-    ``row_sumsq`` rows at the operator's shapes against the copy bandwidth).  Powers of two
-    (``tl.arange``'s extents and Triton's warp counts).
+    of ``base``.  The sweep in ``data/gpu/tile_sweep.csv`` (``dora-num record tiles``, its ``row_sumsq``
+    rows at the operator's shapes against the copy bandwidth; the H100 at 90d2c3b) puts these defaults (the
+    constants they were before the sweep) at 70-82% of copy, and ``block_k = 1024`` at 88-92% on 4096 x 4096
+    and 4096 x 14336 (``block_k = 256``: 89% on 14336 x 4096): not changed yet, since a change moves the last
+    bit of every GPU ``base_sq`` and with it the recorded GPU norms (0.02-0.07 ms per projection, once per W
+    except under CUDA graphs).  Powers of two (``tl.arange``'s extents and Triton's warp counts).
     """
 
     block_m: int = 8  # rows per program (d_out = 1024: 128 programs on 132 SMs)

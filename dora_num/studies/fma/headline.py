@@ -69,7 +69,9 @@ def _fma_text(s: Stats) -> str:
 def _deep(d: Path) -> Stats:
     """Notebook 02's deep stack (recorded on the GPU): the worst final-logit 1 - cos against float64 of every
     path over seeds and depths, the largest ratio of a kernel variant's to production's, the paper's gap."""
-    t = read_csv(d, "02_fma_and_sqrt/deep_stack_summary.csv")
+    from .deep_stack import summary  # the table notebook 02 shows, from the recorded cosines
+
+    t = summary(read_csv(d, DEEP_STACK.file("cosines")))
     v = t[t.path.isin(["div_approx", "sqrt_approx", "fma", "paper"])]
     dev = read_json(d, DEEP_STACK.file("cosines") + ".provenance.json")["device"]["name"]
     return {"deep_layers": int(t.depth.max()), "deep_seeds": int(t.seeds.min()),

@@ -174,7 +174,7 @@ def test_the_headline_states_the_verdict_and_the_first_miss(tmp_path):
     text, stats = holdout_sentence(tmp_path)
     assert text.endswith("not measured yet") and "3 configurations" in text and "0123456" in text
     meas_path = tmp_path / MEMORY_HOLDOUT.file()
-    meas_path.parent.mkdir(parents=True)
+    meas_path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame({"id": ["c0", "c1", "c2"], "measured": [100, 100, 100], "device": "NVIDIA H100 80GB HBM3"}
                  ).to_csv(meas_path, index=False)
     text, stats = holdout_sentence(tmp_path)
