@@ -1,44 +1,14 @@
 """Notebook 02, the paper's failing configuration: an approximate division, an approximate sqrt and FMA
 contraction inside one fused DoRA kernel, in a deep stack, measured by the cosine of the final logits.
 
-The paper reports, on Gemma-3-12B, final-logit cosine 0.991-0.999 against a reference for "an earlier fused
-version with the division, FMA contraction and approximate sqrt inside the kernel", and > 0.9999 after
-de-fusing the division, adding store/reload barriers and PTX ``sqrt.rn.f32``.  Here a study-only kernel
-(:func:`fused_dora_forward`; production kernels are untouched) forms, per layer, ``w = sqrt(base_sq + 2s cross
-+ s^2 ba)`` (:func:`~dora_num.ops.kernels.norm_assembly.assemble`), ``g = m / w`` and the production compose
-``y = base + round((g-1) base + g (s lora))``, with three switches and nothing else changing between the
-:data:`VARIANTS`: the division (``tl.math.div_rn``, or ``/``: PTX ``div.full.f32``, <= 2 ulp), the sqrt
-(``tl.sqrt_rn``, or ``tl.sqrt``: ``sqrt.approx.f32``) and contraction (``enable_fp_fusion``); ``paper`` has
-all three approximate or contracted.  The stack (:func:`make_stack`, :func:`run_stack`): ``L`` pre-RMSNorm
-residual blocks ``h += gelu(DoRA(rmsnorm(h)))``, bf16 activations and weights, ``g ~ 1 + N(0, 0.0015^2)`` (the
-paper's adapter statistics) with every :attr:`StackShape.one_every`-th row exactly at ``g = 1`` (``m`` = the
-production norm: the compose's ``g - 1`` is then 0), then logits ``rmsnorm(h) Wv^T``; the reference is the same
-stack in float64 on the same (bf16/fp32) parameters (:func:`~dora_num.oracles.dora_linear_ref64`).  Paths
-(:data:`PATHS`): the kernel variants, production :class:`~dora_num.DoRALinear`, a PEFT-style all-bf16 layer
-(dense norm, ``g`` and compose in bf16: what bf16 DoRA costs), and ``g_pm2ulp``: production with every ``g``
-moved 2 ulps (random sign per row), the worst ``div.full.f32`` can do, emulated on any device.
-
-Prediction (written before the GPU measured it). A cosine deficit is second order: for ``y^ = y + e`` with ``eps =
-|e| / |y| < 1``, ``sin angle(y, y^) <= eps``, so ``1 - cos <= 1 - sqrt(1 - eps^2) <= eps^2 / (2 - eps^2)``
-(:func:`cosine_deficit_bound`); the cosine 0.991 needs ``eps ~ 0.13`` in the logits. A 2-ulp error in the fp32
-``g`` is a relative ``2^-22 = 2.4e-7`` in the layer's output before its bf16 rounding, which itself errs by up to
-``2^-9`` on every element: the division only flips a bf16 rounding where the output lies within ``2^-22`` of a
-rounding boundary, an error energy of order 1e-4 of the bf16 rounding that every path pays (the CPU emulation in
-tests/studies/fma/test_deep_stack.py: 3e-5 of a layer's outputs change, 2e-4 of the energy). The approximate sqrt
-(<= 1 ulp) and contraction (a few ulps of the norm, one of the compose, without cancellation here) are of the same
-size. Whatever the stack does to a perturbation it does to both, so: every kernel variant, ``paper`` included, has
-``1 - cos`` against float64 within a few percent of production's at both depths, and ``1 - cos`` against production
-of order 1e-3 of that or less; none comes near 0.991 unless bf16 itself does. The bf16 control rounds ``g``
-(spacing 2^-8 and 2^-7 around 1) by as much as its distance from 1, on every row: expected clearly worse than
-production, by a factor of several in ``1 - cos``. If this holds, the paper's 0.991 came from something its fix
-also changed: a missing barrier is a race (a value read before it is stored), not a rounding error, unbounded and
-varying from run to run, like the reported range.
-
-After a first H100 run (the prediction above left as written): against float64 it held; two estimates did not.
-Against production the switches' deficit is of the order of the bf16 floor itself, not 1e-3 of it: one flipped
-bf16 output changes what every later rounding rounds, so the two runs' rounding errors decorrelate (they do not
-grow beyond the floor).  The bf16 control is only slightly worse than production: the residual stream's own bf16
-roundings, not the DoRA layer's, dominate this stack's deficit.
+A study-only kernel (:func:`fused_dora_forward`; production kernels are untouched) forms, per layer, ``w =
+sqrt(base_sq + 2s cross + s^2 ba)`` (:func:`~dora_num.ops.kernels.norm_assembly.assemble`), ``g = m / w`` and the
+production compose, with three switches and nothing else changing between the :data:`VARIANTS`: the division
+(``tl.math.div_rn``, or ``/``: PTX ``div.full.f32``), the sqrt (``tl.sqrt_rn``, or ``tl.sqrt``) and contraction
+(``enable_fp_fusion``).  The stack (:func:`make_stack`, :func:`run_stack`) and the float64 reference
+(:func:`~dora_num.oracles.dora_linear_ref64`); the cosine deficit's bound ``1 - cos <= eps^2 / (2 - eps^2)``
+(:func:`cosine_deficit_bound`).  The design, the prediction written before the GPU measured it, and what the
+first H100 run confirmed and refuted: docs/methods.md, "studies/fma/deep_stack.py".
 """
 
 from __future__ import annotations
