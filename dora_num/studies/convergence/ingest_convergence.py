@@ -122,10 +122,10 @@ def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None, loss_on
     for proc in rec.summary["processes"]:
         seeds = {seed_of[r] for r in proc["runs"]}
         shas = {(seed_commits or {}).get(s, git_sha) for s in seeds}
-        proc["git_sha"] = shas.pop() if len(shas) == 1 else sorted(shas, key=str)
-    mixed = {s: c for s, c in commits_by_seed(rec.summary).items() if len(c) != 1}
-    if mixed:  # a seed's fused run and its floor at different commits: no like-for-like floor
-        raise ValueError(f"the runs of seed(s) {sorted(mixed)} were recorded at more than one commit: {mixed}")
+        if len(shas) != 1:  # one process ran one commit: its seeds cannot be named at two
+            raise ValueError(f"process {proc['folder']} ran seeds {sorted(seeds)}, named at different commits: "
+                             f"{sorted(shas, key=str)}")
+        proc["git_sha"] = shas.pop()
     name = CONVERGENCE.relpath
     history = rec.history[rec.history.metric == "loss"] if loss_only else rec.history
     tables = {name("history"): order(history, ["metric", "value"]), name("summary"): rec.summary}

@@ -189,6 +189,12 @@ def test_ingest_names_each_seeds_commit(tmp_path):
     assert ingest_convergence.commits_by_seed(summary) == {0: ["aaa"], 1: ["bbb"]}
     with pytest.raises(SystemExit, match="SEED=SHA"):
         cli.run("convergence", ["--ingest", *map(str, parts), "--out", str(out), "--seed-git-sha", "x=aaa"])
+    both = tmp_path / "both"  # one process that ran two seeds ran one commit
+    cv.run_study(cc.ConvergenceConfig(**dict(base, seeds=(2, 3), runs=("eager_s2", "eager_s3"))), both,
+                 log=lambda *_: None)
+    with pytest.raises(ValueError, match=r"process both ran seeds \[2, 3\], named at different commits"):
+        ingest_convergence.ingest([both], tmp_path / "bad", git_sha="bbb", seed_commits={2: "aaa"})
+    assert ingest_convergence.ingest([both], tmp_path / "ok", git_sha="bbb", seed_commits={2: "bbb"})
 
 
 def test_deadline_skips_whole_runs():
