@@ -121,7 +121,7 @@ def ingest(parts: list[Path], dest: Path, *, git_sha: str | None = None, loss_on
     seed_of = {p["name"]: p["seed"] for p in rec.summary["plan"]}
     for proc in rec.summary["processes"]:
         seeds = {seed_of[r] for r in proc["runs"]}
-        shas = {(seed_commits or {}).get(s, git_sha) for s in seeds}
+        shas = {(seed_commits or {}).get(s, git_sha) for s in seeds} or {git_sha}  # a profile: no seed
         if len(shas) != 1:  # one process ran one commit: its seeds cannot be named at two
             raise ValueError(f"process {proc['folder']} ran seeds {sorted(seeds)}, named at different commits: "
                              f"{sorted(shas, key=str)}")
