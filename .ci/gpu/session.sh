@@ -27,6 +27,11 @@
 #          beside all gpu-marked tests (a correctness record: its timings are not claims)
 #                                                                            -> $OUT/session_wave.tgz
 #   bundle the wave, then the tile sweep alone with the time left             -> $OUT/session_bundle.tgz
+#   cards  on the card lent: all gpu-marked tests, beside them the accumulation probe at the operator's
+#          shapes (this card's own record), the memory holdout and the collapse seeds' smoke plan (a
+#          correctness record: no timing claims)                              -> $OUT/session_cards.tgz
+#   seed   the collapse seeds' grid for seed $SEED (11 runs, one process each, deadline $SEED_WALL_S,
+#          default 500 s): the launcher's own files                            -> $OUT/part-K.tar, plan.json, ...
 #   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (no default: one seed a call) eager,
 #          fused and $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus
 #          the bitwise repeat of eager seed 0, one process each. Measured: all three seeds at once (13
@@ -178,5 +183,23 @@ case "${1:-}" in
     job tiles "$left" python3 -m dora_num record tiles --out "$W/tiles" --git-sha "$SHA"
     pack bundle
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle" >&2; exit 2 ;;
+  cards)  # correctness beside correctness: nothing here is timed
+    job products 300 python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
+    job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
+      --git-sha "$SHA" &
+    job seeds_smoke 200 python3 -m dora_num record adapters-gpu --plan seeds --seeds 1 --smoke \
+      --out "$W/seeds_smoke" --base .carry/minilm --wall-s 150 --git-sha "$SHA" &
+    job pytest "${PYTEST_S:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests
+    wait
+    pack cards
+    ;;
+  seed)  # one seed of the collapse grid a call (11 processes: two seeds do not fit one call's 10 minutes)
+    job seeds "$(( ${SEED_WALL_S:-500} + 60 ))" python3 -m dora_num record adapters-gpu --plan seeds \
+      --seeds "${SEED:?name the seed, e.g. SEED=1}" --out "$OUT" --base .carry/minilm --wall-s "${SEED_WALL_S:-500}" \
+      --git-sha "$SHA"
+    cp "$W/logs/seeds.log" "$OUT/seeds_job.log"
+    tail -n 25 "$W/logs/seeds.log"
+    ls -la "$OUT"
+    ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle|cards|seed" >&2; exit 2 ;;
 esac
