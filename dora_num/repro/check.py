@@ -116,8 +116,8 @@ def _table(p: Path):
     import pandas as pd
 
     name = p.name
-    if name.endswith(".csv") or name.endswith(".csv.gz"):
-        return pd.read_csv(p, compression="gzip" if name.endswith(".gz") else None)
+    if name.endswith((".csv", ".csv.gz", ".csv.xz")):
+        return pd.read_csv(p)  # the compression from the suffix
     if name.endswith(".parquet"):
         return pd.read_parquet(p)
     return None

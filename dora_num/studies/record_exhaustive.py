@@ -166,7 +166,7 @@ def compose_gpu(out_dir, *, smoke: bool = False, budget_s: float = 540.0, log=pr
     pairs around ``base ~ 1`` at two (g, s) per format: computed variants, exact result, bounds,
     ulp bounds, ``kappa_c``; every count must be 0) into ``out_dir/compose_exhaustive_bitwise.csv``;
     then every configuration (``smoke``: two formats x 2 g x 2 s on a 2^24-pair slice around
-    ``base ~ 1``), written to ``out_dir/compose_exhaustive.csv`` after each launch.  Stops cleanly,
+    ``base ~ 1``), written to ``out_dir/compose_exhaustive.csv.xz`` after each launch.  Stops cleanly,
     with what it has, once ``budget_s`` has passed (``stopped_early`` in the log).  ``device`` and
     ``pairs`` (the slice of the smoke launches) let the tests run the driver under the interpreter."""
     cuda = str(device).startswith("cuda")

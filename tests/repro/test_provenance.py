@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from dora_num.repro import paths
-from dora_num.repro.provenance import read_provenance, save_dataframe, write_artifact
+from dora_num.repro.provenance import read_provenance, recompress, save_dataframe, write_artifact
 
 
 def test_sidecar_records_hashes_and_parameters(tmp_path):
@@ -51,6 +51,43 @@ def test_dataframe_roundtrip_and_deterministic_gzip(tmp_path):
     pd.testing.assert_frame_equal(pd.read_csv(p1), df)
     with pytest.raises(ValueError, match="unsupported table format"):
         save_dataframe(df, tmp_path / "t.xlsx")
+
+
+def test_xz_tables_roundtrip_deterministically(tmp_path):
+    df = pd.DataFrame({"a": [1, 2], "b": [0.5, 0.25]})
+    p1 = save_dataframe(df, tmp_path / "t.csv.xz")
+    assert p1.read_bytes()[:6] == b"\xfd7zXZ\x00"  # the xz magic: written compressed, not merely named so
+    (tmp_path / "t.csv.xz").rename(tmp_path / "u.csv.xz")
+    assert save_dataframe(df, tmp_path / "t.csv.xz").read_bytes() == (tmp_path / "u.csv.xz").read_bytes()
+    pd.testing.assert_frame_equal(pd.read_csv(p1), df)
+
+
+def test_recompress_keeps_the_content_and_the_record(tmp_path):
+    df = pd.DataFrame({"x": range(50), "y": [k / 7 for k in range(50)]})
+    src = save_dataframe(df, tmp_path / "r.csv.gz", params={"n": 50}, seed=3)
+    before = read_provenance(src)
+    dst = recompress(src, tmp_path / "r.csv.xz")
+    side = read_provenance(dst)
+    assert not src.exists() and not (tmp_path / "r.csv.gz.provenance.json").exists()
+    pd.testing.assert_frame_equal(pd.read_csv(dst), df)
+    assert side["sha256"] == hashlib.sha256(dst.read_bytes()).hexdigest() and side["bytes"] == dst.stat().st_size
+    assert side["artifact"] == "r.csv.xz" and side["parameters"] == {"n": 50} and side["seed"] == 3
+    assert side["created_utc"] == before["created_utc"] and side["git"] == before["git"]
+    assert side["extra"]["recompressed_from"] == {
+        "artifact": "r.csv.gz", "sha256": before["sha256"], "bytes": before["bytes"],
+        "content_sha256": hashlib.sha256(df.to_csv(index=False, lineterminator="\n").encode()).hexdigest()}
+
+
+def test_recompress_refuses_a_file_its_sidecar_does_not_describe(tmp_path):
+    src = save_dataframe(pd.DataFrame({"a": [1]}), tmp_path / "r.csv")
+    src.write_text("a\n2\n")
+    with pytest.raises(ValueError, match="does not describe"):
+        recompress(src, tmp_path / "r.csv.xz")
+    assert src.exists() and not (tmp_path / "r.csv.xz").exists()
+    src2 = save_dataframe(pd.DataFrame({"a": [1]}), tmp_path / "s.csv")
+    (tmp_path / "s.csv.xz").write_bytes(b"")
+    with pytest.raises(FileExistsError, match="writes a new file only"):
+        recompress(src2, tmp_path / "s.csv.xz")
 
 
 def test_output_root_redirects_writes(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 the measuring machine from the run's device.json (one provenance vocabulary); smoke runs refused."""
 
 import json
+import lzma
 
 import pytest
 
@@ -17,14 +18,14 @@ def _run_dir(tmp_path, smoke):
         "device": {"name": "NVIDIA H200", "cuda": True}, "smoke": smoke, "sections": list(G.SECTIONS), "git_sha": "abc",
         "versions": {"torch": "2.11.0+cu130"}, "argv": ["x"], "wall_s": {"total": 1}, "compose_launches": 150,
         "compose_planned": 150, "compose_stopped_early": False}))
-    (d / "compose_exhaustive.csv").write_text("format,g\nbf16,1.0\n")
+    (d / G.X.RESULT_FILE).write_bytes(lzma.compress(b"format,g\nbf16,1.0\n"))
     return d
 
 
 def test_ingest_writes_sidecars_with_the_gpu_device(tmp_path):
     out = G.ingest(_run_dir(tmp_path, smoke=False), tmp_path / "data")
-    assert sorted(p.name for p in out) == ["compose_exhaustive.csv", "device.json"]
-    prov = read_provenance(tmp_path / "data" / "compose_exhaustive.csv")
+    assert sorted(p.name for p in out) == [G.X.RESULT_FILE, "device.json"]
+    prov = read_provenance(tmp_path / "data" / G.X.RESULT_FILE)
     assert prov["device"]["name"] == "NVIDIA H200" and prov["producer"] == "dora-num record exhaustive"
     assert prov["extra"]["measured_at_git_sha"] == "abc" and prov["extra"]["measured_versions"]["torch"] == "2.11.0+cu130"
     assert prov["extra"]["measured_from"] == ["run"]
@@ -34,9 +35,9 @@ def test_ingest_writes_sidecars_with_the_gpu_device(tmp_path):
 def test_ingest_through_the_record_command(tmp_path, capsys):
     src = _run_dir(tmp_path, smoke=False)
     assert cli.run("exhaustive", ["--ingest", str(src), "--out", str(tmp_path / "data"), "--git-sha", "def"]) == 0
-    prov = read_provenance(tmp_path / "data" / "compose_exhaustive.csv")
+    prov = read_provenance(tmp_path / "data" / G.X.RESULT_FILE)
     assert prov["extra"]["measured_at_git_sha"] == "def"  # --git-sha names the commit the GPU ran
-    assert "compose_exhaustive.csv" in capsys.readouterr().out
+    assert G.X.RESULT_FILE in capsys.readouterr().out
 
 
 def test_ingest_refuses_a_smoke_run(tmp_path):

@@ -8,7 +8,7 @@ COMPOSE_FP8 = DataSet("compose-fp8", {"check": "exhaustive/compose_fp8.csv.gz"},
                       module="dora_num.studies.bounds.record_fp8", about="CPU: the exhaustive fp8 compose check (01, 03)")
 # device.json describes the whole exhaustive GPU run (its census and accumulation sections too)
 COMPOSE_GPU = DataSet("compose-exhaustive", {
-    "results": "gpu/exhaustive/compose_exhaustive.csv", "bitwise": "gpu/exhaustive/compose_exhaustive_bitwise.csv",
+    "results": "gpu/exhaustive/compose_exhaustive.csv.xz", "bitwise": "gpu/exhaustive/compose_exhaustive_bitwise.csv",
     "device": "gpu/exhaustive/device.json"}, recorder="exhaustive --only compose", optional=("01", "03"),
     module="dora_num.studies.record_exhaustive",
     about="GPU: exhaustive sqrt census, tensor-core accumulation probe, 16-bit compose checks (01-03)")

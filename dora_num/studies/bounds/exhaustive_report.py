@@ -2,7 +2,7 @@
 re-check of every recorded worst input on the CPU with the package's own functions.
 
 The records: ``data/exhaustive/compose_fp8.csv.gz`` (fp8, CPU) and
-``data/gpu/exhaustive/compose_exhaustive.csv`` (bf16/fp16, H200), one row per format x g x s x
+``data/gpu/exhaustive/compose_exhaustive.csv.xz`` (bf16/fp16, H200), one row per format x g x s x
 formula x arithmetic as written by :func:`.exhaustive.stats_rows` / :func:`.exhaustive.cpu_exhaustive`.
 """
 
@@ -76,7 +76,7 @@ def recheck_worst(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_gpu(folder=None) -> pd.DataFrame:
-    """The recorded 16-bit GPU run (``data/gpu/exhaustive/compose_exhaustive.csv``, or ``folder``);
+    """The recorded 16-bit GPU run (``data/gpu/exhaustive/compose_exhaustive.csv.xz``, or ``folder``);
     :class:`~dora_num.repro.recording.RecordedDataMissing` saying how to record it."""
     path = COMPOSE_GPU.subset("results").require(folder)[0]
     return pd.read_csv(path)

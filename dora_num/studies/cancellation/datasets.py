@@ -17,7 +17,7 @@ TRAINED = DataSet("trained-adapters", {
 # data set of DATASETS to its committed files, and fails on an UNRECORDED one whose files are committed).
 TRAINED_SEEDS = DataSet("trained-adapters-seeds", {
     role: f"adapters/trained_seeds/{f}" for role, f in (
-        ("manifest", "manifest.json"), ("stats", "stats.csv.gz"), ("evals", "evals.csv"))},
+        ("manifest", "manifest.json"), ("stats", "stats.csv.xz"), ("evals", "evals.csv"))},
     recorder="adapters-gpu --plan seeds --seeds K --base .carry/minilm --wall-s 540")
 AGREEMENT = DataSet("agreement", {"runs": "adapters/agreement.csv"}, recorder="adapters --agreement-only",
                     where="the CPU, a few minutes on 2 cores", ingest=False, notebooks=("01",),

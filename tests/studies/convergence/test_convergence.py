@@ -108,10 +108,10 @@ def test_smoke_study_end_to_end(tmp_path):
     prof = pd.read_csv(tmp_path / "profile.csv")
     assert sorted(prof.path.unique()) == ["eager", "fused"] and len(prof) == 2 * cfg.profile_steps
     assert res.summary["projected_total_s"] > 0
-    for name in ("history.csv.gz", "evals.csv", "g_stats.csv.gz", "profile.csv", "summary.json"):
+    for name in ("history.csv.xz", "evals.csv", "g_stats.csv.xz", "profile.csv", "summary.json"):
         assert (tmp_path / name).is_file()
         assert read_provenance(tmp_path / name)["producer"] == "dora-num record convergence"
-    hist = pd.read_csv(tmp_path / "history.csv.gz")
+    hist = pd.read_csv(tmp_path / "history.csv.xz")
     assert set(hist.metric) == {"loss", "grad_norm", "lr", "seconds"}
     assert set(hist.run) == {"eager_s0", "fused_s0", "eager_s0_rep1", "eager_s1", "fused_s1"}
     assert set(hist[hist.path == "fused"].impl) == {"custom_op"}
@@ -138,7 +138,7 @@ def test_profile_only_then_runs_split_by_seed_are_merged(tmp_path):
     base = dict(TINY, profile_steps=cc.PROFILE_WARMUP + 1)
     prof = cv.run_study(cc.ConvergenceConfig(**dict(base, profile_only=True)), tmp_path / "profile",
                         log=lambda *_: None)
-    assert prof.summary["profile_only"] and not (tmp_path / "profile" / "history.csv.gz").exists()
+    assert prof.summary["profile_only"] and not (tmp_path / "profile" / "history.csv.xz").exists()
     for seed, rep in ((1, None), (0, 0)):
         cv.run_study(cc.ConvergenceConfig(**dict(base, seeds=(seed,), repeat_seed=rep, profile_steps=0)),
                      tmp_path / f"s{seed}", log=lambda *_: None)
@@ -206,7 +206,7 @@ def test_deadline_skips_whole_runs():
 
 
 def test_load_recorded_names_the_missing_runs(tmp_path):
-    with pytest.raises(FileNotFoundError, match="recorded data missing: .*history.csv.gz.*summary.json; record it "
+    with pytest.raises(FileNotFoundError, match="recorded data missing: .*history.csv.xz.*summary.json; record it "
                                                  "with: .*dora-num record convergence --ingest"):
         cvr.load_recorded(tmp_path)
 
@@ -239,7 +239,7 @@ def test_ddp_two_gloo_ranks_match_single_process(tmp_path):
                           "-m", "dora_num", "record", "convergence", "--out", str(tmp_path / "ddp"), *args],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    ddp = _tidy_loss(tmp_path / "ddp" / "history.csv.gz")
+    ddp = _tidy_loss(tmp_path / "ddp" / "history.csv.xz")
 
     cfg = cc.ConvergenceConfig(**dict(cc.SMOKE, steps=steps, seeds=(0,), repeat_seed=None, paths=("eager",),
                                       dropout=False, progress=False))
