@@ -495,7 +495,11 @@ def record(a) -> int:
         print("dora-num record adapters-gpu: --plan seeds needs --seeds K [K ...]", file=sys.stderr)
         return 2
     name = plan_name(a)
-    plan, cfg = plan_and_config(name, a.device, a.seeds)
+    try:
+        plan, cfg = plan_and_config(name, a.device, a.seeds)
+    except ValueError as e:  # bad seeds: a usage error, said in one line
+        print(f"dora-num record adapters-gpu: {e}", file=sys.stderr)
+        return 2
     if a.plan_only:
         pred = predict(plan, cfg, a.wall_s)
         if name == "seeds":

@@ -187,6 +187,16 @@ def test_plan_command_prints(capsys):
     assert "r384_lr0.0001_rslora" in out and "steps_host_bound" in out
 
 
+@pytest.mark.parametrize("seeds", [["0"], ["1", "1"], ["-2"]])
+def test_bad_seeds_are_a_usage_error_in_one_line(capsys, seeds):
+    """Seed 0 is the full plan's record and seeds are distinct: anything else exits 2, no traceback."""
+    from dora_num.studies import cli
+
+    assert cli.run("adapters-gpu", ["--plan", "seeds", "--seeds", *seeds, "--plan-only", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dora-num record adapters-gpu: seeds must be distinct integers >= 1") and "\n" not in err
+
+
 def test_plan_through_dora_num_record(capsys):
     """``dora-num record adapters-gpu ...`` reaches the recorder with its arguments passed through."""
     from dora_num.__main__ import main
