@@ -159,7 +159,13 @@ def target_row(target: str, shape: str, measured, threshold: float, floor, note:
 
 def target_status(data: dict) -> pd.DataFrame:
     """One row per (target, shape): measured value, threshold, the floor, verdict."""
-    c, copy = data["compose"], data["copy_gbps"]
+    c = data["compose"]
+    # The ceiling: the copy kernel's bandwidth, or the highest any measured path reached in the same run where
+    # one passed it (torch.compile's forward reaches 100.5% of copy): no floor below rests on a ceiling that
+    # a measured path exceeds.
+    top = max(100.0, float(c["pct_copy"].max()))
+    ceiling = data["copy_gbps"] * top / 100
+    on = f"the ceiling {top:.4g}% of copy ({'a measured path' if top > 100 else 'the copy kernel'})"
     rows = []
 
     def add(target, shape, measured, threshold, floor, note=""):
@@ -169,17 +175,18 @@ def target_status(data: dict) -> pd.DataFrame:
         shape = f"{tokens}x{d_out} bf16"
         fwd = _row(c, "bfloat16", tokens, d_out, "fwd", "fused")
         cmp_ = _row(c, "bfloat16", tokens, d_out, "fwd", "compile")
-        add("fwd_pct_copy", shape, fwd["pct_copy"], 90.0, 100.0)
-        add("fwd_speedup_vs_compile", shape, cmp_["ms"] / fwd["ms"], 1.6, 100.0 / cmp_["pct_copy"],
-            f"torch.compile already moves its bytes at {cmp_['pct_copy']:.1f}% of the copy bandwidth")
+        add("fwd_pct_copy", shape, fwd["pct_copy"], 90.0, top)
+        add("fwd_speedup_vs_compile", shape, cmp_["ms"] / fwd["ms"], 1.6, top / cmp_["pct_copy"],
+            f"torch.compile already moves its bytes at {cmp_['pct_copy']:.1f}% of the copy bandwidth; floor at {on}")
         bwd = _row(c, "bfloat16", tokens, d_out, "bwd", "fused")
-        add("bwd_pct_copy", shape, bwd["pct_copy"], 80.0, 100.0, "dlora, dbase, dg; saved fp32 inner")
+        add("bwd_pct_copy", shape, bwd["pct_copy"], 80.0, top, "dlora, dbase, dg; saved fp32 inner")
         eag = _row(c, "bfloat16", tokens, d_out, "bwd_autograd", "eager_autograd")
         add("bwd_speedup_vs_eager_autograd", shape, eag["ms"] / bwd["ms"], 6.0,
-            eag["ms"] / (bwd["bytes"] / (copy * 1e9) * 1e3), "eager autograd's backward alone (retain_graph)")
+            eag["ms"] / (bwd["bytes"] / (ceiling * 1e9) * 1e3),
+            f"eager autograd's backward alone (retain_graph); floor at {on}")
         tr = _row(c, "bfloat16", tokens, d_out, "train", "fused")
         trc = _row(c, "bfloat16", tokens, d_out, "train", "compile")
-        floor_ms = tr["bytes"] / (copy * 1e9) * 1e3
+        floor_ms = tr["bytes"] / (ceiling * 1e9) * 1e3
         dev = train_device_times(data.get("train_graphs"), tokens, d_out)
         if dev is not None:
             # the target on the device: both steps replayed from CUDA graphs (no host in the timing)
@@ -190,8 +197,8 @@ def target_status(data: dict) -> pd.DataFrame:
                 f"{100 * dev['floor_ms'] / dev['compile_ms']:.0f}% of it")
         add("train_step_speedup_vs_compile" if dev is not None else "train_speedup_vs_compile", shape,
             trc["ms"] / tr["ms"], 1.5, trc["ms"] / floor_ms,
-            f"one step at a time through autograd (do_bench); floor {floor_ms:.3f} ms; fused at "
-            f"{tr['pct_copy']:.0f}% of it" + ("; host-bound below ~16384x8192: the ratio compares the two "
+            f"one step at a time through autograd (do_bench); floor {floor_ms:.3f} ms at {on}; fused at "
+            f"{100 * floor_ms / tr['ms']:.0f}% of it" + ("; host-bound below ~16384x8192: the ratio compares the two "
                                                "host paths" if dev is not None else ""))
     n = data["norm"]
     sel = n[(n["d_out"] == 8192) & (n["d_in"] == 8192) & (n["rank"] == 384) & (n["w_dtype"] == "bfloat16")]
