@@ -31,7 +31,7 @@
 #          shapes (this card's own record), the memory holdout and the collapse seeds' smoke plan (a
 #          correctness record: no timing claims)                              -> $OUT/session_cards.tgz
 #   seed   the collapse seeds' grid for seed $SEED (11 runs, one process each, deadline $SEED_WALL_S,
-#          default 500 s): the launcher's own files                            -> $OUT/part-K.tar, plan.json, ...
+#          default 500 s), $SIDE beside it (probe or pytest, below)  -> $OUT/seeds/part-K.tar, ..., session_seedK.tgz
 #   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (no default: one seed a call) eager,
 #          fused and $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus
 #          the bitwise repeat of eager seed 0, one process each. Measured: all three seeds at once (13
@@ -193,13 +193,22 @@ case "${1:-}" in
     wait
     pack cards
     ;;
-  seed)  # one seed of the collapse grid a call (11 processes: two seeds do not fit one call's 10 minutes)
-    job seeds "$(( ${SEED_WALL_S:-500} + 60 ))" python3 -m dora_num record adapters-gpu --plan seeds \
-      --seeds "${SEED:?name the seed, e.g. SEED=1}" --out "$OUT" --base .carry/minilm --wall-s "${SEED_WALL_S:-500}" \
-      --git-sha "$SHA"
-    cp "$W/logs/seeds.log" "$OUT/seeds_job.log"
+  seed)  # one seed of the collapse grid a call (11 processes: two seeds do not fit one call's 10 minutes), with
+    # $SIDE beside it (none, probe: the card's accumulation probe and the memory holdout, pytest: all gpu tests on
+    # 3 workers): correctness records whose timings are not claims; the seeds' runs end by plateau or deadline
+    case "${SIDE:-none}" in
+      probe)
+        job products 300 python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
+        job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
+          --git-sha "$SHA" & ;;
+      pytest) job pytest "${PYTEST_S:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 3 tests & ;;
+    esac
+    job seeds "$(( ${SEED_WALL_S:-500} + 40 ))" python3 -m dora_num record adapters-gpu --plan seeds \
+      --seeds "${SEED:?name the seed, e.g. SEED=1}" --out "$OUT/seeds" --base .carry/minilm \
+      --wall-s "${SEED_WALL_S:-500}" --git-sha "$SHA"
+    wait
     tail -n 25 "$W/logs/seeds.log"
-    ls -la "$OUT"
+    pack "seed$SEED"
     ;;
   *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle|cards|seed" >&2; exit 2 ;;
 esac
