@@ -102,8 +102,9 @@ LICENCES: tuple[tuple[str, Callable[[Stats, str], bool], str], ...] = (
      "the sentence says the seeds also change the batches (seed_floor_batches_differ)"),
     (r"about as much as", lambda s, _: 0.5 <= _get(s, "ratio_min") and _get(s, "ratio_max") <= 2,
      "every per-seed ratio to the same-batch floor between 0.5 and 2 (ratio_min, ratio_max)"),
-    (r"out of reach", lambda s, sen: _get(s, "max_measured_pct_copy", 101) <= 100 or "not established" in sen,
-     "no measured path above the copy bandwidth taken as the ceiling (max_measured_pct_copy <= 100)"),
+    (r"out of reach",
+     lambda s, sen: _get(s, "floor_ceiling_pct", 0) >= _get(s, "max_measured_pct_copy", 101) or "not established" in sen,
+     "floors drawn at a ceiling no measured path exceeds (floor_ceiling_pct >= max_measured_pct_copy)"),
 )
 
 # what a text must say when a statistic holds: (condition on the stats, a pattern the text must contain, why)
