@@ -64,7 +64,9 @@ def recorders(datasets) -> dict[str, Recorder]:
 
 
 # recorders of no data set: what a GPU run needs carried along
-TOOLS = {"carry": Recorder("dora_num.studies.record_carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine")}
+TOOLS = {"carry": Recorder("dora_num.studies.record_carry", "CPU: the bf16 copy of MiniLM carried to the GPU machine"),
+         "carry-dorafactors": Recorder("dora_num.studies.speed.record_carry_dorafactors",
+                                       "CPU: the released dorafactors kernels (v1.0) carried to the GPU machine")}
 RECORDERS: dict[str, Recorder] = {**recorders([*DATASETS.values(), *UNRECORDED.values()]), **TOOLS}
 
 NOT_RECORDED = ("corpus",)  # data/ folders that are inputs, not recordings (corpus: dora_num.adapters.corpus)
