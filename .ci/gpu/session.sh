@@ -31,7 +31,7 @@
 #          shapes (this card's own record), the memory holdout and the collapse seeds' smoke plan (a
 #          correctness record: no timing claims)                              -> $OUT/session_cards.tgz
 #   seed   the collapse seeds' grid for seed $SEED (11 runs, one process each, deadline $SEED_WALL_S,
-#          default 500 s), $SIDE beside it (probe or pytest, below)  -> $OUT/seeds/part-K.tar, ..., session_seedK.tgz
+#          default 500 s), $SIDE beside it (probe or pytest, below), then AFTER=dorafactors alone  -> $OUT/seeds/part-K.tar, ..., session_seedK.tgz
 #   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (no default: one seed a call) eager,
 #          fused and $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus
 #          the bitwise repeat of eager seed 0, one process each. Measured: all three seeds at once (13
@@ -208,6 +208,12 @@ case "${1:-}" in
       --wall-s "${SEED_WALL_S:-500}" --git-sha "$SHA"
     wait
     tail -n 25 "$W/logs/seeds.log"
+    if [ "${AFTER:-}" = dorafactors ]; then  # then alone on the GPU (a timing), with the time left
+      left=$(( 585 - ($(date +%s) - t0) ))
+      job dorafactors "$left" python3 -m dora_num record dorafactors --out "$W/dorafactors" \
+        --dorafactors .carry/dorafactors --git-sha "$SHA"
+      tail -n 15 "$W/logs/dorafactors.log"
+    fi
     pack "seed$SEED"
     ;;
   *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle|cards|seed" >&2; exit 2 ;;
