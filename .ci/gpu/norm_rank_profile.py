@@ -1,0 +1,37 @@
+"""Where the factored norm's time goes by rank at one shape (a diagnostic, not a data set): bf16 W 8192 x 8192,
+bf16 A and B, ranks 8 to 384; do_bench medians, then the kernels of one call at r = 16 and r = 384 (torch.profiler).
+Run on the GPU: PYTHONPATH=. python3 .ci/gpu/norm_rank_profile.py OUT_DIR"""
+
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+from dora_num.ops.norm import factored_row_norm
+
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+lines = [f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}"]
+d = 8192
+g = torch.Generator(device="cuda").manual_seed(0)
+W = (torch.randn(d, d, device="cuda", generator=g) / d ** 0.5).bfloat16()
+for r in (8, 16, 32, 64, 128, 256, 384):
+    A = (torch.randn(r, d, device="cuda", generator=g) / d ** 0.5).bfloat16()
+    B = (torch.randn(d, r, device="cuda", generator=g) * 0.01).bfloat16()
+    ms = triton.testing.do_bench(lambda: factored_row_norm(W, A, B, 2.0), quantiles=[0.5, 0.2, 0.8])
+    lines.append(f"r={r:4d} factored_row_norm ms median {ms[0]:.4f} p20 {ms[1]:.4f} p80 {ms[2]:.4f}")
+    if r in (16, 384):
+        for _ in range(3):
+            factored_row_norm(W, A, B, 2.0)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                factored_row_norm(W, A, B, 2.0)
+            torch.cuda.synchronize()
+        lines.append(f"--- r={r}: 5 calls")
+        lines.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+text = "\n".join(lines)
+(out / "norm_rank_profile.txt").write_text(text + "\n")
+print(text)
