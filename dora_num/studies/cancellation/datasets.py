@@ -12,13 +12,12 @@ TRAINED = DataSet("trained-adapters", {
     recorder="adapters-gpu --base .carry/minilm", notebooks=("01", "02"),
     module="dora_num.studies.cancellation.record_trained",
     about="GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training (01, 02)")
-# The seeds plan's record (studies/cancellation/seeds.py).  Declared before it is recorded (UNRECORDED): it
-# joins DATASETS once data/adapters/trained_seeds/ is committed (tests/studies/test_datasets.py holds every
-# data set of DATASETS to its committed files, and fails on an UNRECORDED one whose files are committed).
+# The seeds plan's record (studies/cancellation/seeds.py): seeds 1 and 2 of the grid, seed 0 from TRAINED.
 TRAINED_SEEDS = DataSet("trained-adapters-seeds", {
     role: f"adapters/trained_seeds/{f}" for role, f in (
         ("manifest", "manifest.json"), ("stats", "stats.csv.xz"), ("evals", "evals.csv"))},
-    recorder="adapters-gpu --plan seeds --seeds K --base .carry/minilm --wall-s 540")
+    recorder="adapters-gpu --plan seeds --seeds K --base .carry/minilm --wall-s 500 (one seed a call: "
+             ".ci/gpu/session.sh seed), then --ingest DIR DIR", notebooks=("01",))
 AGREEMENT = DataSet("agreement", {"runs": "adapters/agreement.csv"}, recorder="adapters --agreement-only",
                     where="the CPU, a few minutes on 2 cores", ingest=False, notebooks=("01",),
                     module="dora_num.studies.cancellation.record_adapters",
@@ -27,5 +26,4 @@ PAPER_SHAPE = DataSet("paper-shape", {"at_g1": "01_cancellation_at_g1/paper_benc
                       recorder="notebook 01 with RECOMPUTE_PAPER_SHAPE=True", where="the CPU, about 3 min on 2 cores",
                       notebooks=("01",))
 
-DATASETS = (TRAINED, AGREEMENT, PAPER_SHAPE)
-UNRECORDED = (TRAINED_SEEDS,)
+DATASETS = (TRAINED, TRAINED_SEEDS, AGREEMENT, PAPER_SHAPE)

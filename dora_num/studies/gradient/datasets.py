@@ -11,7 +11,7 @@ MEMORY_HOLDOUT_PREDICTIONS = DataSet(
     "memory-holdout-predictions", {"predictions": "gpu/memory/memory_holdout_predictions.csv"},
     recorder="memory --predict-holdout", where="the CPU, a second", ingest=False)
 MEMORY_HOLDOUT = DataSet("memory-holdout", {"measured": "gpu/memory/memory_holdout.csv"},
-                         recorder="memory --holdout --base .carry/minilm", where="one H100 or H200, under 2 minutes")
+                         recorder="memory --holdout --base .carry/minilm", where="one H100 or H200, under 2 minutes",
+                         notebooks=("06",))
 
-# MEMORY_HOLDOUT joins once recorded (every data set here is committed: tests/studies/test_datasets.py)
-DATASETS = (MEMORY, MEMORY_HOLDOUT_PREDICTIONS)
+DATASETS = (MEMORY, MEMORY_HOLDOUT_PREDICTIONS, MEMORY_HOLDOUT)

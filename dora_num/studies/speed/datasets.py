@@ -32,12 +32,11 @@ GUARD_COST = DataSet("guard-cost", {"interleaved": "gpu/guard_cost.csv"}, record
                      about="GPU: what the cancellation guard costs, on vs off interleaved")
 
 # The paper's released kernels (github.com/sockeye44/dorafactors, tag v1.0) against ours in one process on one
-# GPU, their source carried (dora-num record carry-dorafactors).  Declared before it is recorded (UNRECORDED):
-# it joins DATASETS once its file is committed (tests/studies/test_datasets.py).
+# GPU, their source carried (dora-num record carry-dorafactors).
 DORAFACTORS = DataSet("dorafactors", {"bench": "gpu/dorafactors_bench.csv"},
                       recorder="dorafactors --dorafactors .carry/dorafactors",
-                      module="dora_num.studies.speed.record_dorafactors",
+                      module="dora_num.studies.speed.record_dorafactors", notebooks=("05",),
                       about="GPU: the released dorafactors kernels (v1.0) against ours, interleaved in one run")
 
-DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST)
-UNRECORDED = (DORAFACTORS,)
+DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST,
+            DORAFACTORS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...repro.headline import Stats, read_csv
+from .datasets import TRAIN_GRAPHS
 
 # shown under the headline in the README (figures/05_memory_and_speed/*.png)
 FIGURES = ("compose_pct_copy_bf16",)
@@ -44,7 +45,7 @@ def _speed(d: Path) -> Stats:
             "layer_threshold": met, "rounds_below_threshold": below, "rounds": rounds,
             "oor_on_ceiling": int(oor.note.str.contains("the ceiling").sum()),
             "oor_on_graphs": int(oor.note.str.contains("CUDA graphs").sum()),
-            "graphs_max_pct_floor": float(read_csv(d, "gpu/train_graphs.csv").pct_copy.max()),
+            "graphs_max_pct_floor": float(read_csv(d, TRAIN_GRAPHS.file("timing")).pct_copy.max()),
             "ceiling_pct_copy": float(top.pct_copy), "ceiling_impl": str(top.impl), "ceiling_op": str(top.op),
             "max_measured_pct_copy": float(bw.pct_copy.max()),
             # the ceiling the targets table drew its bandwidth floors at (report.target_status)
