@@ -161,6 +161,32 @@ def seeds_fraction_vs_lr_integral(sens: pd.DataFrame):
     ax.set(xscale="log", xlabel="L = lr x steps (warmup counted as run)", ylim=(-0.02, 1.02),
            ylabel=f"fraction of g, {fmt} ({'fl(g) = 1' if zone == 'one' else '|g-1| < eps/2'})")
     ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def seeds_fractions(frac: pd.DataFrame, zone: str = "one"):
+    """The pooled fraction of g in ``zone`` per configuration (:func:`.seeds.fraction_table`), bf16 and fp16, at
+    the best checkpoint and the last capture, each with its 95 % interval over seeds and modules."""
+    t = frac[(frac["zone"] == zone) & frac["format"].isin(["bf16", "fp16"])]
+    order = t.drop_duplicates("config").sort_values(["lr", "variant", "rank"], ascending=[True, False, True])["config"].tolist()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    for ax, fmt in zip(axes, ("bf16", "fp16")):
+        for k, (at, colour) in enumerate((("best", "C0"), ("final", "C3"))):
+            u = t[(t["format"] == fmt) & (t["checkpoint"] == at)].set_index("config").reindex(order)
+            x = np.arange(len(order)) + (k - 0.5) * 0.3
+            n = int(u["n_seeds"].max())
+            ax.errorbar(x, u["fraction"], yerr=[u["fraction"] - u["lo"], u["hi"] - u["fraction"]], fmt="o",
+                        ms=4, color=colour, capsize=2, lw=0.9,
+                        label=f"{'best checkpoint' if at == 'best' else 'last capture'} ({n} seeds)")
+        lab = t.drop_duplicates("config").set_index("config")
+        ax.set_xticks(np.arange(len(order)), [f"r{lab.loc[c, 'rank']}\n{lab.loc[c, 'lr']:.0e}"
+                                             + ("\nrsLoRA" if lab.loc[c, "variant"] != "standard" else "")
+                                             for c in order], fontsize=7)
+        ax.set(title=fmt, ylim=(-0.02, 1.02))
+    axes[0].set_ylabel("fraction of g with fl(g) = 1" if zone == "one" else "fraction with |g-1| < eps/2")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
     return fig
 
 

@@ -285,3 +285,50 @@ def predict_paper(fit: ScalingFit, errors: pd.DataFrame, *, setting=None, w_rang
     out["hi"] = max(b["hi"] for b in out["by_w"])
     out["measured_inside"] = bool(out["lo"] <= p["g_std"] <= out["hi"])
     return out
+
+
+# --------------------------------------------------------------------------
+# What notebook 01 records of it
+# --------------------------------------------------------------------------
+
+def _joined(values) -> str:
+    return ";".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
+def fractions_for_table(frac: pd.DataFrame) -> pd.DataFrame:
+    """:func:`fraction_table` with its list columns (seeds, steps) ``;``-joined, as a CSV keeps them."""
+    return frac.assign(seeds=frac["seeds"].map(_joined), steps=frac["steps"].map(_joined))
+
+
+def scaling_record(stats: pd.DataFrame, *, level: float = PI_LEVEL) -> dict:
+    """The scaling model as pre-registered: the fit on every standard capture, the held-out errors by learning
+    rate (the pre-registered check) and by rank (the second), and :func:`predict_paper` from the lr hold-out."""
+    d = design(stats)
+    fit = fit_scaling(d)
+    by_lr, by_rank = held_out(d, "lr"), held_out(d, "rank")
+    return {"fit": {"coef": fit.coef, "se": fit.se, "resid_sd": fit.resid_sd, "n": fit.n,
+                    "features": list(fit.features)},
+            "held_out_lr": held_out_summary(by_lr, level), "held_out_rank": held_out_summary(by_rank, level),
+            "held_out_lr_by_value": {k: held_out_summary(g, level) for k, g in by_lr.groupby("held_out")},
+            "paper": predict_paper(fit, by_lr, level=level)}
+
+
+def scaling_markdown(rec: dict) -> str:
+    """The scaling model's result in words, every number from ``rec`` (:func:`scaling_record`)."""
+    c, lr, rk, p = rec["fit"]["coef"], rec["held_out_lr"], rec["held_out_rank"], rec["paper"]
+    mid = p["by_w"][1]
+    inside = [b["w"] for b in p["by_w"] if b["measured_inside"]]
+    where = ("at none of the three" if not inside else
+             "at every one" if len(inside) == len(p["by_w"]) else
+             "only at ||W_j|| = " + ", ".join(f"{w:.2g}" for w in inside))
+    return (f"Fitted on {rec['fit']['n']:,} (run, capture, module, ||W_j|| tercile) rows: rms(g - 1) ~ "
+            f"L^{c['log_L']:.2f} t^{c['log_t']:.2f} ||W_j||^{c['log_w']:.2f} r^{c['log_r']:.2f}. "
+            f"Held out by learning rate (fit on one, predict the other: the tenfold extrapolation the paper's "
+            f"lr asks for) its pooled RMS per held-out capture is off by a factor {math.exp(lr['rmse_log']):.2g} "
+            f"(rms of the log ratio {lr['rmse_log']:.2f}, {lr['n']} captures; {lr['level']:.0%} of the ratios "
+            f"within {math.exp(lr['q_lo']):.2g}x to {math.exp(lr['q_hi']):.2g}x); held out by rank by a factor "
+            f"{math.exp(rk['rmse_log']):.2g}. For the paper's adapter (r = {p['setting']['rank']}, its recipe "
+            f"assumed: lr {p['setting']['lr']:g}, {p['setting']['steps']} steps, cosine) it predicts std(g) "
+            f"{mid['g_std']:.2g} ({p['level']:.0%}: {mid['lo']:.2g} to {mid['hi']:.2g}) at ||W_j|| = "
+            f"{mid['w']:.2g}, {p['lo']:.2g} to {p['hi']:.2g} over ||W_j|| in {p['by_w'][0]['w']:.2g} to "
+            f"{p['by_w'][-1]['w']:.2g}; the measured {p['measured_g_std']:g} lies inside the interval {where}.")
