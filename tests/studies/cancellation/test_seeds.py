@@ -245,6 +245,23 @@ def test_paper_prediction_is_the_model_at_the_paper_s_setting():
     assert out["by_w"][0]["g_std"] > out["by_w"][2]["g_std"]  # slope -1 in ||W||
 
 
+def test_scaling_record_and_its_words_follow_the_fit():
+    """The record the notebook saves: the fit, both hold-outs and the paper's prediction; its markdown states
+    the record's own numbers (a changed exponent changes the text) and where the measured std falls."""
+    st = _synthetic_stats(np.random.default_rng(7))
+    rec = S.scaling_record(st)
+    assert rec["fit"]["coef"]["log_w"] == pytest.approx(TRUE["log_w"], abs=0.05)
+    assert rec["held_out_lr"]["n"] == rec["held_out_rank"]["n"] > 0
+    assert set(rec["held_out_lr_by_value"]) == {"lr=0.0001", "lr=0.001"}
+    text = S.scaling_markdown(rec)
+    assert f"||W_j||^{rec['fit']['coef']['log_w']:.2f}" in text and "held out by rank" in text
+    p = rec["paper"]
+    inside = [b for b in p["by_w"] if b["measured_inside"]]
+    assert ("at none of the three" in text) == (not inside)
+    rec["fit"]["coef"]["log_w"] = -2.5
+    assert "||W_j||^-2.50" in S.scaling_markdown(rec)
+
+
 def test_fraction_and_sensitivity_tables_on_a_small_record():
     """Two seeds of one configuration: the pooled fraction is the counts' ratio, the interval contains it and
     says what it resampled; the sensitivity rows carry L."""
@@ -253,7 +270,7 @@ def test_fraction_and_sensitivity_tables_on_a_small_record():
     for seed in (0, 1):
         gm1 = {n: rng.normal(0, 2e-3, 64) for n in MODULES}
         w = {n: np.ones(64) for n in MODULES}
-        frames.append(T.capture_stats(gm1, w, formats=("bf16",)).assign(
+        frames.append(T.capture_stats(gm1, w, formats=("bf16", "fp16")).assign(
             run=f"r8_lr0.001_s{seed}", config="r8_lr0.001", seed=seed, rank=8, lr=1e-3, variant="standard",
             warmup_steps=200, step=100, best=True, final=True))
     st = pd.concat(frames, ignore_index=True)
@@ -273,6 +290,14 @@ def test_fraction_and_sensitivity_tables_on_a_small_record():
 
     fig = seeds_fraction_vs_lr_integral(sens)
     assert "bf16 (fl(g) = 1)" in fig.axes[0].get_ylabel() and len(fig.axes[0].collections) == 3
+    plt.close(fig)
+    table = S.fractions_for_table(ft)
+    assert table["seeds"].tolist() == ["0;1", "0;1"] and table["steps"].tolist() == ["100;100", "100;100"]
+    from dora_num.studies.cancellation.plots import seeds_fractions
+
+    fig = seeds_fractions(S.fraction_table(st, formats=("bf16", "fp16"), zones=("one",), n_resamples=99))
+    assert [ax.get_title() for ax in fig.axes] == ["bf16", "fp16"]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["r8\n1e-03"]
     plt.close(fig)
 
 
