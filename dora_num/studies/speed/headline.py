@@ -1,4 +1,5 @@
-"""Notebook 05's headline in the README (the H200 targets, the layer against PEFT): the sentences and the
+"""Notebook 05's headline in the README (the H200 targets, the layer against PEFT, the paper's released kernels
+on an H100): the sentences and the
 statistics they state, read from the committed data (``d``: the ``data/`` folder).
 :mod:`dora_num.repro.results` gathers every study folder's ``headline.py`` into the README and checks each
 strong word against the statistics it returns."""
@@ -7,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...repro.headline import Stats, read_csv
-from .datasets import TRAIN_GRAPHS
+from ...repro.headline import Stats, read_csv, read_json
+from .datasets import DORAFACTORS, SUITE, TRAIN_GRAPHS
 
 # shown under the headline in the README (figures/05_memory_and_speed/*.png)
 FIGURES = ("compose_pct_copy_bf16",)
@@ -54,8 +55,62 @@ def _speed(d: Path) -> Stats:
             "target_fwd_pct_copy": t[t.target == "fwd_pct_copy"].measured.max()}
 
 
+def _released(d: Path) -> tuple[Stats, str, str]:
+    """Notebook 05's table of the paper's released kernels against ours (one run, one card): per op, the
+    range of the median-round ratios (their time / ours), the range of the per-round ratios, how many
+    configurations' rounds all lie on one side of 1, and the output errors against float64; with the card
+    (from the record's provenance) and the gradient of the compose's training step their kernel gets least
+    exact."""
+    t = read_csv(d, "05_memory_and_speed/released_vs_ours.csv")
+    card = read_json(d, DORAFACTORS.file("bench") + ".provenance.json")["device"]["name"]
+    train = t[t.op == "compose_train"]
+    worst = train.loc[train.grad_err_theirs.idxmax()]
+    s: Stats = {"released_rounds": int(t["rounds"].min()),
+                "released_rounds_max": int(t["rounds"].max()), "released_configurations": len(t),
+                "released_theirs_longer": int((t.interval == "theirs longer").sum()),
+                "released_ours_longer": int((t.interval == "ours longer").sum()),
+                "released_overlaps": int((t.interval == "overlaps 1").sum())}
+    for op, g in t.groupby("op"):
+        s |= {f"{op}_ratio_min": g.ratio.min(), f"{op}_ratio_max": g.ratio.max(),
+              f"{op}_lo": g.ratio_lo.min(), f"{op}_hi": g.ratio_hi.max(),
+              f"{op}_err_theirs_max": g.err_theirs.max(), f"{op}_err_ours_max": g.err_ours.max()}
+    small = t[(t.op == "layer_fwd_bwd") & (t.d_out == t[t.op == "layer_fwd_bwd"].d_out.min())]
+    s |= {"layer_small_d_out": int(small.d_out.iloc[0]),
+          "layer_small_overlaps": int((small.interval == "overlaps 1").sum()), "layer_small_n": len(small),
+          "compose_train_grad_err_theirs": float(worst.grad_err_theirs),
+          "compose_train_grad_err_ours": float(train.grad_err_ours.max())}
+    return s, _card(card), str(worst.grad_err_theirs_of)
+
+
+def _card(name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``H100``."""
+    return name.removeprefix("NVIDIA ").split()[0]
+
+
+def _released_sentence(s: Stats, card: str, grad: str, rest: str) -> str:
+    def r(op):
+        return (f"{s[op + '_ratio_min']:.3g}x to {s[op + '_ratio_max']:.3g}x (rounds {s[op + '_lo']:.3g} to "
+                f"{s[op + '_hi']:.3g})")
+
+    return (f"The paper's released kernels (dorafactors v1.0) against ours on one {card} in one run, their time "
+            f"over ours in the same round, median of {s['released_rounds']} interleaved rounds and the range over "
+            f"rounds: compose forward {r('compose_fwd')}, their kernel taking g in bf16 (output error "
+            f"{s['compose_fwd_err_theirs_max']:.2g} against our {s['compose_fwd_err_ours_max']:.2g}, relative "
+            f"to float64); compose training {r('compose_train')}, their {grad} error up to "
+            f"{s['compose_train_grad_err_theirs']:.2g} (our worst gradient's {s['compose_train_grad_err_ours']:.2g}); "
+            f"row norm {r('row_norm')}, theirs returning bf16 (error "
+            f"{s['row_norm_err_theirs_max']:.2g} against our {s['row_norm_err_ours_max']:.2g}); layer forward "
+            f"{r('layer_fwd')} and forward+backward {r('layer_fwd_bwd')} with bf16 adapters on both sides, where "
+            f"at {s['layer_small_d_out']}->{s['layer_small_d_out']} {s['layer_small_overlaps']} of "
+            f"{s['layer_small_n']} ranges include 1; in {s['released_theirs_longer']} of the "
+            f"{s['released_configurations']} configurations every round has theirs longer, in "
+            f"{s['released_ours_longer']} ours, in {s['released_overlaps']} the rounds do not order them (the "
+            f"rest of notebook 05 is from an {rest})")
+
+
 def headline(d: Path) -> tuple[list[str], Stats]:
     s = _speed(d)
+    rel, card, grad = _released(d)
     return ([f"H200 targets, one session's medians without intervals: {s['met']} met, {s['missed']} missed, "
              f"{s['out_of_reach']} out of reach (below); fused compose forward at "
              f"{s['target_fwd_pct_copy']:.3g}% of "
@@ -72,5 +127,6 @@ def headline(d: Path) -> tuple[list[str], Stats]:
              f"exceeds (the fused forward reaches {s['fused_fwd_pct_copy']:.3g}%); {s['oor_on_graphs']} on the "
              f"CUDA-graph floor of their own run, where no path passes {s['graphs_max_pct_floor']:.3g}% of it, and "
              f"{s['out_of_reach'] - s['oor_on_ceiling'] - s['oor_on_graphs']} on plain LoRA's host cost measured "
-             f"beside it"],
-            s)
+             f"beside it",
+             _released_sentence(rel, card, grad, _card(read_json(d, SUITE.file("device"))["device"]["name"]))],
+            s | rel)

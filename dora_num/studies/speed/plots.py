@@ -6,6 +6,7 @@ convention: every notebook's figures live in its study folder's ``plots.py``).""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker as mticker
 import pandas as pd
 import seaborn as sns
 
@@ -79,5 +80,34 @@ def train_step_timing(tt: pd.DataFrame):
         ax.set_title(title)
         ax.set_xlabel("tokens x d_out (bf16)")
     axes[0].set_ylabel("% of the bandwidth floor (16 B/element)")
+    fig.tight_layout()
+    return fig
+
+
+def released_ratios(t: pd.DataFrame, device: str = ""):
+    """Their time / ours per op and shape (:func:`~dora_num.studies.speed.released.like_for_like`): the
+    median round as a dot, the range over rounds as a bar, a line at 1 (right of it: theirs took longer)."""
+    t = t.reset_index(drop=True)
+    labels = t["op"].astype(str) + "  " + t["shape"]
+    y = range(len(t))[::-1]  # the table's first row at the top
+    fig, ax = plt.subplots(figsize=(6.4, 0.26 * len(t) + 1.0))
+    colors = dict(zip(t["op"].cat.categories if hasattr(t["op"], "cat") else sorted(set(t["op"])),
+                      sns.color_palette("colorblind")))
+    for yi, (_, r) in zip(y, t.iterrows()):
+        ax.errorbar(r["ratio"], yi, xerr=[[r["ratio"] - r["ratio_lo"]], [r["ratio_hi"] - r["ratio"]]], fmt="o",
+                    ms=4, capsize=2, lw=1, color=colors[r["op"]])
+    ax.axvline(1, color="grey", lw=0.8, ls="--")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.set_xscale("log")
+    lo, hi = min(t["ratio_lo"].min(), 1) / 1.1, max(t["ratio_hi"].max(), 1) * 1.1
+    ticks = [x for x in (0.5, 0.8, 1, 1.5, 2, 3, 5, 7, 10, 20) if lo <= x <= hi]
+    ax.set_xlim(lo, hi)
+    ax.xaxis.set_major_locator(mticker.FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(mticker.FixedFormatter([f"{x:g}" for x in ticks]))
+    ax.xaxis.set_minor_locator(mticker.NullLocator())
+    ax.set_xlabel("their time / ours (dot: median round; bar: min to max over rounds)")
+    n = int(t["rounds"].min()) if len(t) else 0
+    ax.set_title(f"released dorafactors kernels vs ours, {n} interleaved rounds{', ' + device if device else ''}",
+                 fontsize=9)
     fig.tight_layout()
     return fig
