@@ -36,6 +36,7 @@ GUARD_COST = DataSet("guard-cost", {"interleaved": "gpu/guard_cost.csv"}, record
 DORAFACTORS = DataSet("dorafactors", {"bench": "gpu/dorafactors_bench.csv"},
                       recorder="dorafactors --dorafactors .carry/dorafactors",
                       module="dora_num.studies.speed.record_dorafactors", notebooks=("05",),
+                      where="one H100 or H200, about 2 minutes",
                       about="GPU: the released dorafactors kernels (v1.0) against ours, interleaved in one run")
 
 DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST,
