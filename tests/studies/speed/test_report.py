@@ -52,13 +52,15 @@ def test_target_status_on_recorded_run():
     assert (oor["best_possible"] < oor["threshold"]).all()
 
 
-def test_target_status_verdicts_on_a_synthetic_run():
-    """met / out_of_reach / missed follow from the numbers (not from the recorded run)."""
+def _synthetic_status(compile_fwd=(1.0, 95.0)):
+    """target_status of a made-up run: compose rows at both target shapes (compile's forward at
+    ``compile_fwd`` = (ms, % of copy)), a norm and a layer row; the copy bandwidth puts the 8192-token
+    training floor at 0.5 ms."""
     rows = []
     for tokens in (8192, 16384):
         n = tokens * 8192
         for op, impl, ms, pct, nbytes in (
-            ("fwd", "fused", 1.0, 95.0, 6 * n), ("fwd", "compile", 1.0, 95.0, 6 * n),
+            ("fwd", "fused", 1.0, 95.0, 6 * n), ("fwd", "compile", *compile_fwd, 6 * n),
             ("bwd", "fused", 1.0, 85.0, 10 * n), ("bwd_autograd", "eager_autograd", 7.0, 10.0, 10 * n),
             ("train", "fused", 1.0, 40.0, 16 * n), ("train", "compile", 1.2, 40.0, 16 * n)):
             rows.append({"dtype": "bfloat16", "tokens": tokens, "d_out": 8192, "op": op, "impl": impl, "ms": ms,
@@ -68,8 +70,13 @@ def test_target_status_verdicts_on_a_synthetic_run():
                          for m, p, t in (("dense_fp32", 800, 2.0), ("factored_cached", 40, 0.5))])
     layer = pd.DataFrame([{"impl": i, "d_in": 4096, "d_out": 4096, "rank": 384, "tokens": 4096, "mode": "fwd_bwd",
                            "ms": t, "peak_extra_bytes": p} for i, t, p in (("dora_num", 1.0, 1), ("peft_default", 3.0, 2))])
-    copy_gbps = 16 * 8192 * 8192 / 1e9 / 0.5e-3  # train floor 0.5 ms at 8192 tokens
-    st = br.target_status({"compose": pd.DataFrame(rows), "norm": norm, "layer": layer, "copy_gbps": copy_gbps})
+    copy_gbps = 16 * 8192 * 8192 / 1e9 / 0.5e-3
+    return br.target_status({"compose": pd.DataFrame(rows), "norm": norm, "layer": layer, "copy_gbps": copy_gbps})
+
+
+def test_target_status_verdicts_on_a_synthetic_run():
+    """met / out_of_reach / missed follow from the numbers (not from the recorded run)."""
+    st = _synthetic_status()
     v = dict(zip(st["target"] + "@" + st["shape"], st["verdict"]))
     assert v["fwd_pct_copy@8192x8192 bf16"] == "met"
     assert v["fwd_speedup_vs_compile@8192x8192 bf16"] == "out_of_reach"  # compile at 95%: at most 1.05x
@@ -83,22 +90,7 @@ def test_no_floor_rests_on_a_ceiling_a_measured_path_exceeds():
     """A path faster than the copy kernel raises the ceiling the floors are drawn from: with compile's
     forward at 102% of copy, the forward's floor is 1.0x (not 100/102) and its verdict still out of reach,
     and every pct target's best possible is the 102% the run reached."""
-    rows = []
-    for tokens in (8192, 16384):
-        n = tokens * 8192
-        for op, impl, ms, pct, nbytes in (
-            ("fwd", "fused", 1.0, 95.0, 6 * n), ("fwd", "compile", 0.95, 102.0, 6 * n),
-            ("bwd", "fused", 1.0, 85.0, 10 * n), ("bwd_autograd", "eager_autograd", 7.0, 10.0, 10 * n),
-            ("train", "fused", 1.0, 40.0, 16 * n), ("train", "compile", 1.2, 40.0, 16 * n)):
-            rows.append({"dtype": "bfloat16", "tokens": tokens, "d_out": 8192, "op": op, "impl": impl, "ms": ms,
-                         "pct_copy": pct, "bytes": nbytes})
-    norm = pd.DataFrame([{"d_out": 8192, "d_in": 8192, "rank": 384, "w_dtype": "bfloat16", "method": m,
-                          "peak_extra_bytes": p, "ms": t}
-                         for m, p, t in (("dense_fp32", 800, 2.0), ("factored_cached", 40, 0.5))])
-    layer = pd.DataFrame([{"impl": i, "d_in": 4096, "d_out": 4096, "rank": 384, "tokens": 4096, "mode": "fwd_bwd",
-                           "ms": t, "peak_extra_bytes": p} for i, t, p in (("dora_num", 1.0, 1), ("peft_default", 3.0, 2))])
-    copy_gbps = 16 * 8192 * 8192 / 1e9 / 0.5e-3
-    st = br.target_status({"compose": pd.DataFrame(rows), "norm": norm, "layer": layer, "copy_gbps": copy_gbps})
+    st = _synthetic_status(compile_fwd=(0.95, 102.0))
     fwd = st[(st.target == "fwd_speedup_vs_compile") & (st["shape"] == "8192x8192 bf16")].iloc[0]
     assert fwd.best_possible == pytest.approx(1.0) and fwd.verdict == "out_of_reach"
     assert (st[st.target.str.endswith("pct_copy")].best_possible == 102.0).all()
