@@ -11,49 +11,10 @@ machine (``.carry/`` is git-ignored) and imported there from that folder::
     # here: -> data/gpu/ with provenance (the dorafactors commit and the GPU in the sidecar)
     dora-num record dorafactors --ingest OUT_DIR --git-sha SHA
 
-What the release provides and how it is called here (read at the tag; ``code/peft_patched/src/peft/
-tuners/lora/``):
-
-- ``dora_fused.py`` (needs torch, triton): ``fused_dora_compose(lora, base, mag_norm_scale, scale,
-  inplace=True)``, the compose ``(mag - 1) * base + mag * (scale * lora)``: Triton when the tensors are
-  on CUDA, contiguous, of one dtype (``lora``, ``base`` and ``mag`` alike) and ``mag`` is ``[N]`` or
-  ``[1, N]``, else a torch fallback; ``inplace=False`` is their autotuned out-of-place kernel, timed here
-  against ours (which also allocates its output).  ``fused_dora_compose_autograd(lora, base, mag, scale)``:
-  the training compose (a forward writing ``inner``, a fused backward kernel for ``dlora``, ``dbase``,
-  ``dmag`` by a torch reduction).  Their layer casts ``mag`` to the activation dtype before either,
-  so the compose rows give their kernels ``mag`` in bf16 ``[1, N]`` (``g_dtype``) and ours ``g`` in
-  fp32, each its own contract.
-- ``dora.py`` (needs torch and, of the PEFT it patches, ``peft.utils.integrations`` and
-  ``peft.utils.other``; its patch leaves both as upstream has them): ``DoraLinearLayer(fan_in_fan_out=
-  False)``, the magnitude module of PEFT's ``lora.Linear``.  Its factored norm
-  ``_get_weight_norm_linear(base_weight=, lora_A_w=, lora_B_w=, scaling=)``: ``||W||^2``, ``U = W A^T``
-  and ``G = A A^T`` in fp32 in column chunks of W (``PEFT_DORA_NORM_CHUNK_MB``, 256), assembled by their
-  Triton kernel, returned in W's dtype.  Its ``forward(x, lora_A=, lora_B=, scaling=, base_layer=,
-  base_result=)`` returns the DoRA term that ``DoraLinearVariant.forward`` (their ``variants.py``) adds to
-  the base output: timed here as that forward runs it (:class:`TheirLayer`: bias-free base, no dropout).
-  The peft helpers it imports come from the installed peft (the GPU image has one); for a bf16
-  ``nn.Linear`` without DeepSpeed they return the weight as it is and do nothing else.  Without peft
-  the layer and its norm are not importable: their rows record why, the compose rows still run.
-
-Measured per configuration (inputs drawn on the GPU; ``W``, ``x``, ``A``, ``B`` and ``m`` bf16 on both
-sides of the norm and layer rows, the adapter dtype their layer keeps, ``||sBA|| = 5% ||W||`` per row,
-``g - 1 ~ 1e-3``), each implementation checked once against a float64 evaluation (``err_*``: max
-relative error, :func:`~dora_num.studies.bench.max_rel_err`; ``err_out_own_inputs``: against float64 on
-the very inputs that implementation got, which separates its arithmetic from its input contract), then
-timed in ``--rounds`` rounds (default 7), every implementation once per round in an order rotated each
-round, so that a drift of the machine within the run hits all alike; each row gives the median of its
-rounds, every round (``rounds_ms``), and the median over rounds of its time over ours *in the same
-round* (``ratio_to_ours``, ``ratio_rounds``):
-
-- ``compose_fwd`` and ``compose_train`` (forward and backward): their fused compose, ours
-  (:func:`dora_num.ops.kernels.compose.compose_fwd`, ``ComposeFunction`` fused) and eager torch, at
-  4096 tokens x d_out 4096 and 8192;
-- ``row_norm``: their factored norm, ours (:func:`~dora_num.ops.norm.factored_row_norm`, and with the
-  cached ``base_sq`` as our layer runs it) and the dense fp32 norm, at 4096^2 and 8192^2, r 16, 64, 384;
-- ``layer_fwd`` (no grad) and ``layer_fwd_bwd`` (``y.backward(D)``): their layer and ``DoRALinear``, the
-  same shapes, 4096 tokens; the gradients of ``x``, ``A``, ``B``, ``m`` checked too.
-
-About 2 minutes of one H100 (7 rounds; ``--smoke``: one small shape per measurement, 2 rounds).
+Per configuration each implementation is checked once against float64 and timed in rounds (every
+implementation once per round, the order rotated), each row with the median, every round and the per-round
+ratio to ours.  How their kernels are called, the dtypes each side gets and every measured configuration:
+docs/methods.md, ``studies/speed/record_dorafactors.py``.
 """
 
 from __future__ import annotations
