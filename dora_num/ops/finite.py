@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 
 import torch
 
 MAX_PENDING = 4096
 _local = threading.local()
 _FREE: dict = {}  # (numel, dtype) -> list of pinned host buffers, reused after they were read
+# every thread's pending deque, for check_pending(all_threads=True): a checkpointed forward's recompute runs on
+# the autograd engine's device thread and registers its flags there, out of reach of the main thread's reads
+_QUEUES: "weakref.WeakValueDictionary[int, collections.deque]" = weakref.WeakValueDictionary()
 
 
 class NotFiniteError(ValueError):
@@ -28,6 +32,7 @@ def _pending() -> collections.deque:
     q = getattr(_local, "pending", None)
     if q is None:
         q = _local.pending = collections.deque()
+        _QUEUES[id(q)] = q
     return q
 
 
@@ -135,12 +140,19 @@ def poll() -> None:
         q.popleft()._read()
 
 
-def check_pending() -> None:
+def check_pending(*, all_threads: bool = False) -> None:
     """Wait for every pending flag of this thread and raise for the first one that is set (the
-    end of a training step, or a test, calls it to have every deferred check done)."""
-    q = getattr(_local, "pending", None)
-    while q:
-        q.popleft().check()
+    end of a training step, or a test, calls it to have every deferred check done).
+
+    ``all_threads``: every thread's pending flags, the autograd engine's device threads' included (where a
+    checkpointed forward's recompute registers them).  A pending flag keeps its call's arguments alive (its
+    report names them: a layer, W, A, B) until it is read, so a measurement of memory that builds and drops
+    models one after another reads them all before its baseline (``record_memory.measure_peak``).  Call it
+    where no other thread runs the operator (between steps)."""
+    queues = list(_QUEUES.values()) if all_threads else [getattr(_local, "pending", None)]
+    for q in queues:
+        while q:
+            q.popleft().check()
 
 
 def pending_count() -> int:

@@ -181,3 +181,39 @@ def test_fused_compose_writes_the_flag_of_g_in_its_own_pass(device):
         assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
         res, bad = dn.compose(base, lora, g, 0.5, path="fused", return_flag=True)
         assert bool(bad) == expect_bad
+
+
+def test_check_pending_of_every_thread_reads_another_threads_flags():
+    """A checkpointed forward's recompute registers its flag on the autograd engine's thread, which this
+    thread's check_pending never reaches; ``all_threads=True`` does, and what the flag kept alive is freed."""
+    import gc
+    import threading
+    import weakref
+
+    class Held:  # what a pending flag's report keeps (a layer, in the operator)
+        pass
+
+    registered, done = threading.Event(), threading.Event()
+    refs = []
+
+    def other_thread():
+        held = Held()
+        refs.append(weakref.ref(held))
+        finite.register(finite.Watched(torch.tensor([False]), _Event(), "recompute", lambda _f, h=held: None))
+        del held
+        registered.set()
+        done.wait(30)  # alive, as the autograd engine's thread is, while the main thread reads
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    try:
+        assert registered.wait(30)
+        finite.check_pending()  # this thread's: the other's flag stays, and with it what it holds
+        gc.collect()
+        assert refs[0]() is not None
+        finite.check_pending(all_threads=True)
+        gc.collect()
+        assert refs[0]() is None
+    finally:
+        done.set()
+        t.join()

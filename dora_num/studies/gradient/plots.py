@@ -22,3 +22,40 @@ def memory_peak_vs_tokens(trans: pd.DataFrame):
                     height=3.2)
     g.set(xscale="log", ylabel="predicted peak (bytes)")
     return g.figure
+
+
+def memory_holdout(diag: pd.DataFrame):
+    """The pre-registered holdout: measured peak against the registered prediction (log axes, the a-priori
+    band), coloured by the verdict's status, each point labelled by its registered order; hollow markers: the
+    peak the step reached where the previous configuration's layers were in the baseline (``implied``)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .memory_model import TOLERANCE
+
+    fig, ax = plt.subplots(figsize=(5.6, 4.6))
+    lo, hi = 2e8, 2e10
+    xs = np.geomspace(lo, hi, 50)
+    ax.plot(xs, xs, color="0.4", lw=0.8)
+    # within: |pred - meas| <= TOL * meas, i.e. meas in [pred / (1 + TOL), pred / (1 - TOL)]
+    ax.fill_between(xs, xs / (1 + TOLERANCE), xs / (1 - TOLERANCE), color="0.85", label=f"within +-{TOLERANCE:.0%}")
+    colours = {"within": "tab:green", "miss": "tab:red", "not measured": "tab:orange"}
+    for status, part in diag.groupby("status"):
+        ok = part[part["measured"] > 0]
+        ax.scatter(ok["predicted"], ok["measured"], color=colours.get(status, "k"), label=status, zorder=3)
+        for _, r in ok.iterrows():
+            ax.annotate(str(r["order"]), (r["predicted"], r["measured"]), textcoords="offset points", xytext=(4, 3),
+                        fontsize=8)
+    held = diag[diag["held"] > 0]
+    ax.scatter(held["predicted"], held["implied"], facecolors="none", edgecolors="k", zorder=3,
+               label="measured + the held layers")
+    for _, r in held.iterrows():
+        if r["measured"] > 0:
+            ax.plot([r["predicted"]] * 2, [r["measured"], r["implied"]], color="k", lw=0.6, ls=":")
+        ax.annotate(str(r["order"]), (r["predicted"], r["implied"]), textcoords="offset points", xytext=(4, -9),
+                    fontsize=8)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="registered prediction (bytes)",
+           ylabel="measured peak (bytes)", title="memory model out of sample (H100)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return fig

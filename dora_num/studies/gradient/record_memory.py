@@ -34,12 +34,15 @@ from torch.utils.checkpoint import checkpoint
 from ...adapters.model import load_base_model, mean_pool
 from ...adapters.train import TrainConfig, inject_dora
 from ...ops.layer import DoRALinear
+from ...ops import finite as _finite
 from ...oracles import measure_cpu_allocations
 from ...repro import recording as recorded
 from ...repro.recording import parser as recorder_parser, require_cuda
 from . import memory_holdout as holdout
 from .datasets import MEMORY, MEMORY_HOLDOUT, MEMORY_HOLDOUT_PREDICTIONS
 from .memory_model import MINILM, NORMS, TOLERANCE, MemoryConfig, predict_peak
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # --------------------------------------------------------------------------
@@ -51,7 +54,7 @@ class _Stack:
 
     @staticmethod
     def build(cfg: MemoryConfig, device):
-        dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
+        dt = _DTYPES[cfg.dtype]
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(0)
         layers = []
@@ -84,7 +87,7 @@ def _bert_build(cfg: MemoryConfig, device, base_path):
     if cfg.targets != "all":  # inject_dora below adapts every encoder linear
         raise ValueError(f"measure_peak adapts every linear of the encoder (targets='all'); targets="
                          f"{cfg.targets!r} is modelled by predict_peak, not measured")
-    dt = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.dtype])
+    dt = _DTYPES[cfg.dtype]
     model, _ = load_base_model(base_path, dtype=dt)
     inject_dora(model, TrainConfig(rank=cfg.rank, compose_path=cfg.compose, progress=False), norm=cfg.norm)
     model.to(device)
@@ -103,6 +106,17 @@ def _bert_loss(model, batch, cfg):
     return (mean_pool(out.float(), batch["attention_mask"]) ** 2).mean()
 
 
+def adamw_eps(dtype: str) -> float:
+    """AdamW's ``eps`` for parameters of ``dtype``: torch's 1e-8, raised to fp16's smallest normal (6.1e-5).
+
+    Pure fp16 AdamW with 1e-8 divides by zero: 1e-8 rounds to 0 in fp16, and so does ``(1 - beta2) g^2``
+    for every ``|g| < 5.5e-3`` (under fp16's smallest subnormal, 6e-8), so ``denom = sqrt(v) + eps = 0``
+    and the first step writes NaN (``0/0``, a zero gradient) or -Inf into A and B (the H100 holdout's
+    fp16 configuration: ``A contains non-finite values``, every element NaN).  A larger ``eps`` changes
+    the update, not a byte of the step's memory (the states stay fp16)."""
+    return float(torch.finfo(torch.float16).tiny) if dtype == "fp16" else 1e-8
+
+
 def measure_peak(cfg: MemoryConfig, *, device: str = "cpu", base_path=None) -> dict:
     """Measured peak of the second training step (bytes): ``{"peak": ..., "kind": ...}``.
 
@@ -112,6 +126,12 @@ def measure_peak(cfg: MemoryConfig, *, device: str = "cpu", base_path=None) -> d
     cfg.validate()
     dev = torch.device(device)
     cuda = dev.type == "cuda"
+    # A deferred finiteness flag (ops/finite.py, CUDA's default) keeps its call's layer alive until a later
+    # operator call reads it: the last forward's (and a checkpointed recompute's, on the autograd engine's
+    # thread) outlive the step.  Read here, before the baseline, they would otherwise be freed during this
+    # configuration's first forward, after its baseline counted them, and its peak comes out low by one or
+    # two of the previous configuration's layers (the H100 holdout at 5f01c08: a peak of -620 MB).
+    _finite.check_pending(all_threads=True)
     if cuda:
         # the previous configuration's tensors, if a reference cycle keeps them, are collected now, not in the
         # middle of this one's build: else the baseline counts them and the peak above it comes out too low (the
@@ -131,7 +151,7 @@ def measure_peak(cfg: MemoryConfig, *, device: str = "cpu", base_path=None) -> d
         model, inp = _bert_build(cfg, dev, base_path)
         loss_fn = _bert_loss
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    opt = torch.optim.AdamW(params, lr=1e-4, eps=adamw_eps(cfg.dtype), foreach=False)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -154,6 +174,7 @@ def measure_peak(cfg: MemoryConfig, *, device: str = "cpu", base_path=None) -> d
         opt.zero_grad(set_to_none=True)
         m = measure_cpu_allocations(step)
         res = {"peak": int(m["peak_extra"]), "kind": "dynamic"}
+    _finite.check_pending(all_threads=True)  # this step's last flags: nothing of the model outlives the call
     del model, opt, params, inp
     gc.collect()
     if cuda:
@@ -171,7 +192,9 @@ def compare(cfgs, *, device: str = "cpu", base_path=None):
         key = "peak" if meas["kind"] == "total" else "dynamic"
         rows.append({**asdict(cfg), **{f"pred_{k}": v for k, v in pred.items()}, "measured": meas["peak"],
                      "compared": key, "predicted": pred[key],
-                     "rel_err": (pred[key] - meas["peak"]) / meas["peak"], "device": device})
+                     "rel_err": (pred[key] - meas["peak"]) / meas["peak"], "device": device,
+                     # what outlived the step on CUDA: 0, else the next configuration's baseline counts it
+                     **({"left_allocated": meas["left_allocated"]} if "left_allocated" in meas else {})})
     return pd.DataFrame(rows)
 
 
@@ -296,7 +319,8 @@ def run_holdout(out: Path, *, base_path=None, smoke: bool = False, git_sha: str 
         row = {"order": i, "id": h.id, **asdict(h.config)}
         try:
             r = compare([h.config], device=device, base_path=base_path).iloc[0]
-            row.update(measured=int(r["measured"]), compared=r["compared"], predicted_now=int(r["predicted"]), error="")
+            row.update(measured=int(r["measured"]), compared=r["compared"], predicted_now=int(r["predicted"]), error="",
+                       left_allocated=r.get("left_allocated", float("nan")))
         except Exception as e:  # noqa: BLE001 - record and continue: one call of GPU time
             row.update(measured=float("nan"), compared="", predicted_now=float("nan"), error=repr(e)[:300])
         row["wall_s"] = time.perf_counter() - t0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pandas as pd
@@ -180,4 +180,81 @@ def test_the_headline_states_the_verdict_and_the_first_miss(tmp_path):
     text, stats = holdout_sentence(tmp_path)
     assert "on the NVIDIA H100 80GB HBM3: 1 of 3 within the a-priori +-15%" in text
     assert "first miss in the registered order: c1 (-20%)" in text and text.endswith("worst error 100%")
-    assert stats == {"memory_holdout_n": 3, "memory_holdout_within": 1, "memory_holdout_err_max": 1.0}
+    assert stats == {"memory_holdout_n": 3, "memory_holdout_within": 1, "memory_holdout_err_max": 1.0,
+                     "memory_holdout_harness_faults": 0}
+
+
+def _saved_bytes(cfg, recompute_lora: bool) -> int:
+    """Bytes of the distinct storages autograd saves in one stack layer's forward (the ground truth the
+    model's activation terms count)."""
+    from dora_num.ops.config import override
+
+    with override(recompute_lora=recompute_lora):
+        model, x = mx._Stack.build(cfg, torch.device("cpu"))
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model[0](x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("compose", ["eager", pytest.param("fused", marks=pytest.mark.interpreter)])
+def test_recompute_lora_excess_is_what_the_layer_no_longer_saves(compose):
+    """The model's activations were fitted before DoRALinear stopped saving lora: per layer the bytes autograd
+    saves with ``recompute_lora`` off minus with it on (the default) are exactly what the function names."""
+    cfg = mm.MemoryConfig(arch="stack", hidden=64, n_layers=1, rank=4, dtype="bf16", batch=1, seq=256, compose=compose)
+    assert _saved_bytes(cfg, False) - _saved_bytes(cfg, True) == mh.recompute_lora_excess(cfg) == 256 * 64 * 2
+    assert mh.recompute_lora_excess(replace(cfg, n_layers=8)) == 8 * 256 * 64 * 2
+    assert mh.recompute_lora_excess(replace(cfg, checkpointing=True)) == 0
+    with pytest.raises(ValueError, match="stack"):
+        mh.recompute_lora_excess(mm.MINILM)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_held_layer_bytes_is_what_a_layer_holds_after_a_step(dtype):
+    """W, A, B, m and the gradients of A, B, m: summed over the tensors of a built layer after a backward."""
+    cfg = mm.MemoryConfig(arch="stack", hidden=48, n_layers=1, rank=4, dtype=dtype, batch=1, seq=8)
+    model, x = mx._Stack.build(cfg, torch.device("cpu"))
+    model[0](x).float().pow(2).mean().backward()
+    lay = model[0]
+    tensors = [lay.base.weight] + [p for p in lay.parameters() if p.requires_grad]
+    tensors += [p.grad for p in lay.parameters() if p.grad is not None]
+    assert mh.held_layer_bytes(cfg) == sum(t.numel() * t.element_size() for t in tensors)
+    with pytest.raises(ValueError, match="stack"):
+        mh.held_layer_bytes(mm.MINILM)
+
+
+def test_the_diagnosis_adds_the_held_layers_to_the_measurement():
+    """On a hand-built measurement: a row with held layers gets their bytes added (implied), the others none."""
+    reg = mh.registered_predictions()
+    ids = list(reg["id"])
+    m = pd.DataFrame({"id": ids, "measured": [float(p) for p in reg["predicted"]], "device": "x"})
+    m.loc[m.id == "fp32-factored-few-tokens", "measured"] = 1e9
+    d = mh.diagnosis(m, reg).set_index("id")
+    one = 12288 * 12288 * 4 + 2 * (2 * 128 * 12288 * 4 + 12288 * 4)  # an fp32 layer of 12288, r 128
+    assert d.loc["fp32-factored-few-tokens", "held"] == one
+    assert d.loc["fp32-factored-few-tokens", "implied"] == 1e9 + one
+    assert d.loc["large-rank-few-tokens", "held"] == 2 * one
+    assert d.loc["long-seq-tiny-rank", "held"] == 0 and d.loc["long-seq-tiny-rank", "rel_err_implied"] == 0
+    assert set(mh.HELD_BY_PREVIOUS) <= set(mh.HARNESS_FAULTS) and set(mh.HARNESS_FAULTS) <= set(ids)
+    for i, (prev, k) in mh.HELD_BY_PREVIOUS.items():
+        assert ids.index(prev) < ids.index(i) and k in (1, 2)  # measured before it, in the same process
+
+
+def test_the_recorded_misses_are_explained():
+    """The H100 measurement at 5f01c08: with the held layers added, the two harness misses whose step the model
+    describes come within the tolerance, and the first miss (the model's) is its activation excess to 0.1%."""
+    path = MEMORY_HOLDOUT.path()
+    if not path.is_file():
+        pytest.skip(f"the holdout is not measured yet ({path})")
+    d = mh.diagnosis(pd.read_csv(path)).set_index("id")
+    assert d.loc["fp32-factored-few-tokens", "measured"] < 2 * 12288 * 12288 * 4  # below its own frozen weights
+    assert d.loc["large-rank-few-tokens", "measured"] < 0
+    for i in ("fp32-factored-few-tokens", "minilm-fp32-r64-checkpointed-fused"):
+        assert abs(d.loc[i, "rel_err_implied"]) <= mm.TOLERANCE, d.loc[i]
+    r = d.loc["long-seq-tiny-rank-fused"]
+    assert abs((r["predicted"] - r["model_excess"]) - r["measured"]) <= 1e-3 * r["measured"]

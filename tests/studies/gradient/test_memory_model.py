@@ -210,3 +210,72 @@ def test_cpu_peak_ignores_a_free_the_profiler_misreports():
         return torch.ones(4096)  # 16 KiB
 
     assert measure_cpu_allocations(call)["peak_extra"] == 16384
+
+
+def test_measure_peak_reads_every_pending_flag_before_its_baseline():
+    """The H100 holdout at 5f01c08: a deferred finiteness flag keeps its layer alive until a later operator call
+    reads it, so the previous configuration's last layers (main thread; a checkpointed recompute's on the
+    autograd engine's thread) were freed during the next configuration's first forward, after its baseline had
+    counted them (a peak of -620 MB).  Flags the device has not reached yet (an event not ready, which the
+    forwards' polls skip), in this thread and another, are read before the measured configuration is built."""
+    import gc
+    import threading
+    import weakref
+
+    from dora_num.ops import finite
+
+    class _Event:  # a CUDA event the device has not reached: poll() leaves its flag pending
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    class Held:  # stands for the previous configuration's layer
+        pass
+
+    refs = []
+    registered, done = threading.Event(), threading.Event()
+
+    def register_held():
+        held = Held()
+        refs.append(weakref.ref(held))
+        finite.register(finite.Watched(torch.tensor([False]), _Event(), "layer", lambda _f, h=held: None))
+
+    def other_thread():
+        register_held()
+        registered.set()
+        done.wait(60)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    try:
+        assert registered.wait(30)
+        register_held()
+        gc.collect()
+        assert all(r() is not None for r in refs)
+        cfg = mm.MemoryConfig(arch="stack", hidden=32, n_layers=2, rank=4, dtype="fp32", batch=1, seq=16)
+        mx.measure_peak(cfg)
+        gc.collect()
+        assert [r() for r in refs] == [None, None]
+    finally:
+        done.set()
+        t.join()
+
+
+def test_an_fp16_step_stays_finite():
+    """Pure fp16 AdamW with torch's eps (1e-8, which is 0 in fp16, as is (1 - beta2) g^2 for |g| < 5.5e-3)
+    divides by zero in its first step: the H100 holdout's fp16 configuration failed in its second forward with
+    "A contains non-finite values" (every element NaN); the same happens here on the CPU at any size."""
+    g = torch.tensor([0.0, 1e-3], dtype=torch.float16)
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    p.grad = g.clone()
+    torch.optim.AdamW([p], lr=1e-4, foreach=False).step()  # torch's eps: the failure, from first principles
+    assert torch.isnan(p[0]) and torch.isinf(p[1])
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    p.grad = g.clone()
+    torch.optim.AdamW([p], lr=1e-4, eps=mx.adamw_eps("fp16"), foreach=False).step()
+    assert torch.isfinite(p).all()
+    assert mx.adamw_eps("fp32") == mx.adamw_eps("bf16") == 1e-8  # torch's, where it is representable
+    cfg = mm.MemoryConfig(arch="stack", hidden=64, n_layers=2, rank=8, dtype="fp16", batch=1, seq=64, norm="dense")
+    assert mx.measure_peak(cfg)["peak"] > 0  # raised "A contains non-finite values" before
