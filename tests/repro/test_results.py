@@ -65,7 +65,7 @@ def test_readme_figures_exist():
 
 # Tokens with digits the hand-written prose may hold: names (formats, the GPU, the ISA, hashes), the
 # paper's identifier, the Python version, a notebook's number, and g's value at the collapse point.
-NAMES = re.compile(r"^(bf16|fp16|fp32|fp64|fp8|float64|bf16-rounded|H200|H200-trained|AVX2|x86-64|sha256|3\.11|"
+NAMES = re.compile(r"^(bf16|fp16|fp32|fp64|fp8|float64|bf16-rounded|H100|H200|H200-trained|AVX2|x86-64|sha256|3\.11|"
                    r"\d\d's|1|bf16/fp16|bf16/fp16/fp8|\[arXiv:2603\.22276\])$")
 
 
