@@ -42,18 +42,23 @@ def memory_holdout(diag: pd.DataFrame):
     colours = {"within": "tab:green", "miss": "tab:red", "not measured": "tab:orange"}
     for status, part in diag.groupby("status"):
         ok = part[part["measured"] > 0]
-        ax.scatter(ok["predicted"], ok["measured"], color=colours.get(status, "k"), label=status, zorder=3)
-        for _, r in ok.iterrows():
-            ax.annotate(str(r["order"]), (r["predicted"], r["measured"]), textcoords="offset points", xytext=(4, 3),
-                        fontsize=8)
+        if len(ok):  # a status with no point drawn (measured below zero, or not at all) gets no legend entry
+            ax.scatter(ok["predicted"], ok["measured"], color=colours.get(status, "k"), label=status, zorder=3)
+    # each point's registered order beside it, above right; where points lie within 10 % of one prediction, the
+    # highest is labelled above and the others below, so that labels at nearly one prediction do not overlap
+    # (a point measured below zero has only its hollow marker: labelled there)
+    at = diag.assign(y=np.where(diag["measured"] > 0, diag["measured"], diag["implied"]))
+    at = at[at["y"] > 0].sort_values("predicted")
+    cluster = (np.log(at["predicted"]).diff().fillna(1.0) >= 0.1).cumsum()
+    for _, group in at.groupby(cluster.to_numpy()):
+        for k, (_, r) in enumerate(group.sort_values("y", ascending=False).iterrows()):
+            ax.annotate(str(r["order"]), (r["predicted"], r["y"]), textcoords="offset points",
+                        xytext=(5, 3 if k == 0 else -10), fontsize=8)
     held = diag[diag["held"] > 0]
     ax.scatter(held["predicted"], held["implied"], facecolors="none", edgecolors="k", zorder=3,
                label="measured + the held layers")
-    for _, r in held.iterrows():
-        if r["measured"] > 0:
-            ax.plot([r["predicted"]] * 2, [r["measured"], r["implied"]], color="k", lw=0.6, ls=":")
-        ax.annotate(str(r["order"]), (r["predicted"], r["implied"]), textcoords="offset points", xytext=(4, -9),
-                    fontsize=8)
+    for _, r in held[held["measured"] > 0].iterrows():  # joined to its measured point, whose label it shares
+        ax.plot([r["predicted"]] * 2, [r["measured"], r["implied"]], color="k", lw=0.6, ls=":")
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="registered prediction (bytes)",
            ylabel="measured peak (bytes)", title="memory model out of sample (H100)")
     ax.legend(fontsize=7, loc="upper left")
