@@ -79,8 +79,7 @@ def _seeds(d: Path) -> Stats:
     ours = p[p.source.str.startswith("ours")]
     std = f[f.variant == "standard"]
     out: Stats = {"models": ours.model_params.nunique(), "model_params": ours.model_params.iloc[0],
-                  "configurations": f.config.nunique(), "runs": int(sum(len(str(x).split(";")) for x in
-                                                                         f[f.checkpoint == "final"].seeds)),
+                  "configurations": f.config.nunique(), "runs": int(f[f.checkpoint == "final"].n_seeds.sum()),
                   "seeds_per_configuration": int(f[f.checkpoint == "final"].n_seeds.min()),
                   "seeds_at_best": int(f[f.checkpoint == "best"].n_seeds.min()),
                   "lr_low": std.lr.min(), "lr_high": std.lr.max(),
