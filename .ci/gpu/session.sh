@@ -32,6 +32,11 @@
 #          correctness record: no timing claims)                              -> $OUT/session_cards.tgz
 #   seed   the collapse seeds' grid for seed $SEED (11 runs, one process each, deadline $SEED_WALL_S,
 #          default 500 s), $SIDE beside it (probe or pytest, below), then AFTER=dorafactors alone  -> $OUT/seeds/part-K.tar, ..., session_seedK.tgz
+#   probe  the card's accumulation probe at the operator's shapes, alone but for the memory holdout beside it
+#          (correctness records: no timing claims), then alone the norm's time by rank
+#          (.ci/gpu/norm_rank_profile.py, a diagnostic)                      -> $OUT/session_probe.tgz
+#   speed  the suite's timed sections $SUITE_ONLY (default: compose norm layer), alone on the GPU: a second
+#          session's record of the speed targets                             -> $OUT/session_speed.tgz
 #   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (no default: one seed a call) eager,
 #          fused and $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus
 #          the bitwise repeat of eager seed 0, one process each. Measured: all three seeds at once (13
@@ -216,5 +221,19 @@ case "${1:-}" in
     fi
     pack "seed$SEED"
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle|cards|seed" >&2; exit 2 ;;
+  probe)  # the card's accumulation probe (about 370 s alone on an H100), the holdout beside it, then the diagnostic
+    job products 480 python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
+    job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
+      --git-sha "$SHA" &
+    wait
+    left=$(( 585 - ($(date +%s) - t0) ))
+    job norm_rank "$left" python3 .ci/gpu/norm_rank_profile.py "$W/norm_rank"
+    pack probe
+    ;;
+  speed)  # alone on the GPU (timings): the suite's sections that the speed targets read
+    job suite "${SUITE_S:-570}" python3 -m dora_num gpu-suite --only ${SUITE_ONLY:-compose norm layer} \
+      --out "$W/suite" --git-sha "$SHA"
+    pack speed
+    ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle|cards|seed|probe|speed" >&2; exit 2 ;;
 esac

@@ -86,7 +86,9 @@ def ingest_seeds(folders, dest, *, git_sha: str | None = None, keep=None, replac
                 raise ValueError(f"{f} is not a launch of plan seeds")
             root = unpack(f, (Path(keep) if keep else tmp) / f"launch-{i}")
             plan = json.loads((root / "plan.json").read_text())
-            launches.append({"folder": f.name, "plan_name": plan["plan_name"], "config": plan["config"],
+            # launches may come from different commits (one seed a device call): each names its own
+            launches.append({"folder": f.name, "git_sha": plan.get("git_sha"), "plan_name": plan["plan_name"],
+                             "config": plan["config"],
                              "wall_s": plan["wall_s"], "elapsed_s": plan.get("elapsed_s"),
                              "processes": {k: {"returncode": v["returncode"], "wall_s": v["wall_s"]}
                                            for k, v in plan["processes"].items()},
