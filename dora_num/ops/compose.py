@@ -26,7 +26,7 @@ PATHS = COMPOSE_PATHS
 TIERS = ("eager", "fused_forward", "fused_training")
 
 # Crossover of the training tier (forward + backward through autograd), from the GPU
-# suite on the H200 (data/gpu/compose_bench.csv, op="train").  Where the step is bound by
+# suite on the H200 (data/gpu/compose_bench.csv.xz, op="train").  Where the step is bound by
 # the device (>= 8192x4096 elements) the fused tier wins everywhere: 2.4-10.4x (bf16),
 # 2.6-10.5x (fp16), 1.4-3.1x (fp32).  Where both tiers are bound by the host (the rest)
 # bf16/fp16 fused still wins by 1.16-2.17x; fp32 reads 0.77-1.41x, inconclusive (fp32

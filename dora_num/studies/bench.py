@@ -184,10 +184,10 @@ def write_csv(rows: list[dict], path: Path) -> None:
     """The rows of a suite section as a CSV in the recorder's output folder, written atomically (the
     whole table rendered first, then renamed into place: a section that fails while writing leaves
     the file it had, never a part of one)."""
-    from ..repro.provenance import _atomic_write_bytes
+    from ..repro.provenance import _atomic_write_bytes, _compressed
 
     text = pd.DataFrame(rows).to_csv(index=False, lineterminator="\n")
-    _atomic_write_bytes(Path(path), text.encode())
+    _atomic_write_bytes(Path(path), _compressed(text.encode(), Path(path).name))  # .xz by the declared name
     log(f"wrote {Path(path).name} ({len(rows)} rows)")
 
 

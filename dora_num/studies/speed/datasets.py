@@ -6,7 +6,7 @@ from ...repro.paths import DataSet
 _SUITE = "dora_num.studies.record_suite"
 SUITE = DataSet("suite", {"device": "gpu/device.json", "log": "gpu/suite.log"}, recorder="suite", notebooks=("05",),
                 module=_SUITE, about="GPU: every section of the GPU suite in one process (notebooks 02, 05)")
-COMPOSE = DataSet("compose", {"bench": "gpu/compose_bench.csv"}, recorder="compose", notebooks=("05",), module=_SUITE,
+COMPOSE = DataSet("compose", {"bench": "gpu/compose_bench.csv.xz"}, recorder="compose", notebooks=("05",), module=_SUITE,
                   about="GPU: compose kernels vs eager and torch.compile (05)")
 TILES = DataSet("tiles", {"sweep": "gpu/tile_sweep.csv"}, recorder="tiles", module=_SUITE,
                 about="GPU: tile sweep of the compose kernels and the norm's row sums and tail (05)")
