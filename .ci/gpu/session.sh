@@ -231,7 +231,7 @@ case "${1:-}" in
     pack probe
     ;;
   speed)  # alone on the GPU (timings): the suite's sections that the speed targets read
-    job suite "${SUITE_S:-570}" python3 -m dora_num gpu-suite --only ${SUITE_ONLY:-compose norm layer} \
+    job suite "${SUITE_S:-570}" python3 -m dora_num gpu-suite --repeat --only ${SUITE_ONLY:-compose norm layer} \
       --out "$W/suite" --git-sha "$SHA"
     pack speed
     ;;

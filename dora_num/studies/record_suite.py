@@ -7,7 +7,8 @@ Each section lives beside its question (``fma``: :mod:`.fma.record_fma`; ``compo
 ``model``: :mod:`.speed.record_norm`, :mod:`.speed.record_layer`, :mod:`.speed.record_model`) and
 writes its data set's files under DIR (atomically); ``device.json`` holds the device, versions, git
 sha, the operator configuration (``op_config``) and the copy bandwidth every percentage is taken
-against.  ``--ingest DIR`` copies a suite folder into ``data/gpu/`` (a section: its own files only).
+against.  ``--ingest DIR`` copies a suite folder into ``data/gpu/`` (a section: its own files only; a
+``--repeat`` run, a second session of the timed sections, into ``data/gpu/repeat/``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ SECTIONS = tuple(SECTION_DATA)
 SEED = inputs.SUITE_SEED
 
 
-def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_sha: str | None = None) -> None:
+def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_sha: str | None = None,
+              repeat: bool = False) -> None:
     from ..repro.recording import require_cuda
 
     require_cuda("suite", torch.cuda.is_available())
@@ -50,6 +52,7 @@ def run_suite(out: Path, *, sections: tuple[str, ...], smoke: bool = False, git_
     desc["copy"] = copy
     desc["smoke"] = smoke
     desc["sections"] = list(sections)
+    desc["repeat"] = repeat  # a repeat session of the timed sections: ingested beside the first
     copy_gbps = copy["gbps"]
     log(f"copy bandwidth {copy_gbps:.0f} GB/s")
     recorded.write_machine(out, desc)
@@ -111,7 +114,7 @@ def ingest(src: Path, dest: Path | None = None, only: tuple[str, ...] | None = N
     """Copy a suite folder's files (``device.json`` included; ``only``: those files) into ``data/gpu/``
     with provenance; the device description and git sha come from the folder's ``device.json``."""
     desc = recorded.read_machine(src)
-    ds = SECTION_DATA.get(name, D.SUITE)
+    ds = D.SPEED_REPEAT if desc.get("repeat") else SECTION_DATA.get(name, D.SUITE)
     return recorded.ingest_folder(src, Path(dest) if dest is not None else ds.dest(), producer=ds.producer,
                                   names=only, git_sha=git_sha,
                                   params={"sections": desc.get("sections"), "smoke": desc.get("smoke")}, seed=SEED,
@@ -123,6 +126,9 @@ def build_parser(prog: str, name: str = "suite"):
                         out="output folder for the raw CSV/JSON/NPZ files")
     if name == "suite":
         p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
+        p.add_argument("--repeat", action="store_true",
+                       help="a repeat session of the timed sections: --ingest puts it beside the first "
+                            f"(data/{D.SPEED_REPEAT.folder}), which it never replaces")
     p.set_defaults(sections=SECTIONS if name == "suite" else (name,), name=name)
     return p
 
@@ -135,5 +141,5 @@ def ingest_args(a) -> list[Path]:
 def record(args) -> int:
     sha = recorded.measured_git_sha(args.git_sha)
     sections = tuple(getattr(args, "only", None) or args.sections)
-    run_suite(Path(args.out), sections=sections, smoke=args.smoke, git_sha=sha)
+    run_suite(Path(args.out), sections=sections, smoke=args.smoke, git_sha=sha, repeat=getattr(args, "repeat", False))
     return 0

@@ -14,6 +14,12 @@ NORM = DataSet("norm", {"bench": "gpu/norm_bench.csv"}, recorder="norm", noteboo
                about="GPU: row-norm time and memory (05)")
 LAYER = DataSet("layer", {"bench": "gpu/layer_bench.csv", "profile": "gpu/layer_profile.txt"}, recorder="layer",
                 notebooks=("05",), module=_SUITE, about="GPU: DoRALinear vs PEFT's DoRA layer (05)")
+# a second session of the timed sections that the speed targets read (the same shapes, another machine session):
+# the targets' spread over sessions, beside the first session's record above
+SPEED_REPEAT = DataSet("speed-repeat", {"device": "gpu/repeat/device.json", "compose": "gpu/repeat/compose_bench.csv.xz",
+                                        "norm": "gpu/repeat/norm_bench.csv", "layer": "gpu/repeat/layer_bench.csv",
+                                        "profile": "gpu/repeat/layer_profile.txt"},
+                       recorder="suite --repeat --only compose norm layer")
 _MODEL_TABLES = ("bench", "agreement", "probe", "predictions")
 MODEL = DataSet("model", {t: f"gpu/model_{t}.csv" for t in _MODEL_TABLES}, recorder="model", optional=("05",),
                 module="dora_num.studies.speed.record_model",
@@ -41,3 +47,4 @@ DORAFACTORS = DataSet("dorafactors", {"bench": "gpu/dorafactors_bench.csv"},
 
 DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST,
             DORAFACTORS)
+UNRECORDED = (SPEED_REPEAT,)

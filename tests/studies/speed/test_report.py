@@ -114,6 +114,23 @@ def test_ingest_writes_provenance_with_the_gpu_device(tmp_path):
     assert (dest / "norm_bench.csv").read_text() == "a,b\n1,2\n"
 
 
+def test_a_repeat_session_is_ingested_beside_the_first_never_over_it(tmp_path, monkeypatch):
+    from dora_num.repro.paths import OUTPUT_ROOT_ENV
+    from dora_num.studies.speed.datasets import NORM, SPEED_REPEAT
+
+    monkeypatch.setenv(OUTPUT_ROOT_ENV, str(tmp_path / "root"))
+    src = tmp_path / "suite"
+    src.mkdir()
+    (src / "device.json").write_text(json.dumps({"device": {"name": "NVIDIA H200"}, "git_sha": "abc", "versions": {},
+                                                 "copy": {"gbps": 4000.0}, "sections": ["norm"], "smoke": False,
+                                                 "repeat": True}))
+    (src / NORM.filename("bench")).write_text("a,b\n1,2\n")
+    written = gpu_suite.ingest(src)
+    assert {p.parent for p in written} == {tmp_path / "root" / "data" / SPEED_REPEAT.folder}
+    assert not (tmp_path / "root" / "data" / NORM.file("bench")).exists()
+    assert gpu_suite.build_parser("dora-num gpu-suite").parse_args(["--out", "x", "--repeat"]).repeat
+
+
 def test_cli_registers_gpu_suite_and_its_sections(capsys):
     from dora_num.__main__ import build_parser
 
