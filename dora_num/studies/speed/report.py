@@ -17,6 +17,7 @@ import pandas as pd
 from ...ops.norm import ROW_CHUNK_BYTES, chunk_columns
 from ...repro.paths import committed_data
 from . import datasets as D
+from .released import rounds
 
 PAPER_TABLE1 = pd.DataFrame(  # docs/paper.md: H200, fp32, allocator peak, MB
     [(4096, 4096, 384, 192, 71), (8192, 8192, 384, 768, 245), (8192, 8192, 512, 768, 241),
@@ -215,6 +216,49 @@ def target_status(data: dict) -> pd.DataFrame:
         add("layer_peak_memory_lower_than_peft", shape, 1.0 / r["dora_num_mem_ratio"], 1.0 + 1e-12, None,
             "PEFT peak / dora_num peak (forward+backward)")
     return pd.DataFrame(rows)
+
+
+def load_repeat(folder: str | Path | None = None) -> dict:
+    """The repeat session's record (:data:`~.datasets.SPEED_REPEAT`: the suite's timed sections compose, norm
+    and layer, run again in another machine session) in :func:`load_recorded`'s form."""
+    D.SPEED_REPEAT.require(folder)
+    return load_recorded(D.SPEED_REPEAT.paths(folder)[0].parent)
+
+
+def targets_over_sessions(first: dict, repeat: dict) -> pd.DataFrame:
+    """Per target and shape, :func:`target_status` in each session (``_1``: ``first``, ``_2``: ``repeat``),
+    the range of the measured values over both, and ``over_sessions``: the verdict where both sessions give
+    the same one, else ``"split"``.  The CUDA-graph timing (``train_graphs``) belongs to the first session
+    only, so both sides compare the training step as :func:`target_status` times it without graphs."""
+    a = target_status({**first, "train_graphs": pd.DataFrame()})
+    b = target_status({**repeat, "train_graphs": pd.DataFrame()})
+    m = a.merge(b, on=["target", "shape", "threshold"], suffixes=("_1", "_2"), how="outer", validate="1:1")
+    if m[["verdict_1", "verdict_2"]].isna().any().any():
+        raise ValueError("the two sessions do not hold the same targets: "
+                         f"{m[m.verdict_1.isna() | m.verdict_2.isna()][['target', 'shape']].values.tolist()}")
+    m["lo"] = m[["measured_1", "measured_2"]].min(axis=1)
+    m["hi"] = m[["measured_1", "measured_2"]].max(axis=1)
+    m["over_sessions"] = m.verdict_1.where(m.verdict_1 == m.verdict_2, "split")
+    return m[["target", "shape", "threshold", "measured_1", "measured_2", "lo", "hi", "verdict_1", "verdict_2",
+              "over_sessions", "best_possible_1", "best_possible_2"]]
+
+
+def layer_over_sessions(first: dict, repeat: dict) -> pd.DataFrame:
+    """The layer against PEFT (forward+backward) per shape and PEFT setting in each session: the median
+    ratio (PEFT's time over ours) and its range over the rounds of each session, and over both."""
+    out = []
+    for k, data in (("1", first), ("2", repeat)):
+        t = layer_table(data["layer"])
+        t = t[(t["mode"] == "fwd_bwd") & (t["impl"] != "dora_num")]
+        ours = data["layer"][(data["layer"]["impl"] == "dora_num") & (data["layer"]["mode"] == "fwd_bwd")]
+        ours = ours.set_index(["d_in", "d_out", "rank", "tokens"])["rounds_ms"]
+        for _, r in t.iterrows():
+            key = (r["d_in"], r["d_out"], r["rank"], r["tokens"])
+            ratios = [x / y for x, y in zip(rounds(r["rounds_ms"]), rounds(ours.loc[key]))]
+            out.append({"session": int(k), "impl": r["impl"], "d_in": key[0], "d_out": key[1], "rank": key[2],
+                        "tokens": key[3], "ratio": r["dora_num_speedup"], "round_lo": min(ratios),
+                        "round_hi": max(ratios), "rounds": len(ratios)})
+    return pd.DataFrame(out)
 
 
 def train_device_times(tg: pd.DataFrame | None, tokens: int, d_out: int) -> dict | None:

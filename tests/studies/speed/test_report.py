@@ -53,9 +53,13 @@ def test_target_status_on_recorded_run():
 
 
 def _synthetic_status(compile_fwd=(1.0, 95.0)):
-    """target_status of a made-up run: compose rows at both target shapes (compile's forward at
-    ``compile_fwd`` = (ms, % of copy)), a norm and a layer row; the copy bandwidth puts the 8192-token
-    training floor at 0.5 ms."""
+    return br.target_status(_synthetic_run(compile_fwd))
+
+
+def _synthetic_run(compile_fwd=(1.0, 95.0), peft_ms=3.0):
+    """A made-up run: compose rows at both target shapes (compile's forward at ``compile_fwd`` = (ms, % of
+    copy)), a norm and a layer row (PEFT at ``peft_ms``, ours at 1 ms, two rounds each); the copy bandwidth
+    puts the 8192-token training floor at 0.5 ms."""
     rows = []
     for tokens in (8192, 16384):
         n = tokens * 8192
@@ -69,9 +73,10 @@ def _synthetic_status(compile_fwd=(1.0, 95.0)):
                           "peak_extra_bytes": p, "ms": t}
                          for m, p, t in (("dense_fp32", 800, 2.0), ("factored_cached", 40, 0.5))])
     layer = pd.DataFrame([{"impl": i, "d_in": 4096, "d_out": 4096, "rank": 384, "tokens": 4096, "mode": "fwd_bwd",
-                           "ms": t, "peak_extra_bytes": p} for i, t, p in (("dora_num", 1.0, 1), ("peft_default", 3.0, 2))])
+                           "ms": t, "peak_extra_bytes": p, "rounds_ms": f"{t};{1.1 * t}"}
+                          for i, t, p in (("dora_num", 1.0, 1), ("peft_default", peft_ms, 2))])
     copy_gbps = 16 * 8192 * 8192 / 1e9 / 0.5e-3
-    return br.target_status({"compose": pd.DataFrame(rows), "norm": norm, "layer": layer, "copy_gbps": copy_gbps})
+    return {"compose": pd.DataFrame(rows), "norm": norm, "layer": layer, "copy_gbps": copy_gbps}
 
 
 def test_target_status_verdicts_on_a_synthetic_run():
@@ -84,6 +89,23 @@ def test_target_status_verdicts_on_a_synthetic_run():
     assert v["bwd_speedup_vs_eager_autograd@8192x8192 bf16"] == "met"
     assert v["norm_mem_fraction_inverse@8192x8192 r=384 bf16"] == "met"
     assert v["layer_fwd_bwd_speedup_vs_peft@4096->4096 r=384 T=4096"] == "met"
+
+
+def test_a_verdict_over_two_sessions_is_the_one_both_give_else_split():
+    """The layer target met in one session (PEFT 2.5x ours) and missed in the other (1.8x) is split; the rest
+    agree; the range spans both sessions; the per-round ratios of each session are its own."""
+    t = br.targets_over_sessions(_synthetic_run(peft_ms=2.5), _synthetic_run(peft_ms=1.8))
+    row = t[t.target == "layer_fwd_bwd_speedup_vs_peft"].iloc[0]
+    assert (row.verdict_1, row.verdict_2, row.over_sessions) == ("met", "missed", "split")
+    assert (row.lo, row.hi) == pytest.approx((1.8, 2.5))
+    assert (t[t.target != "layer_fwd_bwd_speedup_vs_peft"].over_sessions != "split").all()
+    lay = br.layer_over_sessions(_synthetic_run(peft_ms=2.5), _synthetic_run(peft_ms=1.8))
+    assert lay.set_index("session").ratio.to_dict() == pytest.approx({1: 2.5, 2: 1.8})
+    assert (lay.round_lo == lay.round_hi).all() and (lay.rounds == 2).all()  # both rounds 1.1x: one ratio
+    other = _synthetic_run()
+    other["layer"] = other["layer"].assign(tokens=2048)  # another layer shape: not the same targets
+    with pytest.raises(ValueError, match="do not hold the same targets"):
+        br.targets_over_sessions(_synthetic_run(), other)
 
 
 def test_no_floor_rests_on_a_ceiling_a_measured_path_exceeds():
