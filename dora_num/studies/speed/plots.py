@@ -111,3 +111,30 @@ def released_ratios(t: pd.DataFrame, device: str = ""):
                  fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def targets_over_sessions(t: pd.DataFrame, card: str = ""):
+    """Each target's measured value over its threshold in two sessions
+    (:func:`~dora_num.studies.speed.report.targets_over_sessions`): the first session as a filled dot, the
+    repeat as a hollow one, joined by a line; at or right of 1 the target is met; a label in red where the
+    sessions' verdicts differ."""
+    t = t.reset_index(drop=True)
+    y = range(len(t))[::-1]
+    fig, ax = plt.subplots(figsize=(7.2, 0.26 * len(t) + 1.1))
+    a, b = t["measured_1"] / t["threshold"], t["measured_2"] / t["threshold"]
+    for yi, x1, x2 in zip(y, a, b):
+        ax.plot([x1, x2], [yi, yi], color="grey", lw=1)
+    ax.plot(a, list(y), "o", ms=4, color="C0", label="first session")
+    ax.plot(b, list(y), "o", ms=5, mfc="none", color="C1", label="repeat session")
+    ax.axvline(1, color="grey", lw=0.8, ls="--")
+    ax.set_yticks(list(y), t["target"] + "  " + t["shape"], fontsize=6.5)
+    for tick, split in zip(ax.get_yticklabels(), t["over_sessions"] == "split"):
+        if split:
+            tick.set_color("C3")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))
+    ax.set_xlabel("measured / threshold (1 or more: met; red label: the two verdicts differ)", fontsize=8)
+    ax.set_title(f"speed and memory targets in two sessions{', ' + card if card else ''}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
