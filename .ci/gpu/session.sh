@@ -32,8 +32,9 @@
 #          correctness record: no timing claims)                              -> $OUT/session_cards.tgz
 #   seed   the collapse seeds' grid for seed $SEED (11 runs, one process each, deadline $SEED_WALL_S,
 #          default 500 s), $SIDE beside it (probe or pytest, below), then AFTER=dorafactors alone  -> $OUT/seeds/part-K.tar, ..., session_seedK.tgz
-#   probe  the card's accumulation probe at the operator's shapes, alone but for the memory holdout beside it
-#          (correctness records: no timing claims), then alone the norm's time by rank
+#   probe  the card's accumulation probe at the operator's shapes, beside it the memory holdout and the gpu tests
+#          of $PYTEST_FILES (default: the kit's and the flag's; correctness records: no timing claims), then alone
+#          the norm's time by rank
 #          (.ci/gpu/norm_rank_profile.py, a diagnostic)                      -> $OUT/session_probe.tgz
 #   speed  the suite's timed sections $SUITE_ONLY (default: compose norm layer), alone on the GPU: a second
 #          session's record of the speed targets                             -> $OUT/session_speed.tgz
@@ -221,10 +222,12 @@ case "${1:-}" in
     fi
     pack "seed$SEED"
     ;;
-  probe)  # the card's accumulation probe (about 370 s alone on an H100), the holdout beside it, then the diagnostic
-    job products 480 python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
+  probe)  # the card's accumulation probe (about 370 s alone on an H100), the holdout and the tests beside it, then the diagnostic
+    job products 540 python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
     job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
       --git-sha "$SHA" &
+    job pytest "${PYTEST_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 ${PYTEST_FILES:-\
+      tests/test_check_accumulation.py tests/ops/test_products_gpu.py tests/test_check.py tests/ops/test_finite.py} &
     wait
     left=$(( 585 - ($(date +%s) - t0) ))
     job norm_rank "$left" python3 .ci/gpu/norm_rank_profile.py "$W/norm_rank"
