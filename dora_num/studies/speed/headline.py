@@ -33,7 +33,7 @@ def _speed(d: Path) -> Stats:
         a, b = round_values(fp32.loc[k, "rounds_ms"]), round_values(ours.loc[k, "rounds_ms"])
         below += sum(x / y < met for x, y in zip(a, b))
         rounds += len(a)
-    bw = read_csv(d, "05_memory_and_speed/compose_bandwidth.csv")
+    bw = read_csv(d, "05_memory_and_speed/compose_bandwidth.csv.xz")
     fwd = bw[bw.op == "fwd"]
     top = bw.loc[bw.pct_copy.idxmax()]
     counts = t.verdict.value_counts()
