@@ -223,13 +223,13 @@ case "${1:-}" in
     pack "seed$SEED"
     ;;
   probe)  # the card's accumulation probe (about 370 s alone on an H100), the holdout and the tests beside it, then the diagnostic
-    job products 540 python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
+    job products "${PRODUCTS_S:-540}" python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
     job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
       --git-sha "$SHA" &
     job pytest "${PYTEST_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 ${PYTEST_FILES:-\
       tests/test_check_accumulation.py tests/ops/test_products_gpu.py tests/test_check.py tests/ops/test_finite.py} &
     wait
-    left=$(( 585 - ($(date +%s) - t0) ))
+    left=$(( ${CALL_S:-585} - ($(date +%s) - t0) ))
     job norm_rank "$left" python3 .ci/gpu/norm_rank_profile.py "$W/norm_rank"
     pack probe
     ;;
