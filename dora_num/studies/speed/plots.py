@@ -132,7 +132,12 @@ def targets_over_sessions(t: pd.DataFrame, card: str = ""):
         if split:
             tick.set_color("C3")
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))
+    lo, hi = min(a.min(), b.min(), 1) / 1.15, max(a.max(), b.max(), 1) * 1.15
+    ticks = [x for x in (0.25, 0.5, 0.8, 1, 1.5, 2, 3, 5, 10, 20, 50) if lo <= x <= hi]
+    ax.set_xlim(lo, hi)
+    ax.xaxis.set_major_locator(mticker.FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(mticker.FixedFormatter([f"{x:g}" for x in ticks]))
+    ax.xaxis.set_minor_locator(mticker.NullLocator())
     ax.set_xlabel("measured / threshold (1 or more: met; red label: the two verdicts differ)", fontsize=8)
     ax.set_title(f"speed and memory targets in two sessions{', ' + card if card else ''}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")

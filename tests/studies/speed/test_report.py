@@ -164,3 +164,19 @@ def test_cli_registers_gpu_suite_and_its_sections(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             gpu_suite.run_suite(__import__("pathlib").Path("unused"), sections=("norm",))
+
+
+def test_the_two_session_figure_is_readable_and_marks_the_split_verdict():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from dora_num.repro.layout import text_problems
+    from dora_num.repro.plotting import set_theme
+    from dora_num.studies.speed import plots
+
+    set_theme()
+    t = br.targets_over_sessions(_synthetic_run(peft_ms=2.5), _synthetic_run(peft_ms=1.8))
+    fig = plots.targets_over_sessions(t, "H200")
+    assert text_problems(fig) == []
+    red = [lab.get_text() for lab in fig.axes[0].get_yticklabels() if lab.get_color() == "C3"]
+    assert red == ["layer_fwd_bwd_speedup_vs_peft  4096->4096 r=384 T=4096"]
