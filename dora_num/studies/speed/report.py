@@ -244,10 +244,11 @@ def targets_over_sessions(first: dict, repeat: dict) -> pd.DataFrame:
 
 
 def layer_over_sessions(first: dict, repeat: dict) -> pd.DataFrame:
-    """The layer against PEFT (forward+backward) per shape and PEFT setting in each session: the median
-    ratio (PEFT's time over ours) and its range over the rounds of each session, and over both."""
+    """The layer against PEFT (forward+backward), one row per session, shape and PEFT setting: the median
+    ratio (PEFT's time over ours) and its range over that session's rounds (round i of PEFT over round i of
+    ours: the rounds interleave them)."""
     out = []
-    for k, data in (("1", first), ("2", repeat)):
+    for k, data in ((1, first), (2, repeat)):
         t = layer_table(data["layer"])
         t = t[(t["mode"] == "fwd_bwd") & (t["impl"] != "dora_num")]
         ours = data["layer"][(data["layer"]["impl"] == "dora_num") & (data["layer"]["mode"] == "fwd_bwd")]
@@ -255,7 +256,7 @@ def layer_over_sessions(first: dict, repeat: dict) -> pd.DataFrame:
         for _, r in t.iterrows():
             key = (r["d_in"], r["d_out"], r["rank"], r["tokens"])
             ratios = [x / y for x, y in zip(rounds(r["rounds_ms"]), rounds(ours.loc[key]))]
-            out.append({"session": int(k), "impl": r["impl"], "d_in": key[0], "d_out": key[1], "rank": key[2],
+            out.append({"session": k, "impl": r["impl"], "d_in": key[0], "d_out": key[1], "rank": key[2],
                         "tokens": key[3], "ratio": r["dora_num_speedup"], "round_lo": min(ratios),
                         "round_hi": max(ratios), "rounds": len(ratios)})
     return pd.DataFrame(out)

@@ -180,3 +180,24 @@ def test_the_two_session_figure_is_readable_and_marks_the_split_verdict():
     assert text_problems(fig) == []
     red = [lab.get_text() for lab in fig.axes[0].get_yticklabels() if lab.get_color() == "C3"]
     assert red == ["layer_fwd_bwd_speedup_vs_peft  4096->4096 r=384 T=4096"]
+
+
+@needs_recorded
+def test_the_repeat_session_loads_from_its_own_folder(tmp_path):
+    """A repeat record is read from data/gpu/repeat (here a copy of the first session's files under the repeat's
+    names), never from the first session's folder, and a folder without it names the command that records it."""
+    import shutil
+
+    from dora_num.repro.paths import RecordedDataMissing
+    from dora_num.studies.speed import datasets as D
+
+    with pytest.raises(RecordedDataMissing, match="--repeat"):
+        br.load_repeat(tmp_path)
+    for role, src in (("device", D.SUITE.path("device")), ("compose", D.COMPOSE.path("bench")),
+                      ("norm", D.NORM.path("bench")), ("layer", D.LAYER.path("bench")),
+                      ("profile", D.LAYER.path("profile"))):
+        shutil.copy(src, D.SPEED_REPEAT.path(role, tmp_path))
+    rep = br.load_repeat(tmp_path)
+    assert len(rep["compose"]) and len(rep["layer"]) and rep["train_graphs"].empty
+    same = br.targets_over_sessions(br.load_recorded(), rep)
+    assert (same.measured_1 == same.measured_2).all() and (same.over_sessions != "split").all()
