@@ -200,15 +200,20 @@ case "${1:-}" in
     pack cards
     ;;
   seed)  # one seed of the collapse grid a call (11 processes: two seeds do not fit one call's 10 minutes), with
-    # $SIDE beside it (none, probe: the card's accumulation probe and the memory holdout, pytest: all gpu tests on
-    # 3 workers): correctness records whose timings are not claims; the seeds' runs end by plateau or deadline
-    case "${SIDE:-none}" in
-      probe)
-        job products 300 python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
-        job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
-          --git-sha "$SHA" & ;;
-      pytest) job pytest "${PYTEST_S:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 3 tests & ;;
-    esac
+    # $SIDE beside it, any of (space-separated; default none): probe (the card's accumulation probe and the memory
+    # holdout), holdout (the memory holdout alone), pytest (all gpu tests on 3 workers): correctness records whose
+    # timings are not claims; the seeds' runs end by plateau or deadline
+    for side in ${SIDE:-none}; do
+      case "$side" in
+        probe) job products 300 python3 -m dora_num record products --only accumulation --out "$W/products" \
+          --git-sha "$SHA" & ;;&
+        probe|holdout) job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" \
+          --base .carry/minilm --git-sha "$SHA" & ;;
+        pytest) job pytest "${PYTEST_S:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 3 tests & ;;
+        none) ;;
+        *) echo "SIDE: unknown side job '$side' (probe, holdout, pytest, none)" >&2; exit 2 ;;
+      esac
+    done
     job seeds "$(( ${SEED_WALL_S:-500} + 40 ))" python3 -m dora_num record adapters-gpu --plan seeds \
       --seeds "${SEED:?name the seed, e.g. SEED=1}" --out "$OUT/seeds" --base .carry/minilm \
       --wall-s "${SEED_WALL_S:-500}" --git-sha "$SHA"
