@@ -55,6 +55,34 @@ def _speed(d: Path) -> Stats:
             "target_fwd_pct_copy": t[t.target == "fwd_pct_copy"].measured.max()}
 
 
+def sessions(d: Path) -> Stats:
+    """Notebook 05's targets over two sessions (``targets_over_sessions.csv``: a verdict counts where both
+    sessions give it, else ``split``) and the layer against PEFT over both sessions' rounds
+    (``layer_over_sessions.csv``), per PEFT setting: the lowest and highest per-round ratio."""
+    t = read_csv(d, "05_memory_and_speed/targets_over_sessions.csv")
+    lay = read_csv(d, "05_memory_and_speed/layer_over_sessions.csv")
+    v = t.over_sessions.value_counts()
+    s: Stats = {"sessions_targets": len(t), "sessions_met": int(v.get("met", 0)),
+                "sessions_missed": int(v.get("missed", 0)), "sessions_out_of_reach": int(v.get("out_of_reach", 0)),
+                "sessions_split": int(v.get("split", 0)),
+                "sessions_split_met_first": int(((t.over_sessions == "split") & (t.verdict_1 == "met")).sum())}
+    for impl, key in (("peft_default", "fp32"), ("peft_bf16_adapters", "bf16")):
+        g = lay[lay.impl == impl]
+        s |= {f"sessions_layer_{key}_lo": float(g.round_lo.min()), f"sessions_layer_{key}_hi": float(g.round_hi.max()),
+              f"sessions_layer_{key}_rounds": int(g["rounds"].sum())}
+    return s
+
+
+def sessions_sentence(s: Stats, card: str) -> str:
+    """The first line of the headline once a second session is recorded (:func:`sessions`)."""
+    return (f"{card} targets in two sessions (each session's medians; a verdict counts only where both sessions "
+            f"give it): {s['sessions_met']} met, {s['sessions_missed']} missed, {s['sessions_out_of_reach']} out of "
+            f"reach in both, {s['sessions_split']} split ({s['sessions_split_met_first']} met in the first session "
+            f"only); the layer against PEFT's default fp32 adapters {s['sessions_layer_fp32_lo']:.3g}x to "
+            f"{s['sessions_layer_fp32_hi']:.3g}x and against bf16 adapters {s['sessions_layer_bf16_lo']:.3g}x to "
+            f"{s['sessions_layer_bf16_hi']:.3g}x over both sessions' {s['sessions_layer_fp32_rounds']} rounds")
+
+
 def _released(d: Path) -> tuple[Stats, str, str]:
     """Notebook 05's table of the paper's released kernels against ours (one run, one card): per op, the
     range of the median-round ratios (their time / ours), the range of the per-round ratios, how many

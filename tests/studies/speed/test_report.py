@@ -201,3 +201,29 @@ def test_the_repeat_session_loads_from_its_own_folder(tmp_path):
     assert len(rep["compose"]) and len(rep["layer"]) and rep["train_graphs"].empty
     same = br.targets_over_sessions(br.load_recorded(), rep)
     assert (same.measured_1 == same.measured_2).all() and (same.over_sessions != "split").all()
+
+
+def test_the_two_session_headline_counts_a_verdict_only_where_both_sessions_give_it(tmp_path):
+    """The headline's two-session statistics from the two tables notebook 05 writes (synthetic sessions: the layer
+    target met in one, missed in the other): the split counted apart, the layer's range over both sessions' rounds
+    per PEFT setting."""
+    from dora_num.studies.speed import headline
+
+    first, repeat = _synthetic_run(peft_ms=2.5), _synthetic_run(peft_ms=1.8)
+    bf16 = {"impl": "peft_bf16_adapters", "d_in": 4096, "d_out": 4096, "rank": 384, "tokens": 4096,
+            "mode": "fwd_bwd", "ms": 0.9, "peak_extra_bytes": 2, "rounds_ms": "0.9;1.0"}
+    for run in (first, repeat):
+        run["layer"] = pd.concat([run["layer"], pd.DataFrame([bf16])], ignore_index=True)
+    out = tmp_path / "05_memory_and_speed"
+    out.mkdir()
+    br.targets_over_sessions(first, repeat).to_csv(out / "targets_over_sessions.csv", index=False)
+    br.layer_over_sessions(first, repeat).to_csv(out / "layer_over_sessions.csv", index=False)
+    s = headline.sessions(tmp_path)
+    assert s["sessions_split"] == s["sessions_split_met_first"] == 1
+    assert s["sessions_met"] + s["sessions_missed"] + s["sessions_out_of_reach"] + 1 == s["sessions_targets"]
+    # PEFT fp32: rounds 2.5/1, 2.75/1.1 in the first session, 1.8/1, 1.98/1.1 in the second
+    assert (s["sessions_layer_fp32_lo"], s["sessions_layer_fp32_hi"]) == pytest.approx((1.8, 2.5))
+    assert (s["sessions_layer_bf16_lo"], s["sessions_layer_bf16_hi"]) == pytest.approx((0.9, 10 / 11))
+    assert s["sessions_layer_fp32_rounds"] == 4
+    line = headline.sessions_sentence(s, "H200")
+    assert "1 split (1 met in the first session only)" in line and "1.8x to 2.5x" in line
