@@ -1,5 +1,8 @@
 """Where the factored norm's time goes by rank at one shape (a diagnostic, not a data set): bf16 W 8192 x 8192,
 bf16 A and B, ranks 8 to 384; do_bench medians, then the kernels of one call at r = 16 and r = 384 (torch.profiler).
+Then the tail kernel alone by rank, fp32 B as PEFT keeps it, with the rate its B @ G would imply if it were all of
+the time (2 d_out r^2 flops): the test of docs/operator.md's explanation of the tail's measured 0.64 ms (B @ G
+on the CUDA cores, fp32 FMA at a fraction of their peak, time growing as r^2).
 Run on the GPU: PYTHONPATH=. python3 .ci/gpu/norm_rank_profile.py OUT_DIR"""
 
 import sys
@@ -8,6 +11,8 @@ from pathlib import Path
 import torch
 import triton
 
+from dora_num.numerics.formulas import scale_constants
+from dora_num.ops.kernels.norm_tail import norm_tail
 from dora_num.ops.norm import factored_row_norm
 
 out = Path(sys.argv[1])
@@ -32,6 +37,14 @@ for r in (8, 16, 32, 64, 128, 256, 384):
             torch.cuda.synchronize()
         lines.append(f"--- r={r}: 5 calls")
         lines.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+_, two_s, s_sq = scale_constants(2.0)
+for r in (16, 32, 64, 128, 256, 384, 512):
+    B = torch.randn(d, r, device="cuda", generator=g) * 0.01
+    A = torch.randn(r, d, device="cuda", generator=g) / d ** 0.5
+    U, G, base = torch.randn(d, r, device="cuda", generator=g), A @ A.T, torch.rand(d, device="cuda") + 1
+    ms = triton.testing.do_bench(lambda: norm_tail(U, B, G, base, two_s, s_sq), quantiles=[0.5, 0.2, 0.8])
+    lines.append(f"r={r:4d} norm_tail ms median {ms[0]:.4f} p20 {ms[1]:.4f} p80 {ms[2]:.4f} "
+                 f"B@G at {2 * d * r * r / ms[0] / 1e9:.1f} TFLOP/s if it were all of the time")
 text = "\n".join(lines)
 (out / "norm_rank_profile.txt").write_text(text + "\n")
 print(text)
