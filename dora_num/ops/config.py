@@ -68,8 +68,7 @@ class NormTailTiles:
     """Launch geometry of the factored norm's tail kernel (:mod:`dora_num.ops.kernels.norm_tail`).
 
     Defaults from the sweep in ``data/gpu/tile_sweep.csv`` (``dora-num record tiles``, its ``norm_tail``
-    rows at the operator's shapes and ranks; swept before ``ba`` took G's symmetric blocks, which reads fewer
-    blocks of G per column block and may move the best tile).  ``block_m`` is the divisor of the flag's program count;
+    rows at the operator's shapes and ranks).  ``block_m`` is the divisor of the flag's program count;
     ``block_r`` and ``block_k`` fix the order of ``cross`` and ``ba`` (within lemma 4's bound in any; ``ba`` takes G
     in ``block_r`` blocks, ``block_k`` narrowed to ``block_r`` where wider).
     """
