@@ -69,8 +69,7 @@ class NormTailTiles:
 
     Defaults from the sweep in ``data/gpu/tile_sweep.csv`` (``dora-num record tiles``, its ``norm_tail``
     rows at the operator's shapes and ranks).  ``block_m`` is the divisor of the flag's program count;
-    ``block_r`` and ``block_k`` fix the order of ``cross`` and ``ba`` (within lemma 4's bound in any; ``ba`` takes G
-    in ``block_r`` blocks, ``block_k`` narrowed to ``block_r`` where wider).
+    ``block_r`` and ``block_k`` fix the order of ``cross`` and ``ba`` (within lemma 4's bound in any).
     """
 
     block_m: int = 32  # rows per program (d_out = 4096 -> 128 programs on 132 SMs)
