@@ -144,17 +144,6 @@ def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, strid
 
 
 @triton.jit
-def _bg_step(acc, b_ptr, gram_ptr, row_off, row_mask, cols, col_mask, k0, r, BLOCK_K: tl.constexpr):
-    """``acc + B[:, k0:k0+BLOCK_K] @ G[k0:k0+BLOCK_K, cols]`` in fp32 (``input_precision="ieee"``: an fp32 FMA
-    chain, no TF32)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    k_mask = ks < r
-    b_k = tl.load(b_ptr + row_off + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-    g_k = tl.load(gram_ptr + ks[:, None] * r + cols[None, :], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-    return tl.dot(b_k, g_k, acc, input_precision="ieee")
-
-
-@triton.jit
 def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_ptr, flag_ptr, aux_ptr,
                       zrow_ptr, acc_ptr, gc, inv_ptr, w_ptr, a_ptr, stride_wm, stride_wk, stride_ar, stride_ak,
                       d_out, d_in, r, two_s, s_sq, s, eps, rel_max,
@@ -199,16 +188,16 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
             a_n = tl.abs(b_n)
             lora_acc += tl.sum(a_n * n_a[None, :], axis=1)
             babs_acc += tl.sum(a_n, axis=1)
-        # ba = sum_kc B_k G_kc B_c with G symmetric: for this block of columns c, the rows k of G above its
-        # diagonal block (k < n0) twice and the diagonal block once; the blocks below are the transposes of
-        # those that later column blocks take twice (about (r/BLOCK_R + 1) / (2 r/BLOCK_R) of the products)
-        off = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, n0, BLOCK_K):
-            off = _bg_step(off, b_ptr, gram_ptr, row_off, row_mask, cols, col_mask, k0, r, BLOCK_K)
-        diag = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(n0, n0 + BLOCK_R, BLOCK_K):
-            diag = _bg_step(diag, b_ptr, gram_ptr, row_off, row_mask, cols, col_mask, k0, r, BLOCK_K)
-        ba += tl.sum((off * 2.0 + diag) * b_n, axis=1)
+        bg = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, r, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < r
+            b_k = tl.load(b_ptr + row_off + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                          other=0.0).to(tl.float32)
+            g_k = tl.load(gram_ptr + ks[:, None] * r + cols[None, :], mask=k_mask[:, None] & col_mask[None, :],
+                          other=0.0)
+            bg = tl.dot(b_k, g_k, bg, input_precision="ieee")
+        ba += tl.sum(bg * b_n, axis=1)
     base = tl.load(base_ptr + rows, mask=row_mask, other=0.0)
     w = assemble(base, cross, ba, two_s, s_sq, 1)
     if GUARD:
@@ -376,7 +365,7 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     aux = new_buffer((3, d_out), torch.float32, dev, cfg.poison) if guard is not None else None
     if d_out:
         block_r = max(16, min(tiles.block_r, triton.next_power_of_2(r)))
-        block_k = max(16, min(tiles.block_k, block_r))  # divides block_r: the diagonal blocks of G align
+        block_k = max(16, min(tiles.block_k, triton.next_power_of_2(r)))
         if recompute is not None:
             d_in = W.shape[1]
             sw, sa = W.stride(), A.stride()

@@ -72,31 +72,6 @@ def test_tail_bitwise_on_exact_sums(device, d_out, r, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_r, block_k", [(16, 16), (16, 64), (32, 16), (64, 32)])
-def test_tail_ba_over_symmetric_blocks_at_any_tiles(device, block_r, block_k):
-    """``ba`` takes each off-diagonal block of the symmetric G twice and the diagonal blocks once: bitwise the
-    full sum on exact sums at every column and reduction tile (a reduction tile wider than the column tile is
-    narrowed to it, so the diagonal blocks align), r = 65 and 100 leaving a masked last block; and of a G that
-    is not symmetric (as a computed A A^T need not be bitwise) the blocks below the diagonal blocks are not
-    read."""
-    from dora_num.ops.config import NormTailTiles
-
-    tiles = NormTailTiles(block_m=16, block_r=block_r, block_k=block_k)
-    _, two_s, s_sq = scale_constants(0.37)
-    with override(norm_tail_tiles=tiles):
-        for d_out, r in ((33, 65), (17, 100), (5, 16)):
-            U, B, G, base = exact_tail_inputs(d_out, r, device=device, seed=r)
-            cross, ba = exact_tail_terms(U, B, G)
-            want = norm_assembly(TorchFP32CorrectSqrt, base, cross, ba, two_s, s_sq)
-            assert_bitwise(norm_tail(U, B, G, base, two_s, s_sq).wnorm, want)
-            width = max(16, min(block_r, 1 << (r - 1).bit_length()))  # the launcher's column tile
-            blk = torch.arange(r, device=device) // width
-            below = blk[:, None] > blk[None, :]  # G[k, c] with k's block after c's: never read
-            skew = torch.where(below, G + 1.0, G)
-            assert_bitwise(norm_tail(U, B, skew, base, two_s, s_sq).wnorm, want)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_tail_flag_names_nonfinite_rows_and_ignores_masked_ones(device):
     block_m = get_config().norm_tail_tiles.block_m
     d_out, r = block_m + 5, 9  # the second program has block_m - 5 masked rows
