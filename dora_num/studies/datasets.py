@@ -102,7 +102,8 @@ def last_recorded(ds: DataSet) -> dict:
     sha = (best.get("extra") or {}).get("measured_at_git_sha") or (best.get("git") or {}).get("sha")
     dev = best.get("device") or {}
     machine = dev.get("name") or ("CPU " + str((dev.get("cpu") or {}).get("model") or dev.get("host_cpu") or "?"))
-    return {"created_utc": best.get("created_utc"), "commit": str(sha)[:12] if sha else None, "machine": machine}
+    commit = ",".join(c[:12] for c in str(sha).split(",")) if sha else None  # records of several launches: each
+    return {"created_utc": best.get("created_utc"), "commit": commit, "machine": machine}
 
 
 def table():

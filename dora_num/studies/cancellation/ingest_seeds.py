@@ -140,7 +140,7 @@ def ingest_seeds(folders, dest, *, git_sha: str | None = None, keep=None, replac
                                                "regenerate": TRAINED_SEEDS.how_to_record}}}
         log(f"{len(runs)} runs, seeds {seeds}, {len(table)} rows")
         return recording.ingest(artifacts, dest, machine=recording.machine_from_sidecar(folder / RAW_FILES["info"]),
-                                producer=TRAINED_SEEDS.producer, git_sha=git_sha,
+                                producer=TRAINED_SEEDS.producer, git_sha=launch_commits(launches, git_sha),
                                 params=launches[0]["config"], seed=None,
                                 extra={"plan": "seeds", "seeds": seeds, **({"notes": list(notes)} if notes else {})},
                                 sources=folders, inputs={f"{i}/{p.name}": p for i, f in enumerate(folders)
@@ -148,6 +148,18 @@ def ingest_seeds(folders, dest, *, git_sha: str | None = None, keep=None, replac
                                 float_formats={name_of("stats"): FLOAT_FORMAT, name_of("evals"): "%.9g"})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def launch_commits(launches: list[dict], git_sha: str | None = None) -> str | None:
+    """The commit the sidecars name as measured: ``git_sha`` where given, else the launches' own commits
+    (comma-separated, in launch order, each once) where every launch names one, else None (the first launch's
+    machine file then speaks for it)."""
+    if git_sha:
+        return git_sha
+    shas = [la.get("git_sha") for la in launches]
+    if not shas or not all(shas):
+        return None
+    return ",".join(dict.fromkeys(shas))
 
 
 def recording_sha(path) -> str:

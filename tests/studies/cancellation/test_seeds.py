@@ -325,3 +325,15 @@ def test_seeds_plan_smoke_on_the_cpu(tmp_path):
     assert (whole["n_one_bf16"] <= whole["rows"]).all() and whole["rows"].sum() % 20736 == 0  # counts exact
     ft = S.fraction_table(rec.stats, formats=("bf16",), n_resamples=199)
     assert (ft["interval_over"] == "modules (1 seed)").all() and ft["fraction"].between(0, 1).all()
+
+
+def test_a_record_of_launches_at_several_commits_names_each():
+    """The sidecars' measured commit: the one given, else each launch's own (once, in order), else none (a launch
+    that names no commit leaves it to the machine file)."""
+    from dora_num.studies.cancellation.ingest_seeds import launch_commits
+
+    la = [{"git_sha": "a" * 40}, {"git_sha": "a" * 40}, {"git_sha": "b" * 40}]
+    assert launch_commits(la) == "a" * 40 + "," + "b" * 40
+    assert launch_commits(la[:2]) == "a" * 40
+    assert launch_commits(la, "c" * 40) == "c" * 40
+    assert launch_commits(la + [{"git_sha": None}]) is None
