@@ -69,7 +69,7 @@ def _collapse(d: Path) -> Stats:
 
 
 def _seeds(d: Path) -> Stats:
-    """Notebook 01's three seeds: the bf16 fraction of g that rounds to 1 per configuration at the last capture
+    """Notebook 01's seeds: the bf16 fraction of g that rounds to 1 per configuration at the last capture
     and at the best checkpoint, pooled over seeds and modules with its 95 % interval, and the scaling model
     carried to the paper's adapter."""
     f = read_csv(d, "01_cancellation_at_g1/seeds_fractions.csv")
@@ -217,7 +217,8 @@ def headline(d: Path) -> tuple[list[str], Stats]:
              f"{b.g_std.min():.2g} to {b.g_std.max():.2g} ({_paper_adapter(d)}); at the best checkpoint, where it "
              f"was captured ({c['best_captured_runs']} runs), {pct(c['at_best_min'])} to {pct(c['at_best_max'])} "
              f"in bf16",
-             f"the grid again with seeds 1 and 2 (an H100), {sd['seeds_per_configuration']} seeds per configuration "
+             f"the grid again with seeds 1 to {sd['seeds_per_configuration'] - 1} (an H100), "
+             f"{sd['seeds_per_configuration']} seeds per configuration "
              f"at the last capture: g rounds to 1 in bf16 for {pct(sd['final_low_lr_min'])} to "
              f"{pct(sd['final_low_lr_max'])} of values at lr {sd['lr_low']:g} and {pct(sd['final_high_lr_min'])} to "
              f"{pct(sd['final_high_lr_max'])} at lr {sd['lr_high']:g} (95% intervals over seeds and modules in the "
