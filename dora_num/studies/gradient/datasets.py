@@ -14,4 +14,10 @@ MEMORY_HOLDOUT = DataSet("memory-holdout", {"measured": "gpu/memory/memory_holdo
                          recorder="memory --holdout --base .carry/minilm", where="one H100 or H200, under 2 minutes",
                          notebooks=("06",))
 
-DATASETS = (MEMORY, MEMORY_HOLDOUT_PREDICTIONS, MEMORY_HOLDOUT)
+# the same registered configurations measured again after the harness was fixed (record_memory.measure_peak: every
+# thread's pending flags read before the baseline, fp16 AdamW's eps), against the same registered predictions
+MEMORY_HOLDOUT_RERUN = DataSet("memory-holdout-rerun", {"measured": "gpu/memory/rerun/memory_holdout.csv"},
+                               recorder="memory --holdout --base .carry/minilm (ingest: --ingest DIR --out "
+                               "data/gpu/memory/rerun)", where="one H100 or H200, under 2 minutes", notebooks=("06",))
+
+DATASETS = (MEMORY, MEMORY_HOLDOUT_PREDICTIONS, MEMORY_HOLDOUT, MEMORY_HOLDOUT_RERUN)

@@ -265,3 +265,19 @@ def diagnosis(measured: pd.DataFrame, registered: pd.DataFrame | None = None) ->
     t["rel_err_implied"] = (t["predicted"] - t["implied"]) / t["implied"]
     t["model_excess"] = excess
     return t
+
+
+def rerun_table(first: pd.DataFrame, rerun: pd.DataFrame, registered: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The registered set in both measurements against the REGISTERED predictions: per configuration each run's
+    measured peak, error and status (``_1``: the first run, ``_2``: the run with the fixed harness), and where the
+    first run's diagnosis inferred the peak the step reached (:func:`diagnosis`'s ``implied``, its held layers
+    added back), that inference against the rerun's measurement (``implied_vs_rerun``: ``(implied - measured_2) /
+    measured_2``): a check of the diagnosis by a measurement it did not see."""
+    registered = registered_predictions() if registered is None else registered
+    d = diagnosis(first, registered)
+    v = verdict(rerun, registered).table
+    t = d[["order", "id", "predicted", "measured", "rel_err", "status", "held", "implied"]].merge(
+        v[["id", "measured", "rel_err", "status", "error"]], on="id", suffixes=("_1", "_2"), validate="1:1")
+    t["implied_vs_rerun"] = ((t["implied"] - t["measured_2"]) / t["measured_2"]).where(t["held"] > 0)
+    return t
+

@@ -254,3 +254,21 @@ def test_the_recorded_misses_are_explained():
         assert abs(d.loc[i, "rel_err_implied"]) <= mm.TOLERANCE, d.loc[i]
     r = d.loc["long-seq-tiny-rank-fused"]
     assert abs((r["predicted"] - r["model_excess"]) - r["measured"]) <= 1e-3 * r["measured"]
+
+
+def test_the_rerun_table_checks_the_diagnosis_by_a_measurement_it_did_not_see():
+    """On hand-built runs: the first run low by one held layer on fp32-factored-few-tokens, the rerun at the
+    prediction; the table carries both verdicts, and the first run's implied peak against the rerun only where
+    layers were held."""
+    reg = mh.registered_predictions()
+    ids = list(reg["id"])
+    second = pd.DataFrame({"id": ids, "measured": [float(p) for p in reg["predicted"]]})
+    first = second.copy()
+    one = 12288 * 12288 * 4 + 2 * (2 * 128 * 12288 * 4 + 12288 * 4)  # the held fp32 layer (as above)
+    i = "fp32-factored-few-tokens"
+    first.loc[first.id == i, "measured"] -= one
+    t = mh.rerun_table(first, second, reg).set_index("id")
+    assert list(t.index) == ids and t.loc[i, "status_2"] == "within" and t.loc[i, "rel_err_2"] == 0
+    assert t.loc[i, "implied"] == t.loc[i, "measured_2"] and t.loc[i, "implied_vs_rerun"] == 0
+    assert t.loc[i, "status_1"] == ("miss" if one / (t.loc[i, "predicted"] - one) > mm.TOLERANCE else "within")
+    assert t["implied_vs_rerun"].notna().sum() == len(mh.HELD_BY_PREVIOUS)  # only where layers were held
