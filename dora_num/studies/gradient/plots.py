@@ -24,7 +24,7 @@ def memory_peak_vs_tokens(trans: pd.DataFrame):
     return g.figure
 
 
-def memory_holdout(diag: pd.DataFrame):
+def memory_holdout(diag: pd.DataFrame, title: str = "memory model out of sample (H100)"):
     """The pre-registered holdout: measured peak against the registered prediction (log axes, the a-priori
     band), coloured by the verdict's status, each point labelled by its registered order; hollow markers: the
     peak the step reached where the previous configuration's layers were in the baseline (``implied``)."""
@@ -55,12 +55,13 @@ def memory_holdout(diag: pd.DataFrame):
             ax.annotate(str(r["order"]), (r["predicted"], r["y"]), textcoords="offset points",
                         xytext=(5, 3 if k == 0 else -10), fontsize=8)
     held = diag[diag["held"] > 0]
-    ax.scatter(held["predicted"], held["implied"], facecolors="none", edgecolors="k", zorder=3,
-               label="measured + the held layers")
+    if len(held):  # no legend entry where nothing was held (the rerun with the fixed harness)
+        ax.scatter(held["predicted"], held["implied"], facecolors="none", edgecolors="k", zorder=3,
+                   label="measured + the held layers")
     for _, r in held[held["measured"] > 0].iterrows():  # joined to its measured point, whose label it shares
         ax.plot([r["predicted"]] * 2, [r["measured"], r["implied"]], color="k", lw=0.6, ls=":")
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="registered prediction (bytes)",
-           ylabel="measured peak (bytes)", title="memory model out of sample (H100)")
+           ylabel="measured peak (bytes)", title=title)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
