@@ -55,8 +55,8 @@ def holdout_sentence(d: Path) -> tuple[str, Stats]:
              "memory_holdout_err_max": v.max_abs_rel_err, "memory_holdout_harness_faults": len(harness)}
     rerun_path = d / MEMORY_HOLDOUT_RERUN.file()
     if rerun_path.is_file():
-        r = verdict(pd.read_csv(rerun_path), reg)
-        both = rerun_table(m, pd.read_csv(rerun_path), reg)
+        rerun = pd.read_csv(rerun_path)
+        r, both = verdict(rerun, reg), rerun_table(m, rerun, reg)
         inferred = both["implied_vs_rerun"].dropna().abs().sort_values()  # the diagnosis against the rerun
         side = rerun_path.with_name(rerun_path.name + ".provenance.json")
         at2 = str((json.loads(side.read_text()).get("extra") or {}).get("measured_at_git_sha") or "")[:7]
