@@ -82,7 +82,8 @@ LICENCES: tuple[tuple[str, Callable[[Stats, str], bool], str], ...] = (
      or pct(_get(s, "frac_correctly_rounded_min")) in sen,
      "every output correctly rounded, or the sentence says how often (frac_correctly_rounded_min)"),
     (r"within 1 ulp of the correctly rounded result on every",
-     lambda s, _: _get(s, "within_1ulp_all") == 1, "every element within 1 ulp (within_1ulp_all)"),
+     lambda s, _: _get(s, "within_1ulp_all") == 1 and _get(s, "nb02_bf16_beyond_1ulp", 0) == 0,
+     "every element within 1 ulp, however base and lora were formed (within_1ulp_all, nb02_bf16_beyond_1ulp)"),
     (r"\btight", lambda s, sen: "compose" in sen and "norm" not in sen.split("tight")[0]
      and _get(s, "compose_tightness_min") >= 0.5,
      "said of the compose's bound alone, whose measured/bound is at least 0.5 everywhere (compose_tightness_min)"),
@@ -114,6 +115,10 @@ DISCLOSURES: tuple[tuple[Callable[[Stats], bool], str, str], ...] = (
     (lambda s: _get(s, "update_ratio", 0) > 0, r"synthetic adapter", "MiniLM's adapter is synthetic"),
     (lambda s: _get(s, "gpu_changed", 0) > 0.01, r"GPU suite", "the GPU suite's inputs change more"),
     (lambda s: _get(s, "same_batch_floor_mean", 0) > 0, r"m moved by 1 ulp", "the same-batch floor"),
+    (lambda s: _get(s, "fp32_out_within_1ulp", 1) < 1, r"fp32 outputs", "the compose's fp32 outputs beyond 1 ulp"),
+    (lambda s: _get(s, "scaling_down_factor", 1) > 2, r"too small", "the scaling model's one-sided miss downwards"),
+    (lambda s: _get(s, "low_end_mrr_last_max", 0) < _get(s, "low_end_mrr_best_min", 0), r"degraded",
+     "the low end is a run whose validation score fell below every seed's best"),
     (lambda s: _get(s, "layer_vs_peft_bf16_min", 3) < _get(s, "layer_threshold", 0), r"bf16 adapters",
      "the like-for-like ratio, with bf16 adapters on both sides"),
 )

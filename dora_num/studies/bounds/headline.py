@@ -31,9 +31,10 @@ def _bounds(d: Path) -> Stats:
 
 
 def _bounds_text(s: Stats) -> str:
-    return (f"on adversarial inputs the compose's error attains its bound (measured / bound up to "
-            f"{s['compose_tightness_max']:.3g}, at least {s['compose_tightness_min']:.3g} in every format and "
-            f"arithmetic); the norm assembly's reaches {s['assembly_tightness_max']:.3g} there, the factored and "
+    return (f"over the study's random, realistic and adversarial inputs the compose's error attains its bound "
+            f"(the largest measured / bound up to {s['compose_tightness_max']:.3g}, and at least "
+            f"{s['compose_tightness_min']:.3g} in every format and arithmetic); the norm assembly's reaches "
+            f"{s['assembly_tightness_max']:.3g} there, the factored and "
             f"dense row-norm bounds {s['conditioning_factored']:.2g} and {s['conditioning_dense']:.2g} in the "
             f"conditioning study and {s['real_factored']:.2g} and {s['real_dense']:.2g} on MiniLM's layers")
 

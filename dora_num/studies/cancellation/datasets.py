@@ -12,7 +12,7 @@ TRAINED = DataSet("trained-adapters", {
     recorder="adapters-gpu --base .carry/minilm", notebooks=("01", "02"),
     module="dora_num.studies.cancellation.record_trained",
     about="GPU: MiniLM DoRA trained until MRR@10 plateaus, g captured over training (01, 02)")
-# The seeds plan's record (studies/cancellation/seeds.py): seeds 1 and 2 of the grid, seed 0 from TRAINED.
+# The seeds plan's record (studies/cancellation/seeds.py): seeds 1 to 3 of the grid, seed 0 from TRAINED.
 TRAINED_SEEDS = DataSet("trained-adapters-seeds", {
     role: f"adapters/trained_seeds/{f}" for role, f in (
         ("manifest", "manifest.json"), ("stats", "stats.csv.xz"), ("evals", "evals.csv"))},

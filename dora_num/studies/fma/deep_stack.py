@@ -35,6 +35,8 @@ from ...oracles import dora_linear_ref64
 VARIANTS = {"kernel_rn": ("rn", "rn", False), "div_approx": ("approx", "rn", False),
             "sqrt_approx": ("rn", "approx", False), "fma": ("rn", "rn", True), "paper": ("approx", "approx", True)}
 PATHS = ("production", "g_pm2ulp", "peft_bf16", *VARIANTS)
+# the kernel variants that approximate something (division, sqrt, contraction): the paper's suspects
+APPROX_VARIANTS = tuple(k for k, v in VARIANTS.items() if v != ("rn", "rn", False))
 RMS_EPS = 1e-6
 
 
