@@ -18,6 +18,7 @@ out the disclosure a statistic calls for (one seed, one model, a synthetic adapt
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Callable
@@ -72,6 +73,13 @@ def _get(s: Stats, key: str, default=float("nan")):
     return s.get(key, default)
 
 
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except TypeError:  # a statistic that is not a number licenses nothing
+        return False
+
+
 # (the word, licence(stats, its sentence) -> bool, what licenses it); a statistic the text does not state
 # licenses nothing
 LICENCES: tuple[tuple[str, Callable[[Stats, str], bool], str], ...] = (
@@ -103,6 +111,12 @@ LICENCES: tuple[tuple[str, Callable[[Stats, str], bool], str], ...] = (
      "the sentence says the seeds also change the batches (seed_floor_batches_differ)"),
     (r"about as much as", lambda s, _: 0.5 <= _get(s, "ratio_min") and _get(s, "ratio_max") <= 2,
      "every per-seed ratio to the same-batch floor between 0.5 and 2 (ratio_min, ratio_max)"),
+    (r"\bpower\b",
+     lambda s, _: all(_finite(_get(s, k)) for k in ("fused_first_diff_min", "floor_saturation_step_max",
+                                                     "window_end_max", "early_ratio_max", "late_ratio_max")),
+     "the early window beside it: when fused and eager part, when the 1-ulp floor saturates, and fused over the "
+     "floor before and after (fused_first_diff_min, floor_saturation_step_max, window_end_max, early_ratio_max, "
+     "late_ratio_max)"),
     (r"out of reach",
      lambda s, sen: _get(s, "floor_ceiling_pct", 0) >= _get(s, "max_measured_pct_copy", 101) or "not established" in sen,
      "floors drawn at a ceiling no measured path exceeds (floor_ceiling_pct >= max_measured_pct_copy)"),
@@ -119,6 +133,9 @@ DISCLOSURES: tuple[tuple[Callable[[Stats], bool], str, str], ...] = (
     (lambda s: _get(s, "scaling_down_factor", 1) > 2, r"too small", "the scaling model's one-sided miss downwards"),
     (lambda s: _get(s, "low_end_mrr_last_max", 0) < _get(s, "low_end_mrr_best_min", 0), r"degraded",
      "the low end is a run whose validation score fell below every seed's best"),
+    (lambda s: 0 < _get(s, "window_end_max", 0) < _get(s, "steps", 0) / 2, r"cannot fail a kernel",
+     "what the ratio test cannot detect: same-batch runs saturate within the first half of the steps "
+     "(window_end_max), after which any that have decorrelated give a ratio of about 1"),
     (lambda s: _get(s, "layer_vs_peft_bf16_min", 3) < _get(s, "layer_threshold", 0), r"bf16 adapters",
      "the like-for-like ratio, with bf16 adapters on both sides"),
 )

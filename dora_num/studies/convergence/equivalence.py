@@ -457,6 +457,85 @@ def tost_on_other_batches(df: pd.DataFrame, margin: Margin, value: str = "loss",
             "blocks": t["blocks"], "block_size": t["block_size"]}
 
 
+# --------------------------------------------------------------------------
+# What the ratio test can see: the steps before two same-batch runs decorrelate
+# --------------------------------------------------------------------------
+
+SATURATION_WINDOW = 10  # steps of the trailing mean: one step's |delta| alone scatters about as widely as its mean
+SATURATION_FRACTION = 0.9  # saturated: the trailing mean at this fraction of the late-run level
+
+
+def late_level(abs_delta) -> float:
+    """The late-run level of a per-step ``|delta|`` series: its mean over the second half of the steps
+    (the later ``ceil(n / 2)``), where two runs that parted have long decorrelated."""
+    x = np.abs(_series(abs_delta))
+    return float(x[x.size // 2:].mean())
+
+
+def saturation_step(abs_delta, steps=None, *, window: int = SATURATION_WINDOW,
+                    fraction: float = SATURATION_FRACTION) -> int:
+    """The first step at which the mean of ``abs_delta`` over the trailing ``window`` steps (that step and the
+    ``window - 1`` before it) reaches ``fraction`` of :func:`late_level`: the step by which two runs have
+    decorrelated into the regime they keep to the end. -1 when it never does (a series that stays 0, so has
+    level 0, or one shorter than ``window``)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    x = np.abs(_series(abs_delta))
+    steps = np.arange(1, x.size + 1) if steps is None else np.asarray(steps)
+    if steps.shape != x.shape:
+        raise ValueError(f"steps must match the series, got {steps.size} and {x.size}")
+    level = late_level(x)
+    if x.size < window or not level > 0:
+        return -1
+    trailing = np.convolve(x, np.ones(window), "valid") / window  # trailing[i]: steps i .. i + window - 1
+    hit = np.flatnonzero(trailing >= fraction * level)
+    return int(steps[hit[0] + window - 1]) if hit.size else -1
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a.mean() / b.mean()) if a.size and b.mean() > 0 else float("nan")
+
+
+def early_window(df: pd.DataFrame, value: str = "loss", *, window: int = SATURATION_WINDOW,
+                 fraction: float = SATURATION_FRACTION) -> pd.DataFrame:
+    """Per seed with 1-ulp replicates and a fused run: where the ratio test's ``R`` comes from.
+
+    Two runs on the same batches are bitwise equal until a rounding difference first changes a loss
+    (``*_first_diff_step``, :func:`delta_summary`); within a few steps their ``|delta|`` then reaches the
+    level it keeps to the end (:func:`saturation_step`, of the fused series ``|F - E|`` and of the floor,
+    the mean over replicates of ``|U_k - E|``, as :func:`same_batch_verdict` takes it). The **early window**
+    is steps 1 to ``window_end``, the later of the two saturation steps (the whole run where either never
+    saturates): only there can the two series differ in level. ``early_ratio`` is the fused mean ``|delta|``
+    over the floor's mean within it, ``late_ratio`` the same after it, where any two same-batch runs that
+    have decorrelated sit at about 1 whatever parted them; ``early_share`` is the window's share of the steps.
+    """
+    rows = []
+    for seed, r in same_batch_runs(df, value).items():
+        if r["fused"] is None:
+            continue
+        E, F, U = r["eager"], r["fused"], r["replicates"]
+        steps = E.index.to_numpy()
+        d, f = _abs_from(E, F), np.mean([_abs_from(E, u) for u in U], axis=0)
+        parted = [delta_summary(E.to_numpy(), u.to_numpy(), steps)["first_diff_step"] for u in U]
+        sat_f, sat_d = (saturation_step(x, steps, window=window, fraction=fraction) for x in (f, d))
+        n = steps.size
+        end = n if -1 in (sat_f, sat_d) else int(np.searchsorted(steps, max(sat_f, sat_d)) + 1)  # steps in the window
+        rows.append({"seed": seed, "replicates": len(U), "steps": n,
+                     "fused_first_diff_step": delta_summary(E.to_numpy(), F.to_numpy(), steps)["first_diff_step"],
+                     "floor_first_diff_step": min((p for p in parted if p > 0), default=-1),
+                     "floor_saturation_step": sat_f, "fused_saturation_step": sat_d,
+                     "floor_late_level": late_level(f), "fused_late_level": late_level(d),
+                     "window_end": int(steps[end - 1]), "early_share": end / n,
+                     "early_fused_mean_abs": float(d[:end].mean()), "early_floor_mean_abs": float(f[:end].mean()),
+                     "early_ratio": _ratio(d[:end], f[:end]), "late_ratio": _ratio(d[end:], f[end:]),
+                     "saturation_window": window, "saturation_fraction": fraction})
+    if not rows:
+        raise ValueError("no fused run beside an eager seed with 1-ulp replicates")
+    return pd.DataFrame(rows)
+
+
 def paper_comparison(losses: pd.DataFrame, evals: pd.DataFrame | None, verdict: dict,
                      seconds_per_step: dict[str, float] | None = None) -> pd.DataFrame:
     """Our numbers beside the paper's (docs/paper.md), one row per quantity, like for like.
@@ -470,17 +549,23 @@ def paper_comparison(losses: pd.DataFrame, evals: pd.DataFrame | None, verdict: 
     dt = delta_table(losses, "loss")
     fe, ss, rp = (dt[dt.kind == k] for k in ("fused_vs_eager", "seed_to_seed", "repeat"))
     tested = verdict["table"][verdict["table"].role == "tested"]
+    floor_by_seed = ulp.groupby("seed_a").mean_abs.mean() if len(ulp) else pd.Series(dtype=float)
+    # the paper's ratio: its mean over seeds over the midpoint of its floor's range (all it reports); ours the
+    # same way, beside the ratio test's R (per seed, on block means), which the paper has no counterpart of
     paper_floor = np.mean([PAPER["seed_to_seed_mean_abs_delta_low"], PAPER["seed_to_seed_mean_abs_delta_high"]])
+    floor_mid = np.mean([floor_by_seed.min(), floor_by_seed.max()]) if len(floor_by_seed) else np.nan
     rows = [
         ("fused vs eager mean |delta loss|", fe.mean_abs.mean(), PAPER["fused_vs_eager_mean_abs_delta"]),
         ("fused vs eager max |delta loss|", fe.max_abs.max(), PAPER["fused_vs_eager_max_abs_delta"]),
         ("same-batch floor mean |delta loss| (ours: eager with m moved 1 ulp; paper: seed to seed, batch order "
-         "kept), min over seeds", ulp.groupby("seed_a").mean_abs.mean().min() if len(ulp) else np.nan,
-         PAPER["seed_to_seed_mean_abs_delta_low"]),
-        ("same-batch floor mean |delta loss|, max over seeds", ulp.groupby("seed_a").mean_abs.mean().max()
-         if len(ulp) else np.nan, PAPER["seed_to_seed_mean_abs_delta_high"]),
-        ("ratio fused-vs-eager / same-batch floor", tested.ratio.mean(),
+         "kept), min over seeds", floor_by_seed.min() if len(ulp) else np.nan, PAPER["seed_to_seed_mean_abs_delta_low"]),
+        ("same-batch floor mean |delta loss|, max over seeds", floor_by_seed.max() if len(ulp) else np.nan,
+         PAPER["seed_to_seed_mean_abs_delta_high"]),
+        ("ratio fused-vs-eager / same-batch floor, the paper's way: fused vs eager mean |delta loss| over the "
+         "midpoint of the floor's range over seeds", fe.mean_abs.mean() / floor_mid,
          PAPER["fused_vs_eager_mean_abs_delta"] / paper_floor),
+        ("ratio fused-vs-eager / same-batch floor, the ratio test's R: per seed on block means, mean over seeds "
+         "(no counterpart in the paper)", tested.ratio.mean(), np.nan),
         ("seed-to-seed mean |delta loss|, different batches (no counterpart in the paper)", ss.mean_abs.mean(),
          np.nan),
         ("same-seed repeat mean |delta loss|", rp.mean_abs.mean() if len(rp) else np.nan, np.nan),

@@ -9,7 +9,7 @@ import re
 
 from pathlib import Path
 
-from ...repro.headline import Stats, read_csv, read_json
+from ...repro.headline import Stats, pct, read_csv, read_json
 from .datasets import CONVERGENCE, SAMEBATCH
 
 # shown under the headline in the README (figures/04_convergence/*.png)
@@ -18,8 +18,9 @@ FIGURES = ("deltas_vs_floor",)
 
 def _training(d: Path) -> Stats:
     """Notebook 04: fused vs eager per seed against the same-batch floor (eager with m moved by 1 ulp): the
-    ratio test's R and upper bound per seed, its power and controls; how many 1-ulp runs per seed, whether they
-    ran at the runs' commit; the different-batch floor for contrast."""
+    ratio test's R and upper bound per seed, its power and controls, and what it cannot detect (the early
+    window: :func:`_early`); how many 1-ulp runs per seed, whether they ran at the runs' commit; the
+    different-batch floor for contrast."""
     u = read_csv(d, "04_convergence/ulp_perturbation_deltas.csv")
     v = read_csv(d, "04_convergence/verdict.csv")
     tested = v[v.role == "tested"].set_index("seed")
@@ -40,7 +41,39 @@ def _training(d: Path) -> Stats:
             "differ_controls": len(differ), "differ_failed": int((~differ.within.astype(bool)).sum()),
             "differ_ratio_min": differ.ratio.min(), "seed_floor": m["floor"], "seed_floor_batches_differ": 1.0,
             "tost_says_equivalent_on_other_batches": float(tost.within.astype(bool).any()),
-            "floor_at_another_commit": float(len(set(shas.values())) > 1), **_wave(d)}
+            "floor_at_another_commit": float(len(set(shas.values())) > 1), **_wave(d), **_early(d)}
+
+
+def _early(d: Path) -> Stats:
+    """Notebook 04's early window (:func:`..equivalence.early_window`), over the seeds of both the 2000-step runs
+    and the one-commit wave: when fused and eager part, when the 1-ulp floor saturates, fused over the floor
+    before both have saturated and after."""
+    e = read_csv(d, "04_convergence/early_window.csv")
+    return {"fused_first_diff_min": int(e.fused_first_diff_step.min()),
+            "fused_first_diff_max": int(e.fused_first_diff_step.max()),
+            "floor_first_diff_max": int(e.floor_first_diff_step.max()),
+            "floor_saturation_step_max": int(e.floor_saturation_step.max()),
+            "window_end_max": int(e.window_end.max()), "early_share_max": e.early_share.max(),
+            "early_ratio_min": e.early_ratio.min(), "early_ratio_max": e.early_ratio.max(),
+            "late_ratio_min": e.late_ratio.min(), "late_ratio_max": e.late_ratio.max(),
+            "saturation_window": int(e.saturation_window.iloc[0]),
+            "saturation_fraction": float(e.saturation_fraction.iloc[0]), "early_window_sets": e.runs.nunique()}
+
+
+def _early_text(s: Stats) -> str:
+    """What the ratio test can and cannot detect, from :func:`_early`."""
+    both = "both sets of runs" if s["early_window_sets"] > 1 else "the runs"
+    return (f"What the test can and cannot detect: fused and eager losses are bitwise equal until they first "
+            f"differ, at step {s['fused_first_diff_min']} to {s['fused_first_diff_max']} (per seed, {both}); the "
+            f"1-ulp runs part from eager by step {s['floor_first_diff_max']} and their mean |delta loss| reaches "
+            f"{pct(s['saturation_fraction'])} of its late-run level (a trailing {s['saturation_window']}-step mean "
+            f"against the mean over the second half) by step {s['floor_saturation_step_max']}; until both have "
+            f"saturated (by step {s['window_end_max']}, at most {pct(s['early_share_max'])} of the steps) fused is "
+            f"{s['early_ratio_min']:.3g} to {s['early_ratio_max']:.3g} times the floor, after it "
+            f"{s['late_ratio_min']:.3g} to {s['late_ratio_max']:.3g}: two runs on the same batches that have "
+            f"decorrelated sit at a ratio of about 1 whatever parted them, so the test cannot fail a kernel that "
+            f"is worse than rounding but whose runs decorrelate the same way, and its only failing control "
+            f"uses other batches")
 
 
 def _wave(d: Path) -> Stats:
@@ -75,8 +108,8 @@ def _training_text(s: Stats) -> str:
             f"{high}, below the pre-set {s['bound']:g} on {s['tests_passed']} of {s['tests']} seeds (power at a "
             f"true ratio of 1: at least {s['power_at_1_min']:.2f}), and the same test rejects eager runs of another "
             f"seed, on different batches ({s['differ_failed']} of {s['differ_controls']}, ratios from "
-            f"{s['differ_ratio_min']:.3g}); {reps}{other}. In a wave recorded on an {s['wave_gpu']}, each seed's runs at "
-            f"one commit, with "
+            f"{s['differ_ratio_min']:.3g}); {reps}{other}. {_early_text(s)}. In a wave recorded on an "
+            f"{s['wave_gpu']}, each seed's runs at one commit, with "
             f"{s['wave_ulp_runs_per_seed']} 1-ulp runs per seed (seeds {s['wave_seed_list']}"
             f"{'' if s['wave_seeds'] >= s['seeds'] else ' so far'}"
             f"{'' if s['wave_commits'] == 1 else '; ' + str(s['wave_commits']) + ' commits'}"

@@ -236,6 +236,61 @@ def test_same_batch_verdict_needs_replicates():
         eq.same_batch_verdict(df)
 
 
+# -- the early window: what the ratio test can see ----------------------------
+
+def test_saturation_step_on_a_known_ramp():
+    """|delta| 0 for steps 1-2, 1 from step 3 on; late level 1. Trailing means over 4 steps: step 4 -> 0.5,
+    step 5 -> 0.75, step 6 -> 1, so 90% is first reached at step 6 (and at 75% already at step 5)."""
+    x = np.r_[0.0, 0.0, np.ones(98)]
+    assert eq.late_level(x) == 1.0
+    assert eq.saturation_step(x, window=4, fraction=0.9) == 6
+    assert eq.saturation_step(x, window=4, fraction=0.75) == 5
+    assert eq.saturation_step(x, np.arange(101, 201), window=4) == 106  # reported on the series' own steps
+    assert eq.saturation_step(np.zeros(100)) == -1  # never parts: no level to reach
+    assert eq.saturation_step(np.ones(5), window=10) == -1  # shorter than the window
+
+
+@pytest.mark.parametrize("kw, match", [({"window": 0}, "window"), ({"window": 2.0}, "window"),
+                                       ({"fraction": 0.0}, "fraction"), ({"fraction": 1.5}, "fraction")])
+def test_saturation_step_rejects_bad_parameters(kw, match):
+    with pytest.raises(ValueError, match=match):
+        eq.saturation_step(np.ones(100), **kw)
+
+
+def test_early_window_on_known_runs():
+    """200 steps. The 1-ulp replicate parts at step 3 by 1 and stays 1 apart; fused parts at step 50 by 1.
+    Window 4 at 90%: the floor saturates at step 6, fused at step 53 = the window's end. Before it fused moves
+    the loss at 4 of 53 steps, the floor at 51: ratio 4/51; after it both 1 at every step: ratio 1."""
+    n = 200
+    eager = np.linspace(2.0, 1.0, n)
+    step = np.arange(1, n + 1)
+    plain = frame({("eager", 0, 0): eager, ("fused", 0, 0): eager + (step >= 50)})
+    moved = frame({("eager", 0, 0): eager + (step >= 3)})
+    df = pd.concat([plain.assign(perturbed=False), moved.assign(perturbed=True)], ignore_index=True)
+    row = eq.early_window(df, window=4, fraction=0.9).iloc[0]
+    assert (row.fused_first_diff_step, row.floor_first_diff_step) == (50, 3)
+    assert (row.floor_saturation_step, row.fused_saturation_step, row.window_end) == (6, 53, 53)
+    assert row.early_share == 53 / n
+    assert row.early_ratio == pytest.approx(4 / 51, rel=1e-12) and row.late_ratio == 1.0
+
+
+def test_early_window_of_a_fused_run_that_never_parts():
+    """Fused bitwise equal to eager: no saturation step; the whole run is the window, fused 0 times the floor."""
+    n = 50
+    eager = np.linspace(2.0, 1.0, n)
+    plain = frame({("eager", 0, 0): eager, ("fused", 0, 0): eager.copy()})
+    moved = frame({("eager", 0, 0): eager + 0.5})
+    df = pd.concat([plain.assign(perturbed=False), moved.assign(perturbed=True)], ignore_index=True)
+    row = eq.early_window(df).iloc[0]
+    assert (row.fused_first_diff_step, row.fused_saturation_step, row.window_end) == (-1, -1, n)
+    assert row.early_ratio == 0.0 and np.isnan(row.late_ratio)
+
+
+def test_early_window_needs_a_fused_run_beside_replicates():
+    with pytest.raises(ValueError, match="fused run"):
+        eq.early_window(same_batch_runs(np.random.default_rng(1)).query("path == 'eager'"))
+
+
 def test_paper_table_is_like_for_like():
     """The paper's seed-to-seed spread keeps the batch order: it stands beside our same-batch floor, and our
     different-batch floor has no paper value."""
@@ -244,8 +299,17 @@ def test_paper_table_is_like_for_like():
     v = eq.same_batch_verdict(tidy)
     tab = eq.paper_comparison(tidy, None, v, {"eager": 0.02, "fused": 0.018}).set_index("quantity")
     assert tab.loc["time per step fused / eager", "ours"] == pytest.approx(0.9)
-    ratio = tab.loc["ratio fused-vs-eager / same-batch floor"]
-    assert ratio.ours == pytest.approx(v["fused_ratio_mean"]) and ratio.paper == pytest.approx(7.1e-4 / 8.05e-4)
+    ratio = tab.filter(like="the paper's way", axis=0).iloc[0]  # one mean over the midpoint of a range, both sides
+    def curve(seed, path, repeat, perturbed):
+        return df[(df.seed == seed) & (df.path == path) & (df.repeat == repeat) & (df.perturbed == perturbed)].loss.to_numpy()
+
+    fe = np.mean([np.abs(curve(s, "fused", 0, False) - curve(s, "eager", 0, False)).mean() for s in (0, 1, 2)])
+    floor = [np.mean([np.abs(curve(s, "eager", k, True) - curve(s, "eager", 0, False)).mean() for k in range(3)])
+             for s in (0, 1, 2)]
+    assert ratio.ours == pytest.approx(fe / ((min(floor) + max(floor)) / 2))
+    assert ratio.paper == pytest.approx(7.1e-4 / 8.05e-4)
+    r = tab.filter(like="the ratio test's R", axis=0).iloc[0]
+    assert r.ours == pytest.approx(v["fused_ratio_mean"]) and np.isnan(r.paper)
     assert np.isnan(tab.filter(like="different batches", axis=0).paper).all()
 
 
