@@ -14,12 +14,24 @@ NORM = DataSet("norm", {"bench": "gpu/norm_bench.csv"}, recorder="norm", noteboo
                about="GPU: row-norm time and memory (05)")
 LAYER = DataSet("layer", {"bench": "gpu/layer_bench.csv", "profile": "gpu/layer_profile.txt"}, recorder="layer",
                 notebooks=("05",), module=_SUITE, about="GPU: DoRALinear vs PEFT's DoRA layer (05)")
-# a second session of the timed sections that the speed targets read (the same shapes, another machine session):
-# the targets' spread over sessions, beside the first session's record above
-SPEED_REPEAT = DataSet("speed-repeat", {"device": "gpu/repeat/device.json", "compose": "gpu/repeat/compose_bench.csv.xz",
-                                        "norm": "gpu/repeat/norm_bench.csv", "layer": "gpu/repeat/layer_bench.csv",
-                                        "profile": "gpu/repeat/layer_profile.txt"},
-                       recorder="suite --repeat --only compose norm layer")
+
+
+def suite_session(name: str, folder: str, recorder: str = "suite --repeat --only compose norm layer",
+                  **kw) -> DataSet:
+    """One more machine session of the suite's timed sections that the speed targets read (the same shapes),
+    in ``data/<folder>/``: the targets' spread over sessions."""
+    return DataSet(name, {role: f"{folder}/{f}" for role, f in (
+        ("device", "device.json"), ("compose", "compose_bench.csv.xz"), ("norm", "norm_bench.csv"),
+        ("layer", "layer_bench.csv"), ("profile", "layer_profile.txt"))}, recorder=recorder, **kw)
+
+
+# a second session on the first session's card (the H200), beside the first session's record above
+SPEED_REPEAT = suite_session("speed-repeat", "gpu/repeat")
+# two sessions on an H100 (each its own machine lease, ingested with --out data/gpu/sessions/h100_<a|b>)
+SPEED_H100 = tuple(suite_session(f"speed-h100-{k}", f"gpu/sessions/h100_{k}", where="an H100",
+                                 recorder=f"suite --repeat --only compose norm layer (session {k} on an H100; "
+                                          f"ingest with --out data/gpu/sessions/h100_{k})", notebooks=("05",))
+                   for k in ("a", "b"))
 _MODEL_TABLES = ("bench", "agreement", "probe", "predictions")
 MODEL = DataSet("model", {t: f"gpu/model_{t}.csv" for t in _MODEL_TABLES}, recorder="model", optional=("05",),
                 module="dora_num.studies.speed.record_model",
@@ -46,5 +58,5 @@ DORAFACTORS = DataSet("dorafactors", {"bench": "gpu/dorafactors_bench.csv"},
                       about="GPU: the released dorafactors kernels (v1.0) against ours, interleaved in one run")
 
 DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST,
-            DORAFACTORS)
+            DORAFACTORS, *SPEED_H100)
 UNRECORDED = (SPEED_REPEAT,)

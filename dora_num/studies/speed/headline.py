@@ -52,7 +52,16 @@ def _speed(d: Path) -> Stats:
             # the ceiling the targets table drew its bandwidth floors at (report.target_status)
             "floor_ceiling_pct": float(t[t.target.isin(("fwd_pct_copy", "bwd_pct_copy"))].best_possible.min()),
             "fused_fwd_pct_copy": fwd[fwd.impl == "fused"].pct_copy.max(),
-            "target_fwd_pct_copy": t[t.target == "fwd_pct_copy"].measured.max()}
+            "fused_fwd_pct_copy_at": _shape(fwd.loc[fwd[fwd.impl == "fused"].pct_copy.idxmax()]),
+            "target_fwd_pct_copy": t[t.target == "fwd_pct_copy"].measured.max(),
+            "target_fwd_pct_copy_text": " and ".join(
+                f"{r.measured:.3g}% ({r['shape']})" for _, r in t[t.target == "fwd_pct_copy"].iterrows())}
+
+
+def _shape(row) -> str:
+    """A compose-bandwidth row's shape and dtype, as the targets table writes them (``16384x8192 bf16``)."""
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(row["dtype"], row["dtype"])
+    return f"{int(row['tokens'])}x{int(row['d_out'])} {short}"
 
 
 def sessions(d: Path) -> Stats:
@@ -139,10 +148,14 @@ def _released_sentence(s: Stats, card: str, grad: str, rest: str) -> str:
 def headline(d: Path) -> tuple[list[str], Stats]:
     s = _speed(d)
     rel, card, grad = _released(d)
-    return ([f"H200 targets, one session's medians without intervals: {s['met']} met, {s['missed']} missed, "
-             f"{s['out_of_reach']} out of reach (below); fused compose forward at "
-             f"{s['target_fwd_pct_copy']:.3g}% of "
-             f"copy bandwidth",
+    lines = [f"H200 targets, one session's medians (the H200 session not repeated): {s['met']} met, "
+             f"{s['missed']} missed, {s['out_of_reach']} out of reach (below); fused compose forward at "
+             f"{s['target_fwd_pct_copy_text']} of copy bandwidth"]
+    if (d / "05_memory_and_speed/targets_over_sessions.csv").is_file():
+        two = sessions(d)
+        s |= two
+        lines.append(f"how far one session's verdict moves: {sessions_sentence(two, 'H100')}")
+    return ([*lines,
              f"the {s['layer_targets_met']} met layer targets against PEFT ({s['layer_vs_peft_fp32_min']:.3g}x to "
              f"{s['layer_vs_peft_fp32_max']:.3g}x) compare with PEFT's default fp32 adapters; against PEFT with bf16 "
              f"adapters the layer runs at {s['layer_vs_peft_bf16_min']:.2g}x to {s['layer_vs_peft_bf16_max']:.3g}x, "
@@ -152,7 +165,8 @@ def headline(d: Path) -> tuple[list[str], Stats]:
              f"{s['oor_on_ceiling']} of the {s['out_of_reach']} verdicts marked out of reach draw their floor at the "
              f"highest bandwidth measured in the same run, {s['ceiling_pct_copy']:.4g}% of the copy kernel's (the "
              f"{s['ceiling_impl']} path's {s['ceiling_op']}), so that no floor rests on a ceiling a measured path "
-             f"exceeds (the fused forward reaches {s['fused_fwd_pct_copy']:.3g}%); {s['oor_on_graphs']} on the "
+             f"exceeds (the fused forward reaches {s['fused_fwd_pct_copy']:.3g}% at {s['fused_fwd_pct_copy_at']}); "
+             f"{s['oor_on_graphs']} on the "
              f"CUDA-graph floor of their own run, where no path passes {s['graphs_max_pct_floor']:.3g}% of it, and "
              f"{s['out_of_reach'] - s['oor_on_ceiling'] - s['oor_on_graphs']} on plain LoRA's host cost measured "
              f"beside it",

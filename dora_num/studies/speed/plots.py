@@ -113,19 +113,19 @@ def released_ratios(t: pd.DataFrame, device: str = ""):
     return fig
 
 
-def targets_over_sessions(t: pd.DataFrame, card: str = ""):
+def targets_over_sessions(t: pd.DataFrame, card: str = "", labels: tuple[str, str] = ("first session", "repeat session")):
     """Each target's measured value over its threshold in two sessions
     (:func:`~dora_num.studies.speed.report.targets_over_sessions`): the first session as a filled dot, the
-    repeat as a hollow one, joined by a line; at or right of 1 the target is met; a label in red where the
-    sessions' verdicts differ."""
+    second as a hollow one (``labels``: their legend entries), joined by a line; at or right of 1 the target
+    is met; a label in red where the sessions' verdicts differ."""
     t = t.reset_index(drop=True)
     y = range(len(t))[::-1]
     fig, ax = plt.subplots(figsize=(7.2, 0.26 * len(t) + 1.1))
     a, b = t["measured_1"] / t["threshold"], t["measured_2"] / t["threshold"]
     for yi, x1, x2 in zip(y, a, b):
         ax.plot([x1, x2], [yi, yi], color="grey", lw=1)
-    ax.plot(a, list(y), "o", ms=4, color="C0", label="first session")
-    ax.plot(b, list(y), "o", ms=5, mfc="none", color="C1", label="repeat session")
+    ax.plot(a, list(y), "o", ms=4, color="C0", label=labels[0])
+    ax.plot(b, list(y), "o", ms=5, mfc="none", color="C1", label=labels[1])
     ax.axvline(1, color="grey", lw=0.8, ls="--")
     ax.set_yticks(list(y), t["target"] + "  " + t["shape"], fontsize=6.5)
     for tick, split in zip(ax.get_yticklabels(), t["over_sessions"] == "split"):

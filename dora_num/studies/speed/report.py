@@ -218,11 +218,12 @@ def target_status(data: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def load_repeat(folder: str | Path | None = None) -> dict:
-    """The repeat session's record (:data:`~.datasets.SPEED_REPEAT`: the suite's timed sections compose, norm
-    and layer, run again in another machine session) in :func:`load_recorded`'s form."""
-    D.SPEED_REPEAT.require(folder)
-    return load_recorded(D.SPEED_REPEAT.paths(folder)[0].parent)
+def load_session(ds=D.SPEED_REPEAT, folder: str | Path | None = None) -> dict:
+    """One more session's record (a :func:`~.datasets.suite_session`: the suite's timed sections compose, norm
+    and layer, run again in another machine session; by default :data:`~.datasets.SPEED_REPEAT`) in
+    :func:`load_recorded`'s form."""
+    ds.require(folder)
+    return load_recorded(ds.paths(folder)[0].parent)
 
 
 def targets_over_sessions(first: dict, repeat: dict) -> pd.DataFrame:

@@ -192,12 +192,12 @@ def test_the_repeat_session_loads_from_its_own_folder(tmp_path):
     from dora_num.studies.speed import datasets as D
 
     with pytest.raises(RecordedDataMissing, match="--repeat"):
-        br.load_repeat(tmp_path)
+        br.load_session(folder=tmp_path)
     for role, src in (("device", D.SUITE.path("device")), ("compose", D.COMPOSE.path("bench")),
                       ("norm", D.NORM.path("bench")), ("layer", D.LAYER.path("bench")),
                       ("profile", D.LAYER.path("profile"))):
         shutil.copy(src, D.SPEED_REPEAT.path(role, tmp_path))
-    rep = br.load_repeat(tmp_path)
+    rep = br.load_session(folder=tmp_path)
     assert len(rep["compose"]) and len(rep["layer"]) and rep["train_graphs"].empty
     same = br.targets_over_sessions(br.load_recorded(), rep)
     assert (same.measured_1 == same.measured_2).all() and (same.over_sessions != "split").all()
