@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from .datasets import MODEL
+from .released import rounds
 from .report import target_row
 
 # Model level, from Zelenin & Zhuravlyova, "Scaling DoRA: High-Rank Adaptation via Factored Norms
@@ -119,9 +120,10 @@ def model_targets(data: dict | None) -> pd.DataFrame:
     verdict (``met`` / ``out_of_reach`` / ``missed``, or ``not_recorded``)."""
     rows = []
 
-    def add(target, shape, measured, threshold, floor, note=""):
+    def add(target, shape, measured, threshold, floor, note="", per_round=None):
         recorded = measured is not None and measured == measured  # NaN: ms() found no row
-        rows.append(target_row(target, shape, measured, threshold, floor, note, recorded=recorded))
+        rows.append(target_row(target, shape, measured, threshold, floor, note, recorded=recorded,
+                               per_round=per_round))
 
     if data is None:
         for name, r, ckpt, mode, thr in SPEED_TARGETS:
@@ -136,12 +138,19 @@ def model_targets(data: dict | None) -> pd.DataFrame:
         s = b[(b["variant"] == variant) & (b["rank"] == r) & (b["checkpointing"] == ckpt) & (b["mode"] == mode)]
         return float(s[col].iloc[0]) if len(s) else float("nan")
 
+    def per_round(r, ckpt, mode):  # round i of PEFT over round i of ours (the rounds interleave the variants)
+        sel = [b[(b["variant"] == v) & (b["rank"] == r) & (b["checkpointing"] == ckpt) & (b["mode"] == mode)]
+               for v in ("peft_fp32", "dora_num_fp32")]
+        if not all(len(x) and "rounds_ms" in x for x in sel):
+            return None
+        return rounds(sel[0]["rounds_ms"].iloc[0]) / rounds(sel[1]["rounds_ms"].iloc[0])
+
     for name, r, ckpt, mode, thr in SPEED_TARGETS:
         peft, ours, lora = (ms(v, r, ckpt, mode) for v in ("peft_fp32", "dora_num_fp32", "lora_fp32"))
         frozen = ms("frozen", r, ckpt, mode)
         note = (f"PEFT {peft:.1f} ms, dora_num {ours:.1f} ms, plain LoRA {lora:.1f} ms, frozen model {frozen:.1f} ms"
                 + (f"; warm (norm reused) {ms('dora_num_fp32', r, ckpt, 'infer'):.1f} ms" if mode == "infer_cold" else ""))
-        add(name, f"r={r}{' ckpt' if ckpt else ''}", peft / ours, thr, peft / lora, note)
+        add(name, f"r={r}{' ckpt' if ckpt else ''}", peft / ours, thr, peft / lora, note, per_round(r, ckpt, mode))
     for r in sorted(set(b["rank"])):
         peft = ms("peft_fp32", r, True, "train", "peak_extra_bytes")
         ours = ms("dora_num_fp32", r, True, "train", "peak_extra_bytes")

@@ -140,12 +140,17 @@ def _row(compose, dtype, tokens, d_out, op, impl):
 
 
 def target_row(target: str, shape: str, measured, threshold: float, floor, note: str = "", *,
-               recorded: bool = True) -> dict:
+               recorded: bool = True, per_round=None) -> dict:
     """One row of a targets table (notebook 05's, this module's and
     :func:`~dora_num.studies.speed.model_report.model_targets`): the verdict is ``met`` when
     ``measured >= threshold``, else ``out_of_reach`` where the floor (``best_possible``, the
     best value the same run allows; None: no floor) lies below the threshold, else ``missed``;
-    ``not_recorded`` when ``recorded`` is false (``measured`` is then not compared)."""
+    ``not_recorded`` when ``recorded`` is false (``measured`` is then not compared).  ``per_round``:
+    the measured ratio in each interleaved round where the record has them (``round_lo``, ``round_hi``:
+    their range, NaN without), so a verdict from the median is read beside its spread."""
+    lo = hi = float("nan")
+    if per_round is not None and len(per_round):
+        lo, hi = float(min(per_round)), float(max(per_round))
     if not recorded:
         verdict = "not_recorded"
     elif measured >= threshold:
@@ -155,7 +160,7 @@ def target_row(target: str, shape: str, measured, threshold: float, floor, note:
     else:
         verdict = "missed"
     return {"target": target, "shape": shape, "measured": measured, "threshold": threshold,
-            "best_possible": floor, "verdict": verdict, "note": note}
+            "best_possible": floor, "verdict": verdict, "note": note, "round_lo": lo, "round_hi": hi}
 
 
 def target_status(data: dict) -> pd.DataFrame:
@@ -169,8 +174,8 @@ def target_status(data: dict) -> pd.DataFrame:
     on = f"the ceiling {top:.4g}% of copy ({'a measured path' if top > 100 else 'the copy kernel'})"
     rows = []
 
-    def add(target, shape, measured, threshold, floor, note=""):
-        rows.append(target_row(target, shape, measured, threshold, floor, note))
+    def add(target, shape, measured, threshold, floor, note="", per_round=None):
+        rows.append(target_row(target, shape, measured, threshold, floor, note, per_round=per_round))
 
     for tokens, d_out in TARGET_SHAPES:
         shape = f"{tokens}x{d_out} bf16"
@@ -210,9 +215,13 @@ def target_status(data: dict) -> pd.DataFrame:
     add("norm_time_ratio_inverse", "8192x8192 r=384 bf16", dense["ms"] / cached["ms"], 1.0, None,
         "dense fp32 time / factored-cached time")
     lay = layer_table(data["layer"])
+    ours = data["layer"][(data["layer"]["impl"] == "dora_num") & (data["layer"]["mode"] == "fwd_bwd")]
+    ours = ours.set_index(["d_in", "d_out", "rank", "tokens"])["rounds_ms"]
     for _, r in lay[(lay["impl"] == "peft_default") & (lay["mode"] == "fwd_bwd")].iterrows():
         shape = f"{r['d_in']}->{r['d_out']} r={r['rank']} T={r['tokens']}"
-        add("layer_fwd_bwd_speedup_vs_peft", shape, r["dora_num_speedup"], 2.0, None)
+        key = (r["d_in"], r["d_out"], r["rank"], r["tokens"])
+        add("layer_fwd_bwd_speedup_vs_peft", shape, r["dora_num_speedup"], 2.0, None,
+            per_round=rounds(r["rounds_ms"]) / rounds(ours.loc[key]))
         add("layer_peak_memory_lower_than_peft", shape, 1.0 / r["dora_num_mem_ratio"], 1.0 + 1e-12, None,
             "PEFT peak / dora_num peak (forward+backward)")
     return pd.DataFrame(rows)

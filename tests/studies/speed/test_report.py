@@ -1,6 +1,7 @@
 """The GPU suite's CPU-side parts: traffic model, recorded-data tables, ingest, CLI."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -227,3 +228,29 @@ def test_the_two_session_headline_counts_a_verdict_only_where_both_sessions_give
     assert s["sessions_layer_fp32_rounds"] == 4
     line = headline.sessions_sentence(s, "H200")
     assert "1 split (1 met in the first session only)" in line and "1.8x to 2.5x" in line
+
+
+def test_a_target_row_carries_the_spread_of_its_rounds():
+    """A verdict read from a median keeps the range of its interleaved rounds beside it: a median at the
+    threshold can hide a round below it; without per-round values the range is NaN, never invented."""
+    row = br.target_row("t", "s", 2.05, 2.0, None, per_round=[1.86, 2.05, 2.11])
+    assert row["verdict"] == "met" and (row["round_lo"], row["round_hi"]) == (1.86, 2.11)
+    bare = br.target_row("t", "s", 2.05, 2.0, None)
+    assert bare["round_lo"] != bare["round_lo"] and bare["round_hi"] != bare["round_hi"]
+
+
+@needs_recorded
+def test_the_layer_targets_spread_is_its_rounds_ratios():
+    """The layer target's round range is round i of PEFT over round i of ours, recomputed here from the raw
+    rounds of the record."""
+    data = br.load_recorded()
+    t = br.target_status(data)
+    lay = data["layer"][data["layer"]["mode"] == "fwd_bwd"]
+    for _, r in t[t.target == "layer_fwd_bwd_speedup_vs_peft"].iterrows():
+        d_in, d_out, rank, tokens = (int(x) for x in re.match(r"(\d+)->(\d+) r=(\d+) T=(\d+)", r["shape"]).groups())
+        sel = lay[(lay.d_in == d_in) & (lay.d_out == d_out) & (lay["rank"] == rank) & (lay.tokens == tokens)]
+        peft = [float(x) for x in sel[sel.impl == "peft_default"].rounds_ms.iloc[0].split(";")]
+        ours = [float(x) for x in sel[sel.impl == "dora_num"].rounds_ms.iloc[0].split(";")]
+        ratios = [p / o for p, o in zip(peft, ours)]
+        assert r["round_lo"] == pytest.approx(min(ratios), rel=1e-12)
+        assert r["round_hi"] == pytest.approx(max(ratios), rel=1e-12)
