@@ -100,3 +100,22 @@ def test_guard_cost_on_the_cpu(record):
         best[mode] = min(t)
     record("guard_fire_rate", case="cost 512x8192 r=64 (CPU)", seconds_bare=best["off"], seconds_guarded=best["recompute"],
            ratio=best["recompute"] / best["off"])
+
+
+def test_where_the_guarantee_runs_out():
+    """docs/operator.md's boundary of the guarantee at large rank (tensor-core model, no cancellation: the
+    rows' kappa stays near 1): at d_in = 8192 no row fires up to rho = 0.2; at r = 384, 38% at rho = 0.3 and
+    every row at rho = 0.4; at r = 256, 88% at rho = 0.4; at d_in = 4096 none up to rho = 0.4."""
+    def fired(d_in, r, rho):
+        W, A, B, s = _adapter(d_in, r, rho)
+        return int((_rel(W, A, B, s, "tensor_core") > CANCELLATION_REL).sum())  # of ROWS = 48
+
+    assert fired(8192, 384, 0.2) == 0 and fired(8192, 256, 0.2) == 0
+    assert fired(8192, 384, 0.3) == 18  # 38%
+    assert fired(8192, 384, 0.4) == ROWS
+    assert fired(8192, 256, 0.4) == 42  # 88%
+    assert fired(4096, 384, 0.4) == 0 and fired(4096, 256, 0.4) == 0
+    W, A, B, s = _adapter(8192, 384, 0.4)
+    base, cross, ba, two_s, s_sq = factored_terms(W, A, B, s)
+    kappa = (base + (two_s * cross).abs() + s_sq * ba) / (base + two_s * cross + s_sq * ba)
+    assert kappa.max() < 2  # nothing cancels: the bound's slack alone fires the guard
