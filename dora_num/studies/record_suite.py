@@ -114,7 +114,11 @@ def ingest(src: Path, dest: Path | None = None, only: tuple[str, ...] | None = N
     """Copy a suite folder's files (``device.json`` included; ``only``: those files) into ``data/gpu/``
     with provenance; the device description and git sha come from the folder's ``device.json``."""
     desc = recorded.read_machine(src)
-    ds = D.SPEED_REPEAT if desc.get("repeat") else SECTION_DATA.get(name, D.SUITE)
+    ds = SECTION_DATA.get(name, D.SUITE)
+    if desc.get("repeat"):  # another session: the data set whose folder is dest (SPEED_REPEAT by default), its files only
+        tail = Path(dest).resolve().parts if dest is not None else ()
+        ds = next((s for s in D.SESSIONS if tail[-len(Path(s.folder).parts):] == Path(s.folder).parts), D.SPEED_REPEAT)
+        only = only or tuple(n for n in map(ds.filename, ds.roles) if (Path(src) / n).is_file())
     return recorded.ingest_folder(src, Path(dest) if dest is not None else ds.dest(), producer=ds.producer,
                                   names=only, git_sha=git_sha,
                                   params={"sections": desc.get("sections"), "smoke": desc.get("smoke")}, seed=SEED,

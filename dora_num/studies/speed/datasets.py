@@ -16,22 +16,26 @@ LAYER = DataSet("layer", {"bench": "gpu/layer_bench.csv", "profile": "gpu/layer_
                 notebooks=("05",), module=_SUITE, about="GPU: DoRALinear vs PEFT's DoRA layer (05)")
 
 
-def suite_session(name: str, folder: str, recorder: str = "suite --repeat --only compose norm layer",
-                  **kw) -> DataSet:
+def suite_session(name: str, folder: str, recorder: str = "suite --repeat --only compose norm layer", *,
+                  profile: bool = True, **kw) -> DataSet:
     """One more machine session of the suite's timed sections that the speed targets read (the same shapes),
-    in ``data/<folder>/``: the targets' spread over sessions."""
+    in ``data/<folder>/``: the targets' spread over sessions (``profile``: keep the layer's profiler table
+    too, which no target reads)."""
     return DataSet(name, {role: f"{folder}/{f}" for role, f in (
         ("device", "device.json"), ("compose", "compose_bench.csv.xz"), ("norm", "norm_bench.csv"),
-        ("layer", "layer_bench.csv"), ("profile", "layer_profile.txt"))}, recorder=recorder, **kw)
+        ("layer", "layer_bench.csv"), *((("profile", "layer_profile.txt"),) if profile else ()))},
+        recorder=recorder, **kw)
 
 
 # a second session on the first session's card (the H200), beside the first session's record above
 SPEED_REPEAT = suite_session("speed-repeat", "gpu/repeat")
 # two sessions on an H100 (each its own machine lease, ingested with --out data/gpu/sessions/h100_<a|b>)
-SPEED_H100 = tuple(suite_session(f"speed-h100-{k}", f"gpu/sessions/h100_{k}", where="an H100",
+# (their layer profiles are not kept: the data budget; a session's ingest copies only its declared files)
+SPEED_H100 = tuple(suite_session(f"speed-h100-{k}", f"gpu/sessions/h100_{k}", where="an H100", profile=False,
                                  recorder=f"suite --repeat --only compose norm layer (session {k} on an H100; "
                                           f"ingest with --out data/gpu/sessions/h100_{k})", notebooks=("05",))
                    for k in ("a", "b"))
+SESSIONS = (SPEED_REPEAT, *SPEED_H100)
 _MODEL_TABLES = ("bench", "agreement", "probe", "predictions")
 MODEL = DataSet("model", {t: f"gpu/model_{t}.csv" for t in _MODEL_TABLES}, recorder="model", optional=("05",),
                 module="dora_num.studies.speed.record_model",

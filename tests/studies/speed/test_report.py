@@ -154,6 +154,29 @@ def test_a_repeat_session_is_ingested_beside_the_first_never_over_it(tmp_path, m
     assert gpu_suite.build_parser("dora-num gpu-suite").parse_args(["--out", "x", "--repeat"]).repeat
 
 
+def test_a_session_ingested_into_its_folder_keeps_only_its_declared_files(tmp_path, monkeypatch):
+    """An H100 session ingested with --out .../gpu/sessions/h100_a is that data set: its layer profile, which
+    the data set does not keep, stays behind; the same folder ingested elsewhere is the H200 repeat, which
+    keeps it."""
+    from dora_num.repro.paths import OUTPUT_ROOT_ENV
+    from dora_num.studies.speed.datasets import NORM, SPEED_H100
+
+    monkeypatch.setenv(OUTPUT_ROOT_ENV, str(tmp_path / "root"))
+    src = tmp_path / "suite"
+    src.mkdir()
+    (src / "device.json").write_text(json.dumps({"device": {"name": "NVIDIA H100 80GB HBM3"}, "git_sha": "abc",
+                                                 "versions": {}, "copy": {"gbps": 3000.0}, "sections": ["layer"],
+                                                 "smoke": False, "repeat": True}))
+    (src / NORM.filename("bench")).write_text("a,b\n1,2\n")
+    (src / "layer_profile.txt").write_text("a profiler table\n")
+    dest = tmp_path / "root" / "data" / SPEED_H100[0].folder
+    written = gpu_suite.ingest(src, dest)
+    assert sorted(p.name for p in written) == ["device.json", NORM.filename("bench")]
+    assert not (dest / "layer_profile.txt").exists()
+    elsewhere = gpu_suite.ingest(src, tmp_path / "other")
+    assert "layer_profile.txt" in {p.name for p in elsewhere}
+
+
 def test_cli_registers_gpu_suite_and_its_sections(capsys):
     from dora_num.__main__ import build_parser
 
@@ -196,7 +219,7 @@ def test_the_repeat_session_loads_from_its_own_folder(tmp_path):
         br.load_session(folder=tmp_path)
     for role, src in (("device", D.SUITE.path("device")), ("compose", D.COMPOSE.path("bench")),
                       ("norm", D.NORM.path("bench")), ("layer", D.LAYER.path("bench")),
-                      ("profile", D.LAYER.path("profile"))):
+                      ("profile", D.LAYER.path("profile"))):  # the H200 repeat keeps the profile
         shutil.copy(src, D.SPEED_REPEAT.path(role, tmp_path))
     rep = br.load_session(folder=tmp_path)
     assert len(rep["compose"]) and len(rep["layer"]) and rep["train_graphs"].empty
