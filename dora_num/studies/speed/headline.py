@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ...repro.headline import Stats, read_csv, read_json
 from .datasets import DORAFACTORS, SUITE, TRAIN_GRAPHS
-from .released import rounds as round_values
+from .released import round_ratios
 
 # shown under the headline in the README (figures/05_memory_and_speed/*.png)
 FIGURES = ("compose_pct_copy_bf16",)
@@ -30,9 +30,9 @@ def _speed(d: Path) -> Stats:
     met = t[t.target == "layer_fwd_bwd_speedup_vs_peft"].threshold.iloc[0]
     below = rounds = 0
     for k in fp32.index:  # round i of PEFT's default over round i of ours (the rounds interleave them)
-        a, b = round_values(fp32.loc[k, "rounds_ms"]), round_values(ours.loc[k, "rounds_ms"])
-        below += sum(x / y < met for x, y in zip(a, b))
-        rounds += len(a)
+        ratios = round_ratios(fp32.loc[k, "rounds_ms"], ours.loc[k, "rounds_ms"])
+        below += int((ratios < met).sum())
+        rounds += len(ratios)
     bw = read_csv(d, "05_memory_and_speed/compose_bandwidth.csv.xz")
     fwd = bw[bw.op == "fwd"]
     top = bw.loc[bw.pct_copy.idxmax()]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from .datasets import MODEL
-from .released import rounds
+from .released import round_ratios
 from .report import target_row
 
 # Model level, from Zelenin & Zhuravlyova, "Scaling DoRA: High-Rank Adaptation via Factored Norms
@@ -143,7 +143,7 @@ def model_targets(data: dict | None) -> pd.DataFrame:
                for v in ("peft_fp32", "dora_num_fp32")]
         if not all(len(x) and "rounds_ms" in x for x in sel):
             return None
-        return rounds(sel[0]["rounds_ms"].iloc[0]) / rounds(sel[1]["rounds_ms"].iloc[0])
+        return round_ratios(sel[0]["rounds_ms"].iloc[0], sel[1]["rounds_ms"].iloc[0])
 
     for name, r, ckpt, mode, thr in SPEED_TARGETS:
         peft, ours, lora = (ms(v, r, ckpt, mode) for v in ("peft_fp32", "dora_num_fp32", "lora_fp32"))

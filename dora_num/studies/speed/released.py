@@ -73,6 +73,15 @@ def rounds(cell: str) -> np.ndarray:
     return np.array([float(x) for x in cell.split(";")])
 
 
+def round_ratios(theirs: str, ours: str) -> np.ndarray:
+    """Round i of ``theirs`` over round i of ``ours`` (two ``rounds_ms`` cells of one interleaved run: each
+    round timed both, so the ratio per round carries the machine's drift once, not twice)."""
+    a, b = rounds(theirs), rounds(ours)
+    if a.size != b.size:
+        raise ValueError(f"interleaved rounds must pair up: {a.size} against {b.size}")
+    return a / b
+
+
 def coverage(n: int) -> float:
     """The coverage of ``[min, max]`` of ``n`` independent draws as an interval for their median."""
     if n < 2:

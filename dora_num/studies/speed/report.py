@@ -17,7 +17,7 @@ import pandas as pd
 from ...ops.norm import ROW_CHUNK_BYTES, chunk_columns
 from ...repro.paths import committed_data
 from . import datasets as D
-from .released import rounds
+from .released import round_ratios
 
 PAPER_TABLE1 = pd.DataFrame(  # docs/paper.md: H200, fp32, allocator peak, MB
     [(4096, 4096, 384, 192, 71), (8192, 8192, 384, 768, 245), (8192, 8192, 512, 768, 241),
@@ -221,7 +221,7 @@ def target_status(data: dict) -> pd.DataFrame:
         shape = f"{r['d_in']}->{r['d_out']} r={r['rank']} T={r['tokens']}"
         key = (r["d_in"], r["d_out"], r["rank"], r["tokens"])
         add("layer_fwd_bwd_speedup_vs_peft", shape, r["dora_num_speedup"], 2.0, None,
-            per_round=rounds(r["rounds_ms"]) / rounds(ours.loc[key]))
+            per_round=round_ratios(r["rounds_ms"], ours.loc[key]))
         add("layer_peak_memory_lower_than_peft", shape, 1.0 / r["dora_num_mem_ratio"], 1.0 + 1e-12, None,
             "PEFT peak / dora_num peak (forward+backward)")
     return pd.DataFrame(rows)
@@ -265,7 +265,7 @@ def layer_over_sessions(first: dict, repeat: dict) -> pd.DataFrame:
         ours = ours.set_index(["d_in", "d_out", "rank", "tokens"])["rounds_ms"]
         for _, r in t.iterrows():
             key = (r["d_in"], r["d_out"], r["rank"], r["tokens"])
-            ratios = [x / y for x, y in zip(rounds(r["rounds_ms"]), rounds(ours.loc[key]))]
+            ratios = round_ratios(r["rounds_ms"], ours.loc[key])
             out.append({"session": k, "impl": r["impl"], "d_in": key[0], "d_out": key[1], "rank": key[2],
                         "tokens": key[3], "ratio": r["dora_num_speedup"], "round_lo": min(ratios),
                         "round_hi": max(ratios), "rounds": len(ratios)})

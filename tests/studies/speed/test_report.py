@@ -277,3 +277,11 @@ def test_the_layer_targets_spread_is_its_rounds_ratios():
         ratios = [p / o for p, o in zip(peft, ours)]
         assert r["round_lo"] == pytest.approx(min(ratios), rel=1e-12)
         assert r["round_hi"] == pytest.approx(max(ratios), rel=1e-12)
+
+
+def test_round_ratios_pair_the_interleaved_rounds_or_refuse():
+    from dora_num.studies.speed.released import round_ratios
+
+    assert list(round_ratios("2;4;9", "1;2;3")) == [2.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="must pair up: 3 against 2"):
+        round_ratios("2;4;9", "1;2")
