@@ -92,8 +92,11 @@ def _seeds(d: Path) -> Stats:
             out.update({f"{at}_{name}_min": lo_row.fraction, f"{at}_{name}_min_ci": (lo_row.lo, lo_row.hi),
                         f"{at}_{name}_max": hi_row.fraction, f"{at}_{name}_max_ci": (hi_row.lo, hi_row.hi)})
     out["standard_configurations"] = std.config.nunique()
-    for at in ("final", "best"):  # the configurations the standard ranges leave out (rsLoRA), one by one
-        for i, (_, row) in enumerate(f[(f.variant != "standard") & (f.checkpoint == at)].iterrows()):
+    others = sorted(set(f[f.variant != "standard"].config))  # what the standard ranges leave out (rsLoRA)
+    out["others"] = len(others)
+    for i, config in enumerate(others):
+        for at in ("final", "best"):
+            row = f[(f.config == config) & (f.checkpoint == at)].iloc[0]
             out.update({f"other{i}_name": f"{row.variant} r = {int(row['rank'])}, lr {row.lr:g}",
                         f"other{i}_{at}": row.fraction, f"other{i}_{at}_ci": (row.lo, row.hi)})
     low = std[std.checkpoint == "final"].loc[std[std.checkpoint == "final"].fraction.idxmin()]
@@ -141,7 +144,7 @@ def _seeds_text(s: Stats) -> str:
     at = f"step {steps[0]} in each of its {len(steps)} seeds" if len(set(steps)) == 1 else f"steps {', '.join(steps)}"
     others = "".join(
         f"; {s[f'other{i}_name']}: {_ci(s[f'other{i}_final'], s[f'other{i}_final_ci'])} at the last capture, "
-        f"{_ci(s[f'other{i}_best'], s[f'other{i}_best_ci'])} at the best" for i in range(9) if f"other{i}_name" in s)
+        f"{_ci(s[f'other{i}_best'], s[f'other{i}_best_ci'])} at the best" for i in range(s["others"]))
     degraded = s["low_end_mrr_last_max"] < s["low_end_mrr_best_min"]
     return (f"{s['runs']} DoRA runs of one model (MiniLM, {s['model_params']} parameters): "
             f"{s['configurations']} configurations x {s['seeds_per_configuration']} seeds, each run until validation "

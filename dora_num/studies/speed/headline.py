@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ...repro.headline import Stats, read_csv, read_json
 from .datasets import DORAFACTORS, SUITE, TRAIN_GRAPHS
-from .released import round_ratios
+from .released import SHORT_DTYPE, round_ratios
 
 # shown under the headline in the README (figures/05_memory_and_speed/*.png)
 FIGURES = ("compose_pct_copy_bf16",)
@@ -62,8 +62,7 @@ def _speed(d: Path) -> Stats:
 
 def _shape(row) -> str:
     """A compose-bandwidth row's shape and dtype, as the targets table writes them (``16384x8192 bf16``)."""
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(row["dtype"], row["dtype"])
-    return f"{int(row['tokens'])}x{int(row['d_out'])} {short}"
+    return f"{int(row['tokens'])}x{int(row['d_out'])} {SHORT_DTYPE.get(row['dtype'], row['dtype'])}"
 
 
 def sessions(d: Path) -> Stats:
