@@ -300,7 +300,7 @@ def test_smoke_collapse_cli_matches_the_recorded_table(smoke, tmp_path):
 # dora-num collapse on every committed exported adapter, against notebook 01's table
 # --------------------------------------------------------------------------
 
-NOTEBOOK_TABLE = committed_data("01_cancellation_at_g1", "exported_adapters_collapse.csv")
+NOTEBOOK_TABLE = committed_data("01_cancellation_at_g1", "exported_adapters_collapse.csv.xz")
 
 
 def committed_adapters() -> list[Path]:
