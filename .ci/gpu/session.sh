@@ -38,6 +38,9 @@
 #          (.ci/gpu/norm_rank_profile.py, a diagnostic)                      -> $OUT/session_probe.tgz
 #   speed  the suite's timed sections $SUITE_ONLY (default: compose norm layer), alone on the GPU: a second
 #          session's record of the speed targets                             -> $OUT/session_speed.tgz
+#   matrix part $PART (1 or 2) of the model matrix: plain LoRA, PEFT's DoRA and this operator, eager / compile /
+#          reduce-overhead, training with and without checkpointing and inference, alone on the GPU
+#                                                                            -> $OUT/session_matrix$PART.tgz
 #   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (no default: one seed a call) eager,
 #          fused and $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus
 #          the bitwise repeat of eager seed 0, one process each. Measured: all three seeds at once (13
@@ -238,10 +241,15 @@ case "${1:-}" in
     job norm_rank "$left" python3 .ci/gpu/norm_rank_profile.py "$W/norm_rank"
     pack probe
     ;;
+  matrix)  # alone on the GPU (timings): part $PART of the model matrix (dora-num record model --matrix $PART)
+    job matrix "${MATRIX_S:-585}" python3 -m dora_num record model --matrix "${PART:?set PART to 1 or 2}" \
+      --out "$W/matrix" --git-sha "$SHA"
+    pack "matrix$PART"
+    ;;
   speed)  # alone on the GPU (timings): the suite's sections that the speed targets read
     job suite "${SUITE_S:-570}" python3 -m dora_num gpu-suite --repeat --only ${SUITE_ONLY:-compose norm layer} \
       --out "$W/suite" --git-sha "$SHA"
     pack speed
     ;;
-  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle|cards|seed|probe|speed" >&2; exit 2 ;;
+  *) echo "usage: DORA_NUM_GIT_SHA=<sha> bash .ci/gpu/session.sh smoke|train|bench|final|compiled|operator|verify|samebatch|timing|wave|bundle|cards|seed|probe|speed|matrix" >&2; exit 2 ;;
 esac

@@ -268,7 +268,9 @@ def get_config() -> OpConfig:
     cfg = getattr(_local, "config", None)  # (what TorchDynamo traces and guards on; _local.__dict__ it does not)
     if cfg is not None:
         return cfg
-    if not _read_at_first_use and not torch.compiler.is_compiling():
+    # is_compiling() first: a trace that read _read_at_first_use would guard on it, and recompile once the
+    # first eager call flips it
+    if not torch.compiler.is_compiling() and not _read_at_first_use:
         return reload()
     return _default
 
@@ -278,7 +280,9 @@ def reload() -> OpConfig:
     variable in a running session) and return it.  An :func:`override` in force is a
     snapshot taken when it was entered: it keeps its values until its block ends."""
     global _default, _read_at_first_use
-    _default = from_env()
+    fresh = from_env()
+    if fresh != _default:  # an equal one is not swapped in: graphs traced on _default stay valid
+        _default = fresh
     _read_at_first_use = True
     return _default
 

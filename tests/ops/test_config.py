@@ -144,3 +144,28 @@ def test_a_variable_set_after_import_before_first_use_is_honoured():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["torch", "False"]
 
+
+
+def test_the_first_eager_read_does_not_recompile_a_traced_graph():
+    """A graph traced before any eager call of the operator stays valid after the first eager
+    ``get_config()`` builds the default from the environment (an equal configuration is not swapped in,
+    and the trace reads no flag that the first eager read flips): no recompile.  In a fresh process,
+    where no eager call ran yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from torch._dynamo.utils import counters\n"
+        "from dora_num.ops import config\n"
+        "f = torch.compile(lambda x: x * (2.0 if config.get_config().norm_tail == 'auto' else 3.0),"
+        " backend='eager')\n"
+        "x = torch.ones(3)\n"
+        "f(x)\n"
+        "assert not config._read_at_first_use\n"
+        "config.get_config()\n"
+        "assert config._read_at_first_use\n"
+        "f(x)\n"
+        "print(counters['stats']['unique_graphs'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "1", out.stdout + out.stderr

@@ -44,6 +44,12 @@ MODEL = DataSet("model", {t: f"gpu/model_{t}.csv" for t in _MODEL_TABLES}, recor
 MODEL_COMPILED = DataSet("model-compiled", {t: f"gpu/compiled/model_{t}.csv" for t in _MODEL_TABLES},
                          recorder="model --compile default reduce-overhead --layers 1 --ranks 384 --no-checkpointing "
                          "--rounds 3")
+# the model matrix (plain LoRA, PEFT's DoRA and this operator; eager, compile, reduce-overhead; training with and
+# without checkpointing, inference; 4 layers) in two device calls, each its own data set (its own commit and card)
+MODEL_MATRIX = tuple(DataSet(f"model-matrix-{k}", {"bench": f"gpu/matrix/part{k}/matrix_bench.csv",
+                                                  "g_error": f"gpu/matrix/part{k}/matrix_g_error.csv"},
+                             recorder=f"model --matrix {k}", where="an H100 or H200", optional=("05",))
+                     for k in (1, 2))
 TRAIN_GRAPHS = DataSet("train-graphs", {"timing": "gpu/train_graphs.csv"}, recorder="train-graphs", notebooks=("05",),
                        module="dora_num.studies.speed.record_train_graphs",
                        about="GPU: the training compose on the device alone, under CUDA graphs (05)")
@@ -63,4 +69,4 @@ DORAFACTORS = DataSet("dorafactors", {"bench": "gpu/dorafactors_bench.csv"},
 
 DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, TRAIN_GRAPHS, OVERHEAD, GUARD_COST,
             DORAFACTORS, *SPEED_H100)
-UNRECORDED = (SPEED_REPEAT,)
+UNRECORDED = (SPEED_REPEAT, *MODEL_MATRIX)

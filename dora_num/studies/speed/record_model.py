@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from ...repro.recording import MACHINE_FILE, parser as recorder_parser
-from .datasets import MODEL, MODEL_COMPILED
+from .datasets import MODEL, MODEL_COMPILED, MODEL_MATRIX
 from .model_agreement import agreement, full_size_agreement
-from .model_variants import (FULL, MODES, RANKS, SEED, SMOKE, SMOKE_RANKS, VARIANTS, Runner, Shape, _bump,
+from .model_variants import (FULL, MODES, RANKS, SEED, SMOKE, SMOKE_RANKS, VARIANTS, Runner, Shape, _bump, _hf,
                              adapter_state, build_base, make_variant, predict, set_checkpointing)
 
 
@@ -143,14 +143,25 @@ def bench_rank(shape: Shape, r: int, device: str, *, rounds: int, reps: int, var
 
 
 class CompiledRunner:
-    """``train`` (forward + backward) and ``infer`` of ``torch.compile(model, mode=...)``.  Under
-    ``reduce-overhead`` every step starts with ``cudagraph_mark_step_begin`` (the previous step's
-    outputs may be overwritten: a training loop's contract with CUDA graphs)."""
+    """``train`` (forward + backward) and ``infer`` (no KV cache: a cache would be new state, and a
+    recompile, in every layer) of ``torch.compile(model, mode=...)``, or with
+    ``regional`` of the model with each decoder layer compiled (``layer.compile(mode=...)``), or with
+    ``mode="eager"`` of the model itself (the same steps, uncompiled).  Under ``reduce-overhead`` every
+    step starts with ``cudagraph_mark_step_begin`` (the previous step's outputs may be overwritten: a
+    training loop's contract with CUDA graphs)."""
 
-    def __init__(self, model, ids, device: str, mode: str, backend: str = "inductor"):
+    def __init__(self, model, ids, device: str, mode: str, backend: str = "inductor", regional: bool = False):
         self.ids, self.device, self.mode = ids, device, mode
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.model = torch.compile(model, mode=None if mode == "default" else mode, backend=backend)
+        cmode = None if mode == "default" else mode
+        if mode == "eager":
+            self.model = model
+        elif regional:  # one graph for the stack of identical layers (dynamo reuses it for each)
+            for layer in _hf(model).model.layers:
+                layer.compile(mode=cmode, backend=backend)
+            self.model = model
+        else:
+            self.model = torch.compile(model, mode=cmode, backend=backend)
 
     def _step_begin(self):
         if self.mode == "reduce-overhead":
@@ -161,14 +172,14 @@ class CompiledRunner:
         for p in self.params:
             p.grad = None
         with torch.autocast(self.device, dtype=torch.bfloat16):
-            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+            loss = self.model(input_ids=self.ids, labels=self.ids, use_cache=False).loss
         loss.backward()
         return loss.detach()
 
     def infer(self):
         self._step_begin()
         with torch.no_grad(), torch.autocast(self.device, dtype=torch.bfloat16):
-            return self.model(input_ids=self.ids).logits.clone()
+            return self.model(input_ids=self.ids, use_cache=False).logits.clone()
 
 
 def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int, base, state,
@@ -211,6 +222,113 @@ def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int,
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+# --------------------------------------------------------------------------
+# The matrix: every variant in every mode, one run per rank
+# --------------------------------------------------------------------------
+
+MATRIX_MODES = ("eager", *COMPILE_MODES)
+# the matrix in two device calls (each under the device's 10-minute limit): the compiles dominate, and
+# r = 384 takes about as long as 16 and 64 together (its products and steps are the largest)
+MATRIX_PARTS = {1: (16, 64), 2: (384,)}
+MATRIX_ROUNDS = 3
+
+
+def bench_matrix(shape: Shape, r: int, device: str, *, rounds: int, reps: int, base, state,
+                 modes=MATRIX_MODES, variants=COMPILED_VARIANTS, checkpointing=(False, True),
+                 backend: str = "inductor", regional: bool = True, progress=_log) -> list[dict]:
+    """Rows of :func:`bench_rank`'s schema (``compile``: the mode, ``"eager"`` included; ``regional``;
+    ``compile_s``: the warm-up's three calls) for every variant in every mode at rank ``r``: ``train``
+    and ``infer`` (a ``no_grad`` forward that forms the norm, as PEFT's does), and ``train`` with
+    gradient checkpointing; within one checkpointing setting every (variant, mode) is interleaved in
+    the same rounds, so the eager and the compiled step of one variant share the machine's drift.
+
+    ``regional`` (default): each decoder layer compiled (:class:`CompiledRunner`), the embeddings, the
+    final norm, the LM head and the loss eager in every variant alike (DoRA's cost over LoRA, a
+    difference within one mode, does not see them); dynamo compiles the four identical layers once,
+    where the whole model compiled took about 35 s per compile (54 in the matrix)."""
+    from ...ops.layer import check_flags
+    from ..bench import lift_recompile_limits
+
+    lift_recompile_limits()
+    gen = torch.Generator(device="cpu").manual_seed(SEED + r)
+    ids = torch.randint(0, shape.vocab, (1, shape.tokens), generator=gen).to(device)
+    rows = []
+    for ckpt in checkpointing:
+        phases = ("train",) if ckpt else ("train", "infer")
+        runners, compile_s, peaks = {}, {}, {}
+        for v in variants:
+            for mode in modes:
+                model = make_variant(v, base, r, state)
+                set_checkpointing(model, ckpt)
+                run = runners[v, mode] = CompiledRunner(model, ids, device, mode, backend, regional=regional)
+                for ph in phases:
+                    t = time.time()
+                    for _ in range(3):  # trace, compile, record (CUDA graphs), replay
+                        getattr(run, ph)()
+                    _sync(device)
+                    compile_s[v, mode, ph] = time.time() - t
+                    peaks[v, mode, ph] = peak_extra(getattr(run, ph), device)
+                if v.startswith("dora_num"):
+                    check_flags(model)  # every flag the warm-up raised: read once, here
+                progress(f"r={r} checkpointing={ckpt} {v} {mode}: warm in "
+                         f"{sum(compile_s[v, mode, ph] for ph in phases):.0f} s")
+        times = {key: [] for key in ((v, mode, ph) for (v, mode) in runners for ph in phases)}
+        for _ in range(rounds):
+            for (v, mode), run in runners.items():
+                for ph in phases:
+                    times[v, mode, ph].append(statistics.median(time_steps(getattr(run, ph), reps, device)))
+        for (v, mode), run in runners.items():
+            if v.startswith("dora_num"):
+                check_flags(run.model)  # and every flag the timed steps raised
+        for (v, mode, ph), per_round in times.items():
+            rows.append(dict(timing_row(shape, v, r, ckpt, ph, per_round, reps, peaks[v, mode, ph], device),
+                             compile=mode, compile_s=compile_s[v, mode, ph], regional=regional))
+        progress(f"r={r} checkpointing={ckpt}: train ms " + ", ".join(
+            f"{v}/{mode} {statistics.median(times[v, mode, 'train']):.1f}" for v, mode in runners))
+        del runners
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run_matrix(out: Path, part: int, *, device: str | None = None, shape: Shape | None = None, ranks=None,
+               rounds: int | None = None, reps: int | None = None, modes=MATRIX_MODES,
+               backend: str = "inductor", regional: bool = True) -> dict:
+    """Part ``part`` of the model matrix (:data:`MATRIX_PARTS`: its ranks; ``ranks``, ``shape``,
+    ``rounds``, ``reps``, ``modes``, ``backend`` override for tests): :func:`bench_matrix` and the g
+    error of each path (:func:`g_error_rows`) per rank, into ``matrix_bench.csv`` and
+    ``matrix_g_error.csv`` under ``out`` (written after each rank: a call cut short keeps what it
+    finished)."""
+    import pandas as pd
+
+    if part not in MATRIX_PARTS:
+        raise SystemExit(f"dora-num record model: --matrix must be one of {sorted(MATRIX_PARTS)}, got {part}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    shape = shape or FULL
+    ranks = tuple(ranks or MATRIX_PARTS[part])
+    rounds, reps = rounds or MATRIX_ROUNDS, reps or REPS
+    ds = MODEL_MATRIX[part - 1]
+    t0 = time.time()
+    base = build_base(shape, device)
+    rows, g_rows = [], []
+    for r in ranks:
+        state = adapter_state(base, r)
+        rows += bench_matrix(shape, r, device, rounds=rounds, reps=reps, base=base, state=state, modes=modes,
+                             backend=backend, regional=regional)
+        g_rows += g_error_rows(base, r, state, device, backend=backend)
+        del state
+        pd.DataFrame(rows).to_csv(ds.path("bench", out), index=False, lineterminator="\n")
+        pd.DataFrame(g_rows).to_csv(ds.path("g_error", out), index=False, lineterminator="\n")
+    summary = {"part": part, "shape": asdict(shape), "ranks": list(ranks), "rounds": rounds, "reps": reps,
+               "device": device, "modes": list(modes), "regional": regional, "wall_s": time.time() - t0}
+    _log(f"matrix part {part} done in {summary['wall_s']:.0f} s")
+    return summary
 
 
 # --------------------------------------------------------------------------
@@ -416,6 +534,16 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
     run_ = desc.get("model") or {}
     if desc.get("smoke") or run_.get("smoke"):
         raise SystemExit(f"dora-num record model: {src} is a --smoke run; not recorded")
+    matrix = desc.get("matrix")
+    if matrix:  # a part of the matrix: its own data set
+        ds = MODEL_MATRIX[int(matrix["part"]) - 1]
+        if sorted(matrix.get("ranks") or []) != sorted(MATRIX_PARTS[int(matrix["part"])]) \
+                or matrix.get("shape") != asdict(FULL) or list(matrix.get("modes") or []) != list(MATRIX_MODES):
+            raise SystemExit(f"dora-num record model: {src} is part {matrix['part']} of the matrix at other ranks, "
+                             f"shape or modes than the data set's ({MATRIX_PARTS[int(matrix['part'])]}, the full "
+                             "shape, eager and both compile modes); not recorded")
+        return ingest_folder(Path(src), dest or ds.dest(), producer=ds.producer, git_sha=git_sha,
+                             names=tuple(p.name for p in ds.paths(src)))
     compiled = bool(run_.get("compile_modes"))
     full = {"shape": asdict(FULL), "ranks": sorted(RANKS), "checkpointing": [False, True]}
     got = {"shape": run_.get("shape"), "ranks": sorted(run_.get("ranks") or []),
@@ -459,6 +587,11 @@ def build_parser(prog: str = "dora-num record model", name: str = "model"):
                    help=f"decoder layers of the model (default {Shape().layers}; fewer: shorter compiles)")
     p.add_argument("--compile", nargs="+", choices=(*COMPILE_MODES, "none"), default=None,
                    help="torch.compile modes of the compiled rows (default: none, eager only)")
+    p.add_argument("--matrix", type=int, choices=sorted(MATRIX_PARTS), default=None,
+                   help="instead: part K of the model matrix (plain LoRA, PEFT's DoRA, this operator; eager, "
+                        "compile, reduce-overhead; training with and without checkpointing, inference; ranks "
+                        + "; ".join(f"part {k}: {' '.join(map(str, v))}" for k, v in MATRIX_PARTS.items())
+                        + "), one device call each; --ingest takes each part's folder")
     return p
 
 
@@ -477,6 +610,15 @@ def record(a) -> int:
     desc = describe(device, a.smoke)
     if a.git_sha:
         desc["git_sha"] = a.git_sha
+    if a.matrix is not None:
+        small = a.smoke or device != "cuda"  # the machinery at tiny sizes (the CPU compiles with aot_eager)
+        desc["matrix"] = run_matrix(out, a.matrix, device=device, rounds=a.rounds or (1 if small else None),
+                                    ranks=a.ranks or (SMOKE_RANKS[:1] if small else None),
+                                    shape=SMOKE if small else None if a.layers is None else Shape(layers=a.layers),
+                                    reps=1 if small else None, backend="inductor" if device == "cuda" else "aot_eager")
+        desc["smoke"] = bool(a.smoke)
+        (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
+        return 0
     modes = None if a.compile is None else tuple(m for m in a.compile if m != "none")
     desc["model"] = run(out, smoke=a.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"), rounds=a.rounds,
                         ranks=a.ranks, compile_modes=modes,

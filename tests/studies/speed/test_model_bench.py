@@ -257,3 +257,33 @@ def test_compiled_rows_are_kept_apart_from_the_eager_tables(smoke_run, tmp_path)
     t = mr.compiled_table(data).set_index(["mode", "compile"]).loc["train"]
     assert (t.loc["default", "dora_num_fp32_ms"] == t.loc["eager", "dora_num_fp32_ms"] / 2).all()
     assert "dora_num_fp32_cost_over_lora_ms" in t.columns
+
+
+def test_matrix_part_interleaves_every_variant_and_mode(tmp_path, monkeypatch):
+    """A part of the model matrix on the CPU (aot_eager, each decoder layer compiled): every variant in
+    every mode, training with and without checkpointing and inference, one table; its ingest goes to
+    that part's data set and refuses a run at other sizes."""
+    import json
+
+    from dora_num.repro.paths import OUTPUT_ROOT_ENV
+
+    shape = mv.Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=2, tokens=16, vocab=64)
+    summary = mb.run_matrix(tmp_path / "m", 1, device="cpu", shape=shape, ranks=(4,), rounds=1, reps=1,
+                            backend="aot_eager")
+    bench = pd.read_csv(mb.MODEL_MATRIX[0].path("bench", tmp_path / "m"))
+    got = {(r.variant, r.compile, r.mode, bool(r.checkpointing)) for r in bench.itertuples()}
+    assert got == {(v, c, m, ck) for v in mb.COMPILED_VARIANTS for c in mb.MATRIX_MODES
+                   for m, ck in (("train", False), ("infer", False), ("train", True))}
+    assert len(bench) == len(got) and (bench["ms"] > 0).all() and bench["regional"].all()
+    g = pd.read_csv(mb.MODEL_MATRIX[0].path("g_error", tmp_path / "m"))
+    assert set(g["what"]) == {"peft_eager", "peft_compiled", "dora_num_eager", "dora_num_compiled"}
+    # a CPU run at tiny sizes is not the data set's matrix: refused before anything is written
+    (tmp_path / "m" / "device.json").write_text(json.dumps({"matrix": summary}, default=str))
+    monkeypatch.setenv(OUTPUT_ROOT_ENV, str(tmp_path / "root"))
+    with pytest.raises(SystemExit, match="part 1 of the matrix at other ranks, shape or modes"):
+        mb.ingest(tmp_path / "m")
+    assert not (tmp_path / "root").exists()
+    full = dict(summary, ranks=list(mb.MATRIX_PARTS[1]), shape=mb.asdict(mv.FULL))
+    (tmp_path / "m" / "device.json").write_text(json.dumps({"matrix": full}, default=str))
+    written = mb.ingest(tmp_path / "m")
+    assert {p.parent for p in written} == {tmp_path / "root" / "data" / "gpu" / "matrix" / "part1"}
