@@ -179,3 +179,170 @@ def agreement_table(agreement: pd.DataFrame) -> pd.DataFrame:
     cols = ["scope", "variant", "reference", "rank", "loss_abs_err", "logits_rms_rel_err", "logits_max_rel_err",
             "tol_logits_rms_rel_err", "tol_loss_abs_err", "faithful"]
     return agreement[[c for c in cols if c in agreement.columns]]
+
+
+# --------------------------------------------------------------------------
+# The model matrix (dora-num record model --matrix 1|2)
+# --------------------------------------------------------------------------
+
+MATRIX_COST_RATIO = 0.5  # DoRA's cost over plain LoRA in one mode: ours <= 0.5 x PEFT's
+MATRIX_EAGER_SPEEDUP = 1.8  # eager training: ours >= 1.8 x PEFT's speed
+MATRIX_MEMORY_OVER_LORA = 1.10  # peak training memory <= plain LoRA's + 10%
+MATRIX_TARGET_RANKS = (64, 384)
+MATRIX_CASES = (("train", False), ("train", True), ("infer", False))  # (mode, checkpointing): the matrix's phases
+_MATRIX_VARIANTS = ("lora_fp32", "peft_fp32", "dora_num_fp32")
+
+
+def load_matrix(folder: str | Path | None = None) -> dict | None:
+    """The recorded model matrix: ``bench`` and ``g_error`` of both parts concatenated, ``parts`` (each
+    part's commit and card, from its provenance), or None where no part is recorded.  A folder holds
+    both parts' files (``part1/``, ``part2/`` below it, as ``data/gpu/matrix``)."""
+    from ...repro.provenance import read_provenance
+    from .datasets import MODEL_MATRIX
+
+    bench, g, parts = [], [], []
+    for k, ds in enumerate(MODEL_MATRIX, start=1):
+        root = None if folder is None else Path(folder) / f"part{k}"
+        if ds.subset("bench").missing(root):
+            continue
+        b = pd.read_csv(ds.path("bench", root))
+        bench.append(b.assign(part=k))
+        gp = ds.path("g_error", root)
+        if gp.is_file():
+            g.append(pd.read_csv(gp).assign(part=k))
+        side = read_provenance(ds.path("bench", root)) if folder is None else {}
+        parts.append({"part": k, "ranks": sorted(set(b["rank"])), "git_sha": (side.get("git") or {}).get("sha"),
+                      "gpu": (side.get("device") or {}).get("name")})
+    if not bench:
+        return None
+    return {"bench": pd.concat(bench, ignore_index=True),
+            "g_error": pd.concat(g, ignore_index=True) if g else pd.DataFrame(), "parts": pd.DataFrame(parts)}
+
+
+def matrix_table(data: dict) -> pd.DataFrame:
+    """One row per rank, case (``train``, ``train`` with checkpointing, ``infer``) and mode (``eager``,
+    ``default``, ``reduce-overhead``): the ms and peak extra GB of plain LoRA, PEFT's DoRA and this
+    operator; DoRA's cost over plain LoRA in that mode (ms) for PEFT and ours and their ratio (ours /
+    PEFT: below 1, ours costs less); ours over PEFT (speed), ours compiled over ours eager; peak memory
+    over plain LoRA's and over PEFT's."""
+    b = data["bench"]
+    b = b[b["variant"].isin(_MATRIX_VARIANTS)]
+    keys = ["rank", "checkpointing", "mode", "compile"]
+    t = b.pivot_table(index=keys, columns="variant", values=["ms", "peak_extra_bytes"], aggfunc="first", dropna=False)
+    t = t[t["ms"].notna().any(axis=1)]  # dropna=False keeps a CPU run's NaN peaks, and every level product too
+    out = pd.DataFrame(index=t.index)
+    for v in _MATRIX_VARIANTS:
+        out[f"{v}_ms"] = t["ms", v]
+    for v in ("peft_fp32", "dora_num_fp32"):
+        out[f"{v}_cost_ms"] = out[f"{v}_ms"] - out["lora_fp32_ms"]
+    out["cost_ours_over_peft"] = out["dora_num_fp32_cost_ms"] / out["peft_fp32_cost_ms"]
+    out["speedup_vs_peft"] = out["peft_fp32_ms"] / out["dora_num_fp32_ms"]
+    eager = out.xs("eager", level="compile")["dora_num_fp32_ms"]
+    out["ours_over_ours_eager"] = [ours / eager.loc[key[:3]] for key, ours in out["dora_num_fp32_ms"].items()]
+    for v in _MATRIX_VARIANTS:
+        out[f"{v}_peak_GB"] = t["peak_extra_bytes", v] / 1e9
+    out["peak_ours_over_lora"] = out["dora_num_fp32_peak_GB"] / out["lora_fp32_peak_GB"]
+    out["peak_ours_over_peft"] = out["dora_num_fp32_peak_GB"] / out["peft_fp32_peak_GB"]
+    order = {"eager": 0, "default": 1, "reduce-overhead": 2}
+    out = out.reset_index()
+    return out.sort_values(["rank", "checkpointing", "mode", "compile"],
+                           key=lambda s: s.map(order) if s.name == "compile" else s).reset_index(drop=True)
+
+
+def _case(mode: str, ckpt: bool) -> str:
+    return f"{mode}{' +ckpt' if ckpt else ''}"
+
+
+def matrix_targets(data: dict | None) -> pd.DataFrame:
+    """The matrix's targets, one row each (:func:`~dora_num.studies.speed.report.target_row`; ratios so
+    that higher is better): DoRA's cost over plain LoRA, PEFT's over ours (>= 1 / MATRIX_COST_RATIO)
+    at r = 64 and 384 in each compiled mode and case; eager training, ours over PEFT's speed (>=
+    MATRIX_EAGER_SPEEDUP); ours compiled at least as fast as ours eager (eager ms / compiled ms >= 1);
+    peak training memory, PEFT's over ours (>= 1) and plain LoRA's x 1.1 over ours (>= 1), every mode.
+    No floor is claimed (``best_possible`` None): the matrix times whole steps, not the kernels a floor
+    is made of (docs/operator.md has the profile)."""
+    rows = []
+    if data is None:
+        return pd.DataFrame([target_row("matrix", "-", None, 1.0, None, "model matrix not recorded", recorded=False)])
+    t = matrix_table(data)
+    b = data["bench"]
+
+    def rounds(variant, r, ckpt, mode, comp):
+        s = b[(b["variant"] == variant) & (b["rank"] == r) & (b["checkpointing"] == ckpt) & (b["mode"] == mode)
+              & (b["compile"] == comp)]
+        return str(s["rounds_ms"].iloc[0]) if len(s) else None  # one round reads back as a number
+
+    def cost_rounds(r, ckpt, mode, comp):  # round i of PEFT's cost over round i of ours
+        lo, pe, ou = (rounds(v, r, ckpt, mode, comp) for v in _MATRIX_VARIANTS)
+        if None in (lo, pe, ou):
+            return None
+        lora, peft, ours = (pd.Series(x.split(";"), dtype=float) for x in (lo, pe, ou))
+        return list((peft - lora) / (ours - lora))
+
+    for _, row in t.iterrows():
+        r, ckpt, mode, comp = int(row["rank"]), bool(row["checkpointing"]), row["mode"], row["compile"]
+        shape = f"r={r} {_case(mode, ckpt)} {comp}"
+        note = (f"ms: LoRA {row['lora_fp32_ms']:.1f}, PEFT {row['peft_fp32_ms']:.1f}, ours {row['dora_num_fp32_ms']:.1f}; "
+                f"cost over LoRA: PEFT {row['peft_fp32_cost_ms']:.2f}, ours {row['dora_num_fp32_cost_ms']:.2f}")
+        if r in MATRIX_TARGET_RANKS and comp != "eager":
+            rows.append(target_row("matrix_cost_peft_over_ours", shape,
+                                   row["peft_fp32_cost_ms"] / row["dora_num_fp32_cost_ms"], 1 / MATRIX_COST_RATIO,
+                                   None, note, per_round=cost_rounds(r, ckpt, mode, comp)))
+        if comp == "eager" and mode == "train":
+            rows.append(target_row("matrix_eager_speedup_vs_peft", shape, row["speedup_vs_peft"], MATRIX_EAGER_SPEEDUP,
+                                   None, note, per_round=round_ratios(rounds("peft_fp32", r, ckpt, mode, comp),
+                                                                      rounds("dora_num_fp32", r, ckpt, mode, comp))))
+        if comp != "eager":
+            rows.append(target_row("matrix_ours_eager_over_compiled", shape, 1 / row["ours_over_ours_eager"], 1.0,
+                                   None, note, per_round=round_ratios(rounds("dora_num_fp32", r, ckpt, mode, "eager"),
+                                                                      rounds("dora_num_fp32", r, ckpt, mode, comp))))
+        if mode == "train":
+            mem = (f"peak extra GB: LoRA {row['lora_fp32_peak_GB']:.2f}, PEFT {row['peft_fp32_peak_GB']:.2f}, "
+                   f"ours {row['dora_num_fp32_peak_GB']:.2f}")
+            rows.append(target_row("matrix_peak_peft_over_ours", shape, 1 / row["peak_ours_over_peft"], 1.0, None, mem))
+            rows.append(target_row("matrix_peak_lora_plus_10pct_over_ours", shape,
+                                   MATRIX_MEMORY_OVER_LORA / row["peak_ours_over_lora"], 1.0, None, mem))
+    return pd.DataFrame(rows)
+
+
+def g_error_table(data: dict) -> pd.DataFrame:
+    """g's error on each path (PEFT's and ours, eager and compiled) against float64, per projection and
+    rank: the max relative error and the same over max |g - 1|; ``compiled_bitwise_eager``: ours
+    compiled gave the eager value (the two errors equal to the last bit)."""
+    g = data["g_error"]
+    t = g.pivot_table(index="shape", columns="what", values="value", aggfunc="first")
+    t["ours_compiled_bitwise_eager"] = t["dora_num_compiled"] == t["dora_num_eager"]
+    t["peft_over_ours_eager"] = t["peft_eager"] / t["dora_num_eager"]
+    return t.reset_index()
+
+
+def plot_matrix(t: pd.DataFrame):
+    """DoRA's cost over plain LoRA (ms per step) by mode, PEFT's and ours, one panel per case, ranks on
+    the x axis, the target (half of PEFT's cost) marked on ours."""
+    import matplotlib.pyplot as plt
+
+    cases = [c for c in MATRIX_CASES if ((t["mode"] == c[0]) & (t["checkpointing"] == c[1])).any()]
+    modes = ["eager", "default", "reduce-overhead"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.6 * len(cases), 3.8), sharey=True, squeeze=False)
+    ranks = sorted(set(t["rank"]))
+    width = 0.13
+    colors = {"eager": "0.55", "default": "tab:blue", "reduce-overhead": "tab:orange"}
+    for ax, (mode, ckpt) in zip(axes[0], cases):
+        d = t[(t["mode"] == mode) & (t["checkpointing"] == ckpt)]
+        for j, comp in enumerate(modes):
+            x0 = [i + (j - 1) * 2.3 * width for i in range(len(ranks))]
+            dd = d[d["compile"] == comp].set_index("rank").reindex(ranks)
+            ax.bar([x - width / 2 for x in x0], dd["peft_fp32_cost_ms"], width, color=colors[comp], alpha=0.45,
+                   hatch="//", edgecolor="k", lw=0.4, label=f"PEFT, {comp}")
+            ax.bar([x + width / 2 for x in x0], dd["dora_num_fp32_cost_ms"], width, color=colors[comp],
+                   edgecolor="k", lw=0.4, label=f"ours, {comp}")
+            ax.scatter([x + width / 2 for x in x0], MATRIX_COST_RATIO * dd["peft_fp32_cost_ms"], marker="_", s=120,
+                       color="k", zorder=3, label="target: half PEFT's" if j == 0 else None)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_xticks(range(len(ranks)), [f"r={r}" for r in ranks])
+        ax.set_title(_case(mode, ckpt).replace("train", "training").replace("infer", "inference"))
+    axes[0][0].set_ylabel("DoRA's cost over plain LoRA (ms per step)")
+    h, lab = axes[0][0].get_legend_handles_labels()
+    fig.legend(h, lab, loc="lower center", ncol=4, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.12))
+    fig.tight_layout()
+    return fig

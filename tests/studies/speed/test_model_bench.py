@@ -268,22 +268,36 @@ def test_matrix_part_interleaves_every_variant_and_mode(tmp_path, monkeypatch):
     from dora_num.repro.paths import OUTPUT_ROOT_ENV
 
     shape = mv.Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=2, tokens=16, vocab=64)
-    summary = mb.run_matrix(tmp_path / "m", 1, device="cpu", shape=shape, ranks=(4,), rounds=1, reps=1,
-                            backend="aot_eager")
-    bench = pd.read_csv(mb.MODEL_MATRIX[0].path("bench", tmp_path / "m"))
+    from dora_num.studies.speed import model_report as mr
+
+    m = tmp_path / "m" / "part1"
+    summary = mb.run_matrix(m, 1, device="cpu", shape=shape, ranks=(4,), rounds=1, reps=1, backend="aot_eager")
+    bench = pd.read_csv(mb.MODEL_MATRIX[0].path("bench", m))
     got = {(r.variant, r.compile, r.mode, bool(r.checkpointing)) for r in bench.itertuples()}
     assert got == {(v, c, m, ck) for v in mb.COMPILED_VARIANTS for c in mb.MATRIX_MODES
                    for m, ck in (("train", False), ("infer", False), ("train", True))}
     assert len(bench) == len(got) and (bench["ms"] > 0).all() and bench["regional"].all()
-    g = pd.read_csv(mb.MODEL_MATRIX[0].path("g_error", tmp_path / "m"))
+    g = pd.read_csv(mb.MODEL_MATRIX[0].path("g_error", m))
     assert set(g["what"]) == {"peft_eager", "peft_compiled", "dora_num_eager", "dora_num_compiled"}
+    # the notebook's tables from it: one row per rank, case and mode, the costs as differences of its own ms
+    data = mr.load_matrix(tmp_path / "m")
+    t = mr.matrix_table(data)
+    assert len(t) == 9 and set(t["compile"]) == set(mb.MATRIX_MODES)
+    assert (t["dora_num_fp32_cost_ms"] == t["dora_num_fp32_ms"] - t["lora_fp32_ms"]).all()
+    assert (t[t["compile"] == "eager"]["ours_over_ours_eager"] == 1.0).all()
+    ge = mr.g_error_table(data)
+    assert ge["ours_compiled_bitwise_eager"].all() and (ge["peft_over_ours_eager"] > 1).all()
+    verdicts = mr.matrix_targets(dict(data, bench=data["bench"].assign(rank=64)))
+    assert {"matrix_cost_peft_over_ours", "matrix_eager_speedup_vs_peft", "matrix_ours_eager_over_compiled",
+            "matrix_peak_lora_plus_10pct_over_ours"} <= set(verdicts["target"])
+    assert mr.plot_matrix(t) is not None
     # a CPU run at tiny sizes is not the data set's matrix: refused before anything is written
-    (tmp_path / "m" / "device.json").write_text(json.dumps({"matrix": summary}, default=str))
+    (m / "device.json").write_text(json.dumps({"matrix": summary}, default=str))
     monkeypatch.setenv(OUTPUT_ROOT_ENV, str(tmp_path / "root"))
     with pytest.raises(SystemExit, match="part 1 of the matrix at other ranks, shape or modes"):
-        mb.ingest(tmp_path / "m")
+        mb.ingest(m)
     assert not (tmp_path / "root").exists()
     full = dict(summary, ranks=list(mb.MATRIX_PARTS[1]), shape=mb.asdict(mv.FULL))
-    (tmp_path / "m" / "device.json").write_text(json.dumps({"matrix": full}, default=str))
-    written = mb.ingest(tmp_path / "m")
+    (m / "device.json").write_text(json.dumps({"matrix": full}, default=str))
+    written = mb.ingest(m)
     assert {p.parent for p in written} == {tmp_path / "root" / "data" / "gpu" / "matrix" / "part1"}
