@@ -39,7 +39,8 @@
 #   speed  the suite's timed sections $SUITE_ONLY (default: compose norm layer), alone on the GPU: a second
 #          session's record of the speed targets                             -> $OUT/session_speed.tgz
 #   matrix part $PART (1 or 2) of the model matrix: plain LoRA, PEFT's DoRA and this operator, eager / compile /
-#          reduce-overhead, training with and without checkpointing and inference, alone on the GPU
+#          reduce-overhead, training with and without checkpointing and inference, alone on the GPU; with
+#          $AFTER_PYTEST_S, every gpu-marked test after it
 #                                                                            -> $OUT/session_matrix$PART.tgz
 #   samebatch a convergence wave at one commit: per seed of $CONV_SEEDS (no default: one seed a call) eager,
 #          fused and $ULP_REPLICATES (default 2) eager runs with m moved by 1 ulp (the same-batch floor), plus
@@ -244,6 +245,9 @@ case "${1:-}" in
   matrix)  # alone on the GPU (timings): part $PART of the model matrix (dora-num record model --matrix $PART)
     job matrix "${MATRIX_S:-585}" python3 -m dora_num record model --matrix "${PART:?set PART to 1 or 2}" \
       --out "$W/matrix" --git-sha "$SHA"
+    if [ -n "${AFTER_PYTEST_S:-}" ]; then  # then, with the GPU free again, every gpu-marked test
+      job pytest "$AFTER_PYTEST_S" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests
+    fi
     pack "matrix$PART"
     ;;
   speed)  # alone on the GPU (timings): the suite's sections that the speed targets read

@@ -273,16 +273,20 @@ def test_matrix_part_interleaves_every_variant_and_mode(tmp_path, monkeypatch):
     m = tmp_path / "m" / "part1"
     summary = mb.run_matrix(m, 1, device="cpu", shape=shape, ranks=(4,), rounds=1, reps=1, backend="aot_eager")
     bench = pd.read_csv(mb.MODEL_MATRIX[0].path("bench", m))
+    probe = bench[bench["error"].notna() | bench["ms"].isna()]
+    assert len(probe) == 1 and probe["compile"].item() == "reduce-overhead" and bool(probe["checkpointing"].item())
+    bench = bench.drop(probe.index)
     got = {(r.variant, r.compile, r.mode, bool(r.checkpointing)) for r in bench.itertuples()}
     assert got == {(v, c, m, ck) for v in mb.COMPILED_VARIANTS for c in mb.MATRIX_MODES
-                   for m, ck in (("train", False), ("infer", False), ("train", True))}
+                   for m, ck in (("train", False), ("infer", False), ("train", True))
+                   if not (ck and c == "reduce-overhead")}
     assert len(bench) == len(got) and (bench["ms"] > 0).all() and bench["regional"].all()
     g = pd.read_csv(mb.MODEL_MATRIX[0].path("g_error", m))
     assert set(g["what"]) == {"peft_eager", "peft_compiled", "dora_num_eager", "dora_num_compiled"}
     # the notebook's tables from it: one row per rank, case and mode, the costs as differences of its own ms
     data = mr.load_matrix(tmp_path / "m")
     t = mr.matrix_table(data)
-    assert len(t) == 9 and set(t["compile"]) == set(mb.MATRIX_MODES)
+    assert len(t) == 8 and set(t["compile"]) == set(mb.MATRIX_MODES)
     assert (t["dora_num_fp32_cost_ms"] == t["dora_num_fp32_ms"] - t["lora_fp32_ms"]).all()
     assert (t[t["compile"] == "eager"]["ours_over_ours_eager"] == 1.0).all()
     ge = mr.g_error_table(data)
