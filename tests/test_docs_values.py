@@ -54,22 +54,37 @@ def _tf32(column: str) -> str:
     return f"{on[column].max():.2g}"
 
 
-def _compiled_ratio(compile_mode: str) -> str:
-    """PEFT's training step over this operator's, both under ``compile_mode`` (``eager``: not compiled)."""
-    d = pd.read_csv(ROOT / "data" / "gpu" / "compiled" / "model_bench.csv")
-    t = d[(d["compile"] == compile_mode) & (d["mode"] == "train") & ~d.checkpointing].set_index("variant").ms
-    return f"{t['peft_fp32'] / t['dora_num_fp32']:.2f}x"
+@cache
+def _matrix():
+    from dora_num.studies.speed import model_report as mr
+
+    return mr.load_matrix()
 
 
-def _compiled_rounds() -> str:
-    d = pd.read_csv(ROOT / "data" / "gpu" / "compiled" / "model_bench.csv")
-    row = d[(d["compile"] == "default") & (d["mode"] == "train") & (d.variant == "dora_num_fp32")]
-    return f"{float(row.ms_min_round.iloc[0]):.1f}-{float(row.ms_max_round.iloc[0]):.1f} ms"
+def _matrix_range(column: str, *, compile_mode: str | None = None, mode: str | None = "train",
+                  ckpt: bool | None = False, fmt: str = ".2g", unit: str = "") -> str:
+    t = _matrix_table()
+    sel = pd.Series(True, index=t.index)
+    if compile_mode is not None:
+        sel &= t["compile"] == compile_mode
+    if mode is not None:
+        sel &= t["mode"] == mode
+    if ckpt is not None:
+        sel &= t["checkpointing"] == ckpt
+    v = t[sel][column]
+    return f"{v.min():{fmt}}-{v.max():{fmt}}{unit}"
 
 
-def _compiled_g_error(paths: tuple[str, ...]) -> str:
-    d = pd.read_csv(ROOT / "data" / "gpu" / "compiled" / "model_probe.csv")
-    v = d[(d.probe == "g_error") & d.what.isin(paths)].value
+@cache
+def _matrix_table():
+    from dora_num.studies.speed import model_report as mr
+
+    return mr.matrix_table(_matrix())
+
+
+def _matrix_g_error(path: str) -> str:
+    v = _matrix()["g_error"]
+    v = v[v.what == path].value
     return f"{v.min():.2g}-{v.max():.2g}"
 
 
@@ -102,12 +117,14 @@ VALUES = {
     "gpu_fire_rate_flagged": lambda: (lambda d: f"{int(d.flagged.sum())} rows flagged in {len(d)} cases")(
         _products("guard_fire_rate.csv")),
     "gpu_fire_rate_rel_max": lambda: f"{_products('guard_fire_rate.csv').rel_max.max():.2g}",
-    "compiled_train_default": lambda: _compiled_ratio("default"),
-    "compiled_train_ro": lambda: _compiled_ratio("reduce-overhead"),
-    "compiled_train_default_rounds": _compiled_rounds,
-    "eager_train": lambda: _compiled_ratio("eager"),
-    "compiled_g_error_peft": lambda: _compiled_g_error(("peft_compiled",)),
-    "compiled_g_error_ours": lambda: _compiled_g_error(("dora_num_eager",)),
+    # DoRA's cost over plain LoRA, ours over PEFT's (training, no checkpointing, every rank), per mode
+    "matrix_cost_default": lambda: _matrix_range("cost_ours_over_peft", compile_mode="default", fmt=".2g", unit="x"),
+    "matrix_cost_ro": lambda: _matrix_range("cost_ours_over_peft", compile_mode="reduce-overhead", unit="x"),
+    "matrix_cost_eager": lambda: _matrix_range("cost_ours_over_peft", compile_mode="eager", unit="x"),
+    "matrix_compiled_over_eager": lambda: (lambda t: (lambda v: f"{v.min():.2f}-{v.max():.2f}")(
+        t[t["compile"] != "eager"].ours_over_ours_eager))(_matrix_table()),
+    "matrix_g_error_peft": lambda: _matrix_g_error("peft_compiled"),
+    "matrix_g_error_ours": lambda: _matrix_g_error("dora_num_eager"),
     "gpu_bf16_base_factored": lambda: _gpu_bf16_base("rel_err_factored_max"),
     "gpu_bf16_base_dense": lambda: _gpu_bf16_base("rel_err_dense_max"),
     "gpu_bf16_base_ratio": lambda: _gpu_bf16_base("err_over_bound_factored_max"),
