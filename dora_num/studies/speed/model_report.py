@@ -210,7 +210,8 @@ def load_matrix(folder: str | Path | None = None) -> dict | None:
         gp = ds.path("g_error", root)
         if gp.is_file():
             g.append(pd.read_csv(gp).assign(part=k))
-        side = read_provenance(ds.path("bench", root)) if folder is None else {}
+        bp = ds.path("bench", root)
+        side = read_provenance(bp) if bp.with_name(bp.name + ".provenance.json").is_file() else {}
         parts.append({"part": k, "ranks": sorted(set(b["rank"])), "git_sha": (side.get("git") or {}).get("sha"),
                       "gpu": (side.get("device") or {}).get("name")})
     if not bench:
