@@ -305,3 +305,35 @@ def test_matrix_part_interleaves_every_variant_and_mode(tmp_path, monkeypatch):
     (m / "device.json").write_text(json.dumps({"matrix": full}, default=str))
     written = mb.ingest(m)
     assert {p.parent for p in written} == {tmp_path / "root" / "data" / "gpu" / "matrix" / "part1"}
+
+
+def test_what_the_accelerated_model_saves_beyond_plain_lora():
+    """The training peak's floor over plain LoRA (docs/operator.md, "The model matrix"): per token, the
+    accelerated model keeps the base outputs of k, v, gate and up for the gradient of m (nothing else
+    keeps them), and one hidden-sized tensor less than plain LoRA; the rest of what it saves is plain
+    LoRA's.  Counted by the bytes per token of each saved activation (storages with a token dimension)."""
+    import collections
+
+    T = 96
+    shape = mv.Shape(hidden=64, intermediate=160, heads=4, kv_heads=2, layers=1, tokens=T, vocab=128)
+    base = mv.build_base(shape, "cpu")
+    state = mv.adapter_state(base, 8)
+    ids = torch.randint(0, shape.vocab, (1, T), generator=torch.Generator().manual_seed(0))
+    saved = {}
+    for v in ("lora_fp32", "dora_num_fp32"):
+        model = mv.make_variant(v, base, 8, state)
+        seen = {}
+
+        def pack(t):
+            if T in t.shape:
+                seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes() // T, t.dtype)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids, use_cache=False).loss
+        saved[v] = collections.Counter(seen.values())
+    proj = shape.projections()
+    kv, inter = proj["k_proj"][1], proj["gate_proj"][1]
+    bf = torch.bfloat16
+    assert saved["dora_num_fp32"] - saved["lora_fp32"] == collections.Counter({(2 * kv, bf): 2, (2 * inter, bf): 2})
+    assert saved["lora_fp32"] - saved["dora_num_fp32"] == collections.Counter({(2 * shape.hidden, bf): 1})
