@@ -56,6 +56,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def token_ids(shape: Shape, r: int, device: str) -> torch.Tensor:
+    """The one sequence of ``shape.tokens`` token ids every variant at rank ``r`` runs on (seeded by ``r``)."""
+    gen = torch.Generator(device="cpu").manual_seed(SEED + r)
+    return torch.randint(0, shape.vocab, (1, shape.tokens), generator=gen).to(device)
+
+
 def time_steps(fn, reps: int, device: str) -> list[float]:
     """Milliseconds of each of ``reps`` calls of ``fn`` (CUDA events; wall clock on the CPU)."""
     out = []
@@ -114,8 +120,7 @@ def bench_rank(shape: Shape, r: int, device: str, *, rounds: int, reps: int, var
     full-size agreement rows)``."""
     base = build_base(shape, device) if base is None else base
     state = adapter_state(base, r)
-    gen = torch.Generator(device="cpu").manual_seed(SEED + r)
-    ids = torch.randint(0, shape.vocab, (1, shape.tokens), generator=gen).to(device)
+    ids = token_ids(shape, r, device)
     runners = {v: Runner(make_variant(v, base, r, state), ids, device) for v in variants}
     rows = []
     for ckpt in checkpointing:
@@ -182,6 +187,16 @@ class CompiledRunner:
             return self.model(input_ids=self.ids, use_cache=False).logits.clone()
 
 
+def warm_up(run: "CompiledRunner", phase: str, device: str) -> tuple[float, float]:
+    """``(seconds, peak)``: three calls of ``run``'s ``phase`` (trace, compile, record the CUDA graphs,
+    replay), timed together, then the peak extra memory of one more call (:func:`peak_extra`)."""
+    t = time.time()
+    for _ in range(3):
+        getattr(run, phase)()
+    _sync(device)
+    return time.time() - t, peak_extra(getattr(run, phase), device)
+
+
 def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int, base, state,
                    modes=COMPILE_MODES, variants=COMPILED_VARIANTS, checkpointing=(False, True),
                    backend: str = "inductor") -> list[dict]:
@@ -192,8 +207,7 @@ def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int,
     from ..bench import lift_recompile_limits
 
     lift_recompile_limits()
-    gen = torch.Generator(device="cpu").manual_seed(SEED + r)
-    ids = torch.randint(0, shape.vocab, (1, shape.tokens), generator=gen).to(device)
+    ids = token_ids(shape, r, device)
     rows = []
     for ckpt in checkpointing:
         phases = ("train",) if ckpt else ("train", "infer")
@@ -204,12 +218,7 @@ def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int,
                 set_checkpointing(model, ckpt)
                 run = runners[v] = CompiledRunner(model, ids, device, mode, backend)
                 for ph in phases:
-                    t = time.time()
-                    for _ in range(3):  # trace, compile, record (CUDA graphs), replay
-                        getattr(run, ph)()
-                    _sync(device)
-                    compile_s[v, ph] = time.time() - t
-                    peaks[v, ph] = peak_extra(getattr(run, ph), device)
+                    compile_s[v, ph], peaks[v, ph] = warm_up(run, ph, device)
                 if v.startswith("dora_num"):
                     check_flags(model)  # every flag the compiled steps raised: read once, here
             times = interleaved(runners, phases, rounds, reps, device)
@@ -241,8 +250,9 @@ def bench_matrix(shape: Shape, r: int, device: str, *, rounds: int, reps: int, b
     """Rows of :func:`bench_rank`'s schema (``compile``: the mode, ``"eager"`` included; ``regional``;
     ``compile_s``: the warm-up's three calls) for every variant in every mode at rank ``r``: ``train``
     and ``infer`` (a ``no_grad`` forward that forms the norm, as PEFT's does), and ``train`` with
-    gradient checkpointing (not under ``reduce-overhead``: :func:`ckpt_graphs_probe`); within one checkpointing setting every (variant, mode) is interleaved in
-    the same rounds, so the eager and the compiled step of one variant share the machine's drift.
+    gradient checkpointing (not under ``reduce-overhead``: :func:`ckpt_graphs_probe`); within one
+    checkpointing setting every (variant, mode) is interleaved in the same rounds, so the eager and the
+    compiled step of one variant share the machine's drift.
 
     ``regional`` (default): each decoder layer compiled (:class:`CompiledRunner`), the embeddings, the
     final norm, the LM head and the loss eager in every variant alike (DoRA's cost over LoRA, a
@@ -252,8 +262,7 @@ def bench_matrix(shape: Shape, r: int, device: str, *, rounds: int, reps: int, b
     from ..bench import lift_recompile_limits
 
     lift_recompile_limits()
-    gen = torch.Generator(device="cpu").manual_seed(SEED + r)
-    ids = torch.randint(0, shape.vocab, (1, shape.tokens), generator=gen).to(device)
+    ids = token_ids(shape, r, device)
     rows = []
     for ckpt in checkpointing:
         phases = ("train",) if ckpt else ("train", "infer")
@@ -264,12 +273,7 @@ def bench_matrix(shape: Shape, r: int, device: str, *, rounds: int, reps: int, b
                 set_checkpointing(model, ckpt)
                 run = runners[v, mode] = CompiledRunner(model, ids, device, mode, backend, regional=regional)
                 for ph in phases:
-                    t = time.time()
-                    for _ in range(3):  # trace, compile, record (CUDA graphs), replay
-                        getattr(run, ph)()
-                    _sync(device)
-                    compile_s[v, mode, ph] = time.time() - t
-                    peaks[v, mode, ph] = peak_extra(getattr(run, ph), device)
+                    compile_s[v, mode, ph], peaks[v, mode, ph] = warm_up(run, ph, device)
                 if v.startswith("dora_num"):
                     check_flags(model)  # every flag the warm-up raised: read once, here
                 progress(f"r={r} checkpointing={ckpt} {v} {mode}: warm in "
@@ -300,8 +304,7 @@ def ckpt_graphs_probe(shape: Shape, r: int, device: str, *, base, state, backend
     unusable).  The matrix leaves this cell out: in its first run (an H100, torch 2.13) the capture of
     plain LoRA's checkpointed layers failed with "graph recording observed an input tensor deallocate
     during graph recording", before any DoRA variant ran.  The row says what happens now."""
-    gen = torch.Generator(device="cpu").manual_seed(SEED + r)
-    ids = torch.randint(0, shape.vocab, (1, shape.tokens), generator=gen).to(device)
+    ids = token_ids(shape, r, device)
     model = make_variant("lora_fp32", base, r, state)
     set_checkpointing(model, True)
     row = {"variant": "lora_fp32", "rank": r, "checkpointing": True, "mode": "train", "compile": "reduce-overhead",
