@@ -123,6 +123,8 @@ VALUES = {
     "matrix_cost_eager": lambda: _matrix_range("cost_ours_over_peft", compile_mode="eager", unit="x"),
     "matrix_compiled_over_eager": lambda: (lambda t: (lambda v: f"{v.min():.2f}-{v.max():.2f}")(
         t[t["compile"] != "eager"].ours_over_ours_eager))(_matrix_table()),
+    "matrix_compiled_rounds_slower": lambda: (lambda mr: str(len(mr.compiled_rounds_slower(_matrix()))))(
+        importlib.import_module("dora_num.studies.speed.model_report")),
     "matrix_g_error_peft": lambda: _matrix_g_error("peft_compiled"),
     "matrix_g_error_ours": lambda: _matrix_g_error("dora_num_eager"),
     "gpu_bf16_base_factored": lambda: _gpu_bf16_base("rel_err_factored_max"),

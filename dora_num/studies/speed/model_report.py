@@ -250,6 +250,22 @@ def matrix_table(data: dict) -> pd.DataFrame:
                            key=lambda s: s.map(order) if s.name == "compile" else s).reset_index(drop=True)
 
 
+def compiled_rounds_slower(data: dict) -> dict:
+    """``{(rank, checkpointing, mode, compile): "r1, r2, r3"}``: the compiled cells where, in some round, our
+    compiled step over our eager step of the same round (the two are interleaved) is at least 1, with every
+    round's ratio; a median below 1 can hide them."""
+    b = data["bench"]
+    b = b[(b["variant"] == "dora_num_fp32") & b["ms"].notna()]
+    out = {}
+    for (r, ckpt, mode), d in b.groupby(["rank", "checkpointing", "mode"]):
+        eager = d[d["compile"] == "eager"]
+        for _, row in d[d["compile"] != "eager"].iterrows():
+            ratios = round_ratios(str(row["rounds_ms"]), str(eager["rounds_ms"].iloc[0]))
+            if max(ratios) >= 1:
+                out[int(r), bool(ckpt), mode, row["compile"]] = ", ".join(f"{x:.2f}" for x in ratios)
+    return out
+
+
 def _case(mode: str, ckpt: bool) -> str:
     return f"{mode}{' +ckpt' if ckpt else ''}"
 

@@ -337,3 +337,18 @@ def test_what_the_accelerated_model_saves_beyond_plain_lora():
     bf = torch.bfloat16
     assert saved["dora_num_fp32"] - saved["lora_fp32"] == collections.Counter({(2 * kv, bf): 2, (2 * inter, bf): 2})
     assert saved["lora_fp32"] - saved["dora_num_fp32"] == collections.Counter({(2 * shape.hidden, bf): 1})
+
+
+def test_compiled_rounds_slower_pairs_the_interleaved_rounds():
+    """A compiled cell whose median is below the eager one but one of whose rounds is not is named, with its
+    per-round ratios (round i over round i); a cell faster in every round is not."""
+    from dora_num.studies.speed import model_report as mr
+
+    def row(comp, rounds, ckpt=False):
+        ms = sorted(rounds)[1]
+        return {"variant": "dora_num_fp32", "rank": 64, "checkpointing": ckpt, "mode": "train", "compile": comp,
+                "ms": ms, "rounds_ms": ";".join(map(str, rounds))}
+
+    bench = pd.DataFrame([row("eager", [90.0, 100.0, 100.0]), row("default", [99.0, 98.0, 97.0]),
+                          row("reduce-overhead", [60.0, 61.0, 62.0])])
+    assert mr.compiled_rounds_slower({"bench": bench}) == {(64, False, "train", "default"): "1.10, 0.98, 0.97"}
