@@ -153,21 +153,22 @@ def _matrix(d: Path) -> tuple[str, Stats] | None:
     from .model_report import compiled_rounds_slower, load_matrix
 
     t = read_csv(d, "05_memory_and_speed/model_matrix.csv")
-    parts = load_matrix(d / "gpu/matrix")["parts"]  # each part's card, from its provenance
+    matrix = load_matrix(d / "gpu/matrix")
+    parts = matrix["parts"]  # each part's card, from its provenance
     s: Stats = {}
     for mode in ("eager", "default", "reduce-overhead"):
         c = t[t["compile"] == mode].cost_ours_over_peft
         s[f"matrix_cost_{mode}_min"], s[f"matrix_cost_{mode}_max"] = float(c.min()), float(c.max())
     comp = t[t["compile"] != "eager"].ours_over_ours_eager
     s["matrix_compiled_over_eager_max"] = float(comp.max())
-    g = read_csv(d, "05_memory_and_speed/model_matrix_targets.csv")
-    cost = g[g.target == "matrix_cost_peft_over_ours"]
+    targets = read_csv(d, "05_memory_and_speed/model_matrix_targets.csv")
+    cost = targets[targets.target == "matrix_cost_peft_over_ours"]
     s["matrix_cost_met"], s["matrix_cost_n"] = int((cost.verdict == "met").sum()), len(cost)
 
     def r(mode):
         return f"{s[f'matrix_cost_{mode}_min']:.2g} to {s[f'matrix_cost_{mode}_max']:.2g}"
 
-    s["matrix_rounds_slower"] = len(compiled_rounds_slower(load_matrix(d / "gpu/matrix")))
+    s["matrix_rounds_slower"] = len(compiled_rounds_slower(matrix))
     return (f"the model matrix (4 decoder layers at 8B shapes, fp32 adapters, each decoder layer compiled, r "
             f"16/64/384, training with and without checkpointing and inference; two device calls on an "
             f"{_card(str(parts.gpu.iloc[0]))} at one commit, medians of 3 rounds): DoRA's cost over plain LoRA on this "
@@ -175,7 +176,7 @@ def _matrix(d: Path) -> tuple[str, Stats] | None:
             f"custom ops' Python) and {r('reduce-overhead')} under reduce-overhead (without checkpointing, whose "
             f"capture failed there even for plain LoRA); on medians compiling never made our step slower than our "
             f"eager one (at most {s['matrix_compiled_over_eager_max']:.2f} of it), though in "
-            f"{s['matrix_rounds_slower']} cells one round did; the target of half PEFT's cost when compiled is met in "
+            f"{s['matrix_rounds_slower']} cells a round did; the target of half PEFT's cost when compiled is met in "
             f"{s['matrix_cost_met']} of {s['matrix_cost_n']} cells (r 64 and 384)"), s
 
 
