@@ -307,6 +307,15 @@ def test_matrix_part_interleaves_every_variant_and_mode(tmp_path, monkeypatch):
     assert {p.parent for p in written} == {tmp_path / "root" / "data" / "gpu" / "matrix" / "part1"}
 
 
+def _one_layer_decoder(T: int = 96):
+    """``(T, shape, base, state, ids)``: a one-layer decoder, its r = 8 adapter and ``T`` token ids (the saved
+    activations' counts)."""
+    shape = mv.Shape(hidden=64, intermediate=160, heads=4, kv_heads=2, layers=1, tokens=T, vocab=128)
+    base = mv.build_base(shape, "cpu")
+    ids = torch.randint(0, shape.vocab, (1, T), generator=torch.Generator().manual_seed(0))
+    return T, shape, base, mv.adapter_state(base, 8), ids
+
+
 def test_what_the_accelerated_model_saves_beyond_plain_lora():
     """What the eager training step keeps beyond plain LoRA's (docs/operator.md, "The model matrix"), counted
     by the bytes per token and dtype of each saved activation (storages with a token dimension): tensors the
@@ -314,11 +323,7 @@ def test_what_the_accelerated_model_saves_beyond_plain_lora():
     of the hidden width.  By size alone the count cannot tell which tensors of one width these are."""
     import collections
 
-    T = 96
-    shape = mv.Shape(hidden=64, intermediate=160, heads=4, kv_heads=2, layers=1, tokens=T, vocab=128)
-    base = mv.build_base(shape, "cpu")
-    state = mv.adapter_state(base, 8)
-    ids = torch.randint(0, shape.vocab, (1, T), generator=torch.Generator().manual_seed(0))
+    T, shape, base, state, ids = _one_layer_decoder()
     saved = {}
     for v in ("lora_fp32", "dora_num_fp32"):
         model = mv.make_variant(v, base, 8, state)
@@ -362,11 +367,7 @@ def test_what_the_compiled_step_saves_beyond_plain_lora():
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    T = 96
-    shape = mv.Shape(hidden=64, intermediate=160, heads=4, kv_heads=2, layers=1, tokens=T, vocab=128)
-    base = mv.build_base(shape, "cpu")
-    state = mv.adapter_state(base, 8)
-    ids = torch.randint(0, shape.vocab, (1, T), generator=torch.Generator().manual_seed(0))
+    T, shape, base, state, ids = _one_layer_decoder()
     per_token = {}
     for v in ("lora_fp32", "dora_num_fp32"):
         saved = []
