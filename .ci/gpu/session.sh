@@ -12,9 +12,8 @@
 #   final  at the commit to be resolved: all gpu-marked tests beside the exhaustive checks (a
 #          correctness record: its timings are not claims), then alone on the GPU the guard's cost
 #          and the model-level suite with the time left                      -> $OUT/session_final.tgz
-#   compiled the compile-native operator's device probe (.ci/gpu/compile_probe.py), the gpu tests of the
-#          operator and the PEFT paths, then the model rows under torch.compile (default and
-#          reduce-overhead) at $MODEL_RANKS (default 64; one call per rank: each compile ~35 s)
+#   compiled the compile-native operator's device probe (.ci/gpu/compile_probe.py) and the gpu tests of the
+#          operator and the PEFT paths (the compiled model rows: the matrix call)
 #                                                                            -> $OUT/session_compiled.tgz
 #   operator the compile probe ($PROBE_SECTIONS), the gpu tests of $PYTEST_FILES (failures printed as they come),
 #          then the products recorder's $PRODUCTS_ONLY parts (default: tf32 bf16_base)
@@ -132,13 +131,10 @@ case "${1:-}" in
       --git-sha "$SHA"
     pack final
     ;;
-  compiled)  # the compile-native operator: its device probe, the ops/PEFT gpu tests, then the compiled model rows
+  compiled)  # the compile-native operator: its device probe and the ops/PEFT gpu tests
     job probe 200 python3 .ci/gpu/compile_probe.py "$W" kernels layer peft
     job pytest 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 tests/ops tests/test_peft.py \
       tests/test_peft_modes.py tests/test_wrap.py tests/test_compiled_peft.py
-    left=$(( 575 - ($(date +%s) - t0) ))
-    job model "$left" python3 -m dora_num record model --out "$W/model" --rounds "${MODEL_ROUNDS:-2}" \
-      --ranks ${MODEL_RANKS:-64} --compile default reduce-overhead --git-sha "$SHA"
     pack compiled
     ;;
   operator)  # first look at a commit: the compile probe's $PROBE_SECTIONS (default all; bench alone on the GPU),

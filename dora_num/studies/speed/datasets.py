@@ -40,10 +40,6 @@ _MODEL_TABLES = ("bench", "agreement", "probe", "predictions")
 MODEL = DataSet("model", {t: f"gpu/model_{t}.csv" for t in _MODEL_TABLES}, recorder="model", optional=("05",),
                 module="dora_num.studies.speed.record_model",
                 about="GPU: a Llama-architecture decoder at 8B layer shapes, PEFT vs this operator (05)")
-# the compiled rows (torch.compile default and reduce-overhead) of one short device call: one decoder layer
-MODEL_COMPILED = DataSet("model-compiled", {t: f"gpu/compiled/model_{t}.csv" for t in _MODEL_TABLES},
-                         recorder="model --compile default reduce-overhead --layers 1 --ranks 384 --no-checkpointing "
-                         "--rounds 3")
 # the model matrix (plain LoRA, PEFT's DoRA and this operator; eager, compile, reduce-overhead; training with and
 # without checkpointing, inference; 4 layers) in two device calls, each its own data set (its own commit and card)
 MODEL_MATRIX = tuple(DataSet(f"model-matrix-{k}", {"bench": f"gpu/matrix/part{k}/matrix_bench.csv",
@@ -67,6 +63,6 @@ DORAFACTORS = DataSet("dorafactors", {"bench": "gpu/dorafactors_bench.csv"},
                       where="one H100 or H200, about 2 minutes",
                       about="GPU: the released dorafactors kernels (v1.0) against ours, interleaved in one run")
 
-DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, MODEL_COMPILED, *MODEL_MATRIX, TRAIN_GRAPHS, OVERHEAD, GUARD_COST,
+DATASETS = (SUITE, COMPOSE, TILES, NORM, LAYER, MODEL, *MODEL_MATRIX, TRAIN_GRAPHS, OVERHEAD, GUARD_COST,
             DORAFACTORS, *SPEED_H100)
 UNRECORDED = (SPEED_REPEAT,)

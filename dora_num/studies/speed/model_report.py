@@ -43,35 +43,7 @@ def load_model(folder: str | Path | None = None) -> dict | None:
     for key in ("bench", "agreement", "probe", "predictions"):
         p = MODEL.path(key, folder)
         out[key] = pd.read_csv(p) if p.is_file() else pd.DataFrame()
-    b = out["bench"]
-    compiled = b["compile"].fillna("eager") != "eager" if "compile" in b.columns else pd.Series(False, index=b.index)
-    out["bench"], out["compiled"] = b[~compiled].reset_index(drop=True), b[compiled].reset_index(drop=True)
     return out
-
-
-def compiled_table(data: dict) -> pd.DataFrame:
-    """The compiled comparison: per rank, checkpointing and mode (train, infer), the ms of plain LoRA,
-    PEFT's DoRA and this operator, eager and under each ``torch.compile`` mode recorded, DoRA's cost
-    over plain LoRA in the same compile mode, the speedup over PEFT in the same mode, and the peak
-    extra memory (``data["compiled"]`` beside the eager rows of ``data["bench"]``)."""
-    eager = data["bench"].assign(compile="eager")
-    rows = pd.concat([eager, data.get("compiled", pd.DataFrame())], ignore_index=True)
-    rows = rows[rows["variant"].isin(["lora_fp32", "peft_fp32", "dora_num_fp32"])
-                & rows["mode"].isin(["train", "infer_cold" if len(data.get("compiled", [])) == 0 else "infer"])]
-    keys = ["rank", "checkpointing", "mode", "compile"]
-    t = rows.pivot_table(index=keys, columns="variant", values=["ms", "peak_extra_bytes"], aggfunc="first", dropna=False)
-    out = pd.DataFrame(index=t.index)
-    for v in ("lora_fp32", "peft_fp32", "dora_num_fp32"):
-        if ("ms", v) in t.columns:
-            out[f"{v}_ms"] = t["ms", v]
-            out[f"{v}_peak_MB"] = t["peak_extra_bytes", v] / 1e6
-    if {"peft_fp32_ms", "dora_num_fp32_ms"} <= set(out.columns):
-        out["speedup_vs_peft"] = out["peft_fp32_ms"] / out["dora_num_fp32_ms"]
-    if "lora_fp32_ms" in out.columns:
-        for v in ("peft_fp32", "dora_num_fp32"):
-            if f"{v}_ms" in out.columns:
-                out[f"{v}_cost_over_lora_ms"] = out[f"{v}_ms"] - out["lora_fp32_ms"]
-    return out.reset_index()
 
 
 def model_table(bench: pd.DataFrame, predictions: pd.DataFrame | None = None) -> pd.DataFrame:

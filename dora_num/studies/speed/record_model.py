@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ...repro.recording import MACHINE_FILE, parser as recorder_parser
-from .datasets import MODEL, MODEL_COMPILED, MODEL_MATRIX
+from .datasets import MODEL, MODEL_MATRIX
 from .model_agreement import agreement, full_size_agreement
 from .model_variants import (FULL, MODES, RANKS, SEED, SMOKE, SMOKE_RANKS, VARIANTS, Runner, Shape, _bump, _hf,
                              adapter_state, build_base, make_variant, predict, set_checkpointing)
@@ -32,7 +32,7 @@ from .model_variants import (FULL, MODES, RANKS, SEED, SMOKE, SMOKE_RANKS, VARIA
 
 ROUNDS, REPS = 5, 3
 SMOKE_ROUNDS, SMOKE_REPS = 2, 2
-# torch.compile of the PEFT-default variants (fp32 adapters): what a PEFT user who compiles runs
+# torch.compile of the PEFT-default variants (fp32 adapters): what a PEFT user who compiles runs (the matrix)
 COMPILE_MODES = ("default", "reduce-overhead")
 COMPILED_VARIANTS = ("lora_fp32", "peft_fp32", "dora_num_fp32")
 
@@ -195,42 +195,6 @@ def warm_up(run: "CompiledRunner", phase: str, device: str) -> tuple[float, floa
         getattr(run, phase)()
     _sync(device)
     return time.time() - t, peak_extra(getattr(run, phase), device)
-
-
-def bench_compiled(shape: Shape, r: int, device: str, *, rounds: int, reps: int, base, state,
-                   modes=COMPILE_MODES, variants=COMPILED_VARIANTS, checkpointing=(False, True),
-                   backend: str = "inductor") -> list[dict]:
-    """Rows of :func:`bench_rank`'s schema with ``compile`` set: each variant compiled in each mode,
-    ``train`` (and ``infer`` without checkpointing), interleaved rounds, the compile time (the warm-up
-    calls) and the peak extra memory."""
-    from ...ops.layer import check_flags
-    from ..bench import lift_recompile_limits
-
-    lift_recompile_limits()
-    ids = token_ids(shape, r, device)
-    rows = []
-    for ckpt in checkpointing:
-        phases = ("train",) if ckpt else ("train", "infer")
-        for mode in modes:
-            runners, compile_s, peaks = {}, {}, {}
-            for v in variants:
-                model = make_variant(v, base, r, state)
-                set_checkpointing(model, ckpt)
-                run = runners[v] = CompiledRunner(model, ids, device, mode, backend)
-                for ph in phases:
-                    compile_s[v, ph], peaks[v, ph] = warm_up(run, ph, device)
-                if v.startswith("dora_num"):
-                    check_flags(model)  # every flag the compiled steps raised: read once, here
-            times = interleaved(runners, phases, rounds, reps, device)
-            for (v, ph), per_round in times.items():
-                rows.append(dict(timing_row(shape, v, r, ckpt, ph, per_round, reps, peaks[v, ph], device),
-                                 compile=mode, compile_s=compile_s[v, ph]))
-            _log(f"r={r} checkpointing={ckpt} compile={mode}: " + ", ".join(
-                f"{v} {statistics.median(times[v, 'train']):.1f} ms" for v in runners))
-            del runners
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    return rows
 
 
 # --------------------------------------------------------------------------
@@ -504,14 +468,12 @@ def probe(device: str, *, smoke: bool, copy_gbps: float | None) -> list[dict]:
 
 def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps: float | None = None,
         ranks=None, rounds: int | None = None, reps: int | None = None, shape: Shape | None = None,
-        checkpointing=(False, True), compile_modes=None, compile_backend: str = "inductor") -> dict:
+        checkpointing=(False, True)) -> dict:
     """The whole section: timings, agreement, probe, predictions; CSVs under ``out``
     (``model_bench.csv``, ``model_agreement.csv``, ``model_probe.csv``, ``model_predictions.csv``).
     Full sizes on CUDA; tiny ones with ``smoke`` or on the CPU (the eager tier).  ``ranks``,
-    ``rounds``, ``reps``, ``shape``, ``checkpointing`` override the defaults (tests);
-    ``compile_modes`` (e.g. :data:`COMPILE_MODES`; default none: each compile of the 4-layer decoder
-    takes about 35 s): the compiled rows (``compile`` column; ``"eager"`` for the others) and the
-    per-path g error (``model_probe.csv``)."""
+    ``rounds``, ``reps``, ``shape``, ``checkpointing`` override the defaults (tests).  The compiled
+    steps and the g error of each path: the model matrix (:func:`run_matrix`)."""
     import pandas as pd
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -527,30 +489,22 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
     t0 = time.time()
     rows, fid = [], []
     base = build_base(shape, device)
-    compile_modes = tuple(compile_modes or ())
-    g_rows = []
     for r in ranks:
         rr, ff = bench_rank(shape, r, device, rounds=rounds, reps=reps, base=base, checkpointing=checkpointing)
-        rows += [dict(row, compile="eager") for row in rr]
+        rows += rr
         fid += ff
-        if compile_modes:
-            state = adapter_state(base, r)
-            rows += bench_compiled(shape, r, device, rounds=rounds, reps=reps, base=base, state=state,
-                                   modes=compile_modes, checkpointing=checkpointing, backend=compile_backend)
-            g_rows += g_error_rows(base, r, state, device, backend=compile_backend)
-            del state
         pd.DataFrame(rows).to_csv(MODEL.path("bench", out), index=False, lineterminator="\n")
     del base
     fid += agreement(device, ranks=(ranks[0],) if small else (16, 64))
     pd.DataFrame(fid).to_csv(MODEL.path("agreement", out), index=False, lineterminator="\n")
-    pd.DataFrame(probe(device, smoke=smoke, copy_gbps=copy_gbps) + g_rows).to_csv(
+    pd.DataFrame(probe(device, smoke=smoke, copy_gbps=copy_gbps)).to_csv(
         MODEL.path("probe", out), index=False, lineterminator="\n")
     preds = [{"rank": r, "checkpointing": c, "variant": v, "predicted_ms": t}
              for r in ranks for c in (False, True) for v, t in predict(shape, r, c, **(
                  {"copy_gbps": copy_gbps} if copy_gbps else {})).items()]
     pd.DataFrame(preds).to_csv(MODEL.path("predictions", out), index=False, lineterminator="\n")
     summary = {"shape": asdict(shape), "ranks": list(ranks), "rounds": rounds, "reps": reps, "device": device,
-               "compile_modes": list(compile_modes), "checkpointing": list(checkpointing),
+               "checkpointing": list(checkpointing),
                "wall_s": time.time() - t0, "smoke": smoke}
     _log(f"model section done in {summary['wall_s']:.0f} s")
     return summary
@@ -559,8 +513,8 @@ def run(out: Path, *, smoke: bool = False, device: str | None = None, copy_gbps:
 def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -> list[Path]:
     """Copy the model section's files of a suite (or standalone) folder into ``data/gpu/`` with
     provenance (the device and git sha from the folder's ``device.json``), leaving the committed
-    ``device.json`` of the other sections alone; a run with compiled rows (``--compile``) goes to
-    its own data set (``data/gpu/compiled/``: it times other shapes than the eager suite)."""
+    ``device.json`` of the other sections alone; a part of the model matrix (``--matrix K``) goes to
+    its own data set (``data/gpu/matrix/partK/``)."""
     from ...repro.recording import ingest_folder, read_machine
 
     desc = read_machine(Path(src))
@@ -577,16 +531,14 @@ def ingest(src: Path, dest: Path | None = None, *, git_sha: str | None = None) -
                              "shape, eager and both compile modes); not recorded")
         return ingest_folder(Path(src), dest or ds.dest(), producer=ds.producer, git_sha=git_sha,
                              names=tuple(p.name for p in ds.paths(src)))
-    compiled = bool(run_.get("compile_modes"))
     full = {"shape": asdict(FULL), "ranks": sorted(RANKS), "checkpointing": [False, True]}
     got = {"shape": run_.get("shape"), "ranks": sorted(run_.get("ranks") or []),
            "checkpointing": run_.get("checkpointing", [False, True])}
-    if not compiled and run_ and got != full:  # the eager suite's data set holds the full table only
+    if run_ and got != full:  # the data set holds the full table only
         raise SystemExit(f"dora-num record model: {src} is an eager run of {got}, not the suite's {full}; "
                          f"recording it would replace {', '.join(map(str, MODEL.files))} in data/ with a smaller table")
-    ds = MODEL_COMPILED if compiled else MODEL
-    return ingest_folder(Path(src), dest or ds.dest(), producer=ds.producer, git_sha=git_sha,
-                         names=tuple(p.name for p in ds.paths(src)))
+    return ingest_folder(Path(src), dest or MODEL.dest(), producer=MODEL.producer, git_sha=git_sha,
+                         names=tuple(p.name for p in MODEL.paths(src)))
 
 
 def describe(device: str, smoke: bool) -> dict:
@@ -618,8 +570,6 @@ def build_parser(prog: str = "dora-num record model", name: str = "model"):
                    help="only the rows without gradient checkpointing (half the compiles)")
     p.add_argument("--layers", type=int, default=None,
                    help=f"decoder layers of the model (default {Shape().layers}; fewer: shorter compiles)")
-    p.add_argument("--compile", nargs="+", choices=(*COMPILE_MODES, "none"), default=None,
-                   help="torch.compile modes of the compiled rows (default: none, eager only)")
     p.add_argument("--matrix", type=int, choices=sorted(MATRIX_PARTS), default=None,
                    help="instead: part K of the model matrix (plain LoRA, PEFT's DoRA, this operator; eager, "
                         "compile, reduce-overhead; training with and without checkpointing, inference; ranks "
@@ -652,9 +602,8 @@ def record(a) -> int:
         desc["smoke"] = bool(a.smoke)
         (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")
         return 0
-    modes = None if a.compile is None else tuple(m for m in a.compile if m != "none")
     desc["model"] = run(out, smoke=a.smoke, device=device, copy_gbps=desc.get("copy", {}).get("gbps"), rounds=a.rounds,
-                        ranks=a.ranks, compile_modes=modes,
+                        ranks=a.ranks,
                         shape=None if a.layers is None else Shape(layers=a.layers),
                         checkpointing=(False,) if a.no_checkpointing else (False, True))
     (out / "device.json").write_text(json.dumps(desc, indent=2, default=str) + "\n")

@@ -182,20 +182,10 @@ def test_ingest_refuses_a_smoke_run_and_an_eager_subset(smoke_run, tmp_path):
     out, _ = smoke_run
     with pytest.raises(SystemExit, match="is a --smoke run; not recorded"):
         mb.ingest(out, tmp_path / "data")
-    sub = _as_recorded(smoke_run, tmp_path, compile_modes=[])
+    sub = _as_recorded(smoke_run, tmp_path, ranks=[4])
     with pytest.raises(SystemExit, match="is an eager run of .* not the suite's .* smaller table"):
         mb.ingest(sub, tmp_path / "data")
     assert not (tmp_path / "data").exists()
-
-
-def test_ingest_sends_a_compiled_run_to_its_own_data_set(smoke_run, tmp_path, monkeypatch):
-    from dora_num.repro.paths import OUTPUT_ROOT_ENV
-
-    folder = _as_recorded(smoke_run, tmp_path, compile_modes=["default"])
-    monkeypatch.setenv(OUTPUT_ROOT_ENV, str(tmp_path / "root"))
-    written = mb.ingest(folder)
-    assert {p.parent for p in written} == {tmp_path / "root" / "data" / "gpu" / "compiled"}
-    assert not (tmp_path / "root" / "data" / "gpu" / "model_bench.csv").exists()
 
 
 def test_ingest_copies_the_model_files_with_provenance(smoke_run, tmp_path):
@@ -221,42 +211,17 @@ def test_record_model_ingest_leaves_the_suites_device_json(smoke_run, tmp_path):
     assert all((tmp_path / f).exists() for f in (g.rsplit("/", 1)[1] for g in mb.MODEL.files))
 
 
-def test_compiled_rows_and_the_g_error_of_each_path():
-    """The compiled rows' machinery on the CPU (aot_eager: the graphs Inductor would get) and the g
-    error of each path against float64: this operator's compiled g is its eager g, bit for bit, and
-    within a few fp32 roundings of float64; PEFT's (its norm of W + s lora_B(lora_A(I)) under bf16
-    autocast) is bf16-limited."""
+def test_the_g_error_of_each_path():
+    """The g error of each path against float64 (the matrix's g rows; aot_eager on the CPU: the graphs
+    Inductor would get): this operator's compiled g is its eager g, bit for bit, and within a few fp32
+    roundings of float64; PEFT's (its norm of W + s lora_B(lora_A(I)) under bf16 autocast) is bf16-limited."""
     base = mv.build_base(TINY, "cpu")
     state = mv.adapter_state(base, 4)
-    rows = mb.bench_compiled(TINY, 4, "cpu", rounds=1, reps=1, base=base, state=state, modes=("default",),
-                             checkpointing=(False,), backend="aot_eager")
-    assert {(r["variant"], r["mode"], r["compile"]) for r in rows} == {
-        (v, m, "default") for v in mb.COMPILED_VARIANTS for m in ("train", "infer")}
-    assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in rows)
     g = pd.DataFrame(mb.g_error_rows(base, 4, state, "cpu", backend="aot_eager")).pivot_table(
         index="shape", columns="what", values="value")
     assert (g["dora_num_compiled"] == g["dora_num_eager"]).all()
     assert (g["dora_num_eager"] < 8 * 2.0**-24).all()
     assert (g["peft_eager"] > g["dora_num_eager"]).all()
-
-
-def test_compiled_rows_are_kept_apart_from_the_eager_tables(smoke_run, tmp_path):
-    """Recorded compiled rows (``compile`` column) do not enter the eager tables; the compiled table
-    puts each variant's eager and compiled ms side by side."""
-    from dora_num.studies.speed import model_report as mr
-
-    out, _ = smoke_run
-    bench = pd.read_csv(out / "model_bench.csv")
-    fake = bench[bench.variant.isin(mb.COMPILED_VARIANTS) & (bench["mode"] == "train")].assign(
-        compile="default", ms=lambda d: d.ms / 2)
-    for name in ("model_agreement.csv", "model_probe.csv", "model_predictions.csv"):
-        (tmp_path / name).write_bytes((out / name).read_bytes())
-    pd.concat([bench.assign(compile="eager"), fake]).to_csv(tmp_path / "model_bench.csv", index=False)
-    data = mr.load_model(tmp_path)
-    assert len(data["bench"]) == len(bench) and len(data["compiled"]) == len(fake)
-    t = mr.compiled_table(data).set_index(["mode", "compile"]).loc["train"]
-    assert (t.loc["default", "dora_num_fp32_ms"] == t.loc["eager", "dora_num_fp32_ms"] / 2).all()
-    assert "dora_num_fp32_cost_over_lora_ms" in t.columns
 
 
 def test_matrix_part_interleaves_every_variant_and_mode(tmp_path, monkeypatch):
