@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from .datasets import MODEL
-from .released import round_ratios
+from .released import round_ratios, rounds as parse_rounds
 from .report import target_row
 
 # Model level, from Zelenin & Zhuravlyova, "Scaling DoRA: High-Rank Adaptation via Factored Norms
@@ -267,7 +267,7 @@ def matrix_targets(data: dict | None) -> pd.DataFrame:
         lo, pe, ou = (rounds(v, r, ckpt, mode, comp) for v in _MATRIX_VARIANTS)
         if None in (lo, pe, ou):
             return None
-        lora, peft, ours = (pd.Series(x.split(";"), dtype=float) for x in (lo, pe, ou))
+        lora, peft, ours = (parse_rounds(x) for x in (lo, pe, ou))
         return list((peft - lora) / (ours - lora))
 
     for _, row in t.iterrows():

@@ -221,7 +221,7 @@ def bench_matrix(shape: Shape, r: int, device: str, *, rounds: int, reps: int, b
     ``regional`` (default): each decoder layer compiled (:class:`CompiledRunner`), the embeddings, the
     final norm, the LM head and the loss eager in every variant alike (DoRA's cost over LoRA, a
     difference within one mode, does not see them); dynamo compiles the four identical layers once,
-    where the whole model compiled took about 35 s per compile (54 in the matrix)."""
+    where the whole model compiled took about 35 s per compile (45 compiled cells in the matrix)."""
     from ...ops.layer import check_flags
     from ..bench import lift_recompile_limits
 
@@ -242,19 +242,15 @@ def bench_matrix(shape: Shape, r: int, device: str, *, rounds: int, reps: int, b
                     check_flags(model)  # every flag the warm-up raised: read once, here
                 progress(f"r={r} checkpointing={ckpt} {v} {mode}: warm in "
                          f"{sum(compile_s[v, mode, ph] for ph in phases):.0f} s")
-        times = {key: [] for key in ((v, mode, ph) for (v, mode) in runners for ph in phases)}
-        for _ in range(rounds):
-            for (v, mode), run in runners.items():
-                for ph in phases:
-                    times[v, mode, ph].append(statistics.median(time_steps(getattr(run, ph), reps, device)))
+        times = interleaved(runners, phases, rounds, reps, device)  # keys ((variant, mode), phase)
         for (v, mode), run in runners.items():
             if v.startswith("dora_num"):
                 check_flags(run.model)  # and every flag the timed steps raised
-        for (v, mode, ph), per_round in times.items():
+        for ((v, mode), ph), per_round in times.items():
             rows.append(dict(timing_row(shape, v, r, ckpt, ph, per_round, reps, peaks[v, mode, ph], device),
                              compile=mode, compile_s=compile_s[v, mode, ph], regional=regional))
         progress(f"r={r} checkpointing={ckpt}: train ms " + ", ".join(
-            f"{v}/{mode} {statistics.median(times[v, mode, 'train']):.1f}" for v, mode in runners))
+            f"{v}/{mode} {statistics.median(times[(v, mode), 'train']):.1f}" for v, mode in runners))
         del runners
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -265,7 +261,7 @@ def ckpt_graphs_probe(shape: Shape, r: int, device: str, *, base, state, backend
                       regional: bool = True) -> dict:
     """Whether a checkpointed training step runs under ``reduce-overhead`` (CUDA graphs): plain LoRA's,
     three calls, last of all in the run (a failed capture can leave the process's CUDA-graph state
-    unusable).  The matrix leaves this cell out: in its first run (an H100, torch 2.13) the capture of
+    unusable).  The matrix leaves this cell out: in its first run (an H100, the GPU image's torch 2.11) the capture of
     plain LoRA's checkpointed layers failed with "graph recording observed an input tensor deallocate
     during graph recording", before any DoRA variant ran.  The row says what happens now."""
     ids = token_ids(shape, r, device)
