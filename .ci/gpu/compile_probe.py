@@ -248,31 +248,50 @@ def _():
 
 @section("host")
 def _():
-    """Host cost of a compiled (default mode) layer step at a size whose GPU work is microseconds
-    (512->512, r=16, 64 tokens), so wall time is host time: eager vs compiled, and cProfile of the
-    compiled step (own time and cumulative), written to host_cprofile.txt."""
+    """Host cost of a layer step at a size whose GPU work is microseconds (512->512, r=16, 64 tokens,
+    the fused compose tier forced), so wall time is host time: eager, compiled (default mode) with the
+    fused compose as traced triton_ops (``OpConfig.traced_ops``, the default) and with the opaque custom
+    ops (the A/B baseline), rounds interleaved; and a cProfile of the traced compiled step, written to
+    host_cprofile.txt."""
     import cProfile
     import io
     import pstats
 
+    from dora_num.ops.config import override
+
     layer = _layer(r=16, d=512)
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
-    comp = torch.compile(layer, fullgraph=True)
-    out = {}
-    for name, f in (("eager", layer), ("compiled", comp)):
+    steps = {}
+    with override(compose_path="fused"):
+        steps["eager"] = layer
+        for traced in (True, False):
+            with override(traced_ops=traced):
+                comp = torch.compile(layer, fullgraph=True, dynamic=False)
+                for _ in range(3):
+                    _step(comp, x)
+            steps["compiled_traced" if traced else "compiled_opaque"] = (comp, traced)
+        rounds = {k: [] for k in steps}
         for _ in range(5):
-            _step(f, x)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(200):
-            _step(f, x)
-        torch.cuda.synchronize()
-        out[f"{name}_us_per_step"] = round((time.perf_counter() - t) / 200 * 1e6, 1)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        _step(comp, x)
-    prof.disable()
+            for name, f in steps.items():
+                comp, traced = (f, None) if name == "eager" else f
+                with override(traced_ops=bool(traced)) if traced is not None else override():
+                    for _ in range(5):
+                        _step(comp, x)
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    for _ in range(100):
+                        _step(comp, x)
+                    torch.cuda.synchronize()
+                rounds[name].append((time.perf_counter() - t) / 100 * 1e6)
+        out = {f"{k}_us_per_step": round(statistics.median(v), 1) for k, v in rounds.items()}
+        out["rounds_us"] = {k: [round(u, 1) for u in v] for k, v in rounds.items()}
+        comp = steps["compiled_traced"][0]
+        prof = cProfile.Profile()
+        with override(traced_ops=True):
+            prof.enable()
+            for _ in range(200):
+                _step(comp, x)
+            prof.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
     for key in ("tottime", "cumulative"):

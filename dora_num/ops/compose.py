@@ -236,6 +236,68 @@ def _op_backward(ctx, grad_out, grad_inner):
 _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
+# The fused tiers on CUDA as ``triton_op``s: Inductor traces their bodies and launches the kernels
+# from its generated code (``wrap_triton``), so a compiled step runs no Python of ours for them;
+# the same kernels with the same arguments as eagerly, so the same bits.  The eager tier, the
+# interpreter and an ``inner`` written in the forward keep the opaque ops above.
+
+def traceable(fused: bool, cfg: OpConfig) -> bool:
+    """Whether a compiled compose takes the traced ops: the fused tiers on CUDA (under the
+    interpreter ``wrap_triton`` cannot trace a kernel), with ``inner`` recomputed in the backward,
+    unless ``OpConfig.traced_ops`` is off."""
+    return fused and cfg.traced_ops and not cfg.interpret and cfg.recompute_inner
+
+
+@torch.library.triton_op("dora_num::compose_fused", mutates_args=())
+def _compose_fused_op(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float, add_base: bool,
+                      config: str) -> torch.Tensor:
+    """The fused forward (``base +`` it with ``add_base``), one launch, traced."""
+    return _kernels().compose_fwd(base, lora, g, s, add_base=add_base, config=OpConfig.from_key(config),
+                                  traced=True)[0]
+
+
+@torch.library.triton_op("dora_num::compose_bwd_fused", mutates_args=())
+def _compose_bwd_fused_op(grad: torch.Tensor, base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float,
+                          need_dlora: bool, need_dbase: bool, need_dg: bool, add_grad: bool,
+                          config: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused backward, ``inner`` recomputed from ``base`` and ``lora``, traced; entries not asked for
+    are empty."""
+    dlora, dbase, dg = _kernels().compose_bwd(grad, None, g, s, need_dlora=need_dlora, need_dbase=need_dbase,
+                                              need_dg=need_dg, base=base if need_dg else None,
+                                              lora=lora if need_dg else None, add_grad=add_grad,
+                                              config=OpConfig.from_key(config), stateless=True, traced=True)
+    return (dlora if dlora is not None else grad.new_empty(_EMPTY),
+            dbase if dbase is not None else grad.new_empty(_EMPTY),
+            dg if dg is not None else grad.new_empty(_EMPTY, dtype=torch.float32))
+
+
+def compose_bwd_op(grad, base, lora, g, s: float, need_dlora: bool, need_dbase: bool, need_dg: bool, fused: bool,
+                   config: str, add_grad: bool):
+    """The compiled compose backward, ``inner`` recomputed from ``base`` and ``lora`` (empty where
+    ``need_dg`` is off): the traced op where :func:`traceable`, else the opaque one."""
+    if traceable(fused, OpConfig.from_key(config)):
+        return _compose_bwd_fused_op(grad, base, lora, g, s, need_dlora, need_dbase, need_dg, add_grad, config)
+    return _compose_bwd_op(grad, grad.new_empty(_EMPTY, dtype=torch.float32), base, lora, g, s, need_dlora,
+                           need_dbase, need_dg, fused, config, add_grad)
+
+
+def _fused_setup_context(ctx, inputs, output):
+    base, lora, g, s, add_base, config = inputs
+    ctx.save_for_backward(g, base, lora)
+    ctx.s, ctx.add_base, ctx.config = s, add_base, config
+
+
+def _fused_backward(ctx, grad):
+    g, base, lora = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dlora, dbase, dg = _compose_bwd_fused_op(grad.contiguous(), base, lora, g, ctx.s, bool(need[1]), bool(need[0]),
+                                             bool(need[2]), bool(ctx.add_base and need[0]), ctx.config)
+    return (dbase if need[0] else None, dlora if need[1] else None, dg if need[2] else None, None, None, None)
+
+
+_compose_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+
+
 # --------------------------------------------------------------------------
 # Public function and dispatch
 # --------------------------------------------------------------------------
@@ -337,7 +399,10 @@ def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g:
         tier = _select_tier(base, lora, g, path, config)
     fused = tier != "eager"
     if torch.compiler.is_compiling():  # tier fixed at trace time; counters and logs are eager-only
-        res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused, config.key, add_base)[0]
+        if traceable(fused, config):
+            res = _compose_fused_op(base, lora, g, s, add_base, config.key)
+        else:
+            res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused, config.key, add_base)[0]
         return res if out is None else out.copy_(res)
     else:
         count_tier(tier, base)

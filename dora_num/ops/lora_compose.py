@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .compose import _EMPTY, _bwd_impl, _compose_bwd_op, _fwd_impl
+from .compose import _EMPTY, _bwd_impl, _fwd_impl, _kernels, compose_bwd_op, traceable
 from .config import OpConfig
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts for F.linear
@@ -98,7 +98,10 @@ def lora_compose(base, xa, B, g, s: float, cdt: torch.dtype, fused: bool, add_ba
     op ``dora_num::lora_compose_fwd`` (the same saved tensors; its output add is the graph's)."""
     if not torch.compiler.is_compiling():
         return LoraComposeFunction.apply(base, xa, B, g, s, cdt, fused, add_base, cfg)
-    return _lora_compose_fwd_op(base, xa, B if B.dtype == cdt else B.to(cdt), g, s, fused, add_base, cfg.key)
+    B_c = B if B.dtype == cdt else B.to(cdt)
+    if traceable(fused, cfg):
+        return _lora_compose_fused_op(base, xa, B_c, g, s, add_base, cfg.key)
+    return _lora_compose_fwd_op(base, xa, B_c, g, s, fused, add_base, cfg.key)
 
 
 @torch.library.custom_op("dora_num::lora_compose_fwd", mutates_args=())
@@ -126,9 +129,8 @@ def _op_backward(ctx, grad):
     n_base, n_xa, n_B, n_g = ctx.needs_input_grad[:4]
     xa2 = xa.reshape(-1, xa.shape[-1])
     lora = torch.mm(xa2, B.t()).view(base.shape) if n_g else base.new_empty(_EMPTY)
-    dlora, dbase, dg = _compose_bwd_op(grad.contiguous(), grad.new_empty(_EMPTY, dtype=torch.float32), base, lora,
-                                       g, ctx.s, bool(n_xa or n_B), bool(n_base), bool(n_g), ctx.fused, ctx.config,
-                                       bool(ctx.add_base and n_base))
+    dlora, dbase, dg = compose_bwd_op(grad.contiguous(), base, lora, g, ctx.s, bool(n_xa or n_B), bool(n_base),
+                                      bool(n_g), ctx.fused, ctx.config, bool(ctx.add_base and n_base))
     dxa = dB = None
     if n_xa or n_B:
         dl2 = dlora.reshape(-1, dlora.shape[-1])
@@ -138,3 +140,22 @@ def _op_backward(ctx, grad):
 
 
 _lora_compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+@torch.library.triton_op("dora_num::lora_compose_fused", mutates_args=())
+def _lora_compose_fused_op(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g: torch.Tensor, s: float,
+                           add_base: bool, config: str) -> torch.Tensor:
+    """:func:`_lora_compose_fwd_op` on the fused tier on CUDA, traced by Inductor (the product an extern
+    ``mm``, the compose kernel launched by Inductor's code: :func:`~dora_num.ops.compose.traceable`)."""
+    lora = torch.mm(xa.reshape(-1, xa.shape[-1]), B.t()).view(*base.shape[:-1], B.shape[0])
+    return _kernels().compose_fwd(base, lora, g, s, add_base=add_base, config=OpConfig.from_key(config),
+                                  traced=True)[0]
+
+
+def _fused_setup_context(ctx, inputs, output):
+    base, xa, B, g, s, add_base, config = inputs
+    ctx.save_for_backward(base, xa, B, g)
+    ctx.s, ctx.fused, ctx.add_base, ctx.config = s, True, add_base, config
+
+
+_lora_compose_fused_op.register_autograd(_op_backward, setup_context=_fused_setup_context)

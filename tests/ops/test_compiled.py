@@ -392,3 +392,46 @@ def _traced_graphs_no_grad(fn, *args):
     torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep, inference_compiler=keep))(*args)
     assert len(graphs) == 1
     return graphs[0]
+
+
+def _cuda_step(f, layer, x):
+    """A training step under bf16 autocast (PEFT's fp32 adapters): y, m.grad, A.grad, B.grad."""
+    for p in (layer.magnitude, layer.lora_A, layer.lora_B):
+        p.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = f(x)
+    y.float().square().mean().backward()
+    return [y.detach().clone()] + [p.grad.clone() for p in (layer.magnitude, layer.lora_A, layer.lora_B)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("traced", [True, False], ids=["traced-ops", "opaque-ops"])
+def test_cuda_compiled_compose_is_launched_by_inductor_with_the_eager_bits(traced, small_layer):
+    """On CUDA the fused compose's forward and backward are ``triton_op``s (``OpConfig.traced_ops``):
+    Inductor's generated code launches ``_compose_fwd_kernel`` and ``_compose_bwd_kernel`` itself, and
+    no ``dora_num::lora_compose_fwd`` or ``compose_bwd`` call (Python of ours per call) is left in it.
+    Inductor compiles a wrapped kernel with FMA contraction on, which the kernels' ``mul_rn`` makes
+    harmless: the output and the adapter gradients are bitwise the eager layer's, training and
+    inference.  With the switch off the opaque ops run (the A/B baseline), with the same bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    with override(traced_ops=traced):
+        layer = small_layer(1024, 768, rank=16, alpha=32.0, dtype=torch.bfloat16, adapter_dtype=torch.float32,
+                            m_noise=1e-3, b_std=0.02, device="cuda")
+        x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16)  # 393,216 outputs: the fused training tier
+        want = _cuda_step(layer, layer, x)
+        compiled = torch.compile(layer, fullgraph=True)
+        got, code = run_and_get_code(lambda: _cuda_step(compiled, layer, x))
+        for a, b in zip(got, want):
+            assert_bitwise(a, b)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            y_inf, code_inf = run_and_get_code(lambda: compiled(x))
+            assert_bitwise(y_inf, layer(x))
+    text = "\n".join(code + code_inf)
+    launched = all(k in text for k in ("_compose_fwd_kernel", "_compose_bwd_kernel"))
+    opaque = [op for op in ("dora_num.lora_compose_fwd", "dora_num.compose_bwd", "dora_num.compose_fwd")
+              if op in text]
+    if traced:
+        assert launched and not opaque, opaque
+    else:
+        assert not launched and opaque

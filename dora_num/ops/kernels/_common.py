@@ -29,3 +29,23 @@ def row_block(n_rows, BLOCK_M: tl.constexpr):
     and which of them exist (the last block's tail is masked)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     return rows, rows < n_rows
+
+
+@triton.jit
+def mul_rn(a, b, RN: tl.constexpr):
+    """``a * b`` in fp32, rounded once and never contracted into an FMA with a following add.
+
+    ``RN`` (the launchers pass it on CUDA): inline PTX ``mul.rn.f32``, which neither LLVM (it cannot
+    see into the asm) nor ptxas (an explicit rounding modifier is never fused) contracts, whatever
+    ``enable_fp_fusion`` the kernel is compiled with.  That makes a kernel's bits independent of who
+    compiles it: our launchers pass ``enable_fp_fusion=False``, Inductor compiles a kernel launched
+    through ``torch.library.wrap_triton`` with Triton's default (fusion on).  ``libdevice.mul_rn``
+    would not do: Triton links libdevice with FTZ reflection on, which flushes subnormals.  Without
+    ``RN`` (the interpreter, which runs no asm and contracts nothing; the FMA study's variant) a plain
+    multiply."""
+    if RN:
+        a, b = tl.broadcast(a.to(tl.float32), b.to(tl.float32))
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b

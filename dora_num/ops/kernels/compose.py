@@ -6,8 +6,9 @@ Per element, inputs upcast to fp32, each operation one rounding (the sequence of
     gm1 = g - 1;  sl = s * lora;  out = gm1 * base + g * sl  (mul, then add: no FMA)
     inner = sl + base;  backward: dlora = (g s) D,  dbase = gm1 D,  dg = sum_rows(inner D)
 
-Every kernel is launched with ``enable_fp_fusion=False``, so the outputs are bitwise the eager
-reference's.  ``dg`` is a fixed-order two-stage sum (per-block partials, then chunks in sequence; no
+Every product that an add follows is :func:`~dora_num.ops.kernels._common.mul_rn` (never contracted
+into an FMA, whoever compiles the kernel) and our launches pass ``enable_fp_fusion=False`` besides, so
+the outputs are bitwise the eager reference's, launched by us or by Inductor (``traced``).  ``dg`` is a fixed-order two-stage sum (per-block partials, then chunks in sequence; no
 float atomics): ``|dg^ - dg| <= gamma_{A+1} sum |inner D|`` (:func:`dg_error_bound`).  The sequence,
 the ``ADD_BASE``/``ADD_GRAD`` folds and the reduction order in full: docs/operator.md.
 
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..config import OpConfig, get_config
-from ._common import new_buffer
+from ._common import mul_rn, new_buffer
 
 U32 = 2.0**-24
 
@@ -37,7 +38,7 @@ def _compose_fwd_kernel(
     base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr, flag_ptr,
     n_rows, n_cols, s,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_INNER: tl.constexpr, ADD_BASE: tl.constexpr,
-    G_FLAG: tl.constexpr,
+    G_FLAG: tl.constexpr, RN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -54,9 +55,9 @@ def _compose_fwd_kernel(
     base = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     lora = tl.load(lora_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     gm1 = g - 1.0
-    sl = s * lora
-    t = g[None, :] * sl
-    prod = gm1[None, :] * base
+    sl = mul_rn(s, lora, RN)
+    t = mul_rn(g[None, :], sl, RN)
+    prod = mul_rn(gm1[None, :], base, RN)
     out = (prod + t).to(out_ptr.dtype.element_ty)
     if ADD_BASE:  # y = base + delta, delta rounded first: torch's add of the two tensors, bit for bit
         out = (base + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -73,7 +74,7 @@ def _compose_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_DLORA: tl.constexpr, WRITE_DBASE: tl.constexpr, NEED_DG: tl.constexpr,
     RECOMPUTE_INNER: tl.constexpr, FINAL_IN_KERNEL: tl.constexpr, CHUNK: tl.constexpr,
-    ADD_GRAD: tl.constexpr,
+    ADD_GRAD: tl.constexpr, RN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -85,11 +86,11 @@ def _compose_bwd_kernel(
     g = tl.load(g_ptr + cols, mask=col_mask, other=1.0)
     d = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if WRITE_DLORA:
-        gs = g * s
-        tl.store(dlora_ptr + offsets, (gs[None, :] * d).to(dlora_ptr.dtype.element_ty), mask=mask)
+        gs = mul_rn(g, s, RN)
+        tl.store(dlora_ptr + offsets, mul_rn(gs[None, :], d, RN).to(dlora_ptr.dtype.element_ty), mask=mask)
     if WRITE_DBASE:
         gm1 = g - 1.0
-        dbase = (gm1[None, :] * d).to(dbase_ptr.dtype.element_ty)
+        dbase = mul_rn(gm1[None, :], d, RN).to(dbase_ptr.dtype.element_ty)
         if ADD_GRAD:  # base also fed y = base + delta directly: D + dbase, as autograd accumulates them
             dbase = (d + dbase.to(tl.float32)).to(dbase_ptr.dtype.element_ty)
         tl.store(dbase_ptr + offsets, dbase, mask=mask)
@@ -97,11 +98,11 @@ def _compose_bwd_kernel(
         if RECOMPUTE_INNER:  # the forward's inner, bit for bit: sl = s*lora; inner = sl + base
             base = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             lora = tl.load(lora_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            sl = s * lora
+            sl = mul_rn(s, lora, RN)
             inner = sl + base
         else:
             inner = tl.load(inner_ptr + offsets, mask=mask, other=0.0)
-        part = tl.sum(inner * d, axis=0)
+        part = tl.sum(mul_rn(inner, d, RN), axis=0)
         tl.store(partial_ptr + pid_m.to(tl.int64) * n_cols + cols, part, mask=col_mask)
         if FINAL_IN_KERNEL:
             # The last program of this column block to arrive (an integer counter: no
@@ -175,6 +176,18 @@ def _arrival_counters(device: torch.device, n: int, stateless: bool = False) -> 
     return buf
 
 
+def _launcher(kernel, traced: bool):
+    """``kernel``, or ``wrap_triton(kernel)`` where a ``triton_op``'s body is traced (Inductor then
+    launches the kernel from its generated code, with no Python of ours per call)."""
+    return torch.library.wrap_triton(kernel) if traced else kernel
+
+
+def _fusion(fp_fusion: bool, traced: bool) -> dict:
+    """The launch's ``enable_fp_fusion``; none where traced (Inductor compiles a wrapped kernel with
+    Triton's default, fusion on, and takes no such option): the kernels' ``mul_rn`` keeps the bits."""
+    return {} if traced else {"enable_fp_fusion": fp_fusion}
+
+
 def _fwd_blocks(n_cols: int, tiles) -> tuple[int, int]:
     block_n = min(tiles.fwd_max_block_n, triton.next_power_of_2(max(n_cols, 1)))
     block_m = max(1, tiles.fwd_tile_elems // block_n)
@@ -184,7 +197,7 @@ def _fwd_blocks(n_cols: int, tiles) -> tuple[int, int]:
 def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float, *,
                 write_inner: bool = False, out: torch.Tensor | None = None, add_base: bool = False,
                 fp_fusion: bool = False, return_kernel: bool = False, config: OpConfig | None = None,
-                g_flag: torch.Tensor | None = None):
+                g_flag: torch.Tensor | None = None, traced: bool = False):
     """Fused stable compose.  Returns ``(out, inner)`` (``inner`` None unless asked).
 
     ``g_flag``: an int32 device tensor of at least ``ceil(N / block_n)`` entries (:func:`g_flag_size`)
@@ -204,7 +217,9 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
     read before it is written, by the same program) and must then be contiguous.
     ``fp_fusion=True`` lets the compiler contract into FMA: a study variant only,
     never the production path.  With ``return_kernel`` the compiled kernel handle
-    is appended (to read its PTX).
+    is appended (to read its PTX).  ``traced``: launched through ``torch.library.wrap_triton``
+    (the body of a ``triton_op`` that Inductor traces: :mod:`dora_num.ops.compose`); the same kernel
+    and arguments, so the same bits (:func:`~dora_num.ops.kernels._common.mul_rn`).
     """
     cfg = get_config() if config is None else config
     shape = base.shape
@@ -225,13 +240,13 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
     if base2.numel():
         block_m, block_n = _fwd_blocks(n_cols, cfg.compose_tiles)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-        kernel = _compose_fwd_kernel[grid](
+        kernel = _launcher(_compose_fwd_kernel, traced)[grid](
             base2, lora2, g.contiguous(), out2, inner2 if write_inner else out2,
             g_flag if g_flag is not None else out2,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n, WRITE_INNER=write_inner, ADD_BASE=add_base,
-            G_FLAG=g_flag is not None,
-            num_warps=cfg.compose_tiles.fwd_num_warps, enable_fp_fusion=fp_fusion,
+            G_FLAG=g_flag is not None, RN=not (fp_fusion or cfg.interpret),
+            num_warps=cfg.compose_tiles.fwd_num_warps, **_fusion(fp_fusion, traced),
         )
     elif g_flag is not None:
         g_flag.copy_((~torch.isfinite(g).all()).to(torch.int32).expand(g_flag.shape))
@@ -248,11 +263,12 @@ def g_flag_size(n_cols: int, config: OpConfig | None = None) -> int:
 def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor, s: float, *,
                 need_dlora: bool = True, need_dbase: bool = True, need_dg: bool = True,
                 base: torch.Tensor | None = None, lora: torch.Tensor | None = None, add_grad: bool = False,
-                config: OpConfig | None = None, stateless: bool = False):
+                config: OpConfig | None = None, stateless: bool = False, traced: bool = False):
     """Fused compose backward: ``(dlora, dbase, dg)``; entries not asked for are None.
 
     ``stateless``: fresh zeroed arrival counters for the in-kernel ``dg`` stage 2 instead of the
     reused buffer (one fill launch; what the compiled op asks for: a graph owns its buffers).
+    ``traced``: as :func:`compose_fwd`'s.
 
     ``config`` (default :func:`~dora_num.ops.config.get_config`; the autograd backward
     passes its forward's): the tiles (``compose_tiles``), where stage 2 of ``dg`` runs
@@ -300,7 +316,7 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
         final_in_kernel = need_dg and cfg.dg_stage2_in_kernel
         counts = _arrival_counters(dev, n_col_blocks, stateless) if final_in_kernel else None
         dummy = grad2
-        _compose_bwd_kernel[(n_blocks, n_col_blocks)](
+        _launcher(_compose_bwd_kernel, traced)[(n_blocks, n_col_blocks)](
             grad2, inner2 if need_dg and not recompute else dummy,
             base2 if recompute else dummy, lora2 if recompute else dummy, g.contiguous(),
             dlora if need_dlora else dummy, dbase if need_dbase else dummy,
@@ -308,14 +324,14 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n,
             WRITE_DLORA=need_dlora, WRITE_DBASE=need_dbase, NEED_DG=need_dg, RECOMPUTE_INNER=recompute,
-            FINAL_IN_KERNEL=final_in_kernel, CHUNK=tiles.fin_chunk, ADD_GRAD=add_grad,
-            num_warps=tiles.bwd_num_warps, enable_fp_fusion=False,
+            FINAL_IN_KERNEL=final_in_kernel, CHUNK=tiles.fin_chunk, ADD_GRAD=add_grad, RN=not cfg.interpret,
+            num_warps=tiles.bwd_num_warps, **_fusion(False, traced),
         )
         if need_dg and not final_in_kernel:
             fin_n = min(tiles.fin_block_n, triton.next_power_of_2(n_cols))
-            _dg_final_kernel[(triton.cdiv(n_cols, fin_n),)](
+            _launcher(_dg_final_kernel, traced)[(triton.cdiv(n_cols, fin_n),)](
                 partials, dg, n_blocks, n_cols, BLOCK_N=fin_n, CHUNK=tiles.fin_chunk, num_warps=4,
-                enable_fp_fusion=False)
+                **_fusion(False, traced))
     return (dlora.view(shape) if need_dlora else None,
             dbase.view(shape) if need_dbase else None,
             dg)
