@@ -299,7 +299,26 @@ def _mm32(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
     return out
 
 
-def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None) -> torch.Tensor:
+def block_sum(src: torch.Tensor, n_rows: int, n_cols: int, pa: int, pb: int, traced: bool = False) -> torch.Tensor:
+    """fp32 ``[n_rows, n_cols]``: the ``pa x pb`` blocks of ``src`` (``[pa n_rows, pb n_cols]``) added in
+    row-major block order, one fp32 rounding per addition: the Triton kernel of
+    :mod:`dora_num.ops.kernels.block_sum` on CUDA (``traced``: launched by Inductor), elsewhere torch's
+    additions in the same order (the same bits).  A fixed order, so that a compiled graph (whose own
+    reduction would order the blocks otherwise) forms the eager bits."""
+    if src.device.type == "cuda" and not get_config().interpret:
+        from .kernels.block_sum import block_sum_cuda
+
+        return block_sum_cuda(src if src.is_contiguous() else src.contiguous(), n_rows, n_cols, pa, pb,
+                              traced=traced)
+    out = None
+    for a in range(pa):
+        for b in range(pb):
+            blk = src[a * n_rows:(a + 1) * n_rows, b * n_cols:(b + 1) * n_cols]
+            out = blk.clone() if out is None else out + blk
+    return out
+
+
+def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None, traced: bool = False) -> torch.Tensor:
     r"""``U = W A^T`` fp32 ``[d_out, r]`` for a 16-bit ``W`` and an ``A`` of any float dtype,
     from tensor-core products only: ``A`` split into ``pieces`` pieces of W's dtype
     (:func:`split_pieces`), one product ``W [P_1; ...; P_p]^T`` with fp32 accumulation and
@@ -311,27 +330,30 @@ def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None)
     :func:`dora_num.numerics.split_products.split_u_error`).  ``mm(a, b)`` (default
     ``torch.mm(a, b, out_dtype=float32)`` on CUDA, fp32 products of the upcast operands
     elsewhere) is the seam through which the tests emulate a tensor core.  ``split``: the
-    ``(P, inv)`` of :func:`split_pieces` if already computed (shared with :func:`split_gram`).
+    ``(P, inv)`` of :func:`split_pieces` if already computed (shared with :func:`split_gram`).  The
+    blocks are added in order (:func:`block_sum`; ``traced``: the kernel launched by Inductor).
     """
     P, inv = split_pieces(A, W.dtype, pieces) if split is None else split
     p, r, d = P.shape
     S = P.view(p * r, d)
-    U = _mm32(W, S.T, mm).view(W.shape[0], p, r).sum(dim=1)
+    U = block_sum(_mm32(W, S.T, mm), W.shape[0], r, 1, p, traced)
     return U if inv is None else U.mul_(inv)
 
 
-def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=None) -> torch.Tensor:
+def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=None,
+               traced: bool = False) -> torch.Tensor:
     r"""``G = A A^T`` fp32 ``[r, r]`` from tensor-core products only: with ``S = [P_1; ...; P_p]``
     (:func:`split_pieces` in ``dtype``), ``S S^T`` (fp32 accumulation and output,
     ``[p r, p r]``) and its ``p^2`` blocks summed in fp32 (then scaled by ``inv`` twice).
     ``|G^ - G| <= gamma_{2 d + p^2 - 1} |S~||S~|^T + res |A~|^T + |A~| res^T + res res^T``
     with ``S~ = inv sum_p |P_p|`` and ``A~ = inv sum_p P_p``
     (:func:`dora_num.numerics.split_products.split_gram_error`).  Independent of torch's TF32
-    switches (an fp32 ``A @ A.T`` is not, under ``allow_tf32``).  ``mm``, ``split``: as :func:`split_mm`."""
+    switches (an fp32 ``A @ A.T`` is not, under ``allow_tf32``).  ``mm``, ``split``, ``traced``: as
+    :func:`split_mm`."""
     P, inv = split_pieces(A, dtype, pieces) if split is None else split
     p, r, d = P.shape
     S = P.view(p * r, d)
-    G = _mm32(S, S.T, mm).view(p, r, p, r).sum(dim=(0, 2))
+    G = block_sum(_mm32(S, S.T, mm), r, r, p, p, traced)
     return G if inv is None else G.mul_(inv).mul_(inv)
 
 
@@ -398,14 +420,16 @@ class Products(NamedTuple):
     model: ProductModel | None = None
 
 
-def _products(W: torch.Tensor, A: torch.Tensor, cols: int, cfg: OpConfig) -> Products:
+def _products(W: torch.Tensor, A: torch.Tensor, cols: int, cfg: OpConfig, traced: bool = False) -> Products:
     """:class:`Products` of the factored norm by the route of :func:`product_model` (``U``:
-    :func:`_u_product`; ``G``: :func:`_gram` by the same route, the split's pieces shared)."""
+    :func:`_u_product`; ``G``: :func:`_gram` by the same route, the split's pieces shared).  ``traced``:
+    the body of a traced op (:mod:`dora_num.ops.weight_norm`), whose kernels Inductor launches."""
     model = product_model(W, A, cfg)
     if model.u == "split":
         pieces = split_pieces(A, W.dtype, model.pieces)  # once, for both products
-        return Products(split_mm(W, A, model.pieces, split=pieces),
-                        split_gram(A, W.dtype, model.pieces, split=pieces), model.pieces, pieces[1], model)
+        return Products(split_mm(W, A, model.pieces, split=pieces, traced=traced),
+                        split_gram(A, W.dtype, model.pieces, split=pieces, traced=traced), model.pieces, pieces[1],
+                        model)
     return Products(_u_product(W, A, cols, model=model), _gram(A, model), None, None, model)
 
 

@@ -24,8 +24,9 @@ from .config import OpConfig, get_config
 from .guard import check_on_cancellation
 from .magnitude import _magnitude_div_op, default_eps, magnitude_scale  # noqa: F401  (public here too)
 from .norm import (FLAG_FIELDS, _accumulate, _base_and_zero_rows, _cached_base_and_zero_rows,  # noqa: F401
-                   _factored_row_norm, cached_base_row_norm_sq, cached_zero_rows, chunk_columns,
-                   clear_base_sq_cache, factored_norm, new_flag, refresh_base_cache, resolve_chunk_bytes)
+                   _factored_row_norm, _products, cached_base_row_norm_sq, cached_zero_rows, chunk_columns,
+                   clear_base_sq_cache, factored_norm, new_flag, refresh_base_cache, resolve_chunk_bytes,
+                   uses_tail_kernel)
 from .validation import check_lora_factors, check_scale, check_tensor
 
 
@@ -138,8 +139,12 @@ def weight_den(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, 
     if base is None:
         base = (W.new_empty(W.shape[:1], dtype=torch.float32), W.new_empty(W.shape[:1], dtype=torch.bool))
     cb = resolve_chunk_bytes(W.shape[0], W.shape[1], chunk_bytes)
+    mode = check_on_cancellation(on_cancellation)
+    if _traceable_den(W, scale, m, cfg):
+        return _weight_den_traced_op(W.detach(), A.detach(), B.detach(), m.detach(), acc, base[0], base[1],
+                                     float(scale), int(cb), cfg.key, mode != "off")
     return _weight_den_op(W.detach(), A.detach(), B.detach(), m.detach(), acc, base[0], base[1], float(scale),
-                          int(cb), cfg.key, check_on_cancellation(on_cancellation))
+                          int(cb), cfg.key, mode)
 
 
 @torch.library.custom_op("dora_num::weight_den", mutates_args=("acc", "base_sq", "zero_rows"))
@@ -158,6 +163,67 @@ def _weight_den_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: torch.T
 @_weight_den_op.register_fake
 def _(W, A, B, m, acc, base_sq, zero_rows, scale, chunk_bytes, config, on_cancellation):
     return W.new_empty((W.shape[0],), dtype=torch.float32)
+
+
+# The traced denominator (CUDA, the tail kernel): a ``triton_op`` whose body Inductor traces, so that the
+# products run as the graph's own kernels (the split and the block sums launched by Inductor, the GEMMs
+# its extern calls: the same kernels and layouts as eagerly) and only two opaque ops remain, each a short
+# body: the base cache's refresh (whose key is host state: W's pointer and version counter) and the tail's
+# single launch.  The same functions with the same arguments as eagerly, so the same bits.
+
+def _traceable_den(W: torch.Tensor, scale: float, m: torch.Tensor, cfg: OpConfig) -> bool:
+    """Whether a compiled layer's denominator takes the traced op: CUDA with the tail kernel (not the
+    interpreter), ``OpConfig.traced_ops`` on, a nonzero scale (``s = 0`` skips the products) and an
+    ``m`` the tail reads."""
+    return (cfg.traced_ops and not cfg.interpret and W.device.type == "cuda" and uses_tail_kernel(W.device, cfg)
+            and float(scale) != 0.0 and m.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+@torch.library.triton_op("dora_num::weight_den_traced", mutates_args=("acc", "base_sq", "zero_rows"))
+def _weight_den_traced_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor, acc: torch.Tensor,
+                          base_sq: torch.Tensor, zero_rows: torch.Tensor, scale: float, chunk_bytes: int,
+                          config: str, guard: bool) -> torch.Tensor:
+    """:func:`_weight_den_op` with its products traced (above); ``guard``: ``on_cancellation`` is not
+    ``"off"`` (the kernel recomputes the rows it flags; the reports are :func:`~dora_num.ops.layer.check_flags`'s)."""
+    cfg = OpConfig.from_key(config)
+    _refresh_base_op(W, base_sq, zero_rows, chunk_bytes, config)
+    with torch.autocast(W.device.type, enabled=False):
+        prod = _products(W, A, chunk_columns(W.shape[0], W.shape[1], chunk_bytes), cfg, traced=True)
+    return _norm_den_op(prod.U, B, prod.G, base_sq, zero_rows, m, acc, W, A, prod.inv, float(scale),
+                        int(prod.pieces or 0), config, guard)
+
+
+@torch.library.custom_op("dora_num::refresh_base", mutates_args=("base_sq", "zero_rows"))
+def _refresh_base_op(W: torch.Tensor, base_sq: torch.Tensor, zero_rows: torch.Tensor, chunk_bytes: int,
+                     config: str) -> None:
+    """:func:`~dora_num.ops.norm.refresh_base_cache` (formed again only where W changed)."""
+    refresh_base_cache(W, base_sq, zero_rows, chunk_bytes, OpConfig.from_key(config))
+
+
+@_refresh_base_op.register_fake
+def _(W, base_sq, zero_rows, chunk_bytes, config):
+    return None
+
+
+@torch.library.custom_op("dora_num::norm_den", mutates_args=("acc",))
+def _norm_den_op(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.Tensor, zero_rows: torch.Tensor,
+                 m: torch.Tensor, acc: torch.Tensor, W: torch.Tensor, A: torch.Tensor, inv: torch.Tensor | None,
+                 scale: float, pieces: int, config: str, guard: bool) -> torch.Tensor:
+    """The tail kernel's denominator of ``g`` from the products, as :func:`~dora_num.ops.norm.factored_norm`
+    launches it for the layer (one launch; ``acc`` raised by the kernel)."""
+    from .kernels.norm_tail import norm_tail
+
+    s, two_s, s_sq = scale_constants(check_scale(scale))
+    C = _guard.guard_constants(two_s, s_sq, W, A.shape[0], pieces or None) if guard else None
+    return norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=default_eps(m.dtype), guard=C,
+                     rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows if guard else None,
+                     recompute=(W, A, s) if guard else None, inv=inv if C is not None and C.inv_runtime else None,
+                     acc=acc, config=OpConfig.from_key(config)).den
+
+
+@_norm_den_op.register_fake
+def _(U, B, G, base_sq, zero_rows, m, acc, W, A, inv, scale, pieces, config, guard):
+    return U.new_empty((U.shape[0],), dtype=torch.float32)
 
 
 @torch.library.custom_op("dora_num::flag_not_finite", mutates_args=("acc",))

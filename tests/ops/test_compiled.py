@@ -406,13 +406,14 @@ def _cuda_step(f, layer, x):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("traced", [True, False], ids=["traced-ops", "opaque-ops"])
-def test_cuda_compiled_compose_is_launched_by_inductor_with_the_eager_bits(traced, small_layer):
-    """On CUDA the fused compose's forward and backward are ``triton_op``s (``OpConfig.traced_ops``):
-    Inductor's generated code launches ``_compose_fwd_kernel`` and ``_compose_bwd_kernel`` itself, and
-    no ``dora_num::lora_compose_fwd`` or ``compose_bwd`` call (Python of ours per call) is left in it.
-    Inductor compiles a wrapped kernel with FMA contraction on, which the kernels' ``mul_rn`` makes
-    harmless: the output and the adapter gradients are bitwise the eager layer's, training and
-    inference.  With the switch off the opaque ops run (the A/B baseline), with the same bits."""
+def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(traced, small_layer):
+    """On CUDA (``OpConfig.traced_ops``) the fused compose's forward and backward and the norm's products are
+    traced into the graph: Inductor's generated code launches ``_compose_fwd_kernel``, ``_compose_bwd_kernel``
+    and ``_block_sum_kernel`` itself, and of this package's opaque ops only the base cache's refresh and the
+    tail's launch (``dora_num::refresh_base``, ``norm_den``) are left.  Inductor compiles a wrapped kernel with
+    FMA contraction on, which the kernels' ``mul_rn`` makes harmless: the output and the adapter gradients are
+    bitwise the eager layer's, training and inference, and ``rowsum(W*W)`` is formed once, not per call.
+    With the switch off the opaque ops run (the A/B baseline), with the same bits."""
     from torch._inductor.utils import run_and_get_code
 
     with override(traced_ops=traced):
@@ -424,14 +425,21 @@ def test_cuda_compiled_compose_is_launched_by_inductor_with_the_eager_bits(trace
         got, code = run_and_get_code(lambda: _cuda_step(compiled, layer, x))
         for a, b in zip(got, want):
             assert_bitwise(a, b)
+        n0 = base_passes()
+        for _ in range(2):
+            for a, b in zip(_cuda_step(compiled, layer, x), want):
+                assert_bitwise(a, b)
+        assert base_passes() == n0  # the layer's buffers, refreshed only when W changes
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             y_inf, code_inf = run_and_get_code(lambda: compiled(x))
             assert_bitwise(y_inf, layer(x))
+        assert layer._flags.tolist()[:2] == [0, 0]
     text = "\n".join(code + code_inf)
-    launched = all(k in text for k in ("_compose_fwd_kernel", "_compose_bwd_kernel"))
-    opaque = [op for op in ("dora_num.lora_compose_fwd", "dora_num.compose_bwd", "dora_num.compose_fwd")
-              if op in text]
+    kernels = [k for k in ("_compose_fwd_kernel", "_compose_bwd_kernel", "_block_sum_kernel") if k in text]
+    opaque = [op for op in ("lora_compose_fwd", "compose_bwd", "compose_fwd", "weight_den.default")
+              if f"dora_num.{op}" in text]
     if traced:
-        assert launched and not opaque, opaque
+        assert len(kernels) == 3 and not opaque, (kernels, opaque)
+        assert "dora_num.norm_den" in text and "dora_num.refresh_base" in text
     else:
-        assert not launched and opaque
+        assert not kernels and len(opaque) == 4, (kernels, opaque)
