@@ -5,13 +5,16 @@ Eager (:func:`magnitude_scale_and_flag`): ``rowsum(W*W)`` and W's zero rows are 
 denominator ``den`` (``wnorm``, ``eps`` on a zero row) and a device flag that the caller reads late
 (:mod:`dora_num.ops.finite`); ``g = m / den``.
 
-Compiled (``torch.compile``): the custom op ``dora_num::weight_den`` gives ``den`` with no host read.
-Its inputs include the layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again in
-the op by the eager cache's pass only when W changed: :func:`~dora_num.ops.norm.refresh_base_cache`)
-and the caller's running flag ``acc`` (:func:`new_flag`), which it raises and
-:func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is ``dora_num::magnitude_div`` (torch's
-correctly rounded division, as in eager).  Both run :func:`~dora_num.ops.norm.factored_norm`, so a
-compiled layer's ``g`` is bitwise the eager one.
+Compiled (``torch.compile``): :func:`weight_den` gives ``den`` with no host read.  Its inputs include the
+layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again only when W changed:
+:func:`~dora_num.ops.norm.refresh_base_cache`) and the caller's running flag ``acc`` (:func:`new_flag`),
+which it raises and :func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is
+``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).  On CUDA with the tail
+kernel it is the ``triton_op`` ``dora_num::weight_den_traced``: the products traced into the graph
+(Inductor launches the split's and the block sums' kernels and calls the GEMMs), between two short opaque
+ops, the cache's refresh and the tail's launch.  Elsewhere it is the opaque ``dora_num::weight_den``, which
+runs :func:`~dora_num.ops.norm.factored_norm` whole.  Either forms the eager products and tail with the
+eager arguments, so a compiled layer's ``g`` is bitwise the eager one.
 """
 
 from __future__ import annotations

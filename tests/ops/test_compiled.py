@@ -1,11 +1,12 @@
 """``torch.compile`` of :class:`~dora_num.DoRALinear`: one graph, no state of its own, the eager bits.
 
-Under the compiler the layer's ``g`` comes from the custom op ``dora_num::weight_den`` (no read of the
-device, an explicit running flag it raises, ``rowsum(W*W)`` and W's zero rows from the layer's buffers,
-formed again only when W changes) and ``dora_num::magnitude_div``, the compose
-from ``dora_num::compose_fwd``/``compose_bwd``; :func:`dora_num.check_flags` reads the flags.  On the
-CPU the ops run the torch tail and the eager compose (the Triton kernels under the interpreter in the
-``interpreter`` cases); the CUDA cases (``gpu``) add no device sync and CUDA graphs.
+Under the compiler the layer's ``g`` comes from ``dora_num::weight_den`` (no read of the device, an
+explicit running flag it raises, ``rowsum(W*W)`` and W's zero rows from the layer's buffers, formed again
+only when W changes) and ``dora_num::magnitude_div``, the compose from ``dora_num::compose_fwd``/``compose_bwd``;
+:func:`dora_num.check_flags` reads the flags.  On the CPU the ops run the torch tail and the eager compose
+(the Triton kernels under the interpreter in the ``interpreter`` cases); on CUDA the fused compose and the
+norm's products are traced ops whose kernels Inductor launches (``gpu`` cases, which also add no device
+sync and CUDA graphs).
 """
 
 from __future__ import annotations
@@ -443,3 +444,44 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
         assert "dora_num.norm_den" in text and "dora_num.refresh_base" in text
     else:
         assert not kernels and len(opaque) == 4, (kernels, opaque)
+
+
+@pytest.mark.interpreter
+def test_traced_ops_run_eagerly_as_the_opaque_ones(small_layer):
+    """The bodies of the traced ops (what Inductor traces on CUDA), run eagerly on the CPU under the
+    interpreter: ``dora_num::weight_den_traced`` gives the opaque ``weight_den``'s denominator and raises
+    the running flag alike, and ``dora_num::lora_compose_fused`` with its backward the opaque
+    ``lora_compose_fwd``'s output and gradients, bit for bit (the GPU test holds the traced graphs to
+    the eager bits: ``test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits``)."""
+    from dora_num.ops import lora_compose as lc
+    from dora_num.ops import weight_norm as wn
+    from dora_num.ops.config import get_config
+
+    with override(compose_path="fused", norm_tail="triton"):
+        cfg = get_config()
+        layer = small_layer(64, 48, rank=8, m_noise=1e-3)
+        W, A, B, m = (t.detach() for t in (layer.base.weight, layer.lora_A, layer.lora_B, layer.magnitude))
+        dens, flags = [], []
+        for op in (wn._weight_den_op, wn._weight_den_traced_op):
+            acc = new_flag("cpu")
+            base = (torch.empty(48), torch.empty(48, dtype=torch.bool))
+            last = "recompute" if op is wn._weight_den_op else True
+            dens.append(op(W, A, B, m, acc, base[0], base[1], layer.scale, 2**20, cfg.key, last))
+            flags.append(acc.tolist())
+        assert_bitwise(dens[1], dens[0])
+        assert flags[0] == flags[1] == [0, 0, 1]
+        x = torch.randn(6, 64)
+        xa = (x @ A.T).requires_grad_(True)
+        base_out = (x @ W.T).requires_grad_(True)
+        g = (m / dens[0]).requires_grad_(True)
+        B_ = B.clone().requires_grad_(True)
+        outs = []
+        for op in (lambda: lc._lora_compose_fwd_op(base_out, xa, B_, g, 0.5, True, True, cfg.key),
+                   lambda: lc._lora_compose_fused_op(base_out, xa, B_, g, 0.5, True, cfg.key)):
+            for t in (xa, base_out, g, B_):
+                t.grad = None
+            y = op()
+            y.square().sum().backward()
+            outs.append([y.detach(), xa.grad, base_out.grad, g.grad, B_.grad])
+    for a, b in zip(*outs):
+        assert_bitwise(b, a)
