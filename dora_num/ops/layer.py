@@ -29,7 +29,7 @@ from .lora_compose import lora_compose, lora_dtype
 from .config import OpConfig, get_config, override
 from . import guard as _guard
 from .guard import CancellationWarning, check_on_cancellation
-from .magnitude import _magnitude_div_op, initial_magnitude, magnitude_scale
+from .magnitude import initial_magnitude, magnitude_div, magnitude_scale
 from .norm import _factored_row_norm, clear_base_cache, dense_row_norm, uses_tail_kernel
 from .weight_norm import (_flag_not_finite_op, _magnitude_scale_and_flag, _weight_norm_cached,
                           cached_base_row_norm_sq, new_flag, weight_den)
@@ -324,7 +324,7 @@ class DoRALinear(nn.Module):
                 base = None  # a base weight that moved without the layer (a PEFT model's .to): formed in the call
             den = weight_den(W, A, B, self.scale, m, acc=self._flags, base=base, chunk_bytes=self.chunk_bytes,
                              on_cancellation=self.on_cancellation, config=cfg)
-            return _magnitude_div_op(m, den), None, None, None
+            return magnitude_div(m, den, cfg), None, None, None
         if self.norm == "cached":
             use_cache = cfg.norm_cache != "off"
             if use_cache:

@@ -63,6 +63,31 @@ def _magnitude_div_backward(ctx, grad):
 _magnitude_div_op.register_autograd(_magnitude_div_backward, setup_context=_magnitude_div_setup)
 
 
+@torch.library.triton_op("dora_num::magnitude_div_traced", mutates_args=())
+def _magnitude_div_traced_op(m: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """:func:`_magnitude_div_op` on CUDA as a traced op: the correctly rounded division of
+    :mod:`dora_num.ops.kernels.divide`, launched by Inductor (bitwise torch's division)."""
+    from .kernels.divide import div_rn
+
+    return div_rn(m.contiguous(), den.contiguous(), traced=True)
+
+
+def _magnitude_div_traced_backward(ctx, grad):
+    (den,) = ctx.saved_tensors
+    return _magnitude_div_traced_op(grad, den).to(ctx.m_dtype), None
+
+
+_magnitude_div_traced_op.register_autograd(_magnitude_div_traced_backward, setup_context=_magnitude_div_setup)
+
+
+def magnitude_div(m: torch.Tensor, den: torch.Tensor, cfg) -> torch.Tensor:
+    """``m / den`` (fp32 ``den``) in a compiled graph, correctly rounded, differentiable in ``m``: the traced
+    op on CUDA (``OpConfig.traced_ops``, not the interpreter), else the opaque one."""
+    if cfg.traced_ops and not cfg.interpret and den.device.type == "cuda":
+        return _magnitude_div_traced_op(m, den)
+    return _magnitude_div_op(m, den)
+
+
 def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None = None,
                     check: bool = True) -> torch.Tensor:
     """``g = m / wnorm`` in fp32, ``m / eps`` where ``wnorm == 0`` (differentiable in ``m``;
@@ -90,7 +115,9 @@ def magnitude_scale(m: torch.Tensor, wnorm: torch.Tensor, *, eps: float | None =
         raise ValueError(f"eps must be positive, got {eps}")
     w = wnorm.detach().float()
     if torch.compiler.is_compiling():
-        return _magnitude_div_op(m, formulas.magnitude_denominator(TorchFP32, w, eps))
+        from .config import get_config
+
+        return magnitude_div(m, formulas.magnitude_denominator(TorchFP32, w, eps), get_config())
     if check:  # value checks sync
         check_finite("m", m.detach())
         check_finite("wnorm", wnorm)

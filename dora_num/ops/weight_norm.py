@@ -25,7 +25,8 @@ from ..numerics.formulas import scale_constants
 from . import guard as _guard
 from .config import OpConfig, get_config
 from .guard import check_on_cancellation
-from .magnitude import _magnitude_div_op, default_eps, magnitude_scale  # noqa: F401  (public here too)
+from .magnitude import (_magnitude_div_op, default_eps, magnitude_div,  # noqa: F401  (public here too)
+                        magnitude_scale)
 from .norm import (FLAG_FIELDS, _accumulate, _base_and_zero_rows, _cached_base_and_zero_rows,  # noqa: F401
                    _factored_row_norm, _products, cached_base_row_norm_sq, cached_zero_rows, chunk_columns,
                    clear_base_sq_cache, factored_norm, new_flag, refresh_base_cache, resolve_chunk_bytes,
@@ -103,7 +104,7 @@ def _magnitude_scale_and_flag(W, A, B, scale, m, chunk_bytes, cfg: OpConfig, on_
     of W's own cache."""
     if torch.compiler.is_compiling():
         den = weight_den(W, A, B, scale, m, chunk_bytes=chunk_bytes, on_cancellation=on_cancellation, config=cfg)
-        return _magnitude_div_op(m, den), None, None, None
+        return magnitude_div(m, den, cfg), None, None, None
     if trusted and A.shape[1] == W.shape[1] and B.shape == (W.shape[0], A.shape[0]) and m.shape == W.shape[:1]:
         d_out, d_in = W.shape
     else:

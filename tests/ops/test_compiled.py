@@ -409,9 +409,10 @@ def _cuda_step(f, layer, x):
 @pytest.mark.parametrize("traced", [True, False], ids=["traced-ops", "opaque-ops"])
 def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(traced, small_layer):
     """On CUDA (``OpConfig.traced_ops``) the fused compose's forward and backward and the norm's products are
-    traced into the graph: Inductor's generated code launches ``_compose_fwd_kernel``, ``_compose_bwd_kernel``
-    and ``_block_sum_kernel`` itself, and of this package's opaque ops only the base cache's refresh and the
-    tail's launch (``dora_num::refresh_base``, ``norm_den``) are left.  Inductor compiles a wrapped kernel with
+    traced into the graph: Inductor's generated code launches ``_compose_fwd_kernel``, ``_compose_bwd_kernel``,
+    ``_block_sum_kernel`` and ``_div_rn_kernel`` (``g = m / den`` and its gradient) itself, and of this package's
+    opaque ops only the base cache's refresh and the tail's launch (``dora_num::refresh_base``, ``norm_den``)
+    are left.  Inductor compiles a wrapped kernel with
     FMA contraction on, which the kernels' ``mul_rn`` makes harmless: the output and the adapter gradients are
     bitwise the eager layer's, training and inference, and ``rowsum(W*W)`` is formed once, not per call.
     With the switch off the opaque ops run (the A/B baseline), with the same bits."""
@@ -436,14 +437,15 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
             assert_bitwise(y_inf, layer(x))
         assert layer._flags.tolist()[:2] == [0, 0]
     text = "\n".join(code + code_inf)
-    kernels = [k for k in ("_compose_fwd_kernel", "_compose_bwd_kernel", "_block_sum_kernel") if k in text]
-    opaque = [op for op in ("lora_compose_fwd", "compose_bwd", "compose_fwd", "weight_den.default")
-              if f"dora_num.{op}" in text]
+    kernels = [k for k in ("_compose_fwd_kernel", "_compose_bwd_kernel", "_block_sum_kernel", "_div_rn_kernel")
+               if k in text]
+    opaque = [op for op in ("lora_compose_fwd", "compose_bwd", "compose_fwd", "weight_den", "magnitude_div")
+              if f"dora_num.{op}.default" in text]
     if traced:
-        assert len(kernels) == 3 and not opaque, (kernels, opaque)
-        assert "dora_num.norm_den" in text and "dora_num.refresh_base" in text
+        assert len(kernels) == 4 and not opaque, (kernels, opaque)
+        assert "dora_num.norm_den.default" in text and "dora_num.refresh_base.default" in text
     else:
-        assert not kernels and len(opaque) == 4, (kernels, opaque)
+        assert not kernels and len(opaque) == 5, (kernels, opaque)
 
 
 @pytest.mark.interpreter
@@ -470,6 +472,18 @@ def test_traced_ops_run_eagerly_as_the_opaque_ones(small_layer):
             flags.append(acc.tolist())
         assert_bitwise(dens[1], dens[0])
         assert flags[0] == flags[1] == [0, 0, 1]
+        from dora_num.ops import magnitude as mg
+
+        den = dens[0].clone()
+        den[:3] = torch.tensor([3.0, 2.0**-140, 7.0])  # a subnormal denominator: kept, as torch's division keeps it
+        gs = []
+        for op in (mg._magnitude_div_op, mg._magnitude_div_traced_op):
+            mm = m.clone().requires_grad_(True)
+            gv = op(mm, den)
+            gv.sum().backward()
+            gs.append((gv.detach(), mm.grad))
+        assert_bitwise(gs[1][0], gs[0][0])
+        assert_bitwise(gs[1][1], gs[0][1])
         x = torch.randn(6, 64)
         xa = (x @ A.T).requires_grad_(True)
         base_out = (x @ W.T).requires_grad_(True)
