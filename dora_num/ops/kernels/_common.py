@@ -44,7 +44,9 @@ def mul_rn(a, b, RN: tl.constexpr):
     ``RN`` (the interpreter, which runs no asm and contracts nothing; the FMA study's variant) a plain
     multiply."""
     if RN:
-        a, b = tl.broadcast(a.to(tl.float32), b.to(tl.float32))
+        # tl.cast, not .to: a scalar argument reaches the kernel as a Python float when Inductor analyses
+        # which arguments a wrapped kernel writes (it compiles the kernel with the scalars as constants)
+        a, b = tl.broadcast(tl.cast(a, tl.float32), tl.cast(b, tl.float32))
         return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
                                          is_pure=True, pack=1)
     else:

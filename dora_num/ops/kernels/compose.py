@@ -240,9 +240,12 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
     if base2.numel():
         block_m, block_n = _fwd_blocks(n_cols, cfg.compose_tiles)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        # unused pointers point at an input, never at out2: where Inductor cannot tell which arguments the
+        # kernel writes it takes all of them as written, and an output aliased by two of them comes back
+        # from the functional launch as either copy
         kernel = _launcher(_compose_fwd_kernel, traced)[grid](
-            base2, lora2, g.contiguous(), out2, inner2 if write_inner else out2,
-            g_flag if g_flag is not None else out2,
+            base2, lora2, g.contiguous(), out2, inner2 if write_inner else base2,
+            g_flag if g_flag is not None else base2,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n, WRITE_INNER=write_inner, ADD_BASE=add_base,
             G_FLAG=g_flag is not None, RN=not (fp_fusion or cfg.interpret),
