@@ -11,8 +11,8 @@ layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again on
 which it raises and :func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is
 ``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).  On CUDA with the tail
 kernel it is the ``triton_op`` ``dora_num::weight_den_traced``: the products traced into the graph
-(Inductor launches the split's and the block sums' kernels and calls the GEMMs), between two short opaque
-ops, the cache's refresh and the tail's launch.  Elsewhere it is the opaque ``dora_num::weight_den``, which
+(Inductor launches the split's and the block sums' kernels and calls the GEMMs), then one short opaque op,
+the cache's refresh and the tail's launch.  Elsewhere it is the opaque ``dora_num::weight_den``, which
 runs :func:`~dora_num.ops.norm.factored_norm` whole.  Either forms the eager products and tail with the
 eager arguments, so a compiled layer's ``g`` is bitwise the eager one.
 """
@@ -171,9 +171,9 @@ def _(W, A, B, m, acc, base_sq, zero_rows, scale, chunk_bytes, config, on_cancel
 
 # The traced denominator (CUDA, the tail kernel): a ``triton_op`` whose body Inductor traces, so that the
 # products run as the graph's own kernels (the split and the block sums launched by Inductor, the GEMMs
-# its extern calls: the same kernels and layouts as eagerly) and only two opaque ops remain, each a short
-# body: the base cache's refresh (whose key is host state: W's pointer and version counter) and the tail's
-# single launch.  The same functions with the same arguments as eagerly, so the same bits.
+# its extern calls: the same kernels and layouts as eagerly) and one opaque op remains, a short body: the
+# base cache's refresh (whose key is host state: W's pointer and version counter) and the tail's single
+# launch.  The same functions with the same arguments as eagerly, so the same bits.
 
 def _traceable_den(W: torch.Tensor, scale: float, m: torch.Tensor, cfg: OpConfig) -> bool:
     """Whether a compiled layer's denominator takes the traced op: CUDA with the tail kernel (not the
@@ -190,43 +190,34 @@ def _weight_den_traced_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: 
     """:func:`_weight_den_op` with its products traced (above); ``guard``: ``on_cancellation`` is not
     ``"off"`` (the kernel recomputes the rows it flags; the reports are :func:`~dora_num.ops.layer.check_flags`'s)."""
     cfg = OpConfig.from_key(config)
-    _refresh_base_op(W, base_sq, zero_rows, chunk_bytes, config)
     with torch.autocast(W.device.type, enabled=False):
         prod = _products(W, A, chunk_columns(W.shape[0], W.shape[1], chunk_bytes), cfg, traced=True)
     return _norm_den_op(prod.U, B, prod.G, base_sq, zero_rows, m, acc, W, A, prod.inv, float(scale),
-                        int(prod.pieces or 0), config, guard)
+                        int(prod.pieces or 0), chunk_bytes, config, guard)
 
 
-@torch.library.custom_op("dora_num::refresh_base", mutates_args=("base_sq", "zero_rows"))
-def _refresh_base_op(W: torch.Tensor, base_sq: torch.Tensor, zero_rows: torch.Tensor, chunk_bytes: int,
-                     config: str) -> None:
-    """:func:`~dora_num.ops.norm.refresh_base_cache` (formed again only where W changed)."""
-    refresh_base_cache(W, base_sq, zero_rows, chunk_bytes, OpConfig.from_key(config))
-
-
-@_refresh_base_op.register_fake
-def _(W, base_sq, zero_rows, chunk_bytes, config):
-    return None
-
-
-@torch.library.custom_op("dora_num::norm_den", mutates_args=("acc",))
+@torch.library.custom_op("dora_num::norm_den", mutates_args=("base_sq", "zero_rows", "acc"))
 def _norm_den_op(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.Tensor, zero_rows: torch.Tensor,
                  m: torch.Tensor, acc: torch.Tensor, W: torch.Tensor, A: torch.Tensor, inv: torch.Tensor | None,
-                 scale: float, pieces: int, config: str, guard: bool) -> torch.Tensor:
+                 scale: float, pieces: int, chunk_bytes: int, config: str, guard: bool) -> torch.Tensor:
     """The tail kernel's denominator of ``g`` from the products, as :func:`~dora_num.ops.norm.factored_norm`
-    launches it for the layer (one launch; ``acc`` raised by the kernel)."""
+    launches it for the layer (one launch; ``acc`` raised by the kernel), after the base cache's refresh
+    (:func:`~dora_num.ops.norm.refresh_base_cache`: formed again only where W changed).  One opaque op for
+    both: each costs the dispatcher's time per call."""
     from .kernels.norm_tail import norm_tail
 
+    cfg = OpConfig.from_key(config)
+    refresh_base_cache(W, base_sq, zero_rows, chunk_bytes, cfg)
     s, two_s, s_sq = scale_constants(check_scale(scale))
     C = _guard.guard_constants(two_s, s_sq, W, A.shape[0], pieces or None) if guard else None
     return norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=default_eps(m.dtype), guard=C,
                      rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows if guard else None,
                      recompute=(W, A, s) if guard else None, inv=inv if C is not None and C.inv_runtime else None,
-                     acc=acc, config=OpConfig.from_key(config)).den
+                     acc=acc, config=cfg).den
 
 
 @_norm_den_op.register_fake
-def _(U, B, G, base_sq, zero_rows, m, acc, W, A, inv, scale, pieces, config, guard):
+def _(U, B, G, base_sq, zero_rows, m, acc, W, A, inv, scale, pieces, chunk_bytes, config, guard):
     return U.new_empty((U.shape[0],), dtype=torch.float32)
 
 
