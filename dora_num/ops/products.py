@@ -181,7 +181,8 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int,
+                 traced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""``(P, inv)``: ``A`` (any float dtype, taken as fp32) as a sum of ``pieces`` 16-bit pieces.
 
     ``P`` is ``[pieces, r, d]`` of ``dtype`` (bf16 or fp16) with, in exact arithmetic,
@@ -205,19 +206,27 @@ def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int) -> tuple[torc
     unit roundoff (``|P[0]| <= (1+u_h)|R_0|``, ``|R_1| <= u_h |R_0|``, ...).  An fp32 A
     above bf16's largest finite value (3.39e38) gives an infinite piece (the norm is then not
     finite and flagged).  :func:`dora_num.numerics.split_products.split_pieces_np` is the
-    exact emulation the bound and the tests use.
+    exact emulation the bound and the tests use.  On CUDA the pieces come from one Triton launch
+    (:func:`dora_num.ops.kernels.products.split_cuda`, the same values; ``traced``: launched by Inductor,
+    which, compiling these steps as torch operations, would drop the cast and upcast pair and so every
+    later piece).
     """
     if dtype not in SPLIT_DTYPES:
         raise ValueError(f"split_pieces: dtype must be bfloat16 or float16, got {dtype}")
     if pieces not in (2, 3):
         raise ValueError(f"split_pieces: pieces must be 2 or 3, got {pieces!r}")
     R = A.float()
-    inv = None
+    scale = inv = None
     if dtype == torch.float16:
         e = torch.frexp(R.abs().amax()).exponent  # max|A| < 2^e (0 for A = 0)
         k = (_FP16_TOP - e).clamp(-_K_LIMIT, _K_LIMIT).to(torch.int32)
-        R = R * _pow2(k)
-        inv = _pow2(-k)
+        scale, inv = _pow2(k), _pow2(-k)
+    if A.device.type == "cuda" and not get_config().interpret:
+        from .kernels.products import split_cuda
+
+        return split_cuda(A, dtype, pieces, scale, traced=traced), inv
+    if scale is not None:
+        R = R * scale
     P = torch.empty((pieces,) + tuple(A.shape), dtype=dtype, device=A.device)
     for p in range(pieces):
         P[p].copy_(R)  # round to nearest even
@@ -302,11 +311,11 @@ def _mm32(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
 def block_sum(src: torch.Tensor, n_rows: int, n_cols: int, pa: int, pb: int, traced: bool = False) -> torch.Tensor:
     """fp32 ``[n_rows, n_cols]``: the ``pa x pb`` blocks of ``src`` (``[pa n_rows, pb n_cols]``) added in
     row-major block order, one fp32 rounding per addition: the Triton kernel of
-    :mod:`dora_num.ops.kernels.block_sum` on CUDA (``traced``: launched by Inductor), elsewhere torch's
+    :mod:`dora_num.ops.kernels.products` on CUDA (``traced``: launched by Inductor), elsewhere torch's
     additions in the same order (the same bits).  A fixed order, so that a compiled graph (whose own
     reduction would order the blocks otherwise) forms the eager bits."""
     if src.device.type == "cuda" and not get_config().interpret:
-        from .kernels.block_sum import block_sum_cuda
+        from .kernels.products import block_sum_cuda
 
         return block_sum_cuda(src if src.is_contiguous() else src.contiguous(), n_rows, n_cols, pa, pb,
                               traced=traced)
@@ -426,7 +435,7 @@ def _products(W: torch.Tensor, A: torch.Tensor, cols: int, cfg: OpConfig, traced
     the body of a traced op (:mod:`dora_num.ops.weight_norm`), whose kernels Inductor launches."""
     model = product_model(W, A, cfg)
     if model.u == "split":
-        pieces = split_pieces(A, W.dtype, model.pieces)  # once, for both products
+        pieces = split_pieces(A, W.dtype, model.pieces, traced)  # once, for both products
         return Products(split_mm(W, A, model.pieces, split=pieces, traced=traced),
                         split_gram(A, W.dtype, model.pieces, split=pieces, traced=traced), model.pieces, pieces[1],
                         model)

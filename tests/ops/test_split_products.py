@@ -78,6 +78,38 @@ def test_split_pieces_bitwise_as_emulated(regime, dtype, pieces):
     assert (1.0 if inv is None else float(inv)) == inv_np
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("pieces", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_split_kernel_on_cuda_bitwise_as_emulated(regime, dtype, pieces):
+    """On CUDA the split is one Triton launch (:func:`dora_num.ops.kernels.products.split_cuda`, which a
+    compiled graph launches too): the pieces and ``inv`` of the exact emulation, bit for bit, subnormal and
+    tie regimes included."""
+    A = _adapter(regime, 5, 97, seed=1)
+    P, inv = split_pieces(A.cuda(), dtype, pieces)
+    P_np, inv_np = split_pieces_np(A.numpy(), FMTS[dtype], pieces)
+    assert P.shape == (pieces, 5, 97) and P.dtype == dtype and P.is_cuda
+    np.testing.assert_array_equal(P.double().cpu().numpy(), P_np)
+    assert (1.0 if inv is None else float(inv)) == inv_np
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("regime", REGIMES)
+def test_split_kernel_under_the_interpreter_as_emulated(regime):
+    """The split kernel's steps on the CPU under the interpreter, fp16 pieces (the interpreter truncates casts
+    to bf16, so bf16 is held to the emulation on the GPU only)."""
+    from dora_num.ops.kernels.products import split_cuda
+    from dora_num.ops.products import _FP16_TOP, _K_LIMIT, _pow2
+
+    A = _adapter(regime, 5, 97, seed=1)
+    e = torch.frexp(A.abs().amax()).exponent
+    scale = _pow2((_FP16_TOP - e).clamp(-_K_LIMIT, _K_LIMIT).to(torch.int32))
+    P = split_cuda(A, torch.float16, 3, scale)
+    P_np, _ = split_pieces_np(A.numpy(), FMTS[torch.float16], 3)
+    np.testing.assert_array_equal(P.double().numpy(), P_np)
+
+
 def test_three_bf16_pieces_keep_every_fp32_value_above_2_pow_minus_110():
     """The docstring's claim: res = 0 for |A| >= 2^-110 (any fp32 value up to bf16's max),
     <= 2^-134 below; two pieces keep about 17 bits (res <= 2^-17 (1 + 2^-8) |A|)."""
