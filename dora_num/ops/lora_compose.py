@@ -121,14 +121,19 @@ def _(base, xa, B, g, s, fused, add_base, config):
 def _op_setup_context(ctx, inputs, output):
     base, xa, B, g, s, fused, add_base, config = inputs
     ctx.save_for_backward(base, xa, B, g)
-    ctx.s, ctx.fused, ctx.add_base, ctx.config = s, fused, add_base, config
+    ctx.s, ctx.fused, ctx.add_base, ctx.config, ctx.traced = s, fused, add_base, config, False
 
 
 def _op_backward(ctx, grad):
     base, xa, B, g = ctx.saved_tensors
     n_base, n_xa, n_B, n_g = ctx.needs_input_grad[:4]
     xa2 = xa.reshape(-1, xa.shape[-1])
-    lora = torch.mm(xa2, B.t()).view(base.shape) if n_g else base.new_empty(_EMPTY)
+    if not n_g:
+        lora = base.new_empty(_EMPTY)
+    elif ctx.traced:  # the forward's product is in the same traced graph: formed again opaquely (below)
+        lora = _lora_again_op(xa2, B).view(base.shape)
+    else:
+        lora = torch.mm(xa2, B.t()).view(base.shape)
     dlora, dbase, dg = compose_bwd_op(grad.contiguous(), base, lora, g, ctx.s, bool(n_xa or n_B), bool(n_base),
                                       bool(n_g), ctx.fused, ctx.config, bool(ctx.add_base and n_base))
     dxa = dB = None
@@ -155,7 +160,24 @@ def _lora_compose_fused_op(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor
 def _fused_setup_context(ctx, inputs, output):
     base, xa, B, g, s, add_base, config = inputs
     ctx.save_for_backward(base, xa, B, g)
-    ctx.s, ctx.fused, ctx.add_base, ctx.config = s, True, add_base, config
+    ctx.s, ctx.fused, ctx.add_base, ctx.config, ctx.traced = s, True, add_base, config, True
+
+
+# The backward forms lora = xa B^T again (the forward's product, bit for bit) instead of keeping it.  In a
+# graph where the forward's product is traced too, the two are the same node to the joint graph's common
+# subexpression elimination, which merges them, and the partitioner then keeps lora (a GEMM is never
+# recomputed): 2 bytes per output element more.  Formed inside an opaque op, the product stays the
+# backward's own.
+
+@torch.library.custom_op("dora_num::lora_again", mutates_args=())
+def _lora_again_op(xa: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``torch.mm(xa, B.t())``: the forward's product, formed again in the backward."""
+    return torch.mm(xa, B.t())
+
+
+@_lora_again_op.register_fake
+def _(xa, B):
+    return xa.new_empty((xa.shape[0], B.shape[0]))
 
 
 _lora_compose_fused_op.register_autograd(_op_backward, setup_context=_fused_setup_context)

@@ -411,7 +411,9 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
     """On CUDA (``OpConfig.traced_ops``) the fused compose's forward and backward and the norm's products are
     traced into the graph: Inductor's generated code launches ``_compose_fwd_kernel``, ``_compose_bwd_kernel``,
     ``_block_sum_kernel`` and ``_div_rn_kernel`` (``g = m / den`` and its gradient) itself, and of this package's
-    opaque ops only the base cache's refresh with the tail's launch (``dora_num::norm_den``) is left.  Inductor compiles a wrapped kernel with
+    opaque ops only the base cache's refresh with the tail's launch (``dora_num::norm_den``) and, in the backward,
+    the product ``lora`` formed again (``dora_num::lora_again``: opaque, so that the joint graph does not merge
+    it with the forward's and keep it) are left.  Inductor compiles a wrapped kernel with
     FMA contraction on, which the kernels' ``mul_rn`` makes harmless: the output and the adapter gradients are
     bitwise the eager layer's, training and inference, and ``rowsum(W*W)`` is formed once, not per call.
     With the switch off the opaque ops run (the A/B baseline), with the same bits."""
@@ -442,7 +444,7 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
               if f"dora_num.{op}.default" in text]
     if traced:
         assert len(kernels) == 4 and not opaque, (kernels, opaque)
-        assert "dora_num.norm_den.default" in text
+        assert "dora_num.norm_den.default" in text and "dora_num.lora_again.default" in text
     else:
         assert not kernels and len(opaque) == 5, (kernels, opaque)
 
