@@ -246,7 +246,7 @@ _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 def traceable(fused: bool, cfg: OpConfig) -> bool:
     """Whether a compiled compose takes the traced ops: the fused tiers on CUDA (under the
     interpreter ``wrap_triton`` cannot trace a kernel), with ``inner`` recomputed in the backward,
-    unless ``OpConfig.traced_ops`` is off."""
+    with ``OpConfig.traced_ops`` on (opt-in)."""
     return fused and cfg.traced_ops and not cfg.interpret and cfg.recompute_inner
 
 

@@ -206,10 +206,10 @@ def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int,
     unit roundoff (``|P[0]| <= (1+u_h)|R_0|``, ``|R_1| <= u_h |R_0|``, ...).  An fp32 A
     above bf16's largest finite value (3.39e38) gives an infinite piece (the norm is then not
     finite and flagged).  :func:`dora_num.numerics.split_products.split_pieces_np` is the
-    exact emulation the bound and the tests use.  On CUDA the pieces come from one Triton launch
-    (:func:`dora_num.ops.kernels.products.split_cuda`, the same values; ``traced``: launched by Inductor,
-    which, compiling these steps as torch operations, would drop the cast and upcast pair and so every
-    later piece).
+    exact emulation the bound and the tests use.  ``traced`` (the body of a traced op on CUDA): the pieces
+    come from one Triton launch, :func:`dora_num.ops.kernels.products.split_cuda` (the same values: each
+    step is exact or correctly rounded), because Inductor, compiling these steps as torch operations, drops
+    the cast and upcast pair and so every later piece.
     """
     if dtype not in SPLIT_DTYPES:
         raise ValueError(f"split_pieces: dtype must be bfloat16 or float16, got {dtype}")
@@ -221,10 +221,10 @@ def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int,
         e = torch.frexp(R.abs().amax()).exponent  # max|A| < 2^e (0 for A = 0)
         k = (_FP16_TOP - e).clamp(-_K_LIMIT, _K_LIMIT).to(torch.int32)
         scale, inv = _pow2(k), _pow2(-k)
-    if A.device.type == "cuda" and not get_config().interpret:
+    if traced:  # a compiled graph's split: one Triton launch (the same values)
         from .kernels.products import split_cuda
 
-        return split_cuda(A, dtype, pieces, scale, traced=traced), inv
+        return split_cuda(A, dtype, pieces, scale, traced=True), inv
     if scale is not None:
         R = R * scale
     P = torch.empty((pieces,) + tuple(A.shape), dtype=dtype, device=A.device)

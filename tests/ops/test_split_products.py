@@ -83,11 +83,10 @@ def test_split_pieces_bitwise_as_emulated(regime, dtype, pieces):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("regime", REGIMES)
 def test_split_kernel_on_cuda_bitwise_as_emulated(regime, dtype, pieces):
-    """On CUDA the split is one Triton launch (:func:`dora_num.ops.kernels.products.split_cuda`, which a
-    compiled graph launches too): the pieces and ``inv`` of the exact emulation, bit for bit, subnormal and
-    tie regimes included."""
+    """The split kernel a compiled graph launches on CUDA (:func:`dora_num.ops.kernels.products.split_cuda`):
+    the pieces and ``inv`` of the exact emulation, bit for bit, subnormal and tie regimes included."""
     A = _adapter(regime, 5, 97, seed=1)
-    P, inv = split_pieces(A.cuda(), dtype, pieces)
+    P, inv = split_pieces(A.cuda(), dtype, pieces, traced=True)  # launched directly outside a traced graph
     P_np, inv_np = split_pieces_np(A.numpy(), FMTS[dtype], pieces)
     assert P.shape == (pieces, 5, 97) and P.dtype == dtype and P.is_cuda
     np.testing.assert_array_equal(P.double().cpu().numpy(), P_np)

@@ -1,8 +1,9 @@
 """The exact steps of the split products in Triton: the split of A into 16-bit pieces and the sum of a
 product's blocks in one fixed order.
 
-Both are what the factored norm runs on CUDA, eagerly and in a compiled graph (launched there by
-Inductor through ``torch.library.wrap_triton``), so that the two form the same bits:
+The block sum is what the factored norm runs on CUDA, eagerly and in a compiled graph (launched there by
+Inductor through ``torch.library.wrap_triton``), so that the two form the same bits; the split is the
+compiled graph's (eagerly torch's steps, the same values: each is exact or correctly rounded):
 
 - :func:`split_cuda`: ``P[p] = RN(R_p)``, ``R_{p+1} = R_p - P[p]`` (exact), as
   :func:`dora_num.ops.products.split_pieces` defines them.  Written as torch operations and compiled,
