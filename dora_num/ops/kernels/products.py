@@ -9,7 +9,8 @@ compiled graph's (eagerly torch's steps, the same values: each is exact or corre
   :func:`dora_num.ops.products.split_pieces` defines them.  Written as torch operations and compiled,
   Inductor fuses the cast to 16 bits and the upcast back into one kernel and drops the pair (its
   ``emulate_precision_casts`` is off by default): every later piece would come out zero, and ``U``,
-  ``G`` would keep only A's first 8 bits (measured on an H100: adapter gradients 0.4% off).
+  ``G`` would keep only A's first 8 bits (measured on an H100: adapter gradients off by up to 0.4% of their
+  largest entry).
 - :func:`block_sum_cuda`: ``U = W [P_1; ...; P_p]^T`` comes as ``[d_out, p r]`` and ``G = S S^T`` as
   ``[p r, p r]``; their ``p`` (``p^2``) blocks are added in fp32 in the order block 0, 1, ... (row-major
   over the ``(a, b)`` blocks of G), each addition one rounding.  A torch ``.sum`` leaves the order to the
