@@ -29,8 +29,8 @@ from . import guard as _guard
 from .config import OpConfig, get_config, uses_tail_kernel  # noqa: F401  (uses_tail_kernel: public here too)
 from .guard import check_on_cancellation
 from .magnitude import default_eps, initial_magnitude, magnitude_scale  # noqa: F401  (public here too)
-from .products import (CHUNK_ALIGN, DEFAULT_CHUNK_BYTES, _products, autocast_off, chunk_columns,  # noqa: F401
-                       resolve_chunk_bytes, split_gram, split_mm, split_pieces)
+from .products import (CHUNK_ALIGN, DEFAULT_CHUNK_BYTES, Products, _products, autocast_off,  # noqa: F401
+                       chunk_columns, resolve_chunk_bytes, split_gram, split_mm, split_pieces)
 from .terms import (ROW_CHUNK_BYTES, _base_and_zero_rows, _check_base_sq, _torch_tail_terms,  # noqa: F401
                     base_pass, base_passes, base_row_norm_sq, factored_terms)
 from .validation import check_finite, check_lora_factors, check_scale, check_tensor
@@ -224,15 +224,10 @@ def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConf
                 rel = torch.where(zero_rows, torch.zeros_like(rel), rel)
         return _Core(wnorm, None, None, rel, None)
     prod = _products(W, A, cols, cfg)
-    C = _guard.guard_constants(two_s, s_sq, W, r, prod.pieces) if guard else None
     if uses_tail_kernel(W.device, cfg):
-        from .kernels.norm_tail import norm_tail
-
-        t = norm_tail(prod.U, B, prod.G, acc_base, two_s, s_sq, m=m, eps=eps, guard=C,
-                      rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows,
-                      recompute=(W, A, s) if guard else None, inv=prod.inv if C is not None and C.inv_runtime else None,
-                      acc=acc, config=cfg)
+        t = tail_kernel(W, A, B, prod, acc_base, consts, cfg, m=m, eps=eps, guard=guard, zero_rows=zero_rows, acc=acc)
         return _Core(t.wnorm, t.den, t.flag, t.rel, t.aux)
+    C = _guard.guard_constants(two_s, s_sq, W, r, prod.pieces) if guard else None
     terms = _torch_tail_terms(prod.U, B, prod.G, C, prod.inv)
     cross, ba = terms[:2]
     wnorm = norm_assembly(TorchFP32CorrectSqrt, acc_base, cross, ba, two_s, s_sq)
@@ -243,6 +238,23 @@ def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConf
     if zero_rows is not None:  # W and B rows exactly zero: Q = 0 = Q^ exactly
         rel = torch.where(zero_rows & (b_abs == 0), torch.zeros_like(rel), rel)
     return _Core(wnorm, None, None, rel, None)
+
+
+def tail_kernel(W, A, B, prod, base_sq, consts, cfg: OpConfig, *, m=None, eps=None, guard: bool = True,
+                zero_rows=None, acc=None):
+    """The Triton tail of the factored norm on the products ``prod`` (:class:`Products`): the guard's
+    constants for them (with ``guard``: rows flagged are recomputed in the kernel), ``den`` with ``m``, the
+    running flag ``acc`` raised (:func:`dora_num.ops.kernels.norm_tail.norm_tail`'s
+    :class:`~dora_num.ops.kernels.norm_tail.TailResult`).  The one launch of it: :func:`_factored_core`
+    (eager, and the opaque compiled op) and the traced compiled op (:mod:`dora_num.ops.weight_norm`)."""
+    from .kernels.norm_tail import norm_tail
+
+    s, two_s, s_sq = consts
+    C = _guard.guard_constants(two_s, s_sq, W, A.shape[0], prod.pieces) if guard else None
+    return norm_tail(prod.U, B, prod.G, base_sq, two_s, s_sq, m=m, eps=eps, guard=C,
+                     rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows,
+                     recompute=(W, A, s) if guard else None, inv=prod.inv if C is not None and C.inv_runtime else None,
+                     acc=acc, config=cfg)
 
 
 # --------------------------------------------------------------------------

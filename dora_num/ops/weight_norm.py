@@ -30,7 +30,8 @@ from .magnitude import (_magnitude_div_op, default_eps, magnitude_div,  # noqa: 
 from .norm import (FLAG_FIELDS, _accumulate, _base_and_zero_rows, _cached_base_and_zero_rows,  # noqa: F401
                    _factored_row_norm, _products, cached_base_row_norm_sq, cached_zero_rows, chunk_columns,
                    clear_base_sq_cache, factored_norm, new_flag, refresh_base_cache, resolve_chunk_bytes,
-                   uses_tail_kernel)
+                   tail_kernel, uses_tail_kernel)
+from .products import Products
 from .validation import check_lora_factors, check_scale, check_tensor
 
 
@@ -204,16 +205,11 @@ def _norm_den_op(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: tor
     launches it for the layer (one launch; ``acc`` raised by the kernel), after the base cache's refresh
     (:func:`~dora_num.ops.norm.refresh_base_cache`: formed again only where W changed).  One opaque op for
     both: each costs the dispatcher's time per call."""
-    from .kernels.norm_tail import norm_tail
-
     cfg = OpConfig.from_key(config)
     refresh_base_cache(W, base_sq, zero_rows, chunk_bytes, cfg)
-    s, two_s, s_sq = scale_constants(check_scale(scale))
-    C = _guard.guard_constants(two_s, s_sq, W, A.shape[0], pieces or None) if guard else None
-    return norm_tail(U, B, G, base_sq, two_s, s_sq, m=m, eps=default_eps(m.dtype), guard=C,
-                     rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows if guard else None,
-                     recompute=(W, A, s) if guard else None, inv=inv if C is not None and C.inv_runtime else None,
-                     acc=acc, config=cfg).den
+    return tail_kernel(W, A, B, Products(U, G, pieces or None, inv), base_sq, scale_constants(check_scale(scale)),
+                       cfg, m=m, eps=default_eps(m.dtype), guard=guard, zero_rows=zero_rows if guard else None,
+                       acc=acc).den
 
 
 @_norm_den_op.register_fake
