@@ -5,10 +5,10 @@ Three tiers, one function, the contract's forward bit for bit on each (docs/cont
 ``fused forward`` (one Triton pass) and ``fused training`` (Triton forward and backward, ``dg`` by a
 deterministic two-stage sum).  ``path="auto"`` picks the fused tiers on CUDA (training above
 ``FUSED_TRAIN_MIN_ELEMENTS``); the tier taken is counted (:func:`dispatch_counts`).  Under
-``torch.compile`` the fused tiers on CUDA are the ``triton_op``s ``dora_num::compose_fused`` /
-``compose_bwd_fused``, whose kernels Inductor launches from its generated code (:func:`traceable`); the
-eager tier and the interpreter run inside the opaque custom ops ``dora_num::compose_fwd``/``compose_bwd``
-(no host read of ``g`` in either).  In full: docs/operator.md.
+``torch.compile`` the tiers run inside the opaque custom ops ``dora_num::compose_fwd``/``compose_bwd``;
+with ``OpConfig.traced_ops`` on (opt-in) the fused tiers on CUDA are the ``triton_op``s
+``dora_num::compose_fused`` / ``compose_bwd_fused`` instead, whose kernels Inductor launches from its
+generated code (:func:`traceable`).  No host read of ``g`` in either.  In full: docs/operator.md.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Under the compiler the layer's ``g`` comes from ``dora_num::weight_den`` (no rea
 explicit running flag it raises, ``rowsum(W*W)`` and W's zero rows from the layer's buffers, formed again
 only when W changes) and ``dora_num::magnitude_div``, the compose from ``dora_num::compose_fwd``/``compose_bwd``;
 :func:`dora_num.check_flags` reads the flags.  On the CPU the ops run the torch tail and the eager compose
-(the Triton kernels under the interpreter in the ``interpreter`` cases); on CUDA the fused compose and the
-norm's products are traced ops whose kernels Inductor launches (``gpu`` cases, which also add no device
-sync and CUDA graphs).
+(the Triton kernels under the interpreter in the ``interpreter`` cases); on CUDA with ``OpConfig.traced_ops``
+on, the fused compose and the norm's products are traced ops whose kernels Inductor launches (``gpu`` cases,
+which also add no device sync and CUDA graphs).
 """
 
 from __future__ import annotations
