@@ -9,11 +9,12 @@ Compiled (``torch.compile``): :func:`weight_den` gives ``den`` with no host read
 layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again only when W changed:
 :func:`~dora_num.ops.norm.refresh_base_cache`) and the caller's running flag ``acc`` (:func:`new_flag`),
 which it raises and :func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is
-``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).  With ``OpConfig.traced_ops``
-on (opt-in), on CUDA with the tail kernel, it is the ``triton_op`` ``dora_num::weight_den_traced``: the products traced into the graph
-(Inductor launches the split's and the block sums' kernels and calls the GEMMs), then one short opaque op,
-the cache's refresh and the tail's launch.  Elsewhere it is the opaque ``dora_num::weight_den``, which
-runs :func:`~dora_num.ops.norm.factored_norm` whole.  Either forms the eager products and tail with the
+``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).  With
+``OpConfig.traced_ops`` on (opt-in), on CUDA with the tail kernel, ``den`` comes from the ``triton_op``
+``dora_num::weight_den_traced``: the products traced into the graph (Inductor launches the split's and the
+block sums' kernels and calls the GEMMs), then one short opaque op, the cache's refresh and the tail's
+launch (:func:`~dora_num.ops.norm.tail_kernel`).  Otherwise it comes from the opaque ``dora_num::weight_den``,
+which runs :func:`~dora_num.ops.norm.factored_norm` whole.  Either forms the eager products and tail with the
 eager arguments, so a compiled layer's ``g`` is bitwise the eager one.
 """
 
