@@ -240,7 +240,8 @@ _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 # The fused tiers on CUDA as ``triton_op``s: Inductor traces their bodies and launches the kernels
 # from its generated code (``wrap_triton``), so a compiled step runs no Python of ours for them;
-# the same kernels with the same arguments as eagerly, so the same bits.  The eager tier, the
+# the same kernels with the same arguments as eagerly (the bits: predicted equal, ``mul_rn``; the GPU test of
+# tests/ops/test_compiled.py holds them to eager).  The eager tier, the
 # interpreter and an ``inner`` written in the forward keep the opaque ops above.
 
 def traceable(fused: bool, cfg: OpConfig) -> bool:

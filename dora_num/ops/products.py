@@ -181,8 +181,8 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int,
-                 traced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int, traced: bool = False,
+                 cfg: OpConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""``(P, inv)``: ``A`` (any float dtype, taken as fp32) as a sum of ``pieces`` 16-bit pieces.
 
     ``P`` is ``[pieces, r, d]`` of ``dtype`` (bf16 or fp16) with, in exact arithmetic,
@@ -218,13 +218,12 @@ def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int,
     R = A.float()
     scale = inv = None
     if dtype == torch.float16:
-        e = torch.frexp(R.abs().amax()).exponent  # max|A| < 2^e (0 for A = 0)
-        k = (_FP16_TOP - e).clamp(-_K_LIMIT, _K_LIMIT).to(torch.int32)
+        k = (_FP16_TOP - _frexp_exponent(R.abs().amax())).clamp(-_K_LIMIT, _K_LIMIT).to(torch.int32)
         scale, inv = _pow2(k), _pow2(-k)
     if traced:  # a compiled graph's split: one Triton launch (the same values)
         from .kernels.products import split_cuda
 
-        return split_cuda(A, dtype, pieces, scale, traced=True), inv
+        return split_cuda(A, dtype, pieces, scale, config=cfg, traced=True), inv
     if scale is not None:
         R = R * scale
     P = torch.empty((pieces,) + tuple(A.shape), dtype=dtype, device=A.device)
@@ -233,6 +232,15 @@ def split_pieces(A: torch.Tensor, dtype: torch.dtype, pieces: int,
         if p + 1 < pieces:
             R = torch.sub(R, P[p])  # fp32 (type promotion upcasts P[p] exactly): exact
     return P, inv
+
+
+def _frexp_exponent(x: torch.Tensor) -> torch.Tensor:
+    """int32 ``e`` with ``x < 2^e`` for a 0-dim fp32 ``x >= 0``: ``torch.frexp(x).exponent`` for normal ``x``
+    and for ``0`` (``e = 0``), and ``-126`` for a subnormal ``x`` (frexp's is lower; :func:`split_pieces`
+    clamps ``15 - e`` to 126 either way).  From the bits: in a compiled graph Inductor lowers ``frexp`` to
+    libdevice's ``ilogb``, linked with FTZ, which takes a subnormal for zero."""
+    e = (x.view(torch.int32) >> 23) - 126
+    return torch.where(x == 0, torch.zeros_like(e), e)
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -308,17 +316,19 @@ def _mm32(a: torch.Tensor, b: torch.Tensor, mm=None) -> torch.Tensor:
     return out
 
 
-def block_sum(src: torch.Tensor, n_rows: int, n_cols: int, pa: int, pb: int, traced: bool = False) -> torch.Tensor:
+def block_sum(src: torch.Tensor, n_rows: int, n_cols: int, pa: int, pb: int, traced: bool = False,
+              cfg: OpConfig | None = None) -> torch.Tensor:
     """fp32 ``[n_rows, n_cols]``: the ``pa x pb`` blocks of ``src`` (``[pa n_rows, pb n_cols]``) added in
     row-major block order, one fp32 rounding per addition: the Triton kernel of
     :mod:`dora_num.ops.kernels.products` on CUDA (``traced``: launched by Inductor), elsewhere torch's
     additions in the same order (the same bits).  A fixed order, so that a compiled graph (whose own
     reduction would order the blocks otherwise) forms the eager bits."""
-    if src.device.type == "cuda" and not get_config().interpret:
+    cfg = get_config() if cfg is None else cfg
+    if src.device.type == "cuda" and not cfg.interpret:
         from .kernels.products import block_sum_cuda
 
         return block_sum_cuda(src if src.is_contiguous() else src.contiguous(), n_rows, n_cols, pa, pb,
-                              traced=traced)
+                              config=cfg, traced=traced)
     out = None
     for a in range(pa):
         for b in range(pb):
@@ -327,7 +337,8 @@ def block_sum(src: torch.Tensor, n_rows: int, n_cols: int, pa: int, pb: int, tra
     return out
 
 
-def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None, traced: bool = False) -> torch.Tensor:
+def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None, traced: bool = False,
+             cfg: OpConfig | None = None) -> torch.Tensor:
     r"""``U = W A^T`` fp32 ``[d_out, r]`` for a 16-bit ``W`` and an ``A`` of any float dtype,
     from tensor-core products only: ``A`` split into ``pieces`` pieces of W's dtype
     (:func:`split_pieces`), one product ``W [P_1; ...; P_p]^T`` with fp32 accumulation and
@@ -345,12 +356,12 @@ def split_mm(W: torch.Tensor, A: torch.Tensor, pieces: int, mm=None, split=None,
     P, inv = split_pieces(A, W.dtype, pieces) if split is None else split
     p, r, d = P.shape
     S = P.view(p * r, d)
-    U = block_sum(_mm32(W, S.T, mm), W.shape[0], r, 1, p, traced)
+    U = block_sum(_mm32(W, S.T, mm), W.shape[0], r, 1, p, traced, cfg)
     return U if inv is None else U.mul_(inv)
 
 
 def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=None,
-               traced: bool = False) -> torch.Tensor:
+               traced: bool = False, cfg: OpConfig | None = None) -> torch.Tensor:
     r"""``G = A A^T`` fp32 ``[r, r]`` from tensor-core products only: with ``S = [P_1; ...; P_p]``
     (:func:`split_pieces` in ``dtype``), ``S S^T`` (fp32 accumulation and output,
     ``[p r, p r]``) and its ``p^2`` blocks summed in fp32 (then scaled by ``inv`` twice).
@@ -362,7 +373,7 @@ def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=
     P, inv = split_pieces(A, dtype, pieces) if split is None else split
     p, r, d = P.shape
     S = P.view(p * r, d)
-    G = block_sum(_mm32(S, S.T, mm), r, r, p, p, traced)
+    G = block_sum(_mm32(S, S.T, mm), r, r, p, p, traced, cfg)
     return G if inv is None else G.mul_(inv).mul_(inv)
 
 
@@ -435,9 +446,9 @@ def _products(W: torch.Tensor, A: torch.Tensor, cols: int, cfg: OpConfig, traced
     the body of a traced op (:mod:`dora_num.ops.weight_norm`), whose kernels Inductor launches."""
     model = product_model(W, A, cfg)
     if model.u == "split":
-        pieces = split_pieces(A, W.dtype, model.pieces, traced)  # once, for both products
-        return Products(split_mm(W, A, model.pieces, split=pieces, traced=traced),
-                        split_gram(A, W.dtype, model.pieces, split=pieces, traced=traced), model.pieces, pieces[1],
+        pieces = split_pieces(A, W.dtype, model.pieces, traced, cfg)  # once, for both products
+        return Products(split_mm(W, A, model.pieces, split=pieces, traced=traced, cfg=cfg),
+                        split_gram(A, W.dtype, model.pieces, split=pieces, traced=traced, cfg=cfg), model.pieces, pieces[1],
                         model)
     return Products(_u_product(W, A, cols, model=model), _gram(A, model), None, None, model)
 

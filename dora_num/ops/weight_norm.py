@@ -146,7 +146,7 @@ def weight_den(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, 
         base = (W.new_empty(W.shape[:1], dtype=torch.float32), W.new_empty(W.shape[:1], dtype=torch.bool))
     cb = resolve_chunk_bytes(W.shape[0], W.shape[1], chunk_bytes)
     mode = check_on_cancellation(on_cancellation)
-    if _traceable_den(W, scale, m, cfg):
+    if _traceable_den(W, A, scale, m, cfg):
         return _weight_den_traced_op(W.detach(), A.detach(), B.detach(), m.detach(), acc, base[0], base[1],
                                      float(scale), int(cb), cfg.key, mode != "off")
     return _weight_den_op(W.detach(), A.detach(), B.detach(), m.detach(), acc, base[0], base[1], float(scale),
@@ -175,14 +175,17 @@ def _(W, A, B, m, acc, base_sq, zero_rows, scale, chunk_bytes, config, on_cancel
 # products run as the graph's own kernels (the split and the block sums launched by Inductor, the GEMMs
 # its extern calls: the same kernels and layouts as eagerly) and one opaque op remains, a short body: the
 # base cache's refresh (whose key is host state: W's pointer and version counter) and the tail's single
-# launch.  The same functions with the same arguments as eagerly, so the same bits.
+# launch.  Each step forms eager's values: the GEMMs, the block sums and the tail are eager's calls, the split is
+# a kernel of ours with eager's exactly rounded pieces (the bits: predicted equal; tests/ops/test_compiled.py's
+# GPU test holds them to eager).
 
-def _traceable_den(W: torch.Tensor, scale: float, m: torch.Tensor, cfg: OpConfig) -> bool:
+def _traceable_den(W: torch.Tensor, A: torch.Tensor, scale: float, m: torch.Tensor, cfg: OpConfig) -> bool:
     """Whether a compiled layer's denominator takes the traced op: CUDA with the tail kernel (not the
-    interpreter), ``OpConfig.traced_ops`` on, a nonzero scale (``s = 0`` skips the products) and an
-    ``m`` the tail reads."""
+    interpreter), ``OpConfig.traced_ops`` on, a nonzero scale (``s = 0`` skips the products), an ``m`` the
+    tail reads, and a rank above 1 (Inductor rewrites a product with an output dimension of 1 in max-autotune
+    modes, ``out_dtype`` dropped)."""
     return (cfg.traced_ops and not cfg.interpret and W.device.type == "cuda" and uses_tail_kernel(W.device, cfg)
-            and float(scale) != 0.0 and m.dtype in (torch.float32, torch.bfloat16, torch.float16))
+            and float(scale) != 0.0 and m.dtype in (torch.float32, torch.bfloat16, torch.float16) and A.shape[0] > 1)
 
 
 @torch.library.triton_op("dora_num::weight_den_traced", mutates_args=("acc", "base_sq", "zero_rows"))

@@ -406,26 +406,48 @@ def _cuda_step(f, layer, x):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [256, 257], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("traced", [True, False], ids=["traced-ops", "opaque-ops"])
-def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(traced, small_layer):
+def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(traced, tokens, small_layer):
     """On CUDA (``OpConfig.traced_ops``) the fused compose's forward and backward and the norm's products are
     traced into the graph: Inductor's generated code launches ``_compose_fwd_kernel``, ``_compose_bwd_kernel``,
-    ``_block_sum_kernel`` and ``_div_rn_kernel`` (``g = m / den`` and its gradient) itself, and of this package's
+    ``_split_kernel``, ``_block_sum_kernel`` and ``_div_rn_kernel`` (``g = m / den`` and its gradient) itself, and
+    of this package's
     opaque ops only the base cache's refresh with the tail's launch (``dora_num::norm_den``) and, in the backward,
     the product ``lora`` formed again (``dora_num::lora_again``: opaque, so that the joint graph does not merge
     it with the forward's and keep it) are left.  Inductor compiles a wrapped kernel with
     FMA contraction on, which the kernels' ``mul_rn`` makes harmless: the output and the adapter gradients are
     bitwise the eager layer's, training and inference, and ``rowsum(W*W)`` is formed once, not per call.
-    With the switch off the opaque ops run (the A/B baseline), with the same bits."""
+    With the switch off the opaque ops run (the A/B baseline), with the same bits.  An unaligned token count
+    too (``pad_mm`` may pad a product Inductor sees), and no fallback of Inductor's analysis of what a wrapped
+    kernel writes (it then copies every argument: the bits hold, the time does not)."""
+    import logging
+
     from torch._inductor.utils import run_and_get_code
 
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.seen = []
+
+        def emit(self, record):
+            self.seen.append(record.getMessage())
+
+    keep = Keep()
+    wrap_log = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap")
+    wrap_log.addHandler(keep)
+    try:
+        with override(traced_ops=traced):
+            layer = small_layer(1024, 768, rank=16, alpha=32.0, dtype=torch.bfloat16, adapter_dtype=torch.float32,
+                                m_noise=1e-3, b_std=0.02, device="cuda")
+            x = torch.randn(2, tokens, 1024, device="cuda", dtype=torch.bfloat16)  # >= 393,216 outputs: fused tier
+            want = _cuda_step(layer, layer, x)
+            compiled = torch.compile(layer, fullgraph=True)
+            got, code = run_and_get_code(lambda: _cuda_step(compiled, layer, x))
+    finally:
+        wrap_log.removeHandler(keep)
+    assert not [m for m in keep.seen if "assuming every input is mutated" in m], keep.seen
     with override(traced_ops=traced):
-        layer = small_layer(1024, 768, rank=16, alpha=32.0, dtype=torch.bfloat16, adapter_dtype=torch.float32,
-                            m_noise=1e-3, b_std=0.02, device="cuda")
-        x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16)  # 393,216 outputs: the fused training tier
-        want = _cuda_step(layer, layer, x)
-        compiled = torch.compile(layer, fullgraph=True)
-        got, code = run_and_get_code(lambda: _cuda_step(compiled, layer, x))
         for a, b in zip(got, want):
             assert_bitwise(a, b)
         n0 = base_passes()
@@ -438,12 +460,12 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
             assert_bitwise(y_inf, layer(x))
         assert layer._flags.tolist()[:2] == [0, 0]
     text = "\n".join(code + code_inf)
-    kernels = [k for k in ("_compose_fwd_kernel", "_compose_bwd_kernel", "_block_sum_kernel", "_div_rn_kernel")
-               if k in text]
+    kernels = [k for k in ("_compose_fwd_kernel", "_compose_bwd_kernel", "_split_kernel", "_block_sum_kernel",
+                           "_div_rn_kernel") if k in text]
     opaque = [op for op in ("lora_compose_fwd", "compose_bwd", "compose_fwd", "weight_den", "magnitude_div")
               if f"dora_num.{op}.default" in text]
     if traced:
-        assert len(kernels) == 4 and not opaque, (kernels, opaque)
+        assert len(kernels) == 5 and not opaque, (kernels, opaque)
         assert "dora_num.norm_den.default" in text and "dora_num.lora_again.default" in text
     else:
         assert not kernels and len(opaque) == 5, (kernels, opaque)
@@ -453,9 +475,10 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
 def test_traced_ops_run_eagerly_as_the_opaque_ones(small_layer):
     """The bodies of the traced ops (what Inductor traces on CUDA), run eagerly on the CPU under the
     interpreter: ``dora_num::weight_den_traced`` gives the opaque ``weight_den``'s denominator and raises
-    the running flag alike, and ``dora_num::lora_compose_fused`` with its backward the opaque
-    ``lora_compose_fwd``'s output and gradients, bit for bit (the GPU test holds the traced graphs to
-    the eager bits: ``test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits``)."""
+    the running flag alike, ``dora_num::lora_compose_fused`` with its backward the opaque
+    ``lora_compose_fwd``'s output and gradients, and ``dora_num::magnitude_div_traced`` torch's division, bit
+    for bit (the GPU test is to hold the traced graphs to the eager bits:
+    ``test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits``)."""
     from dora_num.ops import lora_compose as lc
     from dora_num.ops import weight_norm as wn
     from dora_num.ops.config import get_config

@@ -33,5 +33,6 @@ def div_rn(a: torch.Tensor, b: torch.Tensor, *, traced: bool = False) -> torch.T
     if n:
         block = 1024
         kernel = torch.library.wrap_triton(_div_rn_kernel) if traced else _div_rn_kernel
-        kernel[(triton.cdiv(n, block),)](a, b, out, n, BLOCK=block, num_warps=4)
+        opts = {} if traced else {"enable_fp_fusion": False}  # nothing to contract; the package's convention
+        kernel[(triton.cdiv(n, block),)](a, b, out, n, BLOCK=block, num_warps=4, **opts)
     return out
