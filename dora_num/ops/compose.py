@@ -21,7 +21,7 @@ import torch
 from ..numerics.formulas import scale_constants
 from . import finite as _finite
 from . import reference as ref
-from .config import COMPOSE_PATHS, OpConfig, get_config
+from .config import COMPOSE_PATHS, OpConfig, get_config, traces_kernels
 from .validation import check_compose_args, check_finite, check_scale
 
 PATHS = COMPOSE_PATHS
@@ -244,11 +244,11 @@ _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # tests/ops/test_compiled.py holds them to eager).  The eager tier, the
 # interpreter and an ``inner`` written in the forward keep the opaque ops above.
 
-def traceable(fused: bool, cfg: OpConfig) -> bool:
-    """Whether a compiled compose takes the traced ops: the fused tiers on CUDA (under the
-    interpreter ``wrap_triton`` cannot trace a kernel), with ``inner`` recomputed in the backward,
-    with ``OpConfig.traced_ops`` on (opt-in)."""
-    return fused and cfg.traced_ops and not cfg.interpret and cfg.recompute_inner
+def traceable(fused: bool, cfg: OpConfig, device: torch.device) -> bool:
+    """Whether a compiled compose on ``device`` takes the traced ops: the fused tiers, with ``inner``
+    recomputed in the backward, where :func:`~dora_num.ops.config.traces_kernels` (``OpConfig.traced_ops``
+    on, opt-in; CUDA, not the interpreter)."""
+    return fused and cfg.recompute_inner and traces_kernels(device, cfg)
 
 
 @torch.library.triton_op("dora_num::compose_fused", mutates_args=())
@@ -278,7 +278,7 @@ def compose_bwd_op(grad, base, lora, g, s: float, need_dlora: bool, need_dbase: 
                    config: str, add_grad: bool):
     """The compiled compose backward, ``inner`` recomputed from ``base`` and ``lora`` (empty where
     ``need_dg`` is off): the traced op where :func:`traceable`, else the opaque one."""
-    if traceable(fused, OpConfig.from_key(config)):
+    if traceable(fused, OpConfig.from_key(config), grad.device):
         return _compose_bwd_fused_op(grad, base, lora, g, s, need_dlora, need_dbase, need_dg, add_grad, config)
     return _compose_bwd_op(grad, grad.new_empty(_EMPTY, dtype=torch.float32), base, lora, g, s, need_dlora,
                            need_dbase, need_dg, fused, config, add_grad)
@@ -402,7 +402,7 @@ def _compose(base, lora, g, scale, *, path: str, out, config: OpConfig, check_g:
         tier = _select_tier(base, lora, g, path, config)
     fused = tier != "eager"
     if torch.compiler.is_compiling():  # tier fixed at trace time; counters and logs are eager-only
-        if traceable(fused, config):
+        if traceable(fused, config, base.device):
             res = _compose_fused_op(base, lora, g, s, add_base, config.key)
         else:
             res = _compose_fwd_op(base, lora, g, s, bool(g.requires_grad), fused, config.key, add_base)[0]

@@ -341,3 +341,10 @@ def uses_tail_kernel(device: torch.device, config: OpConfig | None = None) -> bo
     if device.type == "cuda":
         return True
     return cfg.norm_tail == "triton" and device.type == "cpu" and cfg.interpret
+
+
+def traces_kernels(device: torch.device, config: OpConfig) -> bool:
+    """Whether a compiled graph on ``device`` takes the traced ops, whose kernels Inductor launches
+    (``OpConfig.traced_ops`` on, CUDA, not the interpreter, under which ``wrap_triton`` cannot trace a
+    kernel): the one test the compose, the norm and ``g = m / den`` each add their own conditions to."""
+    return config.traced_ops and not config.interpret and device.type == "cuda"

@@ -99,7 +99,7 @@ def lora_compose(base, xa, B, g, s: float, cdt: torch.dtype, fused: bool, add_ba
     if not torch.compiler.is_compiling():
         return LoraComposeFunction.apply(base, xa, B, g, s, cdt, fused, add_base, cfg)
     B_c = B if B.dtype == cdt else B.to(cdt)
-    if traceable(fused, cfg) and xa.shape[-1] > 1:  # rank 1: Inductor turns the K = 1 product into a multiply
+    if traceable(fused, cfg, base.device) and xa.shape[-1] > 1:  # rank 1: Inductor makes a K = 1 product a multiply
         return _lora_compose_fused_op(base, xa, B_c, g, s, add_base, cfg.key)
     return _lora_compose_fwd_op(base, xa, B_c, g, s, fused, add_base, cfg.key)
 

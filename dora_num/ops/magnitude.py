@@ -83,7 +83,9 @@ _magnitude_div_traced_op.register_autograd(_magnitude_div_traced_backward, setup
 def magnitude_div(m: torch.Tensor, den: torch.Tensor, cfg) -> torch.Tensor:
     """``m / den`` (fp32 ``den``) in a compiled graph, correctly rounded, differentiable in ``m``: the traced
     op on CUDA (``OpConfig.traced_ops``, not the interpreter), else the opaque one."""
-    if cfg.traced_ops and not cfg.interpret and den.device.type == "cuda":
+    from .config import traces_kernels
+
+    if traces_kernels(den.device, cfg):
         return _magnitude_div_traced_op(m, den)
     return _magnitude_div_op(m, den)
 

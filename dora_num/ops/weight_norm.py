@@ -24,7 +24,7 @@ import torch
 
 from ..numerics.formulas import scale_constants
 from . import guard as _guard
-from .config import OpConfig, get_config
+from .config import OpConfig, get_config, traces_kernels
 from .guard import check_on_cancellation
 from .magnitude import (_magnitude_div_op, default_eps, magnitude_div,  # noqa: F401  (public here too)
                         magnitude_scale)
@@ -184,8 +184,8 @@ def _traceable_den(W: torch.Tensor, A: torch.Tensor, scale: float, m: torch.Tens
     interpreter), ``OpConfig.traced_ops`` on, a nonzero scale (``s = 0`` skips the products), an ``m`` the
     tail reads, and a rank above 1 (Inductor rewrites a product with an output dimension of 1 in max-autotune
     modes, ``out_dtype`` dropped)."""
-    return (cfg.traced_ops and not cfg.interpret and W.device.type == "cuda" and uses_tail_kernel(W.device, cfg)
-            and float(scale) != 0.0 and m.dtype in (torch.float32, torch.bfloat16, torch.float16) and A.shape[0] > 1)
+    return (traces_kernels(W.device, cfg) and uses_tail_kernel(W.device, cfg) and float(scale) != 0.0
+            and m.dtype in (torch.float32, torch.bfloat16, torch.float16) and A.shape[0] > 1)
 
 
 @torch.library.triton_op("dora_num::weight_den_traced", mutates_args=("acc", "base_sq", "zero_rows"))

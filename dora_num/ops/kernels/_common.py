@@ -51,3 +51,16 @@ def mul_rn(a, b, RN: tl.constexpr):
                                          is_pure=True, pack=1)
     else:
         return a * b
+
+
+def launcher(kernel, traced: bool):
+    """``kernel``, or ``wrap_triton(kernel)`` where a ``triton_op``'s body is traced (Inductor then launches
+    the kernel from its generated code, with no Python of ours per call)."""
+    return torch.library.wrap_triton(kernel) if traced else kernel
+
+
+def fusion_opts(fp_fusion: bool, traced: bool) -> dict:
+    """The launch's ``enable_fp_fusion`` (our launches: off, the package's convention); none where traced
+    (Inductor compiles a wrapped kernel with Triton's default, fusion on, and takes no such option): the
+    kernels' :func:`mul_rn` keeps the bits."""
+    return {} if traced else {"enable_fp_fusion": fp_fusion}

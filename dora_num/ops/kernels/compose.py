@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..config import OpConfig, get_config
-from ._common import mul_rn, new_buffer
+from ._common import fusion_opts, launcher, mul_rn, new_buffer
 
 U32 = 2.0**-24
 
@@ -176,18 +176,6 @@ def _arrival_counters(device: torch.device, n: int, stateless: bool = False) -> 
     return buf
 
 
-def _launcher(kernel, traced: bool):
-    """``kernel``, or ``wrap_triton(kernel)`` where a ``triton_op``'s body is traced (Inductor then
-    launches the kernel from its generated code, with no Python of ours per call)."""
-    return torch.library.wrap_triton(kernel) if traced else kernel
-
-
-def _fusion(fp_fusion: bool, traced: bool) -> dict:
-    """The launch's ``enable_fp_fusion``; none where traced (Inductor compiles a wrapped kernel with
-    Triton's default, fusion on, and takes no such option): the kernels' ``mul_rn`` keeps the bits."""
-    return {} if traced else {"enable_fp_fusion": fp_fusion}
-
-
 def _fwd_blocks(n_cols: int, tiles) -> tuple[int, int]:
     block_n = min(tiles.fwd_max_block_n, triton.next_power_of_2(max(n_cols, 1)))
     block_m = max(1, tiles.fwd_tile_elems // block_n)
@@ -243,13 +231,13 @@ def compose_fwd(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: floa
         # unused pointers point at an input, never at out2: where Inductor cannot tell which arguments the
         # kernel writes it takes all of them as written, and an output aliased by two of them comes back
         # from the functional launch as either copy
-        kernel = _launcher(_compose_fwd_kernel, traced)[grid](
+        kernel = launcher(_compose_fwd_kernel, traced)[grid](
             base2, lora2, g.contiguous(), out2, inner2 if write_inner else base2,
             g_flag if g_flag is not None else base2,
             n_rows, n_cols, float(s),
             BLOCK_M=block_m, BLOCK_N=block_n, WRITE_INNER=write_inner, ADD_BASE=add_base,
             G_FLAG=g_flag is not None, RN=not (fp_fusion or cfg.interpret),
-            num_warps=cfg.compose_tiles.fwd_num_warps, **_fusion(fp_fusion, traced),
+            num_warps=cfg.compose_tiles.fwd_num_warps, **fusion_opts(fp_fusion, traced),
         )
     elif g_flag is not None:
         g_flag.copy_((~torch.isfinite(g).all()).to(torch.int32).expand(g_flag.shape))
@@ -319,7 +307,7 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
         final_in_kernel = need_dg and cfg.dg_stage2_in_kernel
         counts = _arrival_counters(dev, n_col_blocks, stateless) if final_in_kernel else None
         dummy = grad2
-        _launcher(_compose_bwd_kernel, traced)[(n_blocks, n_col_blocks)](
+        launcher(_compose_bwd_kernel, traced)[(n_blocks, n_col_blocks)](
             grad2, inner2 if need_dg and not recompute else dummy,
             base2 if recompute else dummy, lora2 if recompute else dummy, g.contiguous(),
             dlora if need_dlora else dummy, dbase if need_dbase else dummy,
@@ -328,13 +316,13 @@ def compose_bwd(grad: torch.Tensor, inner: torch.Tensor | None, g: torch.Tensor,
             BLOCK_M=block_m, BLOCK_N=block_n,
             WRITE_DLORA=need_dlora, WRITE_DBASE=need_dbase, NEED_DG=need_dg, RECOMPUTE_INNER=recompute,
             FINAL_IN_KERNEL=final_in_kernel, CHUNK=tiles.fin_chunk, ADD_GRAD=add_grad, RN=not cfg.interpret,
-            num_warps=tiles.bwd_num_warps, **_fusion(False, traced),
+            num_warps=tiles.bwd_num_warps, **fusion_opts(False, traced),
         )
         if need_dg and not final_in_kernel:
             fin_n = min(tiles.fin_block_n, triton.next_power_of_2(n_cols))
-            _launcher(_dg_final_kernel, traced)[(triton.cdiv(n_cols, fin_n),)](
+            launcher(_dg_final_kernel, traced)[(triton.cdiv(n_cols, fin_n),)](
                 partials, dg, n_blocks, n_cols, BLOCK_N=fin_n, CHUNK=tiles.fin_chunk, num_warps=4,
-                **_fusion(False, traced))
+                **fusion_opts(False, traced))
     return (dlora.view(shape) if need_dlora else None,
             dbase.view(shape) if need_dbase else None,
             dg)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import fusion_opts, launcher
+
 
 @triton.jit
 def _div_rn_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -32,7 +34,6 @@ def div_rn(a: torch.Tensor, b: torch.Tensor, *, traced: bool = False) -> torch.T
     n = b.numel()
     if n:
         block = 1024
-        kernel = torch.library.wrap_triton(_div_rn_kernel) if traced else _div_rn_kernel
-        opts = {} if traced else {"enable_fp_fusion": False}  # nothing to contract; the package's convention
+        kernel, opts = launcher(_div_rn_kernel, traced), fusion_opts(False, traced)
         kernel[(triton.cdiv(n, block),)](a, b, out, n, BLOCK=block, num_warps=4, **opts)
     return out

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..config import OpConfig, get_config
-from ._common import mul_rn, new_buffer
+from ._common import fusion_opts, launcher, mul_rn, new_buffer
 
 
 @triton.jit
@@ -59,8 +59,7 @@ def block_sum_cuda(src: torch.Tensor, n_rows: int, n_cols: int, pa: int, pb: int
     n = n_rows * n_cols
     if n:
         block = 1024
-        kernel = torch.library.wrap_triton(_block_sum_kernel) if traced else _block_sum_kernel
-        opts = {} if traced else {"enable_fp_fusion": False}  # nothing to contract; the package's convention
+        kernel, opts = launcher(_block_sum_kernel, traced), fusion_opts(False, traced)
         kernel[(triton.cdiv(n, block),)](src, out, n_rows, n_cols, src.stride(0), PA=pa, PB=pb, BLOCK=block,
                                         num_warps=4, **opts)
     return out
@@ -91,8 +90,7 @@ def split_cuda(A: torch.Tensor, dtype: torch.dtype, pieces: int, scale: torch.Te
     n = a.numel()
     if n:
         block = 1024
-        kernel = torch.library.wrap_triton(_split_kernel) if traced else _split_kernel
-        opts = {} if traced else {"enable_fp_fusion": False}
+        kernel, opts = launcher(_split_kernel, traced), fusion_opts(False, traced)
         kernel[(triton.cdiv(n, block),)](a, scale if scale is not None else a, P, n, PIECES=pieces,
                                         HAS_SCALE=scale is not None, RN=not cfg.interpret, BLOCK=block, num_warps=4,
                                         **opts)
