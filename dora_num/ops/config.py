@@ -145,8 +145,8 @@ class OpConfig:
     ``traced_ops``: under ``torch.compile`` on CUDA the fused compose's forward and backward, the norm's
     products and ``g = m / den`` are ``torch.library.triton_op``s, whose bodies Inductor traces and whose
     kernels its generated code launches (:func:`dora_num.ops.compose.traceable`; the same kernels and
-    bits); off (the default until a GPU record holds the traced graphs to the eager bits at the commit
-    that makes it the default): the opaque custom ops, whose Python runs in every call.
+    bits; the default); off: the opaque custom ops, whose Python runs in every call (a diagnostic, and the
+    path of rank 1, where Inductor rewrites the K = 1 products).
 
     ``norm_cache``: :class:`~dora_num.ops.layer.DoRALinear` keeps its last denominator of ``g``
     (``wnorm``, ``eps`` on a zero row) keyed on the storage and version counters of W, A, B and m.  ``"recompute"`` (the default)
@@ -165,7 +165,7 @@ class OpConfig:
     dg_stage2_in_kernel: bool = True  # dg's fixed-order second stage inside the backward kernel
     recompute_inner: bool = True  # fused backward recomputes inner = s*lora + base (saves base, lora)
     recompute_lora: bool = True  # DoRALinear's backward recomputes lora = (x A^T) B^T (saves x A^T, not lora)
-    traced_ops: bool = False  # under torch.compile on CUDA the layer's kernels as triton_ops Inductor launches
+    traced_ops: bool = True  # under torch.compile on CUDA the layer's kernels as triton_ops Inductor launches
     compose_tiles: ComposeTiles = field(default_factory=ComposeTiles)
     norm_tail_tiles: NormTailTiles = field(default_factory=NormTailTiles)
     row_sumsq_tiles: RowSumsqTiles = field(default_factory=RowSumsqTiles)  # also in the key of a cached base_sq
@@ -246,7 +246,7 @@ def from_env(env: Mapping[str, str] | None = None) -> OpConfig:
         dg_stage2_in_kernel=not _flag(env, "DORA_NUM_DG_TWO_LAUNCH", False),
         recompute_inner=_flag(env, "DORA_NUM_RECOMPUTE_INNER", True),
         recompute_lora=_flag(env, "DORA_NUM_RECOMPUTE_LORA", True),
-        traced_ops=_flag(env, "DORA_NUM_TRACED_OPS", False),
+        traced_ops=_flag(env, "DORA_NUM_TRACED_OPS", True),
         compose_tiles=ComposeTiles.for_interpreter() if interpret else ComposeTiles(),
         interpret=interpret,
     )
