@@ -32,7 +32,7 @@ from .norm import (FLAG_FIELDS, _accumulate, _base_and_zero_rows, _cached_base_a
                    _factored_row_norm, _products, cached_base_row_norm_sq, cached_zero_rows, chunk_columns,
                    clear_base_sq_cache, factored_norm, new_flag, refresh_base_cache, resolve_chunk_bytes,
                    tail_kernel, uses_tail_kernel)
-from .products import Products
+from .products import Products, forms_column_chunks, product_model
 from .validation import check_lora_factors, check_scale, check_tensor
 
 
@@ -182,10 +182,12 @@ def _(W, A, B, m, acc, base_sq, zero_rows, scale, chunk_bytes, config, on_cancel
 def _traceable_den(W: torch.Tensor, A: torch.Tensor, scale: float, m: torch.Tensor, cfg: OpConfig) -> bool:
     """Whether a compiled layer's denominator takes the traced op: CUDA with the tail kernel (not the
     interpreter), ``OpConfig.traced_ops`` on, a nonzero scale (``s = 0`` skips the products), an ``m`` the
-    tail reads, and a rank above 1 (Inductor rewrites a product with an output dimension of 1 in max-autotune
-    modes, ``out_dtype`` dropped)."""
+    tail reads, a rank above 1 (Inductor rewrites a product with an output dimension of 1 in max-autotune
+    modes, ``out_dtype`` dropped) and a product route that takes W whole (:func:`forms_column_chunks`: a
+    column loop's bounds would be symbolic under dynamic shapes)."""
     return (traces_kernels(W.device, cfg) and uses_tail_kernel(W.device, cfg) and float(scale) != 0.0
-            and m.dtype in (torch.float32, torch.bfloat16, torch.float16) and A.shape[0] > 1)
+            and m.dtype in (torch.float32, torch.bfloat16, torch.float16) and A.shape[0] > 1
+            and not forms_column_chunks(W, A, product_model(W, A, cfg)))
 
 
 @torch.library.triton_op("dora_num::weight_den_traced", mutates_args=("acc", "base_sq", "zero_rows"))
@@ -196,7 +198,7 @@ def _weight_den_traced_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: 
     ``"off"`` (the kernel recomputes the rows it flags; the reports are :func:`~dora_num.ops.layer.check_flags`'s)."""
     cfg = OpConfig.from_key(config)
     with torch.autocast(W.device.type, enabled=False):
-        prod = _products(W, A, chunk_columns(W.shape[0], W.shape[1], chunk_bytes), cfg, traced=True)
+        prod = _products(W, A, None, cfg, traced=True)  # W whole (_traceable_den): no symbolic column budget
     return _norm_den_op(prod.U, B, prod.G, base_sq, zero_rows, m, acc, W, A, prod.inv, float(scale),
                         int(prod.pieces or 0), chunk_bytes, config, guard)
 

@@ -471,6 +471,37 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
         assert not kernels and len(opaque) == 5, (kernels, opaque)
 
 
+@pytest.mark.gpu
+def test_cuda_compiled_norm_over_changing_shapes_keeps_the_eager_bits():
+    """A compiled function called on W of several shapes (as a study looping over a model's projections
+    does): from the second shape on Dynamo makes the shapes symbolic, and the default byte budget of the
+    column chunks with them.  The traced denominator still runs (its products take W whole) and ``g`` is
+    bitwise the eager one on every shape, fp16 and bf16 bases."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dora_num.ops.weight_norm import magnitude_scale_and_flag
+
+    def g_of(W, A, B, m):
+        return magnitude_scale_and_flag(W, A, B, 2.0, m)[0]
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        torch._dynamo.reset()
+        compiled = torch.compile(g_of, fullgraph=True)
+        code = []
+        for d_out, d_in in ((768, 1024), (1024, 768), (1536, 512)):
+            W = torch.randn(d_out, d_in, device="cuda", generator=gen).to(dtype)
+            A = 0.02 * torch.randn(16, d_in, device="cuda", generator=gen)
+            B = 0.02 * torch.randn(d_out, 16, device="cuda", generator=gen)
+            m = W.float().norm(dim=1) * (1 + 1e-3 * torch.randn(d_out, device="cuda", generator=gen))
+            with torch.no_grad():
+                got, new_code = run_and_get_code(lambda: compiled(W, A, B, m))
+                assert_bitwise(got, g_of(W, A, B, m))
+            code += new_code
+        text = "\n".join(code)
+        assert "_split_kernel" in text and "dora_num.weight_den.default" not in text, dtype
+
+
 @pytest.mark.interpreter
 def test_traced_ops_run_eagerly_as_the_opaque_ones(small_layer):
     """The bodies of the traced ops (what Inductor traces on CUDA), run eagerly on the CPU under the
