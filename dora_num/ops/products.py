@@ -377,9 +377,12 @@ def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=
     return G if inv is None else G.mul_(inv).mul_(inv)
 
 
+@torch._dynamo.assume_constant_result
 def _tensor_core_fp32_out(dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(..., out_dtype=float32)`` runs for ``dtype`` on CUDA (probed once, on a
-    one-element product)."""
+    one-element product).  A constant to TorchDynamo, which runs it when it traces: a probe that
+    first ran while tracing would otherwise fail the guard on the probes' dict that the same trace
+    installed (measured: fp16 W compiled before any eager call, "Guard failed on the same frame")."""
     key = ("cuda", dtype)
     if key not in _MM_OUT_DTYPE_OK:
         one = torch.ones(1, 1, dtype=dtype, device="cuda")
