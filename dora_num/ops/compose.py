@@ -6,7 +6,7 @@ Three tiers, one function, the contract's forward bit for bit on each (docs/cont
 deterministic two-stage sum).  ``path="auto"`` picks the fused tiers on CUDA (training above
 ``FUSED_TRAIN_MIN_ELEMENTS``); the tier taken is counted (:func:`dispatch_counts`).  Under
 ``torch.compile`` the tiers run inside the opaque custom ops ``dora_num::compose_fwd``/``compose_bwd``;
-with ``OpConfig.traced_ops`` on (opt-in) the fused tiers on CUDA are the ``triton_op``s
+with ``OpConfig.traced_ops`` on (the default) the fused tiers on CUDA are the ``triton_op``s
 ``dora_num::compose_fused`` / ``compose_bwd_fused`` instead, whose kernels Inductor launches from its
 generated code (:func:`traceable`).  No host read of ``g`` in either.  In full: docs/operator.md.
 """
@@ -247,7 +247,7 @@ _compose_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 def traceable(fused: bool, cfg: OpConfig, device: torch.device) -> bool:
     """Whether a compiled compose on ``device`` takes the traced ops: the fused tiers, with ``inner``
     recomputed in the backward, where :func:`~dora_num.ops.config.traces_kernels` (``OpConfig.traced_ops``
-    on, opt-in; CUDA, not the interpreter)."""
+    on, the default; CUDA, not the interpreter)."""
     return fused and cfg.recompute_inner and traces_kernels(device, cfg)
 
 

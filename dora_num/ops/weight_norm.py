@@ -10,7 +10,7 @@ layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again on
 :func:`~dora_num.ops.norm.refresh_base_cache`) and the caller's running flag ``acc`` (:func:`new_flag`),
 which it raises and :func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is
 ``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).  With
-``OpConfig.traced_ops`` on (opt-in), on CUDA with the tail kernel, ``den`` comes from the ``triton_op``
+``OpConfig.traced_ops`` on (the default), on CUDA with the tail kernel, ``den`` comes from the ``triton_op``
 ``dora_num::weight_den_traced``: the products traced into the graph (Inductor launches the split's and the
 block sums' kernels and calls the GEMMs), then one short opaque op, the cache's refresh and the tail's
 launch (:func:`~dora_num.ops.norm.tail_kernel`).  Otherwise it comes from the opaque ``dora_num::weight_den``,
