@@ -173,7 +173,7 @@ def _matrix(d: Path) -> tuple[str, Stats] | None:
             f"16/64/384, training with and without checkpointing and inference; two device calls on an "
             f"{_card(str(parts.gpu.iloc[0]))} at one commit, medians of 3 rounds): DoRA's cost over plain LoRA on this "
             f"operator is {r('eager')} times PEFT's eager, {r('default')} under torch.compile (the step waits on the "
-            f"custom ops' Python) and {r('reduce-overhead')} under reduce-overhead (without checkpointing, whose "
+            f"Python of the opaque custom ops it was recorded with; the traced ops, the default since, are not in it) and {r('reduce-overhead')} under reduce-overhead (without checkpointing, whose "
             f"capture failed there even for plain LoRA); on medians compiling never made our step slower than our "
             f"eager one (at most {s['matrix_compiled_over_eager_max']:.2f} of it), though in "
             f"{s['matrix_rounds_slower']} cells a round did; the target of half PEFT's cost when compiled is met in "
