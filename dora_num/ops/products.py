@@ -377,6 +377,13 @@ def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=
     return G if inv is None else G.mul_(inv).mul_(inv)
 
 
+def clear_mm_probes() -> None:
+    """Forget which dtypes :func:`_tensor_core_fp32_out` has probed, as in a fresh process (the next use
+    of each probes again; the answers cannot change within a process, so this only reopens the path a
+    first probe takes)."""
+    _MM_OUT_DTYPE_OK.clear()
+
+
 @torch._dynamo.assume_constant_result
 def _tensor_core_fp32_out(dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(..., out_dtype=float32)`` runs for ``dtype`` on CUDA (probed once, on a

@@ -472,7 +472,7 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
 
 
 @pytest.mark.gpu
-def test_cuda_compiled_norm_over_changing_shapes_keeps_the_eager_bits(monkeypatch):
+def test_cuda_compiled_norm_over_changing_shapes_keeps_the_eager_bits():
     """A compiled function called on W of several shapes (as a study looping over a model's projections
     does): from the second shape on Dynamo makes the shapes symbolic, and the default byte budget of the
     column chunks with them.  The traced denominator still runs (its products take W whole) and ``g`` is
@@ -480,10 +480,10 @@ def test_cuda_compiled_norm_over_changing_shapes_keeps_the_eager_bits(monkeypatc
     of it: the probe of ``torch.mm(..., out_dtype=float32)`` then runs while Dynamo traces."""
     from torch._inductor.utils import run_and_get_code
 
-    from dora_num.ops import products
+    from dora_num.ops.products import clear_mm_probes
     from dora_num.ops.weight_norm import magnitude_scale_and_flag
 
-    monkeypatch.setattr(products, "_MM_OUT_DTYPE_OK", {})  # as in a fresh process: nothing probed yet
+    clear_mm_probes()  # as in a fresh process: nothing probed yet
 
     def g_of(W, A, B, m):
         return magnitude_scale_and_flag(W, A, B, 2.0, m)[0]
