@@ -135,13 +135,21 @@ def product_model(W: torch.Tensor, A: torch.Tensor, cfg: OpConfig | None = None)
     ``"fp64"`` where TF32 or bf16 GEMMs are switched on (the fp32 GEMM would no longer be one)."""
     cfg = get_config() if cfg is None else cfg
     fmt = "fp16" if W.dtype == torch.float16 else "bf16"
-    if W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype):
+    if takes_w_whole(W):
         if A.dtype == W.dtype:
             return ProductModel("tensor_core", None, fmt)
         return ProductModel("split", int(cfg.split_pieces), fmt)
     if fp32_matmul_precision(W.device.type) == "ieee":
         return ProductModel("fp32")
     return ProductModel("fp64")
+
+
+def takes_w_whole(W: torch.Tensor) -> bool:
+    """Whether :func:`product_model` takes a tensor-core route for ``W`` (``"tensor_core"`` or ``"split"``: a
+    16-bit W on CUDA where ``torch.mm`` gives an fp32 output), whose products take W whole.  Decided from
+    W's device, its dtype and the probe alone, so that TorchDynamo can trace it (a traced op asks it): the
+    routes of any other W read torch's matmul-precision switches, whose getters Dynamo cannot trace."""
+    return W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype)
 
 
 def fp32_matmul_precision(device_type: str) -> str:

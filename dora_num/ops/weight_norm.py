@@ -32,7 +32,7 @@ from .norm import (FLAG_FIELDS, _accumulate, _base_and_zero_rows, _cached_base_a
                    _factored_row_norm, _products, cached_base_row_norm_sq, cached_zero_rows, chunk_columns,
                    clear_base_sq_cache, factored_norm, new_flag, refresh_base_cache, resolve_chunk_bytes,
                    tail_kernel, uses_tail_kernel)
-from .products import Products, forms_column_chunks, product_model
+from .products import Products, takes_w_whole
 from .validation import check_lora_factors, check_scale, check_tensor
 
 
@@ -183,11 +183,12 @@ def _traceable_den(W: torch.Tensor, A: torch.Tensor, scale: float, m: torch.Tens
     """Whether a compiled layer's denominator takes the traced op: CUDA with the tail kernel (not the
     interpreter), ``OpConfig.traced_ops`` on, a nonzero scale (``s = 0`` skips the products), an ``m`` the
     tail reads, a rank above 1 (Inductor rewrites a product with an output dimension of 1 in max-autotune
-    modes, ``out_dtype`` dropped) and a product route that takes W whole (:func:`forms_column_chunks`: a
-    column loop's bounds would be symbolic under dynamic shapes)."""
+    modes, ``out_dtype`` dropped) and a product route that takes W whole
+    (:func:`~dora_num.ops.products.takes_w_whole`: a column loop's bounds would be symbolic under dynamic
+    shapes)."""
     return (traces_kernels(W.device, cfg) and uses_tail_kernel(W.device, cfg) and float(scale) != 0.0
-            and m.dtype in (torch.float32, torch.bfloat16, torch.float16) and A.shape[0] > 1
-            and not forms_column_chunks(W, A, product_model(W, A, cfg)))
+            and m.dtype in (torch.float32, torch.bfloat16, torch.float16) and A.shape[0] > 1 and takes_w_whole(W))
+
 
 
 @torch.library.triton_op("dora_num::weight_den_traced", mutates_args=("acc", "base_sq", "zero_rows"))

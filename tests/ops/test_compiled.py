@@ -474,36 +474,40 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
 @pytest.mark.gpu
 def test_cuda_compiled_norm_over_changing_shapes_keeps_the_eager_bits():
     """A compiled function called on W of several shapes (as a study looping over a model's projections
-    does): from the second shape on Dynamo makes the shapes symbolic, and the default byte budget of the
-    column chunks with them.  The traced denominator still runs (its products take W whole) and ``g`` is
-    bitwise the eager one on every shape, fp16 and bf16 bases.  Each dtype compiled before any eager call
-    of it: the probe of ``torch.mm(..., out_dtype=float32)`` then runs while Dynamo traces."""
+    does): the second shape compiles again with symbolic shapes (and with them the default byte budget of
+    the column chunks, an expression of W's size, which differs between the shapes), the third compiles
+    nothing.  A 16-bit W takes the traced denominator (its products take W whole) and an fp32 W the opaque
+    one (its routes read the matmul switches, which Dynamo cannot trace); ``g`` is bitwise the eager one on
+    every shape.  Each dtype is compiled before any eager call of it: the probe of ``torch.mm(...,
+    out_dtype=float32)`` then runs while Dynamo traces."""
     from torch._inductor.utils import run_and_get_code
 
     from dora_num.ops.products import clear_mm_probes
     from dora_num.ops.weight_norm import magnitude_scale_and_flag
 
-    clear_mm_probes()  # as in a fresh process: nothing probed yet
-
     def g_of(W, A, B, m):
         return magnitude_scale_and_flag(W, A, B, 2.0, m)[0]
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         torch._dynamo.reset()
-        compiled = torch.compile(g_of, fullgraph=True)
-        code = []
-        for d_out, d_in in ((768, 1024), (1024, 768), (1536, 512)):
-            W = torch.randn(d_out, d_in, device="cuda", generator=gen).to(dtype)
-            A = 0.02 * torch.randn(16, d_in, device="cuda", generator=gen)
-            B = 0.02 * torch.randn(d_out, 16, device="cuda", generator=gen)
-            m = W.float().norm(dim=1) * (1 + 1e-3 * torch.randn(d_out, device="cuda", generator=gen))
-            with torch.no_grad():
-                got, new_code = run_and_get_code(lambda: compiled(W, A, B, m))
-                assert_bitwise(got, g_of(W, A, B, m))
-            code += new_code
-        text = "\n".join(code)
-        assert "_split_kernel" in text and "dora_num.weight_den.default" not in text, dtype
+        clear_mm_probes()  # as in a fresh process: nothing probed yet
+        with override(traced_ops=True):
+            compiled = torch.compile(g_of, fullgraph=True)
+            codes = []
+            for d_out, d_in in ((768, 1024), (1024, 1536), (1536, 512)):  # three sizes d_out * d_in
+                W = torch.randn(d_out, d_in, device="cuda", generator=gen).to(dtype)
+                A = 0.02 * torch.randn(16, d_in, device="cuda", generator=gen)
+                B = 0.02 * torch.randn(d_out, 16, device="cuda", generator=gen)
+                m = W.float().norm(dim=1) * (1 + 1e-3 * torch.randn(d_out, device="cuda", generator=gen))
+                with torch.no_grad():
+                    got, code = run_and_get_code(lambda: compiled(W, A, B, m))
+                    assert_bitwise(got, g_of(W, A, B, m))
+                codes.append("\n".join(code))
+        assert codes[1] and not codes[2], (dtype, [len(c) for c in codes])  # one symbolic recompile, then none
+        traced = dtype != torch.float32
+        for text in codes[:2]:
+            assert ("_split_kernel" in text) == traced and ("dora_num.weight_den.default" in text) != traced, dtype
 
 
 @pytest.mark.interpreter

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dora_num.numerics.standard_model import TC_BLOCK_K
-from dora_num.ops.products import ProductModel, TensorCoreGemm, _mm32, _u_product, forms_column_chunks, split_gram, split_mm, tensor_core_gemms
+from dora_num.ops.products import (ProductModel, TensorCoreGemm, _mm32, _u_product, forms_column_chunks, product_model,
+                                   split_gram, split_mm, takes_w_whole, tensor_core_gemms)
 
 
 def _recorder(seen: list):
@@ -59,6 +60,20 @@ def test_routes_that_chunk_w_require_the_column_width():
     assert forms_column_chunks(W.bfloat16(), A, ProductModel("fp32"))
     assert forms_column_chunks(W, A, ProductModel("fp64"))
     assert not forms_column_chunks(W.bfloat16(), A, ProductModel("split", 3, "bf16"))
-    assert torch.equal(_u_product(W, A, None, model=ProductModel("fp32")), W @ A.T)
     with pytest.raises(ValueError, match="cols is required"):
         _u_product(W, A, None, model=ProductModel("fp64"))
+    with pytest.raises(ValueError, match="cols is required"):
+        _u_product(W.bfloat16(), A, None, model=ProductModel("fp32"))
+
+
+def test_the_traced_route_test_compiles_for_every_dtype():
+    """``takes_w_whole`` runs inside TorchDynamo's trace (a compiled layer asks it before choosing the traced
+    denominator): it compiles with ``fullgraph=True`` for 32- and 16-bit W and agrees with the route
+    :func:`product_model` chooses (on the CPU: never a tensor-core route).  ``product_model`` itself reads the
+    matmul switches, which Dynamo cannot trace: the route test must not (the CUDA case: the GPU test of a
+    compiled fp32 W, tests/ops/test_compiled.py)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        W, A = torch.randn(8, 96).to(dtype), torch.randn(3, 96)
+        f = torch.compile(lambda W, A: A * 2 if takes_w_whole(W) else A - 1, fullgraph=True)
+        whole = product_model(W, A).u in ("tensor_core", "split")
+        assert torch.equal(f(W, A), A * 2 if whole else A - 1) and takes_w_whole(W) == whole

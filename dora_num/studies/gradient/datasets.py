@@ -22,7 +22,7 @@ MEMORY_HOLDOUT_RERUN = DataSet("memory-holdout-rerun", {"measured": "gpu/memory/
 
 # dg on the MiniLM capture (dg_accuracy.capture_minilm): float64 training on the CPU, whose last bits still follow
 # the CPU model under the pinned kernels (an Intel Xeon against the AMD EPYC record: 25 values in 20 of 144 rows,
-# counts by one, rel_err_norm by at most 4.4e-7 of itself), so the table is read from its record
+# counts by one, rel_err_norm by at most 4.4e-7 of itself, cosine by 2e-16), so the table is read from its record
 DG_MINILM = DataSet("dg-minilm", {"table": "06_gradient_and_memory/dg_minilm.csv"},
                     recorder="notebook 06 with RECOMPUTE_MINILM=True", where="the CPU, about 2 min on 2 cores",
                     notebooks=("06",))

@@ -29,8 +29,9 @@ from ...numerics.formats import get_format, to_float64, two_prod, ulp
 from ...ops.config import get_config
 from ...ops.reference import compose_backward_ref, compose_inner_ref
 from ...oracles import dg_ref64
+from ...repro.provenance import read_provenance
 from .. import inputs
-from .datasets import DG_MINILM  # noqa: F401  (the notebook's record of minilm_table)
+from .datasets import DG_MINILM
 
 REDUCTIONS = ("eager", "fused", "fp64")
 DTYPES = inputs.DG_DTYPES
@@ -342,6 +343,19 @@ def capture_minilm(*, steps_before: int = 3, batch_size: int = 16, max_len: int 
             out[n] = {"base": x @ W.double().T, "lora": (x @ A.double().T) @ B.double().T, "D": D, "s": float(scale),
                       "m": m.detach().double().numpy()}
     return out
+
+
+def recorded_minilm_table(**settings) -> pd.DataFrame:
+    """:func:`minilm_table` as notebook 06 recorded it (:data:`DG_MINILM`, with ``RECOMPUTE_MINILM = True``);
+    ``settings``: the notebook's parameters of the capture (``MINILM_STEPS=3, LR=1e-3, ...``), each of which
+    must be what the record was made with (its provenance), else a clear error, not another run's table."""
+    (path,) = DG_MINILM.require()
+    made = read_provenance(path).get("parameters", {})
+    differ = {k: (made.get(k), v) for k, v in settings.items() if made.get(k) != v}
+    if differ:
+        said = ", ".join(f"{k}={a!r} (asked {b!r})" for k, (a, b) in differ.items())
+        raise ValueError(f"{path} was recorded with {said}; {DG_MINILM.how_to_record}")
+    return pd.read_csv(path)
 
 
 def minilm_table(captured: dict, dtypes=("bf16", "fp16", "fp32"), *, lr: float = 1e-3):

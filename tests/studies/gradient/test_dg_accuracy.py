@@ -183,3 +183,17 @@ def test_minilm_capture_does_not_follow_the_cpus_gemm_kernels():
         runs[branch] = json.loads(out.stdout.strip().splitlines()[-1])
     differ = sorted(k for k in runs["COMPATIBLE"] if runs["COMPATIBLE"][k] != runs["AUTO"][k])
     assert len(runs["AUTO"]) == 9 and not differ, differ
+
+
+def test_the_recorded_minilm_table_refuses_other_settings():
+    """Notebook 06 reads its MiniLM table from the record: with the record's own settings it gets every row;
+    with a setting the record was not made with, an error naming it, not that run's table."""
+    from dora_num.repro.provenance import read_provenance
+    from dora_num.studies.gradient.dg_accuracy import DG_MINILM, recorded_minilm_table
+
+    made = read_provenance(DG_MINILM.path())["parameters"]
+    keys = ("MINILM_STEPS", "MINILM_BATCH", "MINILM_MODULES", "LR", "SEED")
+    table = recorded_minilm_table(**{k: made[k] for k in keys})
+    assert len(table) == 12 * 3 * 4 and set(table["dtype"]) == {"bf16", "fp16", "fp32"}
+    with pytest.raises(ValueError, match=r"MINILM_STEPS=3 \(asked 4\)"):
+        recorded_minilm_table(**{k: made[k] for k in keys} | {"MINILM_STEPS": 4})
