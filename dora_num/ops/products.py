@@ -418,14 +418,6 @@ def _chunked_fp64(X: torch.Tensor, Y: torch.Tensor, cols: int) -> torch.Tensor:
     return acc.float()
 
 
-def forms_column_chunks(W: torch.Tensor, A: torch.Tensor, model: ProductModel) -> bool:
-    """Whether ``U`` by ``model``'s route is formed over column chunks of W (the byte budget's ``cols``,
-    :func:`chunk_columns`): ``"fp64"``, and ``"fp32"`` unless W and A are both fp32.  The tensor-core and
-    split routes take W whole, so a traced body need not resolve the budget (which under dynamic shapes is
-    a symbolic expression of W's shape, not an int)."""
-    return model.u == "fp64" or (model.u == "fp32" and not (W.dtype == A.dtype == torch.float32))
-
-
 def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int | None, pieces: int = 3,
                model: ProductModel | None = None):
     """``U = W A^T`` fp32 ``[d_out, r]`` by the route of ``model`` (:func:`product_model`), without
@@ -443,16 +435,16 @@ def _u_product(W: torch.Tensor, A: torch.Tensor, cols: int | None, pieces: int =
     - ``"fp64"`` (TF32 or bf16 GEMMs switched on): :func:`_chunked_fp64`, ``u + gamma64_{2 d_in}``.
     """
     model = product_model(W, A) if model is None else model
-    if cols is None and forms_column_chunks(W, A, model):
-        raise ValueError(f"U by the {model.u!r} route is formed over column chunks of W: cols is required")
     if model.u == "tensor_core":
         return _mm32(W, A.T)
     if model.u == "split":
         return split_mm(W, A, pieces)
+    if model.u == "fp32" and W.dtype == torch.float32 and A.dtype == torch.float32:
+        return W @ A.T
+    if cols is None:  # the remaining routes chunk W: a traced body (cols None) never reaches them
+        raise ValueError(f"U by the {model.u!r} route is formed over column chunks of W: cols is required")
     if model.u == "fp64":
         return _chunked_fp64(W, A, cols)
-    if W.dtype == torch.float32 and A.dtype == torch.float32:
-        return W @ A.T
     U = torch.zeros(W.shape[0], A.shape[0], dtype=torch.float32, device=W.device)
     for start in range(0, W.shape[1], cols):
         U.addmm_(W[:, start : start + cols].float(), A[:, start : start + cols].float().T)
@@ -472,7 +464,7 @@ class Products(NamedTuple):
 def _products(W: torch.Tensor, A: torch.Tensor, cols: int | None, cfg: OpConfig, traced: bool = False) -> Products:
     """:class:`Products` of the factored norm by the route of :func:`product_model` (``U``:
     :func:`_u_product`; ``G``: :func:`_gram` by the same route, the split's pieces shared).  ``cols``: the
-    column chunk's width, None where the route takes W whole (:func:`forms_column_chunks`).  ``traced``:
+    column chunk's width, None where the route takes W whole (:func:`takes_w_whole`).  ``traced``:
     the body of a traced op (:mod:`dora_num.ops.weight_norm`), whose kernels Inductor launches."""
     model = product_model(W, A, cfg)
     if model.u == "split":

@@ -190,7 +190,6 @@ def _traceable_den(W: torch.Tensor, A: torch.Tensor, scale: float, m: torch.Tens
             and m.dtype in (torch.float32, torch.bfloat16, torch.float16) and A.shape[0] > 1 and takes_w_whole(W))
 
 
-
 @torch.library.triton_op("dora_num::weight_den_traced", mutates_args=("acc", "base_sq", "zero_rows"))
 def _weight_den_traced_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor, acc: torch.Tensor,
                           base_sq: torch.Tensor, zero_rows: torch.Tensor, scale: float, chunk_bytes: int,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dora_num.numerics.standard_model import TC_BLOCK_K
-from dora_num.ops.products import (ProductModel, TensorCoreGemm, _mm32, _u_product, forms_column_chunks, product_model,
+from dora_num.ops.products import (ProductModel, TensorCoreGemm, _mm32, _u_product, product_model,
                                    split_gram, split_mm, takes_w_whole, tensor_core_gemms)
 
 
@@ -52,14 +52,11 @@ def test_other_routes_run_no_tensor_core_gemm(route):
 
 
 def test_routes_that_chunk_w_require_the_column_width():
-    """The fp64 route and the fp32 route with a 16-bit W form U over column chunks of W and need
-    ``cols``; the fp32 route with fp32 W and A (and the tensor-core and split routes) take W whole, so a
-    traced body passes None."""
+    """The fp64 route and the fp32 route with a 16-bit W form U over column chunks of W and refuse a missing
+    ``cols``; the fp32 route with fp32 W and A takes W whole (as the tensor-core and split routes, whose
+    traced body passes None)."""
     W, A = torch.randn(8, 96), torch.randn(3, 96)
-    assert not forms_column_chunks(W, A, ProductModel("fp32"))
-    assert forms_column_chunks(W.bfloat16(), A, ProductModel("fp32"))
-    assert forms_column_chunks(W, A, ProductModel("fp64"))
-    assert not forms_column_chunks(W.bfloat16(), A, ProductModel("split", 3, "bf16"))
+    assert torch.equal(_u_product(W, A, None, model=ProductModel("fp32")), W @ A.T)
     with pytest.raises(ValueError, match="cols is required"):
         _u_product(W, A, None, model=ProductModel("fp64"))
     with pytest.raises(ValueError, match="cols is required"):
