@@ -232,10 +232,12 @@ def test_cuda_kit_names_its_evidence_and_probes_what_no_record_covers():
 
 @pytest.mark.gpu
 def test_cuda_kit_takes_the_committed_record_only_on_its_own_card_and_versions():
-    """bf16 8192 x 4096 at r = 16: the H100's committed probe holds its U and G.  On that card with that torch
-    and CUDA the kit names the record (no probe) and the check passes; anywhere else it probes now, at the same
-    GEMMs, and the report follows the probe."""
+    """bf16 8192 x 4096 at r = 16: each recorded card's committed probe holds its U and G.  On a card with a
+    record, under the record's torch and CUDA, the kit names the record (no probe) and the check passes;
+    anywhere else it probes now, at the same GEMMs, and the report follows the probe."""
+    from dora_num.numerics.accumulation import card_name
     from dora_num.studies.bounds.accumulation import load_operator_probe
+    from dora_num.studies.bounds.datasets import OPERATOR_ACCUMULATION_CARDS
 
     g = torch.Generator().manual_seed(1)
     W = torch.randn(8192, 4096, generator=g).bfloat16().cuda()
@@ -243,12 +245,13 @@ def test_cuda_kit_takes_the_committed_record_only_on_its_own_card_and_versions()
     B = (torch.randn(8192, 16, generator=g) * 0.01).bfloat16().cuda()
     m = torch.linalg.vector_norm(W.float(), dim=1)
     rep = check_bounds(W, A, B, m, scale=2.0, max_rows=16)
-    device, _ = load_operator_probe("h100")
     here = (torch.cuda.get_device_name(), torch.__version__, torch.version.cuda)
+    card = card_name(here[0])
+    device = load_operator_probe(card)[0] if card in OPERATOR_ACCUMULATION_CARDS else {}
     labels = "bf16 U [8192 x 4096] @ [4096 x 16], bf16 G [16 x 4096] @ [4096 x 16]"
-    if here == (device["name"], device["torch"], device["cuda"]):
+    if here == (device.get("name"), device.get("torch"), device.get("cuda")):
         assert _line(rep).startswith(f"accumulation: 2u per addition, confirmed by the committed probe of {here[0]} "
-                                     f"(data/gpu/products/accumulation_probe_h100.json.xz; torch {here[1]}, CUDA "
+                                     f"(data/gpu/products/accumulation_probe_{card}.json.xz; torch {here[1]}, CUDA "
                                      f"{here[2]}) at {labels} (")
         assert rep.exit_code == EXIT_PASS, rep.to_string()
     else:
