@@ -135,6 +135,53 @@ def split_term_errors(W, A, B, pieces: int, fmt) -> tuple[np.ndarray, np.ndarray
     return e_cross, e_ba
 
 
+# The norm tail's ``B G`` on tensor cores (:func:`dora_num.ops.products.split_bg`): ``B`` in bf16 pieces, as many as
+# hold its dtype exactly (fp32 3, fp16 2, bf16 1), and the fp32 Gram ``G`` in 3 bf16 pieces
+BG_PIECES = {"fp32": 3, "fp16": 2, "bf16": 1}
+G_PIECES = 3
+
+
+def split_bg_np(B, G, b_format: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(PB, PG)``: the bf16 pieces of ``B`` (``[BG_PIECES[b_format], d_out, r]``) and of ``G``
+    (``[3, r, r]``) that :func:`dora_num.ops.products.split_bg` multiplies (float64 arrays holding bf16
+    values; exact, as :func:`split_pieces_np`).  ``b_format``: the dtype ``B`` is stored in."""
+    if b_format not in BG_PIECES:
+        raise ValueError(f"split_bg_np: b_format must be one of {tuple(BG_PIECES)}, got {b_format!r}")
+    return split_pieces_np(B, "bf16", BG_PIECES[b_format])[0], split_pieces_np(G, "bf16", G_PIECES)[0]
+
+
+def split_bg_error(B, G, b_format: str) -> np.ndarray:
+    """Bound on ``|BG^ - B G|`` per entry (float64 ``[d_out, r]``) of
+    :func:`dora_num.ops.products.split_bg`, for the fp32 matrices ``B`` (holding values of ``b_format``)
+    and ``G`` it is given (docs/bounds.md, "The tail's B G on tensor cores").
+
+    With ``B = sum_p PB_p + res_B`` and ``G = sum_q PG_q + res_G`` (bf16 pieces; ``res`` nonzero only
+    below bf16's normal range), block ``q`` of the one product ``[PB_1 ... PB_pB] [PG_q; ...; PG_q]``
+    sums ``K = pB r`` exact products on a tensor core (``tc_additions(K)`` roundings of ``u``: an
+    accumulator that may truncate), and the three blocks are added in fp32 (two roundings)::
+
+        |BG^ - BG| <= gamma_{tc_additions(K) + 2} S_B S_G + res_B |G~| + |B~| res_G + res_B res_G
+                      + (1 + gamma) (n + 3 K) 2^-126
+
+    ``S_X = sum |pieces of X|``, ``X~ = sum of the pieces``, ``n`` the products below ``2^-126``
+    (each may be flushed), ``3 K`` the partial sums that may be (``3 (K - 1)`` in the blocks, two block
+    sums).  ``inf`` where a partial sum may overflow fp32 or a piece is not finite."""
+    B = np.asarray(B, dtype=np.float64)
+    G = np.asarray(G, dtype=np.float64)
+    PB, PG = split_bg_np(B, G, b_format)
+    res_B, res_G = np.abs(B - PB.sum(axis=0)), np.abs(G - PG.sum(axis=0))
+    S_B, S_G = np.abs(PB).sum(axis=0), np.abs(PG).sum(axis=0)
+    K = PB.shape[0] * B.shape[1]
+    g = _gamma(tc_additions(K) + G_PIECES - 1)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing magnitudes: inf, then no bound (below)
+        n = sum(_flush_sites(PB[p], PG.transpose(0, 2, 1)) for p in range(PB.shape[0]))
+        mag = S_B @ S_G
+        E = (g * mag + res_B @ np.abs(PG.sum(axis=0)) + np.abs(PB.sum(axis=0)) @ res_G + res_B @ res_G
+             + (1 + g) * (n + G_PIECES * K) * TINY32)
+    finite = np.isfinite(PB).all(axis=(0, 2))[:, None] & np.isfinite(PG).all(axis=(0, 1))[None, :]
+    return np.where(_overflows(mag, 1.0, g) | ~finite, np.inf, E)
+
+
 def _round_toward_zero32(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
     """``RZ_fp32(hi + lo)`` for a double-double ``hi + lo`` (``|lo| <= ulp64(hi) / 2``)."""
     from .formats import round_dd

@@ -385,6 +385,36 @@ def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=
     return G if inv is None else G.mul_(inv).mul_(inv)
 
 
+# bf16 pieces that hold B exactly (in bf16's normal range): numerics.split_products.BG_PIECES, by dtype
+BG_PIECES = {torch.float32: 3, torch.float16: 2, torch.bfloat16: 1}
+
+
+def split_bg(B: torch.Tensor, G: torch.Tensor, mm=None, traced: bool = False,
+             cfg: OpConfig | None = None) -> torch.Tensor:
+    r"""``B G`` fp32 ``[d_out, r]`` (the norm tail's product, ``ba = rowsum((B G) * B)``) from tensor-core
+    products only: ``B`` in ``pB`` bf16 pieces (:data:`BG_PIECES`: 3 for fp32, 2 for fp16, 1 for bf16, each
+    exact above bf16's subnormal range), the fp32 ``G`` in 3 (:func:`split_pieces`), one product
+    ``[PB_1 ... PB_pB] R`` with ``R``'s block ``(p, q)`` the piece ``PG_q`` (``[d_out, pB r] @ [pB r, 3 r]``,
+    fp32 accumulation and output), then its three column blocks summed in order (:func:`block_sum`).  Every
+    element product is exact in fp32 (8 + 8 significand bits), so the error is the accumulation of
+    ``pB r`` products and two block sums, ``gamma_{2 pB r + 2}`` of ``sum |PB| sum |PG|``, plus what the
+    split left below bf16's normal range and flushed subnormals
+    (:func:`dora_num.numerics.split_products.split_bg_error`).  The right operand is passed as the
+    transpose of a row-major ``[3 r, pB r]`` matrix, the layout of ``U``'s and ``G``'s products.  ``mm``,
+    ``traced``, ``cfg``: as :func:`split_mm`.  Extra memory: ``d_out * 3 r * 4`` bytes and the pieces."""
+    if B.dim() != 2 or G.shape != (B.shape[1], B.shape[1]):
+        raise ValueError(f"split_bg: B must be [d_out, r] and G [r, r], got {tuple(B.shape)} and {tuple(G.shape)}")
+    if B.dtype not in BG_PIECES or G.dtype != torch.float32:
+        raise ValueError(f"split_bg: B must be fp32, fp16 or bf16 and G fp32, got {B.dtype} and {G.dtype}")
+    d_out, r = B.shape
+    pB = BG_PIECES[B.dtype]
+    PB = B[None] if pB == 1 else split_pieces(B, torch.bfloat16, pB, traced, cfg)[0]
+    PG = split_pieces(G, torch.bfloat16, 3, traced, cfg)[0]
+    left = PB.permute(1, 0, 2).reshape(d_out, pB * r)  # [B_1 ... B_pB]
+    right_t = PG.transpose(1, 2).repeat(1, 1, pB).reshape(3 * r, pB * r)  # row q r + l, column p r + k: PG_q[k, l]
+    return block_sum(_mm32(left, right_t.T, mm), d_out, r, 1, 3, traced, cfg)
+
+
 def clear_mm_probes() -> None:
     """Forget which dtypes :func:`_tensor_core_fp32_out` has probed, as in a fresh process (the next use
     of each probes again; the answers cannot change within a process, so this only reopens the path a

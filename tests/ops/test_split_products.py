@@ -330,3 +330,109 @@ def test_bf16_base_factored_error_is_the_accumulation_depth(record):
     assert trunc["factored_median"] > 8 * trunc["dense_max"] and seq["factored_median"] > 4 * seq["dense_max"]
     assert tree["factored_max"] < 4 * tree["dense_max"]  # the depth of the accumulation is the cause
     assert trunc["err_over_bound_max"] <= 1 and trunc["err_over_bound_max"] < 0.02  # within, and far from tight
+
+
+# ---------------------------------------------------------------------------
+# The tail's B G from bf16 pieces of B and G (ops.products.split_bg)
+# ---------------------------------------------------------------------------
+
+BG_FMTS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _tail_factors(regime: str, b_dtype: torch.dtype, d_out: int = 20, r: int = 7, seed: int = 6):
+    """``B`` of ``b_dtype`` (its values in that dtype's range) and an fp32 ``G`` (a Gram of ``regime``'s A,
+    as the norm forms it: fp32 values, symmetric up to rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    A = _adapter(regime, r, 33, seed=seed)
+    if regime in ("huge", "wide_exponents"):  # a Gram of such an A overflows: A's values as G's (wide: to 2^60)
+        G = A[:, :r].clamp(-2.0**60, 2.0**60).contiguous()
+    else:
+        G = (A.double() @ A.double().T).float()
+    B = torch.randn(d_out, r, generator=gen) * 0.01
+    if regime == "wide_exponents":
+        B = B.sign() * torch.ldexp(1 + torch.rand(d_out, r, generator=gen), torch.randint(-149, 30, (d_out, r), generator=gen))
+    if regime == "tiny":
+        B = B * 2.0**-100
+    B[0] = 0.0
+    return B.to(b_dtype), G
+
+
+@pytest.mark.parametrize("b_dtype", list(BG_FMTS), ids=list(BG_FMTS.values()))
+@pytest.mark.parametrize("regime", REGIMES)
+def test_split_bg_within_bound_on_an_emulated_tensor_core(regime, b_dtype):
+    """``B G`` through bf16 pieces of both factors, on the emulated truncating tensor core, against the exact
+    product of the fp32 values it was given: within :func:`split_bg_error` (plus the float64 reference's own
+    ``gamma64_r``), every finite-bounded entry finite."""
+    from dora_num.numerics.split_products import split_bg_error
+    from dora_num.ops.products import split_bg
+
+    B, G = _tail_factors(regime, b_dtype)
+    BG = split_bg(B, G, mm=_emulated_mm).double().numpy()
+    B64, G64 = B.double().numpy(), G.double().numpy()
+    exact = B64 @ G64  # products exact in float64 (<= 48 bits); the sum within gamma64_r of the magnitudes
+    tol = split_bg_error(B64, G64, BG_FMTS[b_dtype]) + _gamma64(B.shape[1]) * (np.abs(B64) @ np.abs(G64))
+    fin = np.isfinite(tol)
+    assert fin.mean() > 0.5
+    assert np.isfinite(BG[fin]).all()
+    assert (np.abs(BG - exact)[fin] <= tol[fin]).all(), float((np.abs(BG - exact)[fin] / tol[fin]).max())
+
+
+def test_split_bg_pieces_hold_each_dtype_exactly_above_bf16_subnormals():
+    """The piece counts of ``BG_PIECES``: one bf16 piece is a bf16 B, two hold every fp16 value (subnormals
+    included), three every fp32 value of at least ``2^-110``; fewer would not (the counts are the least)."""
+    from dora_num.numerics.split_products import split_bg_np, split_residual
+
+    gen = torch.Generator().manual_seed(9)
+    fp16 = torch.randn(64, 64, generator=gen).half()
+    fp16[0, :8] = torch.tensor([2.0**-24, 3 * 2.0**-24, 1023 * 2.0**-24, 65504.0, -2.0**-14, 0.0, 1.0 + 2.0**-10, -7.0])
+    assert (split_residual(fp16.double().numpy(), "bf16", 2)[0] == 0).all()
+    assert (split_residual(fp16.double().numpy(), "bf16", 1)[0] > 0).any()
+    fp32 = _adapter("wide_exponents", 64, 64, seed=9).numpy()
+    big = np.abs(fp32) >= 2.0**-110
+    assert (split_residual(fp32, "bf16", 3)[0][big] == 0).all()
+    assert (split_residual(fp32, "bf16", 2)[0][big] > 0).mean() > 0.9
+    bf16 = torch.randn(8, 8, generator=gen).bfloat16().double().numpy()
+    PB, PG = split_bg_np(bf16, fp32[:8, :8], "bf16")
+    assert PB.shape == (1, 8, 8) and (PB[0] == bf16).all() and PG.shape == (3, 8, 8)
+
+
+def test_split_bg_bound_is_not_vacuous():
+    """On positive factors the emulated truncation drifts: the error reaches a sizeable part of the bound
+    and exceeds one rounding of the exact product (so the test above can fail)."""
+    from dora_num.numerics.split_products import split_bg_error
+    from dora_num.ops.products import split_bg
+
+    gen = torch.Generator().manual_seed(12)
+    B = torch.rand(32, 96, generator=gen)
+    A = torch.rand(96, 256, generator=gen) / 16
+    G = (A.double() @ A.double().T).float()
+    BG = split_bg(B, G, mm=_emulated_mm).double().numpy()
+    exact = B.double().numpy() @ G.double().numpy()
+    err = np.abs(BG - exact)
+    assert (err > 2.0**-24 * np.abs(exact)).mean() > 0.5
+    assert (err / split_bg_error(B.double().numpy(), G.double().numpy(), "fp32")).max() > 0.05
+
+
+def test_split_bg_refuses_what_it_cannot_split():
+    from dora_num.ops.products import split_bg
+
+    with pytest.raises(ValueError, match=r"G \[r, r\]"):
+        split_bg(torch.zeros(4, 3), torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="fp32, fp16 or bf16 and G fp32"):
+        split_bg(torch.zeros(4, 3, dtype=torch.float64), torch.zeros(3, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_dtype", list(BG_FMTS), ids=list(BG_FMTS.values()))
+def test_cuda_split_bg_within_bound_and_bitwise_eager_when_traced(b_dtype):
+    """On CUDA (``torch.mm(..., out_dtype=float32)`` on the tensor cores): within :func:`split_bg_error` of the
+    exact product, and the traced route (the split and block-sum kernels launched directly) the same bits."""
+    from dora_num.numerics.split_products import split_bg_error
+    from dora_num.ops.products import split_bg
+
+    B, G = _tail_factors("kaiming", b_dtype, d_out=4096, r=384)
+    BG = split_bg(B.cuda(), G.cuda())
+    assert torch.equal(BG, split_bg(B.cuda(), G.cuda(), traced=True))
+    B64, G64 = B.double().numpy(), G.double().numpy()
+    tol = split_bg_error(B64, G64, BG_FMTS[b_dtype]) + _gamma64(384) * (np.abs(B64) @ np.abs(G64))
+    assert (np.abs(BG.double().cpu().numpy() - B64 @ G64) <= tol).all()
