@@ -9,7 +9,9 @@ flushed subnormal products; :func:`split_term_errors` carries them into the fact
 bound.  Three pieces by default (``OpConfig.split_pieces``): two bf16 pieces round the adapter
 to ~17 bits inside the norm (median relative error of ``U`` 2.2e-6 against 9.8e-8, CPU,
 d = 1024).  The derivation and the two-or-three measurements: docs/bounds.md, "Products
-through a split of A".
+through a split of A".  The norm tail's ``B G`` from bf16 pieces of both factors (:func:`split_bg_error`, of
+:func:`dora_num.ops.products.split_bg`; not yet the operator's route): docs/bounds.md, "The tail's B G on
+tensor cores".
 """
 
 from __future__ import annotations
