@@ -471,40 +471,65 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
         assert not kernels and len(opaque) == 5, (kernels, opaque)
 
 
-@pytest.mark.gpu
-def test_cuda_compiled_norm_over_changing_shapes_keeps_the_eager_bits():
-    """A compiled function called on W of several shapes (as a study looping over a model's projections
-    does): the second shape compiles again with symbolic shapes (and with them the default byte budget of
-    the column chunks, an expression of W's size, which differs between the shapes), the third compiles
-    nothing.  A 16-bit W takes the traced denominator (its products take W whole) and an fp32 W the opaque
-    one (its routes read the matmul switches, which Dynamo cannot trace); ``g`` is bitwise the eager one on
-    every shape.  Each dtype is compiled before any eager call of it: the probe of ``torch.mm(...,
-    out_dtype=float32)`` then runs while Dynamo traces."""
-    from torch._inductor.utils import run_and_get_code
+def _run_and_get_new_code(fn):
+    """``(fn(), the Inductor code it compiled)``, keeping TorchDynamo's cache (``torch._inductor.utils.
+    run_and_get_code`` resets it first, so every call would compile again from scratch, shapes static)."""
+    from unittest import mock
 
+    from torch._inductor.graph import GraphLowering
+
+    codes = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        return fn(), codes
+
+
+def _norm_over_changing_shapes(device, dtype, gen):
+    """``g`` of ``magnitude_scale_and_flag`` compiled (``fullgraph=True``, traced ops on) and called on W of three
+    shapes, each ``g`` held to the eager bits; the Inductor code each call compiled."""
     from dora_num.ops.products import clear_mm_probes
     from dora_num.ops.weight_norm import magnitude_scale_and_flag
 
     def g_of(W, A, B, m):
         return magnitude_scale_and_flag(W, A, B, 2.0, m)[0]
 
+    torch._dynamo.reset()
+    clear_mm_probes()  # as in a fresh process: nothing probed yet
+    codes = []
+    with override(traced_ops=True):
+        compiled = torch.compile(g_of, fullgraph=True)
+        for d_out, d_in in ((768, 1024), (1024, 1536), (1536, 512)):  # three shapes, three sizes d_out + d_in
+            W = torch.randn(d_out, d_in, device=device, generator=gen).to(dtype)
+            A = 0.02 * torch.randn(16, d_in, device=device, generator=gen)
+            B = 0.02 * torch.randn(d_out, 16, device=device, generator=gen)
+            m = W.float().norm(dim=1) * (1 + 1e-3 * torch.randn(d_out, device=device, generator=gen))
+            with torch.no_grad():
+                got, code = _run_and_get_new_code(lambda: compiled(W, A, B, m))
+                assert_bitwise(got, g_of(W, A, B, m))
+            codes.append("\n".join(code))
+    return codes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compiled_norm_over_changing_shapes_compiles_twice_with_the_eager_bits(dtype):
+    """On the CPU (the opaque denominator): the first shape compiles a static graph, the second one with
+    symbolic shapes, which serves the third; ``g`` is bitwise the eager one on every shape."""
+    codes = _norm_over_changing_shapes("cpu", dtype, torch.Generator().manual_seed(0))
+    assert codes[0] and codes[1] and not codes[2], [len(c) for c in codes]
+    assert all("dora_num.weight_den.default" in c for c in codes[:2])
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_norm_over_changing_shapes_keeps_the_eager_bits():
+    """The same on CUDA, as a study looping over a model's projections calls it: the second shape compiles
+    again with symbolic shapes (and with them the default byte budget of the column chunks, an expression of
+    W's size, which differs between the shapes), the third compiles nothing.  A 16-bit W takes the traced
+    denominator (its products take W whole) and an fp32 W the opaque one (its routes read the matmul switches,
+    which Dynamo cannot trace); ``g`` is bitwise the eager one on every shape.  Each dtype is compiled before
+    any eager call of it: the probe of ``torch.mm(..., out_dtype=float32)`` then runs while Dynamo traces."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        torch._dynamo.reset()
-        clear_mm_probes()  # as in a fresh process: nothing probed yet
-        with override(traced_ops=True):
-            compiled = torch.compile(g_of, fullgraph=True)
-            codes = []
-            for d_out, d_in in ((768, 1024), (1024, 1536), (1536, 512)):  # three sizes d_out * d_in
-                W = torch.randn(d_out, d_in, device="cuda", generator=gen).to(dtype)
-                A = 0.02 * torch.randn(16, d_in, device="cuda", generator=gen)
-                B = 0.02 * torch.randn(d_out, 16, device="cuda", generator=gen)
-                m = W.float().norm(dim=1) * (1 + 1e-3 * torch.randn(d_out, device="cuda", generator=gen))
-                with torch.no_grad():
-                    got, code = run_and_get_code(lambda: compiled(W, A, B, m))
-                    assert_bitwise(got, g_of(W, A, B, m))
-                codes.append("\n".join(code))
-        assert codes[1] and not codes[2], (dtype, [len(c) for c in codes])  # one symbolic recompile, then none
+        codes = _norm_over_changing_shapes("cuda", dtype, gen)
+        assert codes[0] and codes[1] and not codes[2], (dtype, [len(c) for c in codes])  # one symbolic recompile
         traced = dtype != torch.float32
         for text in codes[:2]:
             assert ("_split_kernel" in text) == traced and ("dora_num.weight_den.default" in text) != traced, dtype
