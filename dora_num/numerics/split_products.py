@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import get_format, round_to
-from .standard_model import tc_additions
+from .standard_model import SAFE, tc_additions
 
 U32 = 2.0**-24
 MAX32 = float(np.finfo(np.float32).max)
@@ -90,7 +90,7 @@ def split_u_error(W, A, pieces: int, fmt) -> np.ndarray:
     n = _flush_sites(W, P)
     aW = np.abs(W)
     mag = aW @ S.T  # of the scaled pieces: what the accumulator holds
-    E = g * inv * mag + aW @ res.T + (1 + g) * inv * (n + pieces * (d - 1)) * TINY32 + ETA32
+    E = (g * inv * mag + aW @ res.T + (1 + g) * inv * (n + pieces * (d - 1)) * TINY32 + ETA32) * SAFE
     return np.where(_overflows(mag, inv, g) | ~np.isfinite(P).all(axis=(0, 2))[None, :], np.inf, E)
 
 
@@ -113,7 +113,7 @@ def split_gram_error(A, pieces: int, fmt) -> np.ndarray:
     aAt = np.abs(At)
     mag = S @ S.T
     E = (g * inv * inv * mag + res @ aAt.T + aAt @ res.T + res @ res.T
-         + (1 + g) * inv * inv * (n + q * (d - 1)) * TINY32 + 2 * ETA32)
+         + (1 + g) * inv * inv * (n + q * (d - 1)) * TINY32 + 2 * ETA32) * SAFE
     finite = np.isfinite(P).all(axis=(0, 2))
     return np.where(_overflows(mag, inv * inv, g) | ~(finite[:, None] & finite[None, :]), np.inf, E)
 
@@ -146,7 +146,9 @@ G_PIECES = 3
 def split_bg_np(B, G, b_format: str) -> tuple[np.ndarray, np.ndarray]:
     """``(PB, PG)``: the bf16 pieces of ``B`` (``[BG_PIECES[b_format], d_out, r]``) and of ``G``
     (``[3, r, r]``) that :func:`dora_num.ops.products.split_bg` multiplies (float64 arrays holding bf16
-    values; exact, as :func:`split_pieces_np`).  ``b_format``: the dtype ``B`` is stored in."""
+    values; exact, as :func:`split_pieces_np`).  ``b_format``: the dtype ``B`` is stored in.  The pieces hold
+    every value of ``b_format`` exactly (fp16 in two, bf16 in one), and fp32 values of at least ``2^-110`` (in
+    three; below, what is left is at most ``2^-134``)."""
     if b_format not in BG_PIECES:
         raise ValueError(f"split_bg_np: b_format must be one of {tuple(BG_PIECES)}, got {b_format!r}")
     return split_pieces_np(B, "bf16", BG_PIECES[b_format])[0], split_pieces_np(G, "bf16", G_PIECES)[0]
@@ -157,8 +159,8 @@ def split_bg_error(B, G, b_format: str) -> np.ndarray:
     :func:`dora_num.ops.products.split_bg`, for the fp32 matrices ``B`` (holding values of ``b_format``)
     and ``G`` it is given (docs/bounds.md, "The tail's B G on tensor cores").
 
-    With ``B = sum_p PB_p + res_B`` and ``G = sum_q PG_q + res_G`` (bf16 pieces; ``res`` nonzero only
-    below bf16's normal range), block ``q`` of the one product ``[PB_1 ... PB_pB] [PG_q; ...; PG_q]``
+    With ``B = sum_p PB_p + res_B`` and ``G = sum_q PG_q + res_G`` (bf16 pieces; ``res`` nonzero only for
+    fp32 values below ``2^-110``, at most ``2^-134``), block ``q`` of the one product ``[PB_1 ... PB_pB] [PG_q; ...; PG_q]``
     sums ``K = pB r`` exact products on a tensor core (``tc_additions(K)`` roundings of ``u``: an
     accumulator that may truncate), and the three blocks are added in fp32 (two roundings)::
 
@@ -167,7 +169,12 @@ def split_bg_error(B, G, b_format: str) -> np.ndarray:
 
     ``S_X = sum |pieces of X|``, ``X~ = sum of the pieces``, ``n`` the products below ``2^-126``
     (each may be flushed), ``3 K`` the partial sums that may be (``3 (K - 1)`` in the blocks, two block
-    sums).  ``inf`` where a partial sum may overflow fp32 or a piece is not finite."""
+    sums).  Evaluated in float64 and raised by ``SAFE = 1 + 2^-40`` (every term is non-negative, so that covers
+    the evaluation's roundings, which may otherwise swallow the flush term beside a larger residual).  Assumes
+    the tensor core keeps subnormal bf16 inputs (a piece of a value below ``2^-110`` may be one; the kit probes
+    it: :func:`dora_num.numerics.accumulation.subnormal_input_probe`).  ``inf`` where a partial sum may overflow
+    fp32 or a piece is not finite (an fp32 value of at least ``(2 - 2^-8) 2^127`` rounds to an infinite first
+    piece)."""
     B = np.asarray(B, dtype=np.float64)
     G = np.asarray(G, dtype=np.float64)
     PB, PG = split_bg_np(B, G, b_format)
@@ -179,7 +186,7 @@ def split_bg_error(B, G, b_format: str) -> np.ndarray:
         n = sum(_flush_sites(PB[p], PG.transpose(0, 2, 1)) for p in range(PB.shape[0]))
         mag = S_B @ S_G
         E = (g * mag + res_B @ np.abs(PG.sum(axis=0)) + np.abs(PB.sum(axis=0)) @ res_G + res_B @ res_G
-             + (1 + g) * (n + G_PIECES * K) * TINY32)
+             + (1 + g) * (n + G_PIECES * K) * TINY32) * SAFE
     finite = np.isfinite(PB).all(axis=(0, 2))[:, None] & np.isfinite(PG).all(axis=(0, 1))[None, :]
     return np.where(_overflows(mag, 1.0, g) | ~finite, np.inf, E)
 
@@ -198,7 +205,8 @@ def _round_toward_zero32(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
 def mm_truncating_fp32(a, b) -> np.ndarray:
     """An emulated tensor core: ``a @ b`` (float64 arrays of 16-bit values, ``[m, d] @ [d, n]``)
     with exact products, summed left to right in fp32 with every addition truncated toward zero
-    (the worst accumulator the bound admits: ``d - 1`` additions, ``2u`` each, in sequence),
+    (an accumulator at the edge of the bound's model: ``d - 1`` additions, ``2u`` each, in sequence; one that
+    rounds away from zero is admitted too, and on some inputs errs more),
     and subnormal products and partial sums flushed to zero.  Returns float64 holding fp32."""
     from .formats import two_prod, two_sum
 

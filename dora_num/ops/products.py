@@ -392,13 +392,14 @@ BG_PIECES = {torch.float32: 3, torch.float16: 2, torch.bfloat16: 1}
 def split_bg(B: torch.Tensor, G: torch.Tensor, mm=None, traced: bool = False,
              cfg: OpConfig | None = None) -> torch.Tensor:
     r"""``B G`` fp32 ``[d_out, r]`` (the norm tail's product, ``ba = rowsum((B G) * B)``) from tensor-core
-    products only: ``B`` in ``pB`` bf16 pieces (:data:`BG_PIECES`: 3 for fp32, 2 for fp16, 1 for bf16, each
-    exact above bf16's subnormal range), the fp32 ``G`` in 3 (:func:`split_pieces`), one product
+    products only: ``B`` in ``pB`` bf16 pieces (:data:`BG_PIECES`: 3 for fp32, 2 for fp16, 1 for bf16: every
+    fp16 and bf16 value exactly, fp32 values of at least ``2^-110``), the fp32 ``G`` in 3 (:func:`split_pieces`),
+    one product
     ``[PB_1 ... PB_pB] R`` with ``R``'s block ``(p, q)`` the piece ``PG_q`` (``[d_out, pB r] @ [pB r, 3 r]``,
     fp32 accumulation and output), then its three column blocks summed in order (:func:`block_sum`).  Every
     element product is exact in fp32 (8 + 8 significand bits), so the error is the accumulation of
-    ``pB r`` products and two block sums, ``gamma_{2 pB r + 2}`` of ``sum |PB| sum |PG|``, plus what the
-    split left below bf16's normal range and flushed subnormals
+    ``pB r`` products and two block sums, ``gamma_{tc_additions(pB r) + 2}`` of ``sum |PB| sum |PG|``, plus
+    what the split left (fp32 values below ``2^-110``) and flushed subnormals
     (:func:`dora_num.numerics.split_products.split_bg_error`).  The right operand is passed as the
     transpose of a row-major ``[3 r, pB r]`` matrix, the layout of ``U``'s and ``G``'s products.  ``mm``,
     ``traced``, ``cfg``: as :func:`split_mm`.  Extra memory: ``d_out * 3 r * 4`` bytes and the pieces."""
