@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..numerics import split_products as _SP
 from ..numerics.standard_model import tc_blocks
 from .config import OpConfig, get_config
 
@@ -385,8 +386,9 @@ def split_gram(A: torch.Tensor, dtype: torch.dtype, pieces: int, mm=None, split=
     return G if inv is None else G.mul_(inv).mul_(inv)
 
 
-# bf16 pieces that hold B exactly (in bf16's normal range): numerics.split_products.BG_PIECES, by dtype
-BG_PIECES = {torch.float32: 3, torch.float16: 2, torch.bfloat16: 1}
+# the bf16 pieces of B and G in split_bg, by B's dtype: numerics.split_products.BG_PIECES and G_PIECES
+BG_PIECES = {dt: _SP.BG_PIECES[name] for dt, name in ((torch.float32, "fp32"), (torch.float16, "fp16"),
+                                                      (torch.bfloat16, "bf16"))}
 
 
 def split_bg(B: torch.Tensor, G: torch.Tensor, mm=None, traced: bool = False,
@@ -410,10 +412,11 @@ def split_bg(B: torch.Tensor, G: torch.Tensor, mm=None, traced: bool = False,
     d_out, r = B.shape
     pB = BG_PIECES[B.dtype]
     PB = B[None] if pB == 1 else split_pieces(B, torch.bfloat16, pB, traced, cfg)[0]
-    PG = split_pieces(G, torch.bfloat16, 3, traced, cfg)[0]
+    pG = _SP.G_PIECES
+    PG = split_pieces(G, torch.bfloat16, pG, traced, cfg)[0]
     left = PB.permute(1, 0, 2).reshape(d_out, pB * r)  # [B_1 ... B_pB]
-    right_t = PG.transpose(1, 2).repeat(1, 1, pB).reshape(3 * r, pB * r)  # row q r + l, column p r + k: PG_q[k, l]
-    return block_sum(_mm32(left, right_t.T, mm), d_out, r, 1, 3, traced, cfg)
+    right_t = PG.transpose(1, 2).repeat(1, 1, pB).reshape(pG * r, pB * r)  # row q r + l, column p r + k: PG_q[k, l]
+    return block_sum(_mm32(left, right_t.T, mm), d_out, r, 1, pG, traced, cfg)
 
 
 def clear_mm_probes() -> None:
