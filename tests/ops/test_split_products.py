@@ -9,7 +9,8 @@ with an emulated tensor core (exact products, fp32 accumulation truncated toward
 right, subnormals flushed: an accumulator at the edge of the bound's model) against exact values,
 within :func:`~dora_num.numerics.split_products.split_u_error` / ``split_gram_error``;
 (4) the whole factored norm on those products within
-``factored_norm_bound(..., split_pieces=p)``; (5) on the GPU, the production products.
+``factored_norm_bound(..., split_pieces=p)``; (5) on the GPU, the production products; (6) the norm tail's
+``B G`` from bf16 pieces of both factors (:func:`~dora_num.ops.products.split_bg`), the same ladder.
 
 Exact references: the fp64 products of bf16/fp16 and fp32 values are exact (<= 35 bits);
 their fp64 sums carry at most ``gamma64_d`` of the magnitudes, added to every tolerance.
@@ -353,8 +354,8 @@ def _exact_product(X, Y) -> np.ndarray:
 
 
 def _tail_factors(regime: str, b_dtype: torch.dtype, d_out: int = 20, r: int = 7, seed: int = 6):
-    """``B`` of ``b_dtype`` (its values in that dtype's range) and an fp32 ``G`` (a Gram of ``regime``'s A,
-    as the norm forms it: fp32 values, symmetric up to rounding)."""
+    """``B`` of ``b_dtype`` (its values in that dtype's range) and an fp32 ``G``: a Gram of ``regime``'s A, as
+    the norm forms it, or, where that Gram would overflow ("huge", "wide_exponents"), A's own values."""
     gen = torch.Generator().manual_seed(seed)
     A = _adapter(regime, r, 33, seed=seed)
     if regime in ("huge", "wide_exponents"):  # a Gram of such an A overflows: A's values as G's (wide: to 2^60)
@@ -374,8 +375,8 @@ def _tail_factors(regime: str, b_dtype: torch.dtype, d_out: int = 20, r: int = 7
 @pytest.mark.parametrize("regime", REGIMES)
 def test_split_bg_within_bound_on_an_emulated_tensor_core(regime, b_dtype):
     """``B G`` through bf16 pieces of both factors, on the emulated truncating tensor core, against the exact
-    product of the fp32 values it was given: within :func:`split_bg_error` (plus the float64 reference's own
-    ``gamma64_r``), every finite-bounded entry finite."""
+    product of the fp32 values it was given: within :func:`split_bg_error` (plus half a float64 unit of the
+    correctly rounded reference), every finite-bounded entry finite."""
     from dora_num.numerics.split_products import split_bg_error
     from dora_num.ops.products import split_bg
 
