@@ -452,7 +452,7 @@ def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int
     from .numerics.formats import get_format
     from .numerics.ground_truth import compose_exact, mp_dense_row_norm_sq, mp_magnitude_scale, rn64_over_sqrt
     from .ops.config import get_config, override
-    from .ops.guard import guard_rows
+    from .ops.guard import guard_rows, tail_bg_format
     from .ops.products import fp32_matmul_precision, product_model, tensor_core_gemms
 
     lines = []
@@ -541,8 +541,20 @@ def _check_layer(acc: _Acc, W, A, B, m, x, s: float, eps_v: float, max_rows: int
             run = ops["factored_row_norm"](Wc, Ac, Bc, s).double().cpu().numpy()[rows]
         except ValueError:
             run = np.full(rows.size, math.inf)
+        # the Triton tail's B G: an fp32 dot (lemma 4 as above), or bf16 pieces on tensor cores (OpConfig.tail_bg),
+        # whose MMA is charged 2u per addition as the GEMMs are (the probe above measured cuBLAS's GEMMs, not it)
+        tail_bg = tail_bg_format(Bc, get_config())
+        b4_run = b4
+        tail_label = "B G an fp32 dot"
+        if tail_bg is not None:
+            b4_run = factored_norm_bound(Ws, A64, Bs, s, products=model.u, split_pieces=model.pieces,
+                                         split_format=fmt_b, tail_bg=tail_bg) + dx
+            b4_run = b4_run if ev.confirmed else np.full(rows.size, math.inf)
+            tail_label = f"B G from bf16 pieces of {tail_bg} B on tensor cores"
+            lines.append("tail: B G from bf16 pieces on tensor cores (OpConfig.tail_bg); its MMA is charged 2u per "
+                         "addition, the card's probe above measured the products' GEMMs, not this dot")
         acc.add("factored row norm, as run", np.where(rec, "4 or 5'", "4"), f"{model.label}; the {get_config().norm_tail}"
-                " tail (the layer's on this device)", run, exact_w, np.maximum(b4, b45), where,
+                f" tail (the layer's on this device), {tail_label}", run, exact_w, np.maximum(b4_run, b45), where,
                 ev.reason or "an fp32 intermediate may overflow", not_checked=skipped)
     dense = np.empty(rows.size)
     try:

@@ -81,11 +81,58 @@ def _factored_parts(W, A, B, s, products: str):
     Q64 = base + two_s * cross + ss * ba
     return dict(W=W, A=A, B=B, d=d, r=r, s=s, two_s=two_s, s_sq=s_sq, ss=ss, base=base, cross=cross, ba=ba,
                 M_c=M_c, M_a=M_a, e_base=e_base, e_cross=e_cross, e_ba=e_ba, over=over, Q64=Q64, slack=slack,
-                S_mag=S_mag)
+                S_mag=S_mag, AA=AA, E_G=c * AA + abs_G)
+
+
+def _tail_bg_e_ba(B, AA, E_G, b_format: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(e_ba, over)``: the bound on ``|ba^ - ba|`` per row (float64 ``[d_out]``) where the tail kernel forms
+    ``B G^`` on tensor cores from bf16 pieces (``OpConfig.tail_bg = "tensor_core"``; docs/bounds.md, "The tail's
+    B G on tensor cores"), given ``AA = |A||A|^T`` and a per-entry bound ``E_G`` on ``|G^ - G|``, and the rows
+    where an intermediate may overflow fp32.  With ``|G^| <= Gm = AA + E_G``, ``H = B G^`` and the kernel's sum
+    ``ba^ = fl(sum_l BG^_l B_l)``::
+
+        |ba^ - ba| <= gamma_r |B| Gm |B|^T + (1 + gamma_r) sum_l |B_l| |BG^_l - H_l| + |B| E_G |B|^T + (1 + gamma_r) r eta
+
+    with ``|BG^ - H|`` from B's own pieces (what they leave, ``res_B``, charged exactly, so every row of an fp32
+    B is bounded here, those with entries below ``2^-110`` too) and G's bounded ones
+    (:func:`~dora_num.numerics.split_products.tail_bg_coefficients`)."""
+    from .split_products import BG_PIECES, G_PIECES, _piece_factor, split_pieces_np, tail_bg_coefficients, tail_bg_pairs
+
+    u, eta = U32, ETA32
+    r = B.shape[1]
+    aB = np.abs(B)
+    b_abs = aB.sum(1)
+    k = tail_bg_coefficients(r, b_format)
+    kept, dropped = tail_bg_pairs(b_format)
+    pB = BG_PIECES[b_format]
+    with np.errstate(over="ignore", invalid="ignore"):
+        PB = split_pieces_np(B, "bf16", pB)[0] if pB > 1 else B[None].copy()
+        Bt = PB.sum(axis=0)
+        res_B = np.abs(B - Bt)
+        tau = k["tau"]
+
+        def weighted(pairs):  # sum over pairs of a_q |PB_p| and of |PB_p|
+            S = sum((_piece_factor(q, G_PIECES) * np.abs(PB[p - 1]) for p, q in pairs), np.zeros_like(B))
+            T = sum((np.abs(PB[p - 1]) for p, _ in pairs), np.zeros_like(B))
+            return S, T
+
+        SK, TK = weighted(kept)
+        SD, TD = weighted(dropped)
+        Gm = AA + E_G
+        g_r = gamma(r, u)
+        H_err = ((((k["g2N"] * SK + SD) @ Gm) * aB).sum(1) + tau * b_abs * (k["g2N"] * TK + TD).sum(1)
+                 + ((res_B @ Gm) * aB).sum(1) + k["sigma"] * b_abs * np.abs(Bt).sum(1) + k["flush"] * b_abs)
+        e_ba = g_r * ((aB @ Gm) * aB).sum(1) + (1 + g_r) * H_err + ((aB @ E_G) * aB).sum(1) + (1 + g_r) * r * eta
+        mx = FORMATS["fp32"].max
+        piece_max = (2 - 2.0**-8) * 2.0**127  # a first bf16 piece of anything at least this large is infinite
+        over = ~np.isfinite(e_ba) | ((SK @ Gm).max(1, initial=0) * (1 + k["g2N"]) >= mx) \
+            | (aB.max(1, initial=0) >= piece_max) | bool(Gm.max(initial=0) >= piece_max)
+    return np.where(over, np.inf, e_ba), over
 
 
 def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False, split_pieces: int | None = None,
-                        split_format: str = "bf16", products: str | None = None) -> np.ndarray:
+                        split_format: str = "bf16", products: str | None = None,
+                        tail_bg: str | None = None) -> np.ndarray:
     r"""Lemma 4: bound on ``|factored_row_norm(W, A, B, s) - ||W + sBA||_row|`` per row.
 
     fp32 (``u = 2^-24``, ``eta = 2^-150``), any summation order (so the ``gamma_n`` hold
@@ -123,6 +170,8 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
       of :func:`dora_num.numerics.split_products.split_term_errors` (docs/bounds.md
       derives them, underflow and flushed partial sums included), in place of the
       ``gamma_{dp+r}`` and ``gamma_{dp+2r}`` terms above.
+    - ``tail_bg`` (B's format, ``"fp32"``, ``"fp16"`` or ``"bf16"``): the tail forms ``B G^`` on tensor cores from
+      bf16 pieces (``OpConfig.tail_bg = "tensor_core"``), and ``ba``'s error is :func:`_tail_bg_e_ba`'s.
 
     ``Q`` is evaluated in float64 (products exact, ``<= d + 2r + 4`` roundings of terms
     bounded by ``S = base + |2s| M_c + s^2 M_a``: ``gamma64_{d+2r+4} S``), taken from below
@@ -143,6 +192,13 @@ def factored_norm_bound(W, A, B, s: float, *, tensor_core_products: bool = False
         from .split_products import split_term_errors
 
         P["e_cross"], P["e_ba"] = split_term_errors(P["W"], P["A"], P["B"], split_pieces, split_format)
+        if tail_bg is not None:
+            from .split_products import split_gram_error
+
+            P["E_G"] = split_gram_error(P["A"], split_pieces, split_format)
+    if tail_bg is not None:
+        P["e_ba"], over_t = _tail_bg_e_ba(P["B"], P["AA"], P["E_G"], tail_bg)
+        P["over"] = P["over"] | over_t
     u, eta = U32, ETA32
     two_s, s_sq, ss = P["two_s"], P["s_sq"], P["ss"]
     b_hat = P["base"] + P["e_base"]

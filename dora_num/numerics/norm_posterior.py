@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .arithmetic import TorchFP32CorrectSqrt
+from .split_products import BG_PIECES, tail_bg_coefficients
 from .standard_model import TINY32, U32, U64, gamma, pw, tc_additions, up32
 
 SPLIT_FORMATS = {"bf16": (2.0**-8, 2.0**-134), "fp16": (2.0**-11, 2.0**-25)}  # (u_h, sigma)
@@ -65,7 +66,8 @@ class PosteriorConstants(NamedTuple):
     # the split-product model (docs/bounds.md); neutral values otherwise
     split: bool = False
     inv_runtime: bool = False  # fp16 pieces: the absolute terms scale with the run-time inv
-    tg: float = 0.0  # split: f_G, the absolute error per entry of G (else tc)
+    tg: float = 0.0  # the absolute error per entry of G in e_a (split: f_G; else tc), and the tensor-core
+    # tail's B G adds its own (tail_bg)
     rc: float = 0.0  # split: coefficient of sqrt(b_up) b_abs in e_c
     rab: float = 0.0  # split: coefficient of b_abs lora_abs in e_a
     na_res: float = 0.0  # split: added to the bound of ||A_k||
@@ -76,10 +78,12 @@ class PosteriorConstants(NamedTuple):
     rc_inv: float = 0.0  # rc = uu(rc_inv inv)
     rab_inv: float = 0.0  # rab = uu(rab_inv inv)
     na_res_inv: float = 0.0  # na_res = uu(na_res_inv inv)
+    tail_bg: str | None = None  # B's format where the tail forms B G on tensor cores (tail_bg_coefficients)
 
 
 # what the Triton tail loads from its constants tensor, in this order
-KERNEL_FIELDS = tuple(f for f in PosteriorConstants._fields if f not in ("two_s", "s_sq", "split", "inv_runtime"))
+KERNEL_FIELDS = tuple(f for f in PosteriorConstants._fields
+                      if f not in ("two_s", "s_sq", "split", "inv_runtime", "tail_bg"))
 
 
 PRODUCT_MODELS = ("fp32", "fp64", "tensor_core", "split")
@@ -87,7 +91,7 @@ PRODUCT_MODELS = ("fp32", "fp64", "tensor_core", "split")
 
 def posterior_constants(two_s: float, s_sq: float, *, d_in: int, r: int, tensor_core_products: bool = False,
                         split_pieces: int | None = None, split_format: str = "bf16", products: str | None = None,
-                        certify: bool = True) -> PosteriorConstants:
+                        certify: bool = True, tail_bg: str | None = None) -> PosteriorConstants:
     """The constants of lemma 4' (docs/bounds.md) for the fp32 ``2s``, ``s^2`` of
     :func:`~dora_num.numerics.formulas.scale_constants`, ``d_in``, ``r`` and the product model
     of ``U``, ``G`` (``products``, :data:`PRODUCT_MODELS`: ``"fp32"`` any-order fp32 GEMMs,
@@ -97,6 +101,9 @@ def posterior_constants(two_s: float, s_sq: float, *, d_in: int, r: int, tensor_
     ``products``: ``"split"`` if ``split_pieces``, else ``"tensor_core"`` if
     ``tensor_core_products``, else ``"fp32"``.  ``certify=False``: constants under which every row
     gets ``rel = inf`` (the terms are not products the lemma covers: :func:`dora_num.ops.guard.guard_constants`).
+    ``tail_bg``: the format of ``B`` (``"fp32"``, ``"fp16"``, ``"bf16"``) where the tail forms ``B G`` on tensor
+    cores from bf16 pieces (:func:`~dora_num.numerics.split_products.tail_bg_coefficients`; the factor
+    ``gamma_{2r}`` of ``ba`` becomes ``beta``, docs/bounds.md), None for the fp32 dot.
     Cached (the operator asks for them on every call)."""
     if products is None:
         products = "split" if split_pieces is not None else ("tensor_core" if tensor_core_products else "fp32")
@@ -105,8 +112,11 @@ def posterior_constants(two_s: float, s_sq: float, *, d_in: int, r: int, tensor_
     if products == "split" and (split_pieces not in (2, 3) or split_format not in SPLIT_FORMATS):
         raise ValueError(f"split_pieces must be 2 or 3 and split_format one of {tuple(SPLIT_FORMATS)}, "
                          f"got {split_pieces!r}, {split_format!r}")
+    if tail_bg is not None and tail_bg not in BG_PIECES:
+        raise ValueError(f"tail_bg must be None or one of {tuple(BG_PIECES)}, got {tail_bg!r}")
     return _posterior_constants(float(two_s), float(s_sq), int(d_in), int(r), products,
-                                None if products != "split" else int(split_pieces), str(split_format), bool(certify))
+                                None if products != "split" else int(split_pieces), str(split_format), bool(certify),
+                                tail_bg)
 
 
 def _entry_model(products: str, d: int) -> tuple[float, float]:
@@ -121,15 +131,33 @@ def _entry_model(products: str, d: int) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=256)
+def _tail_factors(r: int, tail_bg: str | None) -> tuple[float, float, float]:
+    """``(g_t, gar, tg_add)`` of ``ba``'s sum in the tail: the relative factor that multiplies ``|B||G^||B|^T``
+    (``gamma_{2r}``: the fp32 dot ``B G^`` and the row sum; on tensor cores ``beta = gamma_r + (1 + gamma_r)
+    (gamma_{2N} c_K + c_D)``), the coefficient ``gar`` of ``(b_abs + 1) eta`` (underflows and flushes, linear in
+    ``b_abs``) and what the tensor cores add to ``tg``, the coefficient of ``b_abs^2`` (over ``1 + g_t``)."""
+    u, eta = U32, 2.0**-149
+    g_r, g_2r = float(gamma(r, u)), float(gamma(2 * r, u))
+    if tail_bg is None:
+        return g_2r, (1 + g_2r) * r, 0.0
+    k = tail_bg_coefficients(r, tail_bg)
+    beta = g_r + (1 + g_r) * (k["g2N"] * k["cK"] + k["cD"])
+    gar = (1 + g_r) * (r + k["flush"] / eta)
+    return beta, gar, (1 + g_r) * (k["g2N"] * k["tauK"] + k["tauD"] + k["sigma"])
+
+
+@functools.lru_cache(maxsize=256)
 def _posterior_constants(two_s: float, s_sq: float, d_in: int, r: int, products: str,
-                         split_pieces: int | None, split_format: str, certify: bool = True) -> PosteriorConstants:
+                         split_pieces: int | None, split_format: str, certify: bool = True,
+                         tail_bg: str | None = None) -> PosteriorConstants:
     u, eta = U32, 2.0**-149  # eta: 2^-150 rounded up to an fp32 number (twice what a product's underflow needs)
     d, r = int(d_in), int(r)
     if d < 1 or r < 0:
         raise ValueError(f"need d_in >= 1 and r >= 0, got d_in = {d}, r = {r}")
-    g_b, g_r, g_2r = (float(gamma(n, u)) for n in (d, r, 2 * r))
+    g_b, g_r = (float(gamma(n, u)) for n in (d, r))
+    g_t, gar, tg_add = _tail_factors(r, tail_bg)
     c, t = _entry_model("tensor_core" if products == "split" else products, d)
-    if not max(g_b, c, g_2r) < 0.5:
+    if not max(g_b, c, g_t) < 0.5:
         raise ValueError(f"d_in = {d}, r = {r} too large for an fp32 bound (gamma >= 1/2)")
     U = up32
     ts, sq = abs(float(two_s)), float(s_sq)
@@ -146,18 +174,21 @@ def _posterior_constants(two_s: float, s_sq: float, d_in: int, r: int, products:
         cb1=U((1 + g_b) * d * eta), cb2=U(1 / (1 - g_b) * (1 + 4 * u)), gb=U(g_b),
         # cross = sum_k B_k U^_k: |dcross| <= ((1+g_r) c + g_r) sqrt(b) lora_abs + (1+g_r)(t b_abs + r eta)
         gc4=U(((1 + g_r) * c + g_r) * (1 + 4 * u)), gc1=U(1 + g_r), tc=U(t), gcr=U((1 + g_r) * r * eta),
-        # ba = sum (B G^) * B: |dba| <= (g_2r + (1+g_2r) c) lora_abs^2 + (1+g_2r)(t b_abs^2 + (b_abs+1) r eta)
-        ga=U(g_2r + (1 + g_2r) * c), ga1=U(1 + g_2r), gar=U((1 + g_2r) * r), eta=eta,
+        # ba = sum (B G^) * B: |dba| <= (g_t + (1+g_t) c) lora_abs^2 + (1+g_t)(t b_abs^2 + (b_abs+1) r eta)
+        # (g_t = gamma_2r; the tensor-core tail: _tail_factors)
+        ga=U(g_t + (1 + g_t) * c), ga1=U(1 + g_t), gar=U(gar), eta=eta,
         q_s2=U(u * sq / (1 - u)), q_u2=U(pw(u, 2)), q_u3=U(pw(u, 3)), q_eta=U(2 * (1 + u) ** 2 * eta),
         lift=U(1 + 2.0**-18) if certify else math.inf, floor=floor, lo=float(np.float32(1 - 2 * u)),
-        up1=U(1 + u), u=u)
+        up1=U(1 + u), u=u, tail_bg=tail_bg)
     if products != "split":
-        return C._replace(tg=C.tc)
-    return _split_constants(C, d, r, split_pieces, split_format)
+        return C._replace(tg=C.tc if tail_bg is None else U(t + tg_add / (1 + g_t)))
+    return _split_constants(C, d, r, split_pieces, split_format, g_t, tg_add)
 
 
-def _split_constants(C: PosteriorConstants, d: int, r: int, p: int, fmt: str) -> PosteriorConstants:
-    """``C`` with the coefficients of the split-product model (docs/bounds.md)."""
+def _split_constants(C: PosteriorConstants, d: int, r: int, p: int, fmt: str, g_t: float,
+                     tg_add: float) -> PosteriorConstants:
+    """``C`` with the coefficients of the split-product model (docs/bounds.md); ``g_t``, ``tg_add``: the tail's
+    factor of ``ba`` and its addition to ``tg`` (:func:`_tail_factors`)."""
     u, eta, U = U32, 2.0**-149, up32
     u_h, sigma = SPLIT_FORMATS[fmt]
     fp16 = fmt == "fp16"
@@ -166,9 +197,9 @@ def _split_constants(C: PosteriorConstants, d: int, r: int, p: int, fmt: str) ->
     sigma_r = (sigma if p == 3 else sigma * (1 + u_h)) + (2.0**-150 if fp16 else 0.0)
     tau = 5 * sigma + (2.0**-149 if fp16 else 0.0)  # per unit of inv
     g_u, g_G = float(gamma(tc_additions(d) + p - 1, u)), float(gamma(tc_additions(d) + p * p - 1, u))
-    g_r, g_2r = float(gamma(r, u)), float(gamma(2 * r, u))
+    g_r = float(gamma(r, u))
     gG = g_G * c_h**2 + 2 * rho + 3 * rho**2
-    if not max(g_u, g_G, gG, g_r, g_2r) < 0.5:
+    if not max(g_u, g_G, gG, g_r, g_t) < 0.5:
         raise ValueError(f"d_in = {d}, r = {r} too large for an fp32 bound (gamma >= 1/2)")
     sd = math.sqrt(d) * (1 + 2.0**-50)
     a1 = g_u * tau + sigma_r  # x inv: the absolute part of U's error per unit of ||W_j||_1
@@ -176,15 +207,16 @@ def _split_constants(C: PosteriorConstants, d: int, r: int, p: int, fmt: str) ->
     fU1 = (1 + g_u) * p * (2 * d - 1) * TINY32  # x inv
     fG2 = g_G * d * tau**2 + 3 * d * sigma_r**2 + (1 + g_G) * p * p * (2 * d - 1) * TINY32  # x inv^2
     rc1 = (1 + g_r) * sd * a1
-    rab1 = 2 * (1 + g_2r) * sd * aG
+    rab1 = 2 * (1 + g_t) * sd * aG
     nres1 = 2 * sd * aG / (1 - gG) * (1 + 4 * u)
     common = dict(split=True, gc4=U((g_r + (1 + g_r) * (g_u * c_h + rho)) * (1 + 4 * u)), gc1=U(1 + g_r),
-                  gcr=U((1 + g_r) * r * eta), ga=U(g_2r + (1 + g_2r) * gG), ga1=U(1 + g_2r),
-                  gar=U((1 + g_2r) * r), na_mul=U(1 / (1 - gG) * (1 + 4 * u)), na_up2=U(1 + 4 * u))
+                  gcr=U((1 + g_r) * r * eta), ga=U(g_t + (1 + g_t) * gG), ga1=U(1 + g_t),
+                  na_mul=U(1 / (1 - gG) * (1 + 4 * u)), na_up2=U(1 + 4 * u))
     if not fp16:  # inv = 1: everything folded into the constants
-        return C._replace(**common, tc=U(fU1 + eta), tg=U(fG2 + 2 * eta), na_add=U(fG2 + 2 * eta),
+        return C._replace(**common, tc=U(fU1 + eta), tg=U(fG2 + 2 * eta + tg_add / (1 + g_t)), na_add=U(fG2 + 2 * eta),
                           rc=U(rc1), rab=U(rab1), na_res=U(nres1))
-    return C._replace(**common, inv_runtime=True, tc=U(eta), tg=U(2 * eta), na_add=U(2 * eta), rc=0.0, rab=0.0,
+    return C._replace(**common, inv_runtime=True, tc=U(eta), tg=U(2 * eta + tg_add / (1 + g_t)), na_add=U(2 * eta),
+                      rc=0.0, rab=0.0,
                       na_res=0.0, tc_inv=U(fU1), tg_inv2=U(fG2), na_add_inv2=U(fG2), rc_inv=U(rc1),
                       rab_inv=U(rab1), na_res_inv=U(nres1))
 
@@ -324,7 +356,7 @@ def posterior_from_terms(base, cross, ba, lora_abs, b_abs, C: PosteriorConstants
             + ((b_abs + 1) * C.gar) * C.eta
     else:
         e_c = _sqrt_rn(b_up) * lora_abs * C.gc4 + (b_abs * C.gc1) * C.tc + C.gcr
-        e_a = (lora_abs * lora_abs) * C.ga + ((b_abs * b_abs) * C.ga1) * C.tc + ((b_abs + 1) * C.gar) * C.eta
+        e_a = (lora_abs * lora_abs) * C.ga + ((b_abs * b_abs) * C.ga1) * tg + ((b_abs + 1) * C.gar) * C.eta
     dQ = e_b + e_c * C.ts + e_a * C.s2 + aba * C.q_s2 + aba * C.eta \
         + (ab + C.s_sq * aba) * C.q_u2 + tcr * C.q_u3 + C.q_eta
     dQ = dQ * C.lift + C.floor

@@ -143,6 +143,68 @@ BG_PIECES = {"fp32": 3, "fp16": 2, "bf16": 1}
 G_PIECES = 3
 
 
+# The norm tail kernel's ``B G`` on tensor cores (``OpConfig.tail_bg = "tensor_core"``): each tile of ``B`` and of the
+# fp32 ``G`` split in registers into bf16 pieces (``B`` into BG_PIECES of its dtype, ``G`` into 3), and only the
+# piece products ``PB_p PG_q`` with ``p + q <= TAIL_BG_ORDER`` (1-based) summed, all into one fp32 accumulator:
+# what is left out is below ``2u |B||G|`` (tail_bg_coefficients), a sixth or less of the products' own
+# accumulation charge at any rank, and it saves a third of the products for an fp32 B (6 of 9)
+TAIL_BG_ORDER = 4
+TAIL_BG_EXACT_MIN = 2.0**-110  # fp32 values at least this large are held exactly by three bf16 pieces
+_BF16_U, _BF16_SIGMA = 2.0**-8, 2.0**-134  # the pieces' unit roundoff, half their subnormal spacing
+
+
+def tail_bg_pairs(b_format: str) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """``(kept, dropped)``: the piece products ``(p, q)`` (1-based: ``PB_p PG_q``) the tail kernel sums for a
+    ``B`` stored as ``b_format``, and those it leaves out (``p + q > TAIL_BG_ORDER``), in the kernel's order."""
+    if b_format not in BG_PIECES:
+        raise ValueError(f"tail_bg_pairs: b_format must be one of {tuple(BG_PIECES)}, got {b_format!r}")
+    pairs = [(p, q) for p in range(1, BG_PIECES[b_format] + 1) for q in range(1, G_PIECES + 1)]
+    return (tuple(pq for pq in pairs if sum(pq) <= TAIL_BG_ORDER), tuple(pq for pq in pairs if sum(pq) > TAIL_BG_ORDER))
+
+
+def _piece_factor(p: int, pieces: int) -> float:
+    """``a_p`` with ``|P_p| <= a_p |x|`` for the greedy bf16 split of a value the ``pieces`` pieces hold exactly
+    (``|R_q| <= u_h^q |x|``, ``|P_p| <= |R_{p-1}| + |R_p|``; a single piece is the value itself)."""
+    return 1.0 if pieces == 1 else _BF16_U ** (p - 1) * (1 + _BF16_U)
+
+
+def tail_bg_coefficients(r: int, b_format: str) -> dict:
+    """The per-entry error model of the tail kernel's ``B G^`` on tensor cores, for a row of ``B`` whose
+    values its pieces hold exactly (every row of a bf16 or fp16 ``B``; for fp32, rows without an entry in
+    ``(0, 2^-110)``: :func:`tail_bg_uncertified_rows`), against ``B G^`` with the computed fp32 ``G^``
+    (docs/bounds.md, "The tail's B G on tensor cores")::
+
+        |BG^ - B G^|_jl <= (gamma_{2N} c_K + c_D) (|B||G^|)_jl + (gamma_{2N} tau_K + tau_D + sigma) b_j + flush
+
+    ``N = len(kept) r`` exact products into one accumulator (``2u`` per addition: truncation, any order),
+    ``c_X = sum_{(p,q) in X} a_p a_q`` and ``tau_X = tau sum_{(p,q) in X} a_p`` over the kept and the dropped
+    pairs (``|PG_q| <= a_q |g| + tau``, ``tau = 2 sigma (1 + 2 u_h)``; ``sigma = 2^-134`` also bounds what
+    G's three pieces leave), ``b_j = sum_k |B_jk|``, ``flush = (1 + gamma_{2N}) 2N 2^-126`` (each product and
+    partial sum may be flushed).  Returns ``N``, ``g2N``, ``cK``, ``cD``, ``tau``, ``tauK``, ``tauD``, ``sigma``,
+    ``flush``."""
+    kept, dropped = tail_bg_pairs(b_format)
+    pB = BG_PIECES[b_format]
+    tau = 2 * _BF16_SIGMA * (1 + 2 * _BF16_U)
+    n = len(kept) * int(r)
+    g2n = _gamma(2 * n)
+
+    def c(pairs):
+        return sum(_piece_factor(p, pB) * _piece_factor(q, G_PIECES) for p, q in pairs)
+
+    def t(pairs):
+        return tau * sum(_piece_factor(p, pB) for p, _ in pairs)
+
+    return dict(N=n, g2N=g2n, cK=c(kept), cD=c(dropped), tau=tau, tauK=t(kept), tauD=t(dropped), sigma=_BF16_SIGMA,
+                flush=(1 + g2n) * 2 * n * TINY32)
+
+
+def tail_bg_uncertified_rows(B) -> np.ndarray:
+    """Rows of an fp32 ``B`` with an entry in ``(0, 2^-110)`` (``TAIL_BG_EXACT_MIN``), which three bf16
+    pieces may not hold: the tail kernel gives them ``rel = inf`` (recomputed in float64 by the guard)."""
+    aB = np.abs(np.asarray(B, dtype=np.float64))
+    return ((aB > 0) & (aB < TAIL_BG_EXACT_MIN)).any(axis=1)
+
+
 def split_bg_np(B, G, b_format: str) -> tuple[np.ndarray, np.ndarray]:
     """``(PB, PG)``: the bf16 pieces of ``B`` (``[BG_PIECES[b_format], d_out, r]``) and of ``G``
     (``[3, r, r]``) that :func:`dora_num.ops.products.split_bg` multiplies (float64 arrays holding bf16

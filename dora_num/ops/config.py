@@ -28,6 +28,7 @@ NORM_TAIL_MODES = ("auto", "triton", "torch")
 FINITE_CHECKS = ("deferred", "late", "sync", "off")
 SPLIT_PIECES = (2, 3)
 NORM_CACHE_MODES = ("recompute", "always", "off")
+TAIL_BG_MODES = ("fma", "tensor_core")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -148,6 +149,11 @@ class OpConfig:
     bits; the default); off: the opaque custom ops, whose Python runs in every call (a diagnostic, and the
     path of rank 1, where Inductor rewrites the K = 1 products).
 
+    ``tail_bg``: how the Triton tail of the factored norm forms ``B G`` (``ba = rowsum((B G) * B)``): ``"fma"``
+    (the default: an IEEE fp32 dot, fp32 FMA on the CUDA cores) or ``"tensor_core"`` (each tile of ``B`` and
+    ``G`` split in registers into bf16 pieces, their products exact on tensor cores with fp32 accumulation;
+    the guard's constants and lemma 4 charge it: docs/bounds.md, "The tail's B G on tensor cores").
+
     ``norm_cache``: :class:`~dora_num.ops.layer.DoRALinear` keeps its last denominator of ``g``
     (``wnorm``, ``eps`` on a zero row) keyed on the storage and version counters of W, A, B and m.  ``"recompute"`` (the default)
     reuses it only inside a backward pass, i.e. for the recompute of an activation-checkpointed
@@ -174,6 +180,7 @@ class OpConfig:
     finite_check: str = "deferred"  # finiteness checks on CUDA: deferred / late / sync / off (class docstring)
     split_pieces: int = 3  # 16-bit pieces of an fp32 A in the factored norm's products (2 or 3)
     norm_cache: str = "recompute"  # DoRALinear reuses its norm: recompute / always / off (class docstring)
+    tail_bg: str = "fma"  # the Triton tail's B G: fma (fp32 dot) / tensor_core (bf16 pieces; class docstring)
     key: str = field(init=False, repr=False, compare=False)  # canonical text of the fields above
 
     def __post_init__(self):
@@ -187,6 +194,8 @@ class OpConfig:
             raise ValueError(f"split_pieces must be one of {SPLIT_PIECES}, got {self.split_pieces!r}")
         if self.norm_cache not in NORM_CACHE_MODES:
             raise ValueError(f"norm_cache must be one of {NORM_CACHE_MODES}, got {self.norm_cache!r}")
+        if self.tail_bg not in TAIL_BG_MODES:
+            raise ValueError(f"tail_bg must be one of {TAIL_BG_MODES}, got {self.tail_bg!r}")
         for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "recompute_lora", "traced_ops",
                      "interpret", "poison"):
             if not isinstance(getattr(self, name), bool):
@@ -247,6 +256,7 @@ def from_env(env: Mapping[str, str] | None = None) -> OpConfig:
         recompute_inner=_flag(env, "DORA_NUM_RECOMPUTE_INNER", True),
         recompute_lora=_flag(env, "DORA_NUM_RECOMPUTE_LORA", True),
         traced_ops=_flag(env, "DORA_NUM_TRACED_OPS", True),
+        tail_bg=_choice(env, "DORA_NUM_TAIL_BG", TAIL_BG_MODES, "fma"),
         compose_tiles=ComposeTiles.for_interpreter() if interpret else ComposeTiles(),
         interpret=interpret,
     )

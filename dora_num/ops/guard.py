@@ -24,6 +24,7 @@ from ..numerics.standard_model import U32, U64, gamma
 from .config import uses_tail_kernel
 from .products import SPLIT_DTYPES, _tensor_core_fp32_out, factored_products, fp32_matmul_precision
 from .terms import factored_terms
+from .validation import FORMAT_NAMES
 
 ON_CANCELLATION = ("recompute", "warn", "raise", "off")
 CANCELLATION_REL = 2.0**-6  # the guaranteed relative error of wnorm above which a row is recomputed (docstring)
@@ -76,14 +77,24 @@ def tail_is_certifiable(W: torch.Tensor) -> bool:
     return uses_tail_kernel(W.device) or fp32_matmul_precision(W.device.type) == "ieee"
 
 
-def guard_constants(two_s: float, s_sq: float, W: torch.Tensor, r: int, split: int | None = None) -> PosteriorConstants:
+def guard_constants(two_s: float, s_sq: float, W: torch.Tensor, r: int, split: int | None = None,
+                    tail_bg: str | None = None) -> PosteriorConstants:
     """The constants of lemma 4' for the factored norm of ``W`` at rank ``r``; ``split``: the piece
     count where ``U`` and ``G`` came from the split of A into pieces of W's dtype
-    (:func:`dora_num.ops.products.split_mm`).  The product model is :func:`products_of`'s; where the
+    (:func:`dora_num.ops.products.split_mm`); ``tail_bg``: B's format where the Triton tail forms ``B G``
+    on tensor cores (:func:`tail_bg_format`).  The product model is :func:`products_of`'s; where the
     tail's own fp32 GEMM is not IEEE (:func:`tail_is_certifiable`) the constants certify no row."""
     fmt = "fp16" if W.dtype == torch.float16 else "bf16"
     return posterior_constants(two_s, s_sq, d_in=W.shape[1], r=r, products=products_of(W, split),
-                               split_pieces=split, split_format=fmt, certify=tail_is_certifiable(W))
+                               split_pieces=split, split_format=fmt, certify=tail_is_certifiable(W), tail_bg=tail_bg)
+
+
+
+
+def tail_bg_format(B: torch.Tensor, cfg) -> str | None:
+    """B's format (``"fp32"``, ``"fp16"``, ``"bf16"``) where the Triton tail forms ``B G`` on tensor cores
+    (``OpConfig.tail_bg = "tensor_core"``): what its guard constants and lemma 4 charge; None for the fp32 dot."""
+    return FORMAT_NAMES.get(B.dtype) if cfg.tail_bg == "tensor_core" else None
 
 
 def status(wnorm: torch.Tensor, rel: torch.Tensor | None, flag: torch.Tensor | None = None,

@@ -250,7 +250,8 @@ def tail_kernel(W, A, B, prod, base_sq, consts, cfg: OpConfig, *, m=None, eps=No
     from .kernels.norm_tail import norm_tail
 
     s, two_s, s_sq = consts
-    C = _guard.guard_constants(two_s, s_sq, W, A.shape[0], prod.pieces) if guard else None
+    tail_bg = _guard.tail_bg_format(B, cfg)
+    C = _guard.guard_constants(two_s, s_sq, W, A.shape[0], prod.pieces, tail_bg) if guard else None
     return norm_tail(prod.U, B, prod.G, base_sq, two_s, s_sq, m=m, eps=eps, guard=C,
                      rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows,
                      recompute=(W, A, s) if guard else None, inv=prod.inv if C is not None and C.inv_runtime else None,

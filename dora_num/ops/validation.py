@@ -14,6 +14,7 @@ import math
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FORMAT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}  # the numerics' format names
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=FLOAT_DTYPES) -> torch.Tensor:

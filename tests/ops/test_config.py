@@ -13,7 +13,8 @@ from dora_num.ops.config import ComposeTiles, NormTailTiles, OpConfig, RowSumsqT
 
 @pytest.mark.parametrize("name,value", [("DORA_NUM_COMPOSE_PATH", "turbo"), ("DORA_NUM_NORM_TAIL", "cuda"),
                                         ("DORA_NUM_FOLD_OUTPUT_ADD", "2"), ("DORA_NUM_DG_TWO_LAUNCH", "maybe"),
-                                        ("DORA_NUM_RECOMPUTE_INNER", "-1"), ("TRITON_INTERPRET", "yes please")])
+                                        ("DORA_NUM_RECOMPUTE_INNER", "-1"), ("TRITON_INTERPRET", "yes please"),
+                                        ("DORA_NUM_TAIL_BG", "cuda_cores")])
 def test_invalid_environment_names_the_variable(name, value):
     with pytest.raises(ValueError, match=f"environment variable {name} must be") as e:
         from_env({name: value})

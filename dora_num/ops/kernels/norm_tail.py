@@ -3,7 +3,9 @@
 From fp32 ``U = W A^T``, ``G = A A^T`` and ``base_sq = rowsum(W*W)``: ``cross = rowsum(B*U)``,
 ``ba = rowsum((B G) * B)``, the assembly ``sqrt_rn(base + 2s cross + s^2 ba)`` without contraction,
 the cancellation guard (``kappa``, the bound ``rel`` of lemma 4', the float64 recompute of the rows
-it flags) and, for the layer, the denominator of ``g = m / den`` with one device flag.  Within
+it flags) and, for the layer, the denominator of ``g = m / den`` with one device flag.  ``B G`` is an
+fp32 dot, or (``OpConfig.tail_bg = "tensor_core"``) bf16 pieces of the tiles of ``B`` and ``G`` made in
+registers (:func:`_split3`) and multiplied on tensor cores (:func:`_piece_dot`).  Within
 :func:`~dora_num.numerics.bounds.factored_norm_bound` of the exact norm.  The kernel's arithmetic,
 its blocks and its flag in full: docs/operator.md, "The norm's tail kernel".
 
@@ -23,8 +25,10 @@ import triton
 import triton.language as tl
 
 from ...numerics.norm_posterior import KERNEL_FIELDS, PosteriorConstants
+from ...numerics.split_products import BG_PIECES
 from ...numerics.standard_model import U64, gamma, up32
 from ..config import OpConfig, get_config
+from ..validation import FORMAT_NAMES
 from ._common import new_buffer, row_block
 from .norm_assembly import assemble
 
@@ -62,7 +66,7 @@ def _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, 
             + ((b_abs + 1.0) * gar) * eta
     else:
         e_c = tl.sqrt_rn(b_up) * lora_abs * gc4 + (b_abs * gc1) * tc + gcr
-        e_a = (lora_abs * lora_abs) * ga + ((b_abs * b_abs) * ga1) * tc + ((b_abs + 1.0) * gar) * eta
+        e_a = (lora_abs * lora_abs) * ga + ((b_abs * b_abs) * ga1) * tg + ((b_abs + 1.0) * gar) * eta
     dQ = e_b + e_c * ts + e_a * s2 + aba * q_s2 + aba * eta + (ab + s_sq * aba) * q_u2 + tcr * q_u3 + q_eta
     dQ = dQ * lift + floor
     Q_lo = (Qh - dQ) * lo
@@ -73,6 +77,40 @@ def _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, 
     kappa = tl.where(pos, tl.math.div_rn(mag, tl.where(pos, Qh, 1.0)), float("inf"))
     kappa = tl.where(mag == 0.0, 1.0, kappa)
     return kappa, rel, mag
+
+
+@triton.jit
+def _bf16_part(x):
+    """``RN_bf16(x)`` as an fp32 tensor: the bit pattern rounded to its top 16 bits, ties to even (bf16 and fp32
+    share the exponent range, so this is the correctly rounded bf16 value, subnormals and the overflow to
+    infinity included); integer operations only, so every backend (the interpreter too) gives these bits."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split3(x, PIECES: tl.constexpr):
+    """The greedy bf16 split ``x = P1 + P2 + P3 (+ what is left)`` of :func:`dora_num.ops.products.split_pieces`
+    (``P_q = RN_bf16(R_{q-1})``, ``R_q = R_{q-1} - P_q``: each subtraction exact), as fp32 tensors holding bf16
+    values; pieces past ``PIECES`` are zero."""
+    p1 = _bf16_part(x)
+    if PIECES == 1:
+        return p1, tl.zeros_like(x), tl.zeros_like(x)
+    r1 = x - p1
+    p2 = _bf16_part(r1)
+    if PIECES == 2:
+        return p1, p2, tl.zeros_like(x)
+    return p1, p2, _bf16_part(r1 - p2)
+
+
+@triton.jit
+def _piece_dot(b, g, acc, BF16_DOT: tl.constexpr):
+    """``acc + b @ g`` for fp32 tiles holding bf16 values: exact products, fp32 accumulation; on tensor cores
+    (``BF16_DOT``: the operands cast to bf16, exactly) or as an IEEE fp32 dot (the interpreter)."""
+    if BF16_DOT:
+        return tl.dot(b.to(tl.bfloat16), g.to(tl.bfloat16), acc, out_dtype=tl.float32)
+    return tl.dot(b, g, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -149,7 +187,8 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
                       d_out, d_in, r, two_s, s_sq, s, eps, rel_max,
                       HAS_M: tl.constexpr, GUARD: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_INV: tl.constexpr, RECOMPUTE: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TC_BG: tl.constexpr = False,
+                      B_PIECES: tl.constexpr = 3, BF16_DOT: tl.constexpr = True):
     if GUARD:  # the constants of posterior_constants (KERNEL_FIELDS order)
         ts, s2 = _c(gc, 0), _c(gc, 1)
         na_add, na_mul, na_up, k_up, r_eta = _c(gc, 2), _c(gc, 3), _c(gc, 4), _c(gc, 5), _c(gc, 6)
@@ -173,6 +212,7 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
     ba = tl.zeros([BLOCK_M], dtype=tl.float32)
     lora_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     babs_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    n_tiny = tl.zeros([BLOCK_M], dtype=tl.int32)  # TC_BG, fp32 B: entries in (0, 2^-110), which 3 pieces may not hold
     for n0 in range(0, r, BLOCK_R):
         cols = n0 + tl.arange(0, BLOCK_R)
         col_mask = cols < r
@@ -188,6 +228,8 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
             a_n = tl.abs(b_n)
             lora_acc += tl.sum(a_n * n_a[None, :], axis=1)
             babs_acc += tl.sum(a_n, axis=1)
+            if TC_BG and B_PIECES == 3:
+                n_tiny += tl.sum(((a_n > 0.0) & (a_n < 2.0**-110)).to(tl.int32), axis=1)
         bg = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         for k0 in range(0, r, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -196,7 +238,19 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
                           other=0.0).to(tl.float32)
             g_k = tl.load(gram_ptr + ks[:, None] * r + cols[None, :], mask=k_mask[:, None] & col_mask[None, :],
                           other=0.0)
-            bg = tl.dot(b_k, g_k, bg, input_precision="ieee")
+            if TC_BG:  # B G on tensor cores: the piece products PB_p PG_q with p + q <= 4 (tail_bg_pairs' order)
+                b1, b2, b3 = _split3(b_k, B_PIECES)
+                g1, g2, g3 = _split3(g_k, 3)
+                bg = _piece_dot(b1, g1, bg, BF16_DOT)
+                bg = _piece_dot(b1, g2, bg, BF16_DOT)
+                bg = _piece_dot(b1, g3, bg, BF16_DOT)
+                if B_PIECES >= 2:
+                    bg = _piece_dot(b2, g1, bg, BF16_DOT)
+                    bg = _piece_dot(b2, g2, bg, BF16_DOT)
+                if B_PIECES == 3:
+                    bg = _piece_dot(b3, g1, bg, BF16_DOT)
+            else:
+                bg = tl.dot(b_k, g_k, bg, input_precision="ieee")
         ba += tl.sum(bg * b_n, axis=1)
     base = tl.load(base_ptr + rows, mask=row_mask, other=0.0)
     w = assemble(base, cross, ba, two_s, s_sq, 1)
@@ -206,6 +260,8 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
         kappa, rel, mag = _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, gb, gc4, gc1,
                                      tc, gcr, ga, ga1, gar, eta, q_s2, q_u2, q_u3, q_eta, lift, floor, lo, up1, u,
                                      tg, rc, rab, SPLIT)
+        if TC_BG and B_PIECES == 3:  # a row the pieces may not hold: not certified (recomputed in float64)
+            rel = tl.where(n_tiny > 0, float("inf"), rel)
         if HAS_Z:  # W's row exactly zero and B's too: Q^ = Q = 0 exactly, which the terms alone cannot tell
             z = tl.load(zrow_ptr + rows, mask=row_mask, other=0).to(tl.int32)
             rel = tl.where((z != 0) & (b_abs == 0.0), 0.0, rel)
@@ -317,7 +373,10 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     and ``A`` ``[r, d_in]`` (fp32, bf16 or fp16, any strides), all on one device; ``two_s``,
     ``s_sq`` from :func:`~dora_num.numerics.formulas.scale_constants`.  No value checks (the flag
     is the check).  ``config`` (default :func:`~dora_num.ops.config.get_config`): the tiles
-    (``norm_tail_tiles``, whose ``block_m`` is the program count's divisor) and ``poison``.
+    (``norm_tail_tiles``, whose ``block_m`` is the program count's divisor), ``poison`` and ``tail_bg``
+    (``"tensor_core"``: ``B G`` from bf16 pieces of ``B`` and ``G`` on tensor cores, the piece products of
+    :func:`~dora_num.numerics.split_products.tail_bg_pairs`; the guard's constants must be made for it,
+    ``guard.tail_bg`` B's format; under the interpreter the same pieces in an IEEE fp32 dot).
     """
     d_out, r = B.shape
     floats = (torch.float32, torch.bfloat16, torch.float16)
@@ -353,6 +412,10 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     elif recompute is not None:
         raise ValueError("norm_tail: recompute needs guard")
     cfg = get_config() if config is None else config
+    tc_bg = cfg.tail_bg == "tensor_core"
+    if guard is not None and guard.tail_bg != (FORMAT_NAMES[B.dtype] if tc_bg else None):
+        raise ValueError(f"norm_tail: the guard constants were made for tail_bg={guard.tail_bg!r}, but this launch forms "
+                         f"B G {'on tensor cores from ' + FORMAT_NAMES[B.dtype] + ' B' if tc_bg else 'as an fp32 dot'}")
     tiles = cfg.norm_tail_tiles
     dev = B.device
     U, B, G, base_sq = (t if t.is_contiguous() else t.contiguous() for t in (U, B, G, base_sq))
@@ -382,7 +445,8 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
             HAS_M=m is not None, GUARD=guard is not None, HAS_Z=zero_rows is not None and guard is not None,
             SPLIT=guard is not None and guard.split, HAS_INV=guard is not None and guard.inv_runtime,
             RECOMPUTE=recompute is not None, HAS_ACC=acc is not None, BLOCK_M=tiles.block_m,
-            BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=tiles.block_d, num_warps=tiles.num_warps, enable_fp_fusion=False,
+            BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=tiles.block_d, TC_BG=tc_bg, B_PIECES=BG_PIECES[FORMAT_NAMES[B.dtype]],
+            BF16_DOT=not cfg.interpret, num_warps=tiles.num_warps, enable_fp_fusion=False,
         )
     return TailResult(wnorm, den, flag, aux)
 

@@ -81,3 +81,20 @@ def exact_tail_terms(U, B, G):
     ba = (BG * B64).sum(1)
     assert max(float(BG.abs().max()), float(cross.abs().max()), float(ba.abs().max())) < 2**24  # exact in fp32
     return cross.float(), ba.float()
+
+
+def assert_tail_bitwise_lemma_4_prime(t, U, B, G, base, C, two_s=1.0, s_sq=0.25):
+    """On exact sums (one-hot rows of B): the tail's ``wnorm`` is the torch assembly and its ``kappa``, ``rel``
+    are ``posterior_from_terms`` on ``lora_row_magnitudes`` with the same constants ``C``, bit for bit.
+    Returns torch's ``rel``."""
+    from dora_num.numerics.arithmetic import TorchFP32CorrectSqrt
+    from dora_num.numerics.formulas import norm_assembly
+    from dora_num.numerics.norm_bounds import lora_row_magnitudes, posterior_from_terms
+
+    cross, ba = exact_tail_terms(U, B, G)
+    assert_bitwise(t.wnorm, norm_assembly(TorchFP32CorrectSqrt, base, cross, ba, two_s, s_sq))
+    la, bb = lora_row_magnitudes(B, G, constants=C)
+    kappa, rel = posterior_from_terms(base, cross, ba, la, bb, C)
+    assert_bitwise(t.kappa, kappa)
+    assert_bitwise(t.rel, rel)
+    return rel

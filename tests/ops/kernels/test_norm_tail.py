@@ -23,7 +23,8 @@ from dora_num.ops.kernels.norm_tail import norm_tail
 from dora_num.ops.norm import uses_tail_kernel
 from dora_num.ops.weight_norm import magnitude_scale_and_flag
 
-from .helpers import DEVICES, assert_bitwise, exact_tail_inputs, exact_tail_terms
+from .helpers import (DEVICES, assert_bitwise, assert_tail_bitwise_lemma_4_prime, exact_tail_inputs,
+                      exact_tail_terms)
 
 SHAPES = [(1, 1), (3, 7), (33, 16), (63, 40), (100, 65)]  # (d_out, r): masks on both axes
 CUDA_SHAPES = [(4096, 384), (8192, 512)]
@@ -267,19 +268,14 @@ def test_tail_guard_bitwise_lemma_4_prime_on_exact_sums(device, d_out, r):
     """The kernel's ``kappa`` and ``rel`` are the fp32 sequence of
     ``numerics.norm_bounds.posterior_from_terms`` on ``lora_row_magnitudes`` (the same constants),
     bit for bit, infinities included; its flag is the largest code over each program's rows."""
-    from dora_num.numerics.norm_bounds import lora_row_magnitudes, posterior_constants, posterior_from_terms
+    from dora_num.numerics.norm_bounds import posterior_constants
     from dora_num.ops.guard import CANCELLATION_REL, FLAG_CANCELLATION, FLAG_COUNT
 
     U, B, G, base = _one_hot_tail_inputs(d_out, r, device)
     for tc in (False, True):
         C = posterior_constants(1.0, 0.25, d_in=300, r=r, tensor_core_products=tc)
         t = norm_tail(U, B, G, base, 1.0, 0.25, guard=C, rel_max=CANCELLATION_REL)
-        cross, ba = exact_tail_terms(U, B, G)
-        assert_bitwise(t.wnorm, norm_assembly(TorchFP32CorrectSqrt, base, cross, ba, 1.0, 0.25))
-        la, bb = lora_row_magnitudes(B, G, constants=C)
-        kappa, rel = posterior_from_terms(base, cross, ba, la, bb, C)
-        assert_bitwise(t.kappa, kappa)
-        assert_bitwise(t.rel, rel)
+        rel = assert_tail_bitwise_lemma_4_prime(t, U, B, G, base, C)
         fired = rel > CANCELLATION_REL
         if d_out >= 3:
             assert bool(fired.any()) and not bool(fired.all())  # both kinds of row occur
