@@ -22,7 +22,7 @@ from ..numerics.norm_bounds import PosteriorConstants, posterior_constants
 from ..numerics.norm_posterior import lora_row_magnitudes, posterior_from_terms
 from ..numerics.standard_model import U32, U64, gamma
 from .config import uses_tail_kernel
-from .products import SPLIT_DTYPES, _tensor_core_fp32_out, factored_products, fp32_matmul_precision
+from .products import factored_products, fp32_matmul_precision, takes_w_whole
 from .terms import factored_terms
 from .validation import FORMAT_NAMES
 
@@ -63,7 +63,7 @@ def products_of(W: torch.Tensor, split: int | None = None) -> str:
     as :func:`dora_num.ops.products.product_model` chose it from the same switches."""
     if split is not None:
         return "split"
-    if W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype):
+    if takes_w_whole(W):
         return "tensor_core"
     return "fp32" if fp32_matmul_precision(W.device.type) == "ieee" else "fp64"
 

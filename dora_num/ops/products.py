@@ -24,7 +24,7 @@ from ..numerics import split_products as _SP
 from ..numerics.standard_model import tc_blocks
 from .config import OpConfig, get_config
 
-_MM_OUT_DTYPE_OK: dict = {}  # (device type, dtype) -> whether torch.mm(..., out_dtype=fp32) runs
+_MM_OUT_DTYPE_OK: dict = {}  # (device type, index, dtype) -> whether torch.mm(..., out_dtype=fp32) runs there
 SPLIT_DTYPES = (torch.bfloat16, torch.float16)
 # fp16 pieces: A is scaled by 2^k so that max|A| 2^k lies in [2^14, 2^15) (the first piece then
 # cannot overflow fp16's 65504), k clamped to [-126, 126] so that 2^k and 2^-k are normal fp32.
@@ -150,7 +150,7 @@ def takes_w_whole(W: torch.Tensor) -> bool:
     16-bit W on CUDA where ``torch.mm`` gives an fp32 output), whose products take W whole.  Decided from
     W's device, its dtype and the probe alone, so that TorchDynamo can trace it (a traced op asks it): the
     routes of any other W read torch's matmul-precision switches, whose getters Dynamo cannot trace."""
-    return W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype)
+    return W.device.type == "cuda" and W.dtype in SPLIT_DTYPES and _tensor_core_fp32_out(W.dtype, W.device.index or 0)
 
 
 def fp32_matmul_precision(device_type: str) -> str:
@@ -177,8 +177,8 @@ def fp32_matmul_precision(device_type: str) -> str:
 
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a @ b`` with fp32 accumulation and fp32 output for 16-bit CUDA inputs, or None
-    where this torch has no such kernel (probed once per device type and dtype)."""
-    key = (a.device.type, a.dtype)
+    where this torch has no such kernel (probed once per device and dtype: two cards of one host may differ)."""
+    key = (a.device.type, a.device.index or 0, a.dtype)
     if a.device.type != "cuda" or _MM_OUT_DTYPE_OK.get(key) is False:
         return None
     try:
@@ -427,14 +427,14 @@ def clear_mm_probes() -> None:
 
 
 @torch._dynamo.assume_constant_result
-def _tensor_core_fp32_out(dtype: torch.dtype) -> bool:
-    """Whether ``torch.mm(..., out_dtype=float32)`` runs for ``dtype`` on CUDA (probed once, on a
-    one-element product).  A constant to TorchDynamo, which runs it when it traces: a probe that
+def _tensor_core_fp32_out(dtype: torch.dtype, index: int = 0) -> bool:
+    """Whether ``torch.mm(..., out_dtype=float32)`` runs for ``dtype`` on CUDA device ``index`` (probed once
+    per device, on a one-element product).  A constant to TorchDynamo, which runs it when it traces: a probe that
     first ran while tracing would otherwise fail the guard on the probes' dict that the same trace
     installed (measured: fp16 W compiled before any eager call, "Guard failed on the same frame")."""
-    key = ("cuda", dtype)
+    key = ("cuda", index, dtype)
     if key not in _MM_OUT_DTYPE_OK:
-        one = torch.ones(1, 1, dtype=dtype, device="cuda")
+        one = torch.ones(1, 1, dtype=dtype, device=torch.device("cuda", index))
         _mm_fp32_out(one, one)
     return bool(_MM_OUT_DTYPE_OK.get(key))
 
