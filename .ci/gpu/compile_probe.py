@@ -292,10 +292,19 @@ def _():
             for _ in range(200):
                 _step(comp, x)
             prof.disable()
+            # the host time of each op of the compiled step as the dispatcher sees it (custom ops by name, the
+            # kernels Inductor launches, the GEMMs), which a cProfile of Python frames does not separate
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tprof:
+                for _ in range(20):
+                    _step(comp, x)
+                torch.cuda.synchronize()
     torch.cuda.synchronize()
     text = io.StringIO()
     for key in ("tottime", "cumulative"):
         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+    text.write("\n--- torch.profiler, CPU, 20 compiled steps (traced ops), by self CPU time\n")
+    text.write(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80))
     with open(f"{OUT}/host_cprofile.txt", "w") as fh:
         fh.write(text.getvalue())
     return out

@@ -33,8 +33,9 @@
 #          default 500 s), $SIDE beside it (probe or pytest, below), then AFTER=dorafactors alone  -> $OUT/seeds/part-K.tar, ..., session_seedK.tgz
 #   probe  the card's accumulation probe at the operator's shapes, beside it the memory holdout and the gpu tests
 #          of $PYTEST_FILES (default: the kit's and the flag's; correctness records: no timing claims), then alone
-#          the norm's time by rank
-#          (.ci/gpu/norm_rank_profile.py, a diagnostic)                      -> $OUT/session_probe.tgz
+#          the norm's time by rank and the tail both ways of OpConfig.tail_bg (.ci/gpu/norm_rank_profile.py, a
+#          diagnostic); with PROBE_HOST=1 then the compiled step's host time and profile (compile_probe.py host)
+#                                                                            -> $OUT/session_probe.tgz
 #   speed  the suite's timed sections $SUITE_ONLY (default: compose norm layer), alone on the GPU: a second
 #          session's record of the speed targets                             -> $OUT/session_speed.tgz
 #   matrix part $PART (1 or 2) of the model matrix: plain LoRA, PEFT's DoRA and this operator, eager / compile /
@@ -236,6 +237,11 @@ case "${1:-}" in
     wait
     left=$(( ${CALL_S:-585} - ($(date +%s) - t0) ))
     job norm_rank "$left" python3 .ci/gpu/norm_rank_profile.py "$W/norm_rank"
+    if [ -n "${PROBE_HOST:-}" ]; then  # then, alone too, the compiled step's host time and its profile
+      left=$(( ${CALL_S:-585} - ($(date +%s) - t0) ))
+      mkdir -p "$W/compile"
+      job compile_host "$left" python3 .ci/gpu/compile_probe.py "$W/compile" host
+    fi
     pack probe
     ;;
   matrix)  # alone on the GPU (timings): part $PART of the model matrix (dora-num record model --matrix $PART)
