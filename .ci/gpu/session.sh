@@ -192,7 +192,7 @@ case "${1:-}" in
     ;;
   cards)  # correctness beside correctness: nothing here is timed
     job products 300 python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
-    job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
+    job holdout "${HOLDOUT_S:-180}" python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
       --git-sha "$SHA" &
     job seeds_smoke 200 python3 -m dora_num record adapters-gpu --plan seeds --seeds 1 --smoke \
       --out "$W/seeds_smoke" --base .carry/minilm --wall-s 150 --git-sha "$SHA" &
@@ -230,7 +230,7 @@ case "${1:-}" in
     ;;
   probe)  # the card's accumulation probe (about 370 s alone on an H100), the holdout and the tests beside it, then the diagnostic
     job products "${PRODUCTS_S:-540}" python3 -m dora_num record products --only accumulation --out "$W/products" --git-sha "$SHA" &
-    job holdout 180 python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
+    job holdout "${HOLDOUT_S:-180}" python3 -m dora_num record memory --holdout --out "$W/holdout" --base .carry/minilm \
       --git-sha "$SHA" &
     job pytest "${PYTEST_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs -n 4 ${PYTEST_FILES:-\
       tests/test_check_accumulation.py tests/ops/test_products_gpu.py tests/test_check.py tests/ops/test_finite.py} &
