@@ -125,8 +125,11 @@ def _entry_model(products: str, d: int) -> tuple[float, float]:
     u = U32
     if products == "fp64":  # float64 sums of exact products, one rounding to fp32 (which may underflow once)
         return u + (1 + u) * float(gamma(2 * d, U64)), 2.0**-149
-    if products == "tensor_core":  # a truncating accumulator that may flush each partial sum
-        return float(gamma(tc_additions(d), u)), d * 2.0**-149 + (d - 1) * TINY32
+    if products == "tensor_core":  # a truncating accumulator that may flush each partial sum; a flushed partial
+        # sum passes through the later additions, (1 + c) as lemma 4's table carries it (2^-149 per product
+        # site is twice a product's underflow, which covers that factor for the products)
+        c = float(gamma(tc_additions(d), u))
+        return c, d * 2.0**-149 + (1 + c) * (d - 1) * TINY32
     return float(gamma(d, u)), d * 2.0**-149  # fp32, any order: d products, each an underflow site
 
 

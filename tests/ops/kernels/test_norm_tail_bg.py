@@ -128,23 +128,34 @@ def _bare_tc(W, A, B, s, device):
 
 
 def _domain_cases():
-    return [pytest.param(d.values[0], c, id=f"{d.id}-{c}", marks=d.marks) for d in DEVICES for c in NORM_CASES]
+    out = []
+    for d in DEVICES:
+        for c in NORM_CASES:
+            for b_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                if b_dtype == torch.float16 and c in ("underflow_squares", "subnormal_entries", "products_underflow"):
+                    continue  # B of 1e-24 or 1e22: beyond fp16, the class would not be what it says
+                out.append(pytest.param(d.values[0], c, b_dtype, id=f"{d.id}-{c}-{FMT[b_dtype]}", marks=d.marks))
+    return out
 
 
-@pytest.mark.parametrize("device,case", _domain_cases())
-def test_tensor_core_tail_within_lemma_4_over_the_domain(device, case, record):
-    """The bare factored norm with the tensor-core tail is within ``factored_norm_bound(tail_bg="fp32")``
-    of the exact norm (rationals) on every row of each domain class, or has no finite bound where it
-    overflows; never NaN.  (fp32 W: U and G are IEEE fp32 products on either device, the model the bound
+@pytest.mark.parametrize("device,case,b_dtype", _domain_cases())
+def test_tensor_core_tail_within_lemma_4_over_the_domain(device, case, b_dtype, record):
+    """The bare factored norm with the tensor-core tail is within ``factored_norm_bound(tail_bg=B's format)``
+    of the exact norm (rationals) on every row of each domain class, with B in fp32, bf16 and fp16 (B's
+    values rounded to it, the bound and the exact norm of the rounded values), or has no finite bound where
+    it overflows; never NaN.  (fp32 W: U and G are IEEE fp32 products on either device, the model the bound
     is evaluated for.)"""
     rng = np.random.default_rng([5, NORM_CASES.index(case)])
     W, A, B, s = _rows(case, rng)
+    Bd = _t(B).to(b_dtype)
+    B = Bd.double().numpy()
+    assert np.isfinite(B).all()
     q = exact_row_norm_sq(W, A, B, s)
-    bound = factored_norm_bound(W, A, B, s, tail_bg="fp32")
+    bound = factored_norm_bound(W, A, B, s, tail_bg=FMT[b_dtype])
     assert not np.isnan(bound).any()
     worst, n_inf = 0.0, 0
     for j in range(W.shape[0]):
-        w = float(_bare_tc(_t(W[j:j + 1]), _t(A), _t(B[j:j + 1]), s, device)[0])
+        w = float(_bare_tc(_t(W[j:j + 1]), _t(A), Bd[j:j + 1], s, device)[0])
         if not math.isfinite(w) or math.isinf(bound[j]):
             assert math.isinf(bound[j]), (case, j, w)
             n_inf += 1
@@ -153,7 +164,8 @@ def test_tensor_core_tail_within_lemma_4_over_the_domain(device, case, record):
         with mpmath.workdps(60):
             ex = mpmath.sqrt(mpmath.mpf(q[j].numerator) / q[j].denominator)
             worst = max(worst, float(abs(mpmath.mpf(w) - ex) / bound[j]) if bound[j] > 0 else 0.0)
-    record("tail_bg_bounds", case=case, ratio_err_over_bound=worst, n_rows=W.shape[0], n_no_bound=n_inf)
+    record("tail_bg_bounds", case=f"{case} {FMT[b_dtype]}", ratio_err_over_bound=worst, n_rows=W.shape[0],
+           n_no_bound=n_inf)
     if case != "near_overflow":
         assert n_inf == 0
 
@@ -247,3 +259,26 @@ def test_pairs_the_kernel_sums():
     assert tail_bg_pairs("fp32") == (((1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (3, 1)), ((2, 3), (3, 2), (3, 3)))
     assert tail_bg_pairs("fp16") == (((1, 1), (1, 2), (1, 3), (2, 1), (2, 2)), ((2, 3),))
     assert tail_bg_pairs("bf16") == (((1, 1), (1, 2), (1, 3)), ())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_residual_of_gs_pieces_is_charged_and_nearly_reached(device):
+    """A Gram entry that G's three bf16 pieces cannot hold: ``A = [15, 2] 2^-67`` gives ``G = 229 2^-134``, a tie
+    on bf16's subnormal grid, so the pieces keep ``228 2^-134`` and leave ``sigma = 2^-134``; with ``B = 2^50``
+    (bf16) and ``W = 0`` the norm is ``sqrt(B G B)``, off by 1/458 relative.  The guard's ``rel`` (the ``sigma`` of
+    ``tg``) bounds it and is within 2% of it: without that term no bound holds (a hostile review's case).  G's
+    first piece, ``114 2^-133``, is subnormal in bf16: on CUDA this also holds the tensor core to keeping
+    subnormal bf16 inputs, which the model assumes (one that flushed them would lose the whole norm here)."""
+    W = torch.zeros(1, 2, device=device)
+    A = torch.tensor([[15.0, 2.0]], device=device) * 2.0**-67
+    B = torch.tensor([[2.0**50]], device=device, dtype=torch.bfloat16)
+    with override(norm_tail="triton", tail_bg="tensor_core"):
+        cfg = get_config()
+        prod = _products(W, A, None, cfg)
+        assert float(prod.G[0, 0]) == 229 * 2.0**-134
+        t = tail_kernel(W, A, B, prod, torch.zeros(1, device=device), scale_constants(1.0), cfg)
+    exact = math.sqrt(229) * 2.0**-67 * 2.0**50
+    err = abs(float(t.wnorm[0]) - exact) / exact
+    rel = float(t.rel[0])
+    assert abs(err - (1 - math.sqrt(228 / 229))) < 1e-6  # the piece's residual, nothing else
+    assert 0.98 * rel < err <= rel
