@@ -1,7 +1,8 @@
 """The guard's fire rate at the projection shapes of 8B and 70B models (d_in = 4096, 8192, 14,336,
 28,672; ranks 16, 64, 256; updates ||sBA|| = rho ||W||, rho up to 0.2), on the CPU: under the CPU's
 product model (fp32 GEMMs) and under the tensor-core model the H200 runs (lemma 4' evaluated on CPU
-terms: the guarantee depends on the terms' magnitudes, which the two devices share to a few ulps).
+terms: the guarantee depends on the terms' magnitudes, which the two devices share to a few ulps), and that
+model with the tail's ``B G`` on tensor cores too (``OpConfig.tail_bg``, fp32 B).
 The fire rate depends on W, A, B only (not on tokens); rows are independent, so 48 rows per shape
 estimate it.  At the 70B down projection each row's guarantee is also checked against the norm.
 The measurement on the H200 itself: ``dora-num record products --only fire_rate``."""
@@ -33,9 +34,10 @@ def _adapter(d_in, r, rho, rows=ROWS, seed=0):
     return W, A, B, s
 
 
-def _rel(W, A, B, s, products: str):
+def _rel(W, A, B, s, products: str, tail_bg: str | None = None):
     base, cross, ba, two_s, s_sq = factored_terms(W, A, B, s)
-    C = posterior_constants(two_s, s_sq, d_in=W.shape[1], r=A.shape[0], tensor_core_products=products == "tensor_core")
+    C = posterior_constants(two_s, s_sq, d_in=W.shape[1], r=A.shape[0], tensor_core_products=products == "tensor_core",
+                            tail_bg=tail_bg)
     G = (A.double() @ A.double().T).float()
     la, bb = lora_row_magnitudes(B, G, constants=C)
     return posterior_from_terms(base, cross, ba, la, bb, C)[1]
@@ -48,15 +50,18 @@ def test_fire_rate_at_8b_and_70b_projection_shapes(shape, r, record):
     for rho in (0.05, 0.1, 0.2):
         W, A, B, s = _adapter(d_in, r, rho)
         rel = {p: _rel(W, A, B, s, p) for p in ("fp32", "tensor_core")}
+        rel["tensor_core_tail_bg"] = _rel(W, A, B, s, "tensor_core", tail_bg="fp32")  # B G on tensor cores too
         fired = {p: int((v > CANCELLATION_REL).sum()) for p, v in rel.items()}
         record("guard_fire_rate", case=f"{shape} d_in={d_in} r={r} rho={rho}", d_in=d_in, r=r, rho=rho, rows=ROWS,
                fired_cpu_model=fired["fp32"], fired_tensor_core_model=fired["tensor_core"],
                rel_max_cpu_model=float(rel["fp32"].max()), rel_max_tensor_core_model=float(rel["tensor_core"].max()),
                margin_tensor_core=CANCELLATION_REL / float(rel["tensor_core"].max()),
+               rel_max_tail_bg=float(rel["tensor_core_tail_bg"].max()),
                summary=f"{shape} r={r} rho={rho}: fired {fired['fp32']}/{ROWS} (CPU model), "
                        f"{fired['tensor_core']}/{ROWS} (tensor cores); rel max {float(rel['tensor_core'].max()):.3g}")
         assert fired["fp32"] == 0, (shape, r, rho, float(rel["fp32"].max()))
         assert fired["tensor_core"] == 0, (shape, r, rho, float(rel["tensor_core"].max()))
+        assert fired["tensor_core_tail_bg"] == 0, (shape, r, rho, float(rel["tensor_core_tail_bg"].max()))
 
 
 def _norm_interval(W, A, B, s):
