@@ -362,6 +362,23 @@ def test_cuda_device_checks_the_tail_the_layer_runs(tmp_path, dtype, capsys):
     assert "device: cuda" in capsys.readouterr().out
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_kit_checks_the_tensor_core_tail_when_the_layer_takes_it(b_dtype):
+    """Under ``OpConfig.tail_bg = "tensor_core"`` the "as run" row on CUDA is the tail with ``B G`` from bf16 pieces
+    on tensor cores, held to that route's bound (named in the row and the report), every row within it."""
+    from dora_num.ops.config import override
+
+    t = _layer(d_out=64, d_in=256)
+    W, A, B, m = t["W"].bfloat16().cuda(), t["A"].cuda(), t["B"].to(b_dtype).cuda(), t["m"].cuda()
+    with override(tail_bg="tensor_core"):
+        rep = check_bounds(W, A, B, m, scale=0.37)
+    assert rep.ok, rep.to_string()
+    row = rep.table.set_index("check").loc["factored row norm, as run"]
+    assert "bf16 pieces" in row["model"] and row["within"] == 64, row
+    assert any("tail: B G from bf16 pieces" in h for h in rep.to_string().splitlines())
+
+
 @pytest.mark.slow
 def test_readme_kit_example_is_current(tmp_path):
     """The README's kit example on the committed trained adapter: the same checks, lemmas, counts, violations
