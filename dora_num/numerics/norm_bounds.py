@@ -91,12 +91,14 @@ def _tail_bg_e_ba(B, AA, E_G, b_format: str) -> tuple[np.ndarray, np.ndarray]:
     where an intermediate may overflow fp32.  With ``|G^| <= Gm = AA + E_G``, ``H = B G^`` and the kernel's sum
     ``ba^ = fl(sum_l BG^_l B_l)``::
 
-        |ba^ - ba| <= gamma_r |B| Gm |B|^T + (1 + gamma_r) sum_l |B_l| |BG^_l - H_l| + |B| E_G |B|^T + (1 + gamma_r) r eta
+        |ba^ - ba| <= gamma_r |B| Gm |B|^T + (1 + gamma_r) sum_l |B_l| |BG^_l - H_l|
+                      + |B| E_G |B|^T + (1 + gamma_r) r eta
 
     with ``|BG^ - H|`` from B's own pieces (what they leave, ``res_B``, charged exactly, so every row of an fp32
     B is bounded here, those with entries below ``2^-110`` too) and G's bounded ones
     (:func:`~dora_num.numerics.split_products.tail_bg_coefficients`)."""
-    from .split_products import BG_PIECES, G_PIECES, _piece_factor, split_pieces_np, tail_bg_coefficients, tail_bg_pairs
+    from .split_products import (BG_PIECES, G_PIECES, _piece_factor, split_pieces_np, tail_bg_coefficients,
+                                 tail_bg_pairs)
 
     u, eta = U32, ETA32
     r = B.shape[1]

@@ -414,8 +414,9 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     cfg = get_config() if config is None else config
     tc_bg = cfg.tail_bg == "tensor_core"
     if guard is not None and guard.tail_bg != (FORMAT_NAMES[B.dtype] if tc_bg else None):
-        raise ValueError(f"norm_tail: the guard constants were made for tail_bg={guard.tail_bg!r}, but this launch forms "
-                         f"B G {'on tensor cores from ' + FORMAT_NAMES[B.dtype] + ' B' if tc_bg else 'as an fp32 dot'}")
+        how = f"on tensor cores from {FORMAT_NAMES[B.dtype]} B" if tc_bg else "as an fp32 dot"
+        raise ValueError(f"norm_tail: the guard constants were made for tail_bg={guard.tail_bg!r}, but this launch "
+                         f"forms B G {how}")
     tiles = cfg.norm_tail_tiles
     dev = B.device
     U, B, G, base_sq = (t if t.is_contiguous() else t.contiguous() for t in (U, B, G, base_sq))
@@ -445,8 +446,8 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
             HAS_M=m is not None, GUARD=guard is not None, HAS_Z=zero_rows is not None and guard is not None,
             SPLIT=guard is not None and guard.split, HAS_INV=guard is not None and guard.inv_runtime,
             RECOMPUTE=recompute is not None, HAS_ACC=acc is not None, BLOCK_M=tiles.block_m,
-            BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=tiles.block_d, TC_BG=tc_bg, B_PIECES=BG_PIECES[FORMAT_NAMES[B.dtype]],
-            BF16_DOT=not cfg.interpret, num_warps=tiles.num_warps, enable_fp_fusion=False,
+            BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=tiles.block_d, TC_BG=tc_bg,
+            B_PIECES=BG_PIECES[FORMAT_NAMES[B.dtype]], BF16_DOT=not cfg.interpret, num_warps=tiles.num_warps, enable_fp_fusion=False,
         )
     return TailResult(wnorm, den, flag, aux)
 

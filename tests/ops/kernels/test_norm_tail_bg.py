@@ -194,7 +194,8 @@ def test_tensor_core_tail_bound_is_not_vacuous_and_one_piece_would_break_it(reco
     one_piece = split_pieces_np(one_piece, "bf16", 1)[0][0]
     wrong = np.linalg.norm(one_piece @ A.astype(np.float64), axis=1)
     assert (np.abs(wrong - ex) > 4 * bound).all()
-    record("tail_bg_tightness", case="positive factors, W = 0", ratio_err_over_bound=float((np.abs(w - ex) / bound).max()),
+    record("tail_bg_tightness", case="positive factors, W = 0",
+           ratio_err_over_bound=float((np.abs(w - ex) / bound).max()),
            one_piece_over_bound=float((np.abs(wrong - ex) / bound).min()))
 
 
