@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ...numerics.norm_posterior import KERNEL_FIELDS, PosteriorConstants
-from ...numerics.split_products import BG_PIECES
+from ...numerics.split_products import BG_PIECES, TAIL_BG_EXACT_MIN
 from ...numerics.standard_model import U64, gamma, up32
 from ..config import OpConfig, get_config
 from ..validation import FORMAT_NAMES
@@ -38,6 +38,7 @@ _ORDER = ("ts", "s2", "na_add", "na_mul", "na_up", "k_up", "r_eta", "cb1", "cb2"
           "ga", "ga1", "gar", "eta", "q_s2", "q_u2", "q_u3", "q_eta", "lift", "floor", "lo", "up1", "u", "tg", "rc",
           "rab", "na_res", "na_up2", "tc_inv", "tg_inv2", "na_add_inv2", "rc_inv", "rab_inv", "na_res_inv")
 assert _ORDER == KERNEL_FIELDS, "the kernel's constant layout must follow PosteriorConstants"
+_EXACT_MIN: tl.constexpr = TAIL_BG_EXACT_MIN  # fp32 values of B below it may not be held by three bf16 pieces
 
 
 @triton.jit
@@ -229,7 +230,7 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
             lora_acc += tl.sum(a_n * n_a[None, :], axis=1)
             babs_acc += tl.sum(a_n, axis=1)
             if TC_BG and B_PIECES == 3:
-                n_tiny += tl.sum(((a_n > 0.0) & (a_n < 2.0**-110)).to(tl.int32), axis=1)
+                n_tiny += tl.sum(((a_n > 0.0) & (a_n < _EXACT_MIN)).to(tl.int32), axis=1)
         bg = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         for k0 in range(0, r, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)

@@ -34,6 +34,7 @@ from dora_num.ops.config import get_config, override
 from dora_num.ops.guard import CANCELLATION_REL
 from dora_num.ops.kernels.norm_tail import _split3, norm_tail
 from dora_num.ops.norm import _products, factored_row_norm, tail_kernel
+from dora_num.ops.validation import FORMAT_NAMES
 
 from numerics._exact_ref import exact_row_norm_sq, norm_within
 from numerics.test_bounds_domain import NORM_CASES, _rows, _t
@@ -41,7 +42,6 @@ from .helpers import (DEVICES, assert_bitwise, assert_tail_bitwise_lemma_4_prime
                       exact_tail_terms)
 from .test_norm_tail import _one_hot_tail_inputs
 
-FMT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def test_tensor_core_tail_bitwise_on_exact_sums(device, d_out, r, dtype):
     the exact one and the assembly bitwise torch's; on one-hot rows of B (the guard's row magnitudes
     exact too) the guard's ``kappa`` and ``rel`` are bitwise ``posterior_from_terms`` on the constants
     made for this tail (``tail_bg``); constants made for the other tail are refused."""
-    fmt = FMT[dtype]
+    fmt = FORMAT_NAMES[dtype]
     U, B, G, base = exact_tail_inputs(d_out, r, dtype, device=device)
     with override(tail_bg="tensor_core") as cfg:
         t = norm_tail(U, B, G, base, 1.0, 0.25, config=cfg)
@@ -134,7 +134,7 @@ def _domain_cases():
             for b_dtype in (torch.float32, torch.bfloat16, torch.float16):
                 if b_dtype == torch.float16 and c in ("underflow_squares", "subnormal_entries", "products_underflow"):
                     continue  # B of 1e-24 or 1e22: beyond fp16, the class would not be what it says
-                out.append(pytest.param(d.values[0], c, b_dtype, id=f"{d.id}-{c}-{FMT[b_dtype]}", marks=d.marks))
+                out.append(pytest.param(d.values[0], c, b_dtype, id=f"{d.id}-{c}-{FORMAT_NAMES[b_dtype]}", marks=d.marks))
     return out
 
 
@@ -151,7 +151,7 @@ def test_tensor_core_tail_within_lemma_4_over_the_domain(device, case, b_dtype, 
     B = Bd.double().numpy()
     assert np.isfinite(B).all()
     q = exact_row_norm_sq(W, A, B, s)
-    bound = factored_norm_bound(W, A, B, s, tail_bg=FMT[b_dtype])
+    bound = factored_norm_bound(W, A, B, s, tail_bg=FORMAT_NAMES[b_dtype])
     assert not np.isnan(bound).any()
     worst, n_inf = 0.0, 0
     for j in range(W.shape[0]):
@@ -164,7 +164,7 @@ def test_tensor_core_tail_within_lemma_4_over_the_domain(device, case, b_dtype, 
         with mpmath.workdps(60):
             ex = mpmath.sqrt(mpmath.mpf(q[j].numerator) / q[j].denominator)
             worst = max(worst, float(abs(mpmath.mpf(w) - ex) / bound[j]) if bound[j] > 0 else 0.0)
-    record("tail_bg_bounds", case=f"{case} {FMT[b_dtype]}", ratio_err_over_bound=worst, n_rows=W.shape[0],
+    record("tail_bg_bounds", case=f"{case} {FORMAT_NAMES[b_dtype]}", ratio_err_over_bound=worst, n_rows=W.shape[0],
            n_no_bound=n_inf)
     if case != "near_overflow":
         assert n_inf == 0
