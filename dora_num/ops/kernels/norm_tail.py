@@ -38,7 +38,7 @@ _ORDER = ("ts", "s2", "na_add", "na_mul", "na_up", "k_up", "r_eta", "cb1", "cb2"
           "ga", "ga1", "gar", "eta", "q_s2", "q_u2", "q_u3", "q_eta", "lift", "floor", "lo", "up1", "u", "tg", "rc",
           "rab", "na_res", "na_up2", "tc_inv", "tg_inv2", "na_add_inv2", "rc_inv", "rab_inv", "na_res_inv")
 assert _ORDER == KERNEL_FIELDS, "the kernel's constant layout must follow PosteriorConstants"
-_EXACT_MIN: tl.constexpr = TAIL_BG_EXACT_MIN  # fp32 values of B below it may not be held by three bf16 pieces
+_EXACT_MIN = tl.constexpr(TAIL_BG_EXACT_MIN)  # fp32 values of B below it may not be held by three bf16 pieces
 
 
 @triton.jit

@@ -1,0 +1,81 @@
+"""Compile the package's Triton kernels for an H100/H200 (sm_90) on a machine with no GPU.
+
+The Triton interpreter, which runs the kernels in CI, accepts code that the compiler refuses (a global
+read from a kernel that is not a ``tl.constexpr`` object, say) and shows nothing of what the compiler
+makes of the arithmetic (which multiplies it contracts into FMAs).  Triton compiles for an explicit
+target without a driver (its wheel carries ``ptxas``), so here each kernel is compiled for
+``GPUTarget("cuda", 90, 32)`` with the arguments of a launch, tensors as ``MockTensor`` s, as its
+launcher would specialise them.  The binder and ``_pack_args`` are Triton's own (private API, 3.7): what
+``JITFunction.run`` does before it compiles, minus the driver's device and stream.
+
+Run as a script (the interpreter must be off: under ``TRITON_INTERPRET=1`` a ``@triton.jit`` function is an
+interpreted one, which does not compile); ``tests/ops/kernels/test_sm90.py`` runs it in a subprocess and reads
+its JSON: per case the PTX instruction counts with ``enable_fp_fusion`` on (Inductor's default for a wrapped
+kernel) and off (our launches).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.compiler import compile as triton_compile
+from triton.runtime.jit import MockTensor, create_function_from_signature
+
+TARGET = GPUTarget("cuda", 90, 32)
+COUNTED = ("fma.rn.f32", "fma.rn.f64", "mul.rn.f32", "mul.f32", "mul.rn.f64", "mul.f64", "sub.f32", "add.f32")
+
+
+def ptx_of(kernel, *args, **kwargs) -> str:
+    """The PTX of ``kernel`` compiled for :data:`TARGET` as a launch with ``args``/``kwargs`` would compile it
+    (torch dtypes stand for tensors of that dtype, 16-byte aligned)."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, spec, options = binder(*[MockTensor.wrap_dtype(a) for a in args], **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+    return triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__).asm["ptx"]
+
+
+def counts(ptx: str) -> dict:
+    """Instruction counts of the PTX (comments dropped; ``mul.f32`` counts bare multiplies only)."""
+    body = "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith("//"))
+    found = {k: len(re.findall(re.escape(k) + r"\s", body)) for k in COUNTED}
+    found["mma"] = len(re.findall(r"\bw?gmma\.|\bmma\.", body))  # tensor-core instructions
+    return found
+
+
+def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv=False, fusion=False):
+    from dora_num.ops.kernels.norm_tail import _norm_tail_kernel
+
+    f32 = torch.float32
+    gc = tuple([0.5] * 40)
+    return ptx_of(_norm_tail_kernel, f32, b_dtype, f32, f32, f32, f32, f32, torch.int32, f32, torch.bool, torch.int64,
+                  gc, f32, torch.bfloat16, torch.bfloat16, 4096, 1, 4096, 1, 4096, 4096, 64, 2.0, 1.0, 1.0, 1e-6,
+                  2.0 ** -6, HAS_M=True, GUARD=guard, HAS_Z=guard, SPLIT=split, HAS_INV=inv, RECOMPUTE=guard,
+                  HAS_ACC=True, BLOCK_M=32, BLOCK_R=64, BLOCK_K=16, BLOCK_D=64, TC_BG=tc_bg, B_PIECES=3,
+                  BF16_DOT=True, num_warps=4, enable_fp_fusion=fusion)
+
+
+CASES = {
+    "tail": dict(tc_bg=False),
+    "tail_no_guard": dict(tc_bg=False, guard=False),
+    "tail_fp16_split": dict(tc_bg=False, inv=True),
+    "tail_tc_fp32_B": dict(tc_bg=True),
+    "tail_tc_bf16_B": dict(tc_bg=True, b_dtype=torch.bfloat16),
+}
+
+
+def main(names) -> dict:
+    out = {}
+    for name in names:
+        out[name] = {("fusion_on" if f else "fusion_off"): counts(tail_case(**CASES[name], fusion=f)) for f in (True, False)}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:] or list(CASES))))
