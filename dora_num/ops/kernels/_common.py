@@ -53,6 +53,18 @@ def mul_rn(a, b, RN: tl.constexpr):
         return a * b
 
 
+@triton.jit
+def mul_rn64(a, b, RN: tl.constexpr):
+    """:func:`mul_rn` in float64: ``a * b`` rounded once (inline PTX ``mul.rn.f64`` with ``RN``), never contracted
+    with a following add."""
+    if RN:
+        a, b = tl.broadcast(tl.cast(a, tl.float64), tl.cast(b, tl.float64))
+        return tl.inline_asm_elementwise("mul.rn.f64 $0, $1, $2;", "=l,l,l", [a, b], dtype=tl.float64,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
 def launcher(kernel, traced: bool):
     """``kernel``, or ``wrap_triton(kernel)`` where a ``triton_op``'s body is traced (Inductor then launches
     the kernel from its generated code, with no Python of ours per call)."""

@@ -18,19 +18,21 @@ import triton
 import triton.language as tl
 
 from ..config import OpConfig, get_config
-from ._common import new_buffer
+from ._common import mul_rn, new_buffer
 
 SQRT_VARIANTS = ("approx", "rn", "ptx")
 _SQRT_CODE = {"approx": 0, "rn": 1, "ptx": 2}
 
 
 @triton.jit
-def assemble(base, cross, ba, two_s, s_sq, SQRT: tl.constexpr):
+def assemble(base, cross, ba, two_s, s_sq, SQRT: tl.constexpr, RN: tl.constexpr = False):
     """The assembly sequence of the module docstring on fp32 blocks (one definition,
     shared by :func:`_norm_assembly_kernel` and the norm tail of :mod:`.norm_tail`);
-    ``SQRT``: 0 ``tl.sqrt``, 1 ``tl.sqrt_rn`` (production), 2 inline PTX ``sqrt.rn.f32``."""
-    t = two_s * cross + base
-    t = s_sq * ba + t
+    ``SQRT``: 0 ``tl.sqrt``, 1 ``tl.sqrt_rn`` (production), 2 inline PTX ``sqrt.rn.f32``; ``RN``: the
+    products by :func:`~dora_num.ops.kernels._common.mul_rn`, never contracted whatever the launch's
+    ``enable_fp_fusion`` (the tail); without it the launch's flag decides (the FMA study's variants)."""
+    t = mul_rn(two_s, cross, RN) + base
+    t = mul_rn(s_sq, ba, RN) + t
     t = tl.maximum(t, 0.0, propagate_nan=tl.PropagateNan.ALL)
     if SQRT == 0:
         w = tl.sqrt(t)

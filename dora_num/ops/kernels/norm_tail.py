@@ -29,7 +29,7 @@ from ...numerics.split_products import BG_PIECES, TAIL_BG_EXACT_MIN
 from ...numerics.standard_model import U64, gamma, up32
 from ..config import OpConfig, get_config
 from ..validation import FORMAT_NAMES
-from ._common import new_buffer, row_block
+from ._common import mul_rn, mul_rn64, new_buffer, row_block
 from .norm_assembly import assemble
 
 # the order in which the kernel loads the constants (numerics.norm_posterior.KERNEL_FIELDS), then
@@ -49,31 +49,36 @@ def _c(gc, i: tl.constexpr):
 
 @triton.jit
 def _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, gb, gc4, gc1, tc, gcr, ga, ga1, gar,
-               eta, q_s2, q_u2, q_u3, q_eta, lift, floor, lo, up1, u, tg, rc, rab, SPLIT: tl.constexpr):
+               eta, q_s2, q_u2, q_u3, q_eta, lift, floor, lo, up1, u, tg, rc, rab, SPLIT: tl.constexpr,
+               RN: tl.constexpr):
     """``(kappa, rel)`` of :func:`dora_num.numerics.norm_bounds.posterior_from_terms`: the same
-    fp32 operations in the same order (launched without contraction, correctly rounded sqrt
-    and division), on the constants of :func:`~dora_num.numerics.norm_bounds.posterior_constants`."""
+    fp32 operations in the same order (every product :func:`~dora_num.ops.kernels._common.mul_rn`, so
+    never contracted whoever compiles the kernel; correctly rounded sqrt and division), on the constants
+    of :func:`~dora_num.numerics.norm_bounds.posterior_constants`."""
     ab = tl.abs(base)
     aba = tl.abs(ba)
-    Qh = (s_sq * ba) + ((two_s * cross) + base)
-    tcr = tl.abs(ts * cross)
-    mag = ab + tcr + s_sq * aba
-    b_up = (ab + cb1) * cb2
-    e_b = b_up * gb + cb1
+    Qh = mul_rn(s_sq, ba, RN) + (mul_rn(two_s, cross, RN) + base)
+    tcr = tl.abs(mul_rn(ts, cross, RN))
+    mag = ab + tcr + mul_rn(s_sq, aba, RN)
+    b_up = mul_rn(ab + cb1, cb2, RN)
+    e_b = mul_rn(b_up, gb, RN) + cb1
     if SPLIT:
         sb = tl.sqrt_rn(b_up)
-        e_c = (sb * lora_abs) * gc4 + (sb * b_abs) * rc + (b_abs * gc1) * tc + gcr
-        e_a = (lora_abs * lora_abs) * ga + (b_abs * lora_abs) * rab + ((b_abs * b_abs) * ga1) * tg \
-            + ((b_abs + 1.0) * gar) * eta
+        e_c = mul_rn(mul_rn(sb, lora_abs, RN), gc4, RN) + mul_rn(mul_rn(sb, b_abs, RN), rc, RN) \
+            + mul_rn(mul_rn(b_abs, gc1, RN), tc, RN) + gcr
+        e_a = mul_rn(mul_rn(lora_abs, lora_abs, RN), ga, RN) + mul_rn(mul_rn(b_abs, lora_abs, RN), rab, RN) \
+            + mul_rn(mul_rn(mul_rn(b_abs, b_abs, RN), ga1, RN), tg, RN) + mul_rn(mul_rn(b_abs + 1.0, gar, RN), eta, RN)
     else:
-        e_c = tl.sqrt_rn(b_up) * lora_abs * gc4 + (b_abs * gc1) * tc + gcr
-        e_a = (lora_abs * lora_abs) * ga + ((b_abs * b_abs) * ga1) * tg + ((b_abs + 1.0) * gar) * eta
-    dQ = e_b + e_c * ts + e_a * s2 + aba * q_s2 + aba * eta + (ab + s_sq * aba) * q_u2 + tcr * q_u3 + q_eta
-    dQ = dQ * lift + floor
-    Q_lo = (Qh - dQ) * lo
+        e_c = mul_rn(mul_rn(tl.sqrt_rn(b_up), lora_abs, RN), gc4, RN) + mul_rn(mul_rn(b_abs, gc1, RN), tc, RN) + gcr
+        e_a = mul_rn(mul_rn(lora_abs, lora_abs, RN), ga, RN) + mul_rn(mul_rn(mul_rn(b_abs, b_abs, RN), ga1, RN), tg, RN) \
+            + mul_rn(mul_rn(b_abs + 1.0, gar, RN), eta, RN)
+    dQ = e_b + mul_rn(e_c, ts, RN) + mul_rn(e_a, s2, RN) + mul_rn(aba, q_s2, RN) + mul_rn(aba, eta, RN) \
+        + mul_rn(ab + mul_rn(s_sq, aba, RN), q_u2, RN) + mul_rn(tcr, q_u3, RN) + q_eta
+    dQ = mul_rn(dQ, lift, RN) + floor
+    Q_lo = mul_rn(Qh - dQ, lo, RN)
     ok = (tl.abs(dQ) < float("inf")) & (tl.abs(Qh) < float("inf")) & (Q_lo > 0.0)
     q = tl.math.div_rn(dQ, tl.where(ok, Q_lo, 1.0))
-    rel = tl.where(ok, ((q * 0.5) * up1 + u) * lift, float("inf"))
+    rel = tl.where(ok, mul_rn(mul_rn(mul_rn(q, 0.5, RN), up1, RN) + u, lift, RN), float("inf"))
     pos = (tl.abs(Qh) < float("inf")) & (Qh > 0.0)
     kappa = tl.where(pos, tl.math.div_rn(mag, tl.where(pos, Qh, 1.0)), float("inf"))
     kappa = tl.where(mag == 0.0, 1.0, kappa)
@@ -137,7 +142,7 @@ def _pow2(q):
 
 @triton.jit
 def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar, stride_ak, d_in, r, s, g_r,
-                    g_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                    g_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RN: tl.constexpr):
     """``(w64, rel64)`` for the rows ``need`` of this program (zeros elsewhere): lemma 5', the
     arithmetic of :func:`dora_num.ops.guard.dense_rows_fp64` in float64, every element that float64 forms
     exactly charged nothing (the lowest set bits of B's row, A's column, W and s decide it)."""
@@ -160,23 +165,25 @@ def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, strid
         for k in range(0, r):
             bk = tl.load(b_ptr + rows64 * r + k, mask=need, other=0.0).to(tl.float64)
             ak = tl.load(a_ptr + k * stride_ar + cols * stride_ak, mask=cmask, other=0.0).to(tl.float64)
-            bav += bk[:, None] * ak[None, :]  # exact products; the sum rounds (any order: lemma 5')
-            bam += tl.abs(bk)[:, None] * tl.abs(ak)[None, :]
+            bav += mul_rn64(bk[:, None], ak[None, :], RN)  # exact products; the sum rounds (any order: lemma 5')
+            bam += mul_rn64(tl.abs(bk)[:, None], tl.abs(ak)[None, :], RN)
             qB = tl.minimum(qB, _lsb_exp(bk))
             qA = tl.minimum(qA, _lsb_exp(ak))
-        x = wv + s64 * bav
-        sumsq += tl.sum(x * x, axis=1)
+        x = wv + mul_rn64(s64, bav, RN)
+        sumsq += tl.sum(mul_rn64(x, x, RN), axis=1)
         q = tl.minimum(qB[:, None] + qA[None, :], 1 << 20)
         q_sx = tl.minimum(q + q_s[:, None], 1 << 20)
-        exact = (bam < lim * _pow2(q)) & (as64 * bam < lim * _pow2(q_sx)) \
-            & (tl.abs(wv) + as64 * bam < lim * _pow2(tl.minimum(_lsb_exp(wv), q_sx)))
-        e = tl.where(exact, 0.0, g_r * (tl.abs(wv) + as64 * bam))
-        esq += tl.sum(e * e, axis=1)
+        sbam = mul_rn64(as64, bam, RN)
+        exact = (bam < mul_rn64(lim, _pow2(q), RN)) & (sbam < mul_rn64(lim, _pow2(q_sx), RN)) \
+            & (tl.abs(wv) + sbam < mul_rn64(lim, _pow2(tl.minimum(_lsb_exp(wv), q_sx)), RN))
+        e = tl.where(exact, 0.0, mul_rn64(g_r, tl.abs(wv) + sbam, RN))
+        esq += tl.sum(mul_rn64(e, e, RN), axis=1)
     w64 = tl.sqrt(sumsq)  # float64: sqrt.rn.f64
-    en = tl.sqrt(esq) * (1.0 + 2.0**-30)
-    rnd = tl.where(w64 >= 2.0**-126, 2.0**-24 * w64, tl.where(w64 > 0.0, 2.0**-150, 0.0))
-    E = (en + g_d * w64 + rnd) * (1.0 + 2.0**-40)
-    lo = (w64 - en - g_d * w64) * (1.0 - 2.0**-40)
+    en = mul_rn64(tl.sqrt(esq), 1.0 + 2.0**-30, RN)
+    rnd = tl.where(w64 >= 2.0**-126, mul_rn64(2.0**-24, w64, RN), tl.where(w64 > 0.0, 2.0**-150, 0.0))
+    gw = mul_rn64(g_d, w64, RN)
+    E = mul_rn64(en + gw + rnd, 1.0 + 2.0**-40, RN)
+    lo = mul_rn64(w64 - en - gw, 1.0 - 2.0**-40, RN)
     rel = tl.where(lo > 0.0, E / tl.where(lo > 0.0, lo, 1.0), float("inf"))
     rel = tl.where((E == 0.0) & (w64 == 0.0), 0.0, rel)  # an exactly zero row: exact
     return w64, rel
@@ -189,7 +196,7 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
                       HAS_M: tl.constexpr, GUARD: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_INV: tl.constexpr, RECOMPUTE: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TC_BG: tl.constexpr = False,
-                      B_PIECES: tl.constexpr = 3, BF16_DOT: tl.constexpr = True):
+                      B_PIECES: tl.constexpr = 3, BF16_DOT: tl.constexpr = True, RN: tl.constexpr = False):
     if GUARD:  # the constants of posterior_constants (KERNEL_FIELDS order)
         ts, s2 = _c(gc, 0), _c(gc, 1)
         na_add, na_mul, na_up, k_up, r_eta = _c(gc, 2), _c(gc, 3), _c(gc, 4), _c(gc, 5), _c(gc, 6)
@@ -201,12 +208,12 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
         tg, rc, rab, na_res, na_up2 = _c(gc, 27), _c(gc, 28), _c(gc, 29), _c(gc, 30), _c(gc, 31)
         if HAS_INV:  # fp16 split pieces: the parts that scale with the split's inv (runtime_constants)
             inv = tl.load(inv_ptr).to(tl.float32)
-            tc = tc + ((_c(gc, 32) * inv) + 2.0**-149)
-            tg = tg + ((((_c(gc, 33) * inv) + 2.0**-149) * inv) + 2.0**-149)
-            na_add = na_add + ((((_c(gc, 34) * inv) + 2.0**-149) * inv) + 2.0**-149)
-            rc = (_c(gc, 35) * inv) + 2.0**-149
-            rab = (_c(gc, 36) * inv) + 2.0**-149
-            na_res = (_c(gc, 37) * inv) + 2.0**-149
+            tc = tc + (mul_rn(_c(gc, 32), inv, RN) + 2.0**-149)
+            tg = tg + (mul_rn(mul_rn(_c(gc, 33), inv, RN) + 2.0**-149, inv, RN) + 2.0**-149)
+            na_add = na_add + (mul_rn(mul_rn(_c(gc, 34), inv, RN) + 2.0**-149, inv, RN) + 2.0**-149)
+            rc = mul_rn(_c(gc, 35), inv, RN) + 2.0**-149
+            rab = mul_rn(_c(gc, 36), inv, RN) + 2.0**-149
+            na_res = mul_rn(_c(gc, 37), inv, RN) + 2.0**-149
     rows, row_mask = row_block(d_out, BLOCK_M)
     row_off = rows.to(tl.int64)[:, None] * r
     cross = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -220,14 +227,14 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
         mask = row_mask[:, None] & col_mask[None, :]
         b_n = tl.load(b_ptr + row_off + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u_n = tl.load(u_ptr + row_off + cols[None, :], mask=mask, other=0.0)
-        cross += tl.sum(b_n * u_n, axis=1)
+        cross += tl.sum(mul_rn(b_n, u_n, RN), axis=1)
         if GUARD:  # ||A_k|| from the diagonal of G (lora_row_magnitudes), then the two row sums
             g_nn = tl.load(gram_ptr + cols * r + cols, mask=col_mask, other=0.0)
-            n_a = tl.sqrt_rn((tl.maximum(g_nn, 0.0) + na_add) * na_mul) * na_up
+            n_a = mul_rn(tl.sqrt_rn(mul_rn(tl.maximum(g_nn, 0.0) + na_add, na_mul, RN)), na_up, RN)
             if SPLIT:
-                n_a = (n_a + na_res) * na_up2
+                n_a = mul_rn(n_a + na_res, na_up2, RN)
             a_n = tl.abs(b_n)
-            lora_acc += tl.sum(a_n * n_a[None, :], axis=1)
+            lora_acc += tl.sum(mul_rn(a_n, n_a[None, :], RN), axis=1)
             babs_acc += tl.sum(a_n, axis=1)
             if TC_BG and B_PIECES == 3:
                 n_tiny += tl.sum(((a_n > 0.0) & (a_n < _EXACT_MIN)).to(tl.int32), axis=1)
@@ -252,15 +259,15 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
                     bg = _piece_dot(b3, g1, bg, BF16_DOT)
             else:
                 bg = tl.dot(b_k, g_k, bg, input_precision="ieee")
-        ba += tl.sum(bg * b_n, axis=1)
+        ba += tl.sum(mul_rn(bg, b_n, RN), axis=1)
     base = tl.load(base_ptr + rows, mask=row_mask, other=0.0)
-    w = assemble(base, cross, ba, two_s, s_sq, 1)
+    w = assemble(base, cross, ba, two_s, s_sq, 1, RN)
     if GUARD:
-        lora_abs = lora_acc * k_up + r_eta
-        b_abs = babs_acc * k_up
+        lora_abs = mul_rn(lora_acc, k_up, RN) + r_eta
+        b_abs = mul_rn(babs_acc, k_up, RN)
         kappa, rel, mag = _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, gb, gc4, gc1,
                                      tc, gcr, ga, ga1, gar, eta, q_s2, q_u2, q_u3, q_eta, lift, floor, lo, up1, u,
-                                     tg, rc, rab, SPLIT)
+                                     tg, rc, rab, SPLIT, RN)
         if TC_BG and B_PIECES == 3:  # a row the pieces may not hold: not certified (recomputed in float64)
             rel = tl.where(n_tiny > 0, float("inf"), rel)
         if HAS_Z:  # W's row exactly zero and B's too: Q^ = Q = 0 exactly, which the terms alone cannot tell
@@ -276,11 +283,12 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
             if tl.max(need.to(tl.int32), axis=0) > 0:  # program-uniform: the fast path pays this test only
                 g_r, g_d = tl.cast(gc[38], tl.float64), tl.cast(gc[39], tl.float64)
                 w64, rel64 = _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar,
-                                             stride_ak, d_in, r, s, g_r, g_d, BLOCK_M, BLOCK_D)
+                                             stride_ak, d_in, r, s, g_r, g_d, BLOCK_M, BLOCK_D, RN)
                 w = tl.where(need, w64.to(tl.float32), w)
-                rel_out = tl.where(need, (rel64 * (1.0 + 2.0**-23)).to(tl.float32), rel_out)  # rounded: still a bound
-                unresolved = need & (rel64 * (1.0 + 2.0**-23) > rel_max)
-                q64 = w64 * w64  # kappa from the fp32 terms' magnitude and the float64 norm
+                rel64 = mul_rn64(rel64, 1.0 + 2.0**-23, RN)
+                rel_out = tl.where(need, rel64.to(tl.float32), rel_out)  # rounded: still a bound
+                unresolved = need & (rel64 > rel_max)
+                q64 = mul_rn64(w64, w64, RN)  # kappa from the fp32 terms' magnitude and the float64 norm
                 k64 = tl.where(q64 > 0.0, mag.to(tl.float64) / tl.where(q64 > 0.0, q64, 1.0),
                                tl.where(mag == 0.0, 1.0, float("inf")))
                 k64 = tl.maximum(k64, 1.0)  # kappa >= 1 (fp32 terms that underflowed to 0 give mag = 0)
@@ -448,7 +456,8 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
             SPLIT=guard is not None and guard.split, HAS_INV=guard is not None and guard.inv_runtime,
             RECOMPUTE=recompute is not None, HAS_ACC=acc is not None, BLOCK_M=tiles.block_m,
             BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=tiles.block_d, TC_BG=tc_bg,
-            B_PIECES=BG_PIECES[FORMAT_NAMES[B.dtype]], BF16_DOT=not cfg.interpret, num_warps=tiles.num_warps, enable_fp_fusion=False,
+            B_PIECES=BG_PIECES[FORMAT_NAMES[B.dtype]], BF16_DOT=not cfg.interpret, RN=not cfg.interpret, num_warps=tiles.num_warps,
+            enable_fp_fusion=False,
         )
     return TailResult(wnorm, den, flag, aux)
 

@@ -11,7 +11,7 @@ launcher would specialise them.  The binder and ``_pack_args`` are Triton's own 
 Run as a script (the interpreter must be off: under ``TRITON_INTERPRET=1`` a ``@triton.jit`` function is an
 interpreted one, which does not compile); ``tests/ops/kernels/test_sm90.py`` runs it in a subprocess and reads
 its JSON: per case the PTX instruction counts with ``enable_fp_fusion`` on (Inductor's default for a wrapped
-kernel) and off (our launches).
+kernel) and off (our launches), and whether the two are the same instructions.
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ def counts(ptx: str) -> dict:
     return found
 
 
+def instructions(ptx: str) -> str:
+    """The PTX without comments, ``add.rn``/``sub.rn`` written ``add``/``sub``: the rounding modifier that LLVM
+    writes only where contraction is off.  An add is round-to-nearest either way, and ``ptxas`` contracts an add
+    only with a multiply that has no rounding modifier (``mul.f32``), so two kernels whose texts are equal after
+    this run the same arithmetic."""
+    body = "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith("//"))
+    return re.sub(r"\b(add|sub)\.rn\.(f32|f64)", r"\1.\2", body)
+
+
 def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv=False, fusion=False):
     from dora_num.ops.kernels.norm_tail import _norm_tail_kernel
 
@@ -58,7 +67,7 @@ def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv
                   gc, f32, torch.bfloat16, torch.bfloat16, 4096, 1, 4096, 1, 4096, 4096, 64, 2.0, 1.0, 1.0, 1e-6,
                   2.0 ** -6, HAS_M=True, GUARD=guard, HAS_Z=guard, SPLIT=split, HAS_INV=inv, RECOMPUTE=guard,
                   HAS_ACC=True, BLOCK_M=32, BLOCK_R=64, BLOCK_K=16, BLOCK_D=64, TC_BG=tc_bg, B_PIECES=3,
-                  BF16_DOT=True, num_warps=4, enable_fp_fusion=fusion)
+                  BF16_DOT=True, RN=True, num_warps=4, enable_fp_fusion=fusion)
 
 
 CASES = {
@@ -71,9 +80,13 @@ CASES = {
 
 
 def main(names) -> dict:
+    """Per case: the instruction counts with fusion on and off, and whether the two compile to the same
+    instructions (:func:`instructions`)."""
     out = {}
     for name in names:
-        out[name] = {("fusion_on" if f else "fusion_off"): counts(tail_case(**CASES[name], fusion=f)) for f in (True, False)}
+        ptx = {f: tail_case(**CASES[name], fusion=f) for f in (True, False)}
+        out[name] = {"fusion_on": counts(ptx[True]), "fusion_off": counts(ptx[False]),
+                     "same_instructions": instructions(ptx[True]) == instructions(ptx[False])}
     return out
 
 

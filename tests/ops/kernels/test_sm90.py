@@ -1,5 +1,6 @@
 """The tail kernel compiled for an H100/H200 (sm_90) on the CPU (tests/ops/kernels/sm90.py): the
-interpreter, which runs it everywhere else in CI, accepts code the compiler refuses."""
+interpreter, which runs it everywhere else in CI, accepts code the compiler refuses, and says nothing of
+contraction."""
 
 import json
 import os
@@ -36,3 +37,15 @@ def test_every_tail_variant_compiles_for_sm90(compiled):
         assert (off["mma"] > 0) == CASES[name].get("tc_bg", False), (name, off)
         if not CASES[name].get("tc_bg"):
             assert off["fma.rn.f32"] > 0, (name, off)  # the IEEE fp32 dot: an FMA chain, whatever the flag
+
+
+def test_tail_compiles_to_the_same_instructions_with_fusion_on_and_off(compiled):
+    """Every product of the tail is ``mul_rn`` (``mul_rn64`` in the float64 recompute), so the kernel Inductor
+    compiles (fusion on, the default for a wrapped kernel) and the one our launcher compiles (fusion off) are
+    the same instructions: no multiply left that ``ptxas`` could contract, and no FMA beyond the fp32 dot's own
+    chain (the same count either way)."""
+    for name, c in compiled.items():
+        on, off = c["fusion_on"], c["fusion_off"]
+        assert on["mul.f32"] == on["mul.f64"] == 0, (name, on)
+        assert on["fma.rn.f32"] == off["fma.rn.f32"] and on["fma.rn.f64"] == off["fma.rn.f64"] == 0, (name, on, off)
+        assert c["same_instructions"], name
