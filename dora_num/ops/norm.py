@@ -241,12 +241,13 @@ def _factored_core(W, A, B, consts, cols: int, chunk_bytes, base_sq, cfg: OpConf
 
 
 def tail_kernel(W, A, B, prod, base_sq, consts, cfg: OpConfig, *, m=None, eps=None, guard: bool = True,
-                zero_rows=None, acc=None):
+                zero_rows=None, acc=None, traced: bool = False):
     """The Triton tail of the factored norm on the products ``prod`` (:class:`Products`): the guard's
     constants for them (with ``guard``: rows flagged are recomputed in the kernel), ``den`` with ``m``, the
     running flag ``acc`` raised (:func:`dora_num.ops.kernels.norm_tail.norm_tail`'s
     :class:`~dora_num.ops.kernels.norm_tail.TailResult`).  The one launch of it: :func:`_factored_core`
-    (eager, and the opaque compiled op) and the traced compiled op (:mod:`dora_num.ops.weight_norm`)."""
+    (eager, and the opaque compiled op) and the traced compiled op (:mod:`dora_num.ops.weight_norm`; ``traced``:
+    there the launch is Inductor's)."""
     from .kernels.norm_tail import norm_tail
 
     s, two_s, s_sq = consts
@@ -255,7 +256,7 @@ def tail_kernel(W, A, B, prod, base_sq, consts, cfg: OpConfig, *, m=None, eps=No
     return norm_tail(prod.U, B, prod.G, base_sq, two_s, s_sq, m=m, eps=eps, guard=C,
                      rel_max=_guard.CANCELLATION_REL if guard else None, zero_rows=zero_rows,
                      recompute=(W, A, s) if guard else None, inv=prod.inv if C is not None and C.inv_runtime else None,
-                     acc=acc, config=cfg)
+                     acc=acc, config=cfg, traced=traced)
 
 
 # --------------------------------------------------------------------------

@@ -11,9 +11,9 @@ layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again on
 which it raises and :func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is
 ``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).  With
 ``OpConfig.traced_ops`` on (the default), on CUDA with the tail kernel, ``den`` comes from the ``triton_op``
-``dora_num::weight_den_traced``: the products traced into the graph (Inductor launches the split's and the
-block sums' kernels and calls the GEMMs), then one short opaque op, the cache's refresh and the tail's
-launch (:func:`~dora_num.ops.norm.tail_kernel`).  Otherwise it comes from the opaque ``dora_num::weight_den``,
+``dora_num::weight_den_traced``: the products and the tail traced into the graph (Inductor launches the
+split's, the block sums' and the tail's kernels and calls the GEMMs; :func:`~dora_num.ops.norm.tail_kernel`),
+beside one short opaque op, the cache's refresh (``dora_num::base_refresh``).  Otherwise it comes from the opaque ``dora_num::weight_den``,
 which runs :func:`~dora_num.ops.norm.factored_norm` whole.  Either forms the eager products and tail with the
 eager arguments, so a compiled layer's ``g`` is bitwise the eager one.
 """
@@ -172,12 +172,14 @@ def _(W, A, B, m, acc, base_sq, zero_rows, scale, chunk_bytes, config, on_cancel
 
 
 # The traced denominator (CUDA, the tail kernel): a ``triton_op`` whose body Inductor traces, so that the
-# products run as the graph's own kernels (the split and the block sums launched by Inductor, the GEMMs
-# its extern calls: the same kernels and layouts as eagerly) and one opaque op remains, a short body: the
-# base cache's refresh (whose key is host state: W's pointer and version counter) and the tail's single
-# launch.  Each step forms eager's values: the GEMMs, the block sums and the tail are eager's calls, the split is
-# a kernel of ours with eager's exactly rounded pieces (the bits: predicted equal; tests/ops/test_compiled.py's
-# GPU test holds them to eager).
+# products and the tail run as the graph's own kernels (the split, the block sums and the tail launched by
+# Inductor, the GEMMs its extern calls: the same kernels and layouts as eagerly) and one opaque op remains, a
+# short body: the base cache's refresh (whose key is host state: W's pointer and version counter).  The tail's
+# checks and the guard's constants run once, while tracing (its constants are numbers of d_in and r: under
+# symbolic shapes the tail stays in the opaque op ``dora_num::norm_den``, with the refresh).  Each step forms
+# eager's values: the GEMMs, the block sums and the tail are eager's calls, the split is a kernel of ours with
+# eager's exactly rounded pieces, and Inductor's contraction cannot reach the kernels' products (``mul_rn``;
+# tests/ops/kernels/test_sm90.py); tests/ops/test_compiled.py's GPU test holds the bits to eager.
 
 def _traceable_den(W: torch.Tensor, A: torch.Tensor, scale: float, m: torch.Tensor, cfg: OpConfig) -> bool:
     """Whether a compiled layer's denominator takes the traced op: CUDA with the tail kernel (not the
@@ -199,8 +201,28 @@ def _weight_den_traced_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: 
     cfg = OpConfig.from_key(config)
     with torch.autocast(W.device.type, enabled=False):
         prod = _products(W, A, None, cfg, traced=True)  # W whole (_traceable_den): no symbolic column budget
-    return _norm_den_op(prod.U, B, prod.G, base_sq, zero_rows, m, acc, W, A, prod.inv, float(scale),
-                        int(prod.pieces or 0), chunk_bytes, config, guard)
+    if not all(isinstance(d, int) for d in (*W.shape, A.shape[0])):
+        # symbolic shapes: the guard's constants are numbers of d_in and r, made here while tracing, so the
+        # tail runs in the opaque op, which makes them per call
+        return _norm_den_op(prod.U, B, prod.G, base_sq, zero_rows, m, acc, W, A, prod.inv, float(scale),
+                            int(prod.pieces or 0), chunk_bytes, config, guard)
+    _base_refresh_op(W, base_sq, zero_rows, chunk_bytes, config)
+    return tail_kernel(W, A, B, prod, base_sq, scale_constants(check_scale(scale)), cfg, m=m, eps=default_eps(m.dtype),
+                       guard=guard, zero_rows=zero_rows if guard else None, acc=acc, traced=True).den
+
+
+@torch.library.custom_op("dora_num::base_refresh", mutates_args=("base_sq", "zero_rows"))
+def _base_refresh_op(W: torch.Tensor, base_sq: torch.Tensor, zero_rows: torch.Tensor, chunk_bytes: int,
+                     config: str) -> None:
+    """The layer's cache of ``rowsum(W*W)`` and W's zero rows brought up to date
+    (:func:`~dora_num.ops.norm.refresh_base_cache`): opaque, since its key is host state (W's pointer and
+    version counter), and short: a key comparison, a pass over W only where W changed."""
+    refresh_base_cache(W, base_sq, zero_rows, chunk_bytes, OpConfig.from_key(config))
+
+
+@_base_refresh_op.register_fake
+def _(W, base_sq, zero_rows, chunk_bytes, config):
+    return None
 
 
 @torch.library.custom_op("dora_num::norm_den", mutates_args=("base_sq", "zero_rows", "acc"))

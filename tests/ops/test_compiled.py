@@ -411,9 +411,9 @@ def _cuda_step(f, layer, x):
 def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(traced, tokens, small_layer):
     """On CUDA (``OpConfig.traced_ops``) the fused compose's forward and backward and the norm's products are
     traced into the graph: Inductor's generated code launches ``_compose_fwd_kernel``, ``_compose_bwd_kernel``,
-    ``_split_kernel``, ``_block_sum_kernel`` and ``_div_rn_kernel`` (``g = m / den`` and its gradient) itself, and
-    of this package's
-    opaque ops only the base cache's refresh with the tail's launch (``dora_num::norm_den``) and, in the backward,
+    ``_split_kernel``, ``_block_sum_kernel``, the norm's tail ``_norm_tail_kernel`` and ``_div_rn_kernel``
+    (``g = m / den`` and its gradient) itself, and of this package's
+    opaque ops only the base cache's refresh (``dora_num::base_refresh``) and, in the backward,
     the product ``lora`` formed again (``dora_num::lora_again``: opaque, so that the joint graph does not merge
     it with the forward's and keep it) are left.  Inductor compiles a wrapped kernel with
     FMA contraction on, which the kernels' ``mul_rn`` makes harmless: the output and the adapter gradients are
@@ -461,12 +461,12 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
         assert layer._flags.tolist()[:2] == [0, 0]
     text = "\n".join(code + code_inf)
     kernels = [k for k in ("_compose_fwd_kernel", "_compose_bwd_kernel", "_split_kernel", "_block_sum_kernel",
-                           "_div_rn_kernel") if k in text]
-    opaque = [op for op in ("lora_compose_fwd", "compose_bwd", "compose_fwd", "weight_den", "magnitude_div")
+                           "_norm_tail_kernel", "_div_rn_kernel") if k in text]
+    opaque = [op for op in ("lora_compose_fwd", "compose_bwd", "compose_fwd", "weight_den", "magnitude_div", "norm_den")
               if f"dora_num.{op}.default" in text]
     if traced:
-        assert len(kernels) == 5 and not opaque, (kernels, opaque)
-        assert "dora_num.norm_den.default" in text and "dora_num.lora_again.default" in text
+        assert len(kernels) == 6 and not opaque, (kernels, opaque)
+        assert "dora_num.base_refresh.default" in text and "dora_num.lora_again.default" in text
     else:
         assert not kernels and len(opaque) == 5, (kernels, opaque)
 

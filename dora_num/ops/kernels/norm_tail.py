@@ -29,7 +29,7 @@ from ...numerics.split_products import BG_PIECES, TAIL_BG_EXACT_MIN
 from ...numerics.standard_model import U64, gamma, up32
 from ..config import OpConfig, get_config
 from ..validation import FORMAT_NAMES
-from ._common import mul_rn, mul_rn64, new_buffer, row_block
+from ._common import fusion_opts, launcher, mul_rn, mul_rn64, new_buffer, row_block
 from .norm_assembly import assemble
 
 # the order in which the kernel loads the constants (numerics.norm_posterior.KERNEL_FIELDS), then
@@ -191,12 +191,19 @@ def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, strid
 
 @triton.jit
 def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_ptr, flag_ptr, aux_ptr,
-                      zrow_ptr, acc_ptr, gc, inv_ptr, w_ptr, a_ptr, stride_wm, stride_wk, stride_ar, stride_ak,
+                      zrow_ptr, acc_ptr, inv_ptr, w_ptr, a_ptr, stride_wm, stride_wk, stride_ar, stride_ak,
                       d_out, d_in, r, two_s, s_sq, s, eps, rel_max,
+                      c0, c1, c2, c3, c4, c5, c6, c7, c8, c9,
+                      c10, c11, c12, c13, c14, c15, c16, c17, c18, c19,
+                      c20, c21, c22, c23, c24, c25, c26, c27, c28, c29,
+                      c30, c31, c32, c33, c34, c35, c36, c37, c38, c39,
                       HAS_M: tl.constexpr, GUARD: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_INV: tl.constexpr, RECOMPUTE: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TC_BG: tl.constexpr = False,
                       B_PIECES: tl.constexpr = 3, BF16_DOT: tl.constexpr = True, RN: tl.constexpr = False):
+    # the guard's constants arrive as 40 scalars, not one tuple: Inductor passes a wrapped kernel's non-tensor
+    # arguments one by one (as sizes), which a tuple is not
+    gc = (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31, c32, c33, c34, c35, c36, c37, c38, c39)
     if GUARD:  # the constants of posterior_constants (KERNEL_FIELDS order)
         ts, s2 = _c(gc, 0), _c(gc, 1)
         na_add, na_mul, na_up, k_up, r_eta = _c(gc, 2), _c(gc, 3), _c(gc, 4), _c(gc, 5), _c(gc, 6)
@@ -351,7 +358,7 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
               guard: PosteriorConstants | None = None, rel_max: float | None = None,
               zero_rows: torch.Tensor | None = None, recompute: tuple | None = None,
               inv: torch.Tensor | None = None, acc: torch.Tensor | None = None,
-              config: OpConfig | None = None) -> TailResult:
+              config: OpConfig | None = None, traced: bool = False) -> TailResult:
     """:class:`TailResult` ``(wnorm, den, flag, aux)``: fp32 ``[d_out]`` row norms; with ``m`` the
     denominator ``den`` of ``g = m / den`` (``wnorm``, or ``eps`` where ``wnorm == 0``: eps guards
     zero rows only); with ``guard`` (the constants of
@@ -385,7 +392,10 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
     (``norm_tail_tiles``, whose ``block_m`` is the program count's divisor), ``poison`` and ``tail_bg``
     (``"tensor_core"``: ``B G`` from bf16 pieces of ``B`` and ``G`` on tensor cores, the piece products of
     :func:`~dora_num.numerics.split_products.tail_bg_pairs`; the guard's constants must be made for it,
-    ``guard.tail_bg`` B's format; under the interpreter the same pieces in an IEEE fp32 dot).
+    ``guard.tail_bg`` B's format; under the interpreter the same pieces in an IEEE fp32 dot).  ``traced``: the
+    body of a ``triton_op`` that Inductor traces (:mod:`dora_num.ops.weight_norm`): the checks above run once,
+    while tracing, and Inductor's code launches the kernel (compiled with contraction on, which its ``mul_rn``
+    makes harmless: tests/ops/kernels/test_sm90.py).
     """
     d_out, r = B.shape
     floats = (torch.float32, torch.bfloat16, torch.float16)
@@ -443,21 +453,23 @@ def norm_tail(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: torch.
             d_in = W.shape[1]
             sw, sa = W.stride(), A.stride()
         else:
-            W = A = wnorm
+            W = A = U
             d_in, s, sw, sa = 0, 0.0, (0, 0), (0, 0)
-        _norm_tail_kernel[(n_programs,)](
-            U, B, G, base_sq, m if m is not None else base_sq,
-            wnorm, den if den is not None else wnorm, flag if flag is not None else wnorm,
-            aux if aux is not None else wnorm, zero_rows if zero_rows is not None else wnorm,
-            acc if acc is not None else wnorm, _constants(guard, d_in), inv if inv is not None else wnorm, W, A, sw[0], sw[1], sa[0], sa[1],
+        # a pointer the kernel does not use points at an input (U), never at an output: Inductor's analysis of
+        # what a wrapped kernel writes then has no output aliased by an unused argument
+        launcher(_norm_tail_kernel, traced)[(n_programs,)](
+            U, B, G, base_sq, m if m is not None else U,
+            wnorm, den if den is not None else U, flag if flag is not None else U,
+            aux if aux is not None else U, zero_rows if zero_rows is not None else U,
+            acc if acc is not None else U, inv if inv is not None else U, W, A, sw[0], sw[1], sa[0], sa[1],
             d_out, d_in, r, float(two_s), float(s_sq), float(s), float(eps if eps is not None else 0.0),
-            float(rel_max if rel_max is not None else 0.0),
+            float(rel_max if rel_max is not None else 0.0), *_constants(guard, d_in),
             HAS_M=m is not None, GUARD=guard is not None, HAS_Z=zero_rows is not None and guard is not None,
             SPLIT=guard is not None and guard.split, HAS_INV=guard is not None and guard.inv_runtime,
             RECOMPUTE=recompute is not None, HAS_ACC=acc is not None, BLOCK_M=tiles.block_m,
             BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=tiles.block_d, TC_BG=tc_bg,
-            B_PIECES=BG_PIECES[FORMAT_NAMES[B.dtype]], BF16_DOT=not cfg.interpret, RN=not cfg.interpret, num_warps=tiles.num_warps,
-            enable_fp_fusion=False,
+            B_PIECES=BG_PIECES[FORMAT_NAMES[B.dtype]], BF16_DOT=not cfg.interpret, RN=not cfg.interpret,
+            num_warps=tiles.num_warps, **fusion_opts(False, traced),
         )
     return TailResult(wnorm, den, flag, aux)
 

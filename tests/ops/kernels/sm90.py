@@ -64,8 +64,8 @@ def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv
     f32 = torch.float32
     gc = tuple([0.5] * 40)
     return ptx_of(_norm_tail_kernel, f32, b_dtype, f32, f32, f32, f32, f32, torch.int32, f32, torch.bool, torch.int64,
-                  gc, f32, torch.bfloat16, torch.bfloat16, 4096, 1, 4096, 1, 4096, 4096, 64, 2.0, 1.0, 1.0, 1e-6,
-                  2.0 ** -6, HAS_M=True, GUARD=guard, HAS_Z=guard, SPLIT=split, HAS_INV=inv, RECOMPUTE=guard,
+                  f32, torch.bfloat16, torch.bfloat16, 4096, 1, 4096, 1, 4096, 4096, 64, 2.0, 1.0, 1.0, 1e-6,
+                  2.0 ** -6, *gc, HAS_M=True, GUARD=guard, HAS_Z=guard, SPLIT=split, HAS_INV=inv, RECOMPUTE=guard,
                   HAS_ACC=True, BLOCK_M=32, BLOCK_R=64, BLOCK_K=16, BLOCK_D=64, TC_BG=tc_bg, B_PIECES=3,
                   BF16_DOT=True, RN=True, num_warps=4, enable_fp_fusion=fusion)
 
