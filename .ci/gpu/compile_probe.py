@@ -250,9 +250,9 @@ def _():
 def _():
     """Host cost of a layer step at a size whose GPU work is microseconds (512->512, r=16, 64 tokens,
     the fused compose tier forced), so wall time is host time: eager, compiled (default mode) with the
-    fused compose as traced triton_ops (``OpConfig.traced_ops``, the default) and with the opaque custom
-    ops (the A/B baseline), rounds interleaved; and a cProfile of the traced compiled step, written to
-    host_cprofile.txt."""
+    traced triton_ops (``OpConfig.traced_ops``, the default) with and without the tail launched by Inductor
+    (``OpConfig.traced_tail``), and with the opaque custom ops (the A/B baseline), rounds interleaved; and a
+    cProfile and a torch.profiler table of the step with the traced tail, written to host_cprofile.txt."""
     import cProfile
     import io
     import pstats
@@ -262,19 +262,22 @@ def _():
     layer = _layer(r=16, d=512)
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     steps = {}
+    variants = {"compiled_traced_tail": dict(traced_ops=True, traced_tail=True),  # the tail launched by Inductor
+                "compiled_traced": dict(traced_ops=True, traced_tail=False),
+                "compiled_opaque": dict(traced_ops=False, traced_tail=False)}
     with override(compose_path="fused"):
         steps["eager"] = layer
-        for traced in (True, False):
-            with override(traced_ops=traced):
+        for name, opts in variants.items():
+            with override(**opts):
                 comp = torch.compile(layer, fullgraph=True, dynamic=False)
                 for _ in range(3):
                     _step(comp, x)
-            steps["compiled_traced" if traced else "compiled_opaque"] = (comp, traced)
+            steps[name] = (comp, opts)
         rounds = {k: [] for k in steps}
         for _ in range(5):
             for name, f in steps.items():
-                comp, traced = (f, None) if name == "eager" else f
-                with override(traced_ops=bool(traced)) if traced is not None else override():
+                comp, opts = (f, None) if name == "eager" else f
+                with override(**opts) if opts is not None else override():
                     for _ in range(5):
                         _step(comp, x)
                     torch.cuda.synchronize()
@@ -285,9 +288,9 @@ def _():
                 rounds[name].append((time.perf_counter() - t) / 100 * 1e6)
         out = {f"{k}_us_per_step": round(statistics.median(v), 1) for k, v in rounds.items()}
         out["rounds_us"] = {k: [round(u, 1) for u in v] for k, v in rounds.items()}
-        comp = steps["compiled_traced"][0]
+        comp = steps["compiled_traced_tail"][0]
         prof = cProfile.Profile()
-        with override(traced_ops=True):
+        with override(**variants["compiled_traced_tail"]):
             prof.enable()
             for _ in range(200):
                 _step(comp, x)
@@ -303,7 +306,7 @@ def _():
     text = io.StringIO()
     for key in ("tottime", "cumulative"):
         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
-    text.write("\n--- torch.profiler, CPU, 20 compiled steps (traced ops), by self CPU time\n")
+    text.write("\n--- torch.profiler, CPU, 20 compiled steps (traced ops and tail), by self CPU time\n")
     text.write(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80))
     with open(f"{OUT}/host_cprofile.txt", "w") as fh:
         fh.write(text.getvalue())

@@ -149,6 +149,11 @@ class OpConfig:
     bits; the default); off: the opaque custom ops, whose Python runs in every call (a diagnostic, and the
     path of rank 1, where Inductor rewrites the K = 1 products).
 
+    ``traced_tail`` (with ``traced_ops``): the norm's tail kernel launched by Inductor too, beside one short
+    opaque op (the base cache's refresh); off (the default until a GPU has held it to the eager bits and timed
+    it): the refresh and the tail's launch in one opaque op, ``dora_num::norm_den`` (docs/operator.md, "A
+    compiled step").
+
     ``tail_bg``: how the Triton tail of the factored norm forms ``B G`` (``ba = rowsum((B G) * B)``): ``"fma"``
     (the default: an IEEE fp32 dot, fp32 FMA on the CUDA cores) or ``"tensor_core"`` (each tile of ``B`` and
     ``G`` split in registers into bf16 pieces, their products exact on tensor cores with fp32 accumulation;
@@ -172,6 +177,7 @@ class OpConfig:
     recompute_inner: bool = True  # fused backward recomputes inner = s*lora + base (saves base, lora)
     recompute_lora: bool = True  # DoRALinear's backward recomputes lora = (x A^T) B^T (saves x A^T, not lora)
     traced_ops: bool = True  # under torch.compile on CUDA the layer's kernels as triton_ops Inductor launches
+    traced_tail: bool = False  # with traced_ops: the norm's tail launched by Inductor too (class docstring)
     compose_tiles: ComposeTiles = field(default_factory=ComposeTiles)
     norm_tail_tiles: NormTailTiles = field(default_factory=NormTailTiles)
     row_sumsq_tiles: RowSumsqTiles = field(default_factory=RowSumsqTiles)  # also in the key of a cached base_sq
@@ -197,6 +203,7 @@ class OpConfig:
         if self.tail_bg not in TAIL_BG_MODES:
             raise ValueError(f"tail_bg must be one of {TAIL_BG_MODES}, got {self.tail_bg!r}")
         for name in ("fold_output_add", "dg_stage2_in_kernel", "recompute_inner", "recompute_lora", "traced_ops",
+                     "traced_tail",
                      "interpret", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -256,6 +263,7 @@ def from_env(env: Mapping[str, str] | None = None) -> OpConfig:
         recompute_inner=_flag(env, "DORA_NUM_RECOMPUTE_INNER", True),
         recompute_lora=_flag(env, "DORA_NUM_RECOMPUTE_LORA", True),
         traced_ops=_flag(env, "DORA_NUM_TRACED_OPS", True),
+        traced_tail=_flag(env, "DORA_NUM_TRACED_TAIL", False),
         tail_bg=_choice(env, "DORA_NUM_TAIL_BG", TAIL_BG_MODES, "fma"),
         compose_tiles=ComposeTiles.for_interpreter() if interpret else ComposeTiles(),
         interpret=interpret,

@@ -201,9 +201,9 @@ def _weight_den_traced_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: 
     cfg = OpConfig.from_key(config)
     with torch.autocast(W.device.type, enabled=False):
         prod = _products(W, A, None, cfg, traced=True)  # W whole (_traceable_den): no symbolic column budget
-    if not all(isinstance(d, int) for d in (*W.shape, A.shape[0])):
-        # symbolic shapes: the guard's constants are numbers of d_in and r, made here while tracing, so the
-        # tail runs in the opaque op, which makes them per call
+    if not (cfg.traced_tail and all(isinstance(d, int) for d in (*W.shape, A.shape[0]))):
+        # OpConfig.traced_tail off, or symbolic shapes (the guard's constants are numbers of d_in and r, made
+        # here while tracing): the refresh and the tail in the opaque op, which makes the constants per call
         return _norm_den_op(prod.U, B, prod.G, base_sq, zero_rows, m, acc, W, A, prod.inv, float(scale),
                             int(prod.pieces or 0), chunk_bytes, config, guard)
     _base_refresh_op(W, base_sq, zero_rows, chunk_bytes, config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -407,13 +408,14 @@ def _cuda_step(f, layer, x):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [256, 257], ids=["aligned", "unaligned"])
-@pytest.mark.parametrize("traced", [True, False], ids=["traced-ops", "opaque-ops"])
+@pytest.mark.parametrize("traced", ["tail", True, False], ids=["traced-tail", "traced-ops", "opaque-ops"])
 def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(traced, tokens, small_layer):
     """On CUDA (``OpConfig.traced_ops``) the fused compose's forward and backward and the norm's products are
     traced into the graph: Inductor's generated code launches ``_compose_fwd_kernel``, ``_compose_bwd_kernel``,
-    ``_split_kernel``, ``_block_sum_kernel``, the norm's tail ``_norm_tail_kernel`` and ``_div_rn_kernel``
-    (``g = m / den`` and its gradient) itself, and of this package's
-    opaque ops only the base cache's refresh (``dora_num::base_refresh``) and, in the backward,
+    ``_split_kernel``, ``_block_sum_kernel``, ``_div_rn_kernel`` (``g = m / den`` and its gradient) and, with
+    ``OpConfig.traced_tail``, the norm's tail ``_norm_tail_kernel`` itself, and of this package's opaque ops
+    only the base cache's refresh (``dora_num::base_refresh``; without ``traced_tail`` the refresh and the
+    tail's launch, ``dora_num::norm_den``) and, in the backward,
     the product ``lora`` formed again (``dora_num::lora_again``: opaque, so that the joint graph does not merge
     it with the forward's and keep it) are left.  Inductor compiles a wrapped kernel with
     FMA contraction on, which the kernels' ``mul_rn`` makes harmless: the output and the adapter gradients are
@@ -437,7 +439,7 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
     wrap_log = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap")
     wrap_log.addHandler(keep)
     try:
-        with override(traced_ops=traced):
+        with override(traced_ops=bool(traced), traced_tail=traced == "tail"):
             layer = small_layer(1024, 768, rank=16, alpha=32.0, dtype=torch.bfloat16, adapter_dtype=torch.float32,
                                 m_noise=1e-3, b_std=0.02, device="cuda")
             x = torch.randn(2, tokens, 1024, device="cuda", dtype=torch.bfloat16)  # >= 393,216 outputs: fused tier
@@ -447,7 +449,7 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
     finally:
         wrap_log.removeHandler(keep)
     assert not [m for m in keep.seen if "assuming every input is mutated" in m], keep.seen
-    with override(traced_ops=traced):
+    with override(traced_ops=bool(traced), traced_tail=traced == "tail"):
         for a, b in zip(got, want):
             assert_bitwise(a, b)
         n0 = base_passes()
@@ -462,11 +464,14 @@ def test_cuda_compiled_layer_runs_its_kernels_from_inductor_with_the_eager_bits(
     text = "\n".join(code + code_inf)
     kernels = [k for k in ("_compose_fwd_kernel", "_compose_bwd_kernel", "_split_kernel", "_block_sum_kernel",
                            "_norm_tail_kernel", "_div_rn_kernel") if k in text]
-    opaque = [op for op in ("lora_compose_fwd", "compose_bwd", "compose_fwd", "weight_den", "magnitude_div", "norm_den")
+    opaque = [op for op in ("lora_compose_fwd", "compose_bwd", "compose_fwd", "weight_den", "magnitude_div")
               if f"dora_num.{op}.default" in text]
-    if traced:
+    if traced == "tail":
         assert len(kernels) == 6 and not opaque, (kernels, opaque)
         assert "dora_num.base_refresh.default" in text and "dora_num.lora_again.default" in text
+    elif traced:
+        assert len(kernels) == 5 and "_norm_tail_kernel" not in kernels and not opaque, (kernels, opaque)
+        assert "dora_num.norm_den.default" in text and "dora_num.lora_again.default" in text
     else:
         assert not kernels and len(opaque) == 5, (kernels, opaque)
 
@@ -552,14 +557,17 @@ def test_traced_ops_run_eagerly_as_the_opaque_ones(small_layer):
         layer = small_layer(64, 48, rank=8, m_noise=1e-3)
         W, A, B, m = (t.detach() for t in (layer.base.weight, layer.lora_A, layer.lora_B, layer.magnitude))
         dens, flags = [], []
-        for op in (wn._weight_den_op, wn._weight_den_traced_op):
+        keys = {"opaque": cfg.key, "traced": cfg.key, "traced tail": replace(cfg, traced_tail=True).key}
+        for name, key in keys.items():  # the traced body with the tail in norm_den, and launched itself
+            op = wn._weight_den_op if name == "opaque" else wn._weight_den_traced_op
             acc = new_flag("cpu")
             base = (torch.empty(48), torch.empty(48, dtype=torch.bool))
-            last = "recompute" if op is wn._weight_den_op else True
-            dens.append(op(W, A, B, m, acc, base[0], base[1], layer.scale, 2**20, cfg.key, last))
+            last = "recompute" if name == "opaque" else True
+            dens.append(op(W, A, B, m, acc, base[0], base[1], layer.scale, 2**20, key, last))
             flags.append(acc.tolist())
-        assert_bitwise(dens[1], dens[0])
-        assert flags[0] == flags[1] == [0, 0, 1]
+        for d in dens[1:]:
+            assert_bitwise(d, dens[0])
+        assert flags == [[0, 0, 1]] * 3
         from dora_num.ops import magnitude as mg
 
         den = dens[0].clone()
