@@ -1,4 +1,5 @@
-"""Compile the package's Triton kernels for an H100/H200 (sm_90) on a machine with no GPU.
+"""Compile the Triton kernels that Inductor launches for a compiled layer for an H100/H200 (sm_90) on a machine
+with no GPU.
 
 The Triton interpreter, which runs the kernels in CI, accepts code that the compiler refuses (a global
 read from a kernel that is not a ``tl.constexpr`` object, say) and shows nothing of what the compiler
@@ -50,12 +51,13 @@ def counts(ptx: str) -> dict:
 
 
 def instructions(ptx: str) -> str:
-    """The PTX without comments, ``add.rn``/``sub.rn`` written ``add``/``sub``: the rounding modifier that LLVM
-    writes only where contraction is off.  An add is round-to-nearest either way, and ``ptxas`` contracts an add
+    """The PTX without comments, ``add.rn``/``sub.rn`` written ``add``/``sub`` (fp32, fp64 and the packed 16-bit
+    adds LLVM makes of a 16-bit sum formed in fp32 and rounded once): the rounding modifier that LLVM writes only
+    where contraction is off.  An add is round-to-nearest either way, and ``ptxas`` contracts an add
     only with a multiply that has no rounding modifier (``mul.f32``), so two kernels whose texts are equal after
     this run the same arithmetic."""
     body = "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith("//"))
-    return re.sub(r"\b(add|sub)\.rn\.(f32|f64)", r"\1.\2", body)
+    return re.sub(r"\b(add|sub)\.rn\.(f32|f64|bf16x2|bf16|f16x2|f16)\b", r"\1.\2", body)
 
 
 def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv=False, fusion=False):
@@ -70,12 +72,62 @@ def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv
                   BF16_DOT=True, RN=True, num_warps=4, enable_fp_fusion=fusion)
 
 
+def compose_fwd_case(*, add_base: bool, fusion=False):
+    from dora_num.ops.kernels.compose import _compose_fwd_kernel
+
+    b16, f32 = torch.bfloat16, torch.float32
+    return ptx_of(_compose_fwd_kernel, b16, b16, f32, b16, b16, b16, 4096, 4096, 2.0, BLOCK_M=64, BLOCK_N=64,
+                  WRITE_INNER=False, ADD_BASE=add_base, G_FLAG=False, RN=True, num_warps=4, enable_fp_fusion=fusion)
+
+
+def compose_bwd_case(*, final_in_kernel: bool, fusion=False):
+    from dora_num.ops.kernels.compose import _compose_bwd_kernel
+
+    b16, f32 = torch.bfloat16, torch.float32
+    return ptx_of(_compose_bwd_kernel, b16, b16, b16, b16, f32, b16, b16, f32, torch.int32, f32, 4096, 4096, 2.0,
+                  BLOCK_M=64, BLOCK_N=64, WRITE_DLORA=True, WRITE_DBASE=True, NEED_DG=True, RECOMPUTE_INNER=True,
+                  FINAL_IN_KERNEL=final_in_kernel, CHUNK=8, ADD_GRAD=True, RN=True, num_warps=4,
+                  enable_fp_fusion=fusion)
+
+
+def split_case(*, scale: bool, fusion=False):
+    from dora_num.ops.kernels.products import _split_kernel
+
+    f32 = torch.float32
+    return ptx_of(_split_kernel, f32, f32, torch.float16 if scale else torch.bfloat16, 4096, PIECES=3,
+                  HAS_SCALE=scale, RN=True, BLOCK=1024, num_warps=4, enable_fp_fusion=fusion)
+
+
+def block_sum_case(*, fusion=False):
+    from dora_num.ops.kernels.products import _block_sum_kernel
+
+    return ptx_of(_block_sum_kernel, torch.float32, torch.float32, 4096, 64, 192, PA=1, PB=3, BLOCK=1024,
+                  num_warps=4, enable_fp_fusion=fusion)
+
+
+def div_case(*, fusion=False):
+    from dora_num.ops.kernels.divide import _div_rn_kernel
+
+    return ptx_of(_div_rn_kernel, torch.float32, torch.float32, torch.float32, 4096, BLOCK=1024, num_warps=4,
+                  enable_fp_fusion=fusion)
+
+
+# every kernel Inductor launches in a compiled layer (OpConfig.traced_ops, traced_tail), in the variants the
+# launchers use: (builder, its arguments)
 CASES = {
-    "tail": dict(tc_bg=False),
-    "tail_no_guard": dict(tc_bg=False, guard=False),
-    "tail_fp16_split": dict(tc_bg=False, inv=True),
-    "tail_tc_fp32_B": dict(tc_bg=True),
-    "tail_tc_bf16_B": dict(tc_bg=True, b_dtype=torch.bfloat16),
+    "tail": (tail_case, dict(tc_bg=False)),
+    "tail_no_guard": (tail_case, dict(tc_bg=False, guard=False)),
+    "tail_fp16_split": (tail_case, dict(tc_bg=False, inv=True)),
+    "tail_tc_fp32_B": (tail_case, dict(tc_bg=True)),
+    "tail_tc_bf16_B": (tail_case, dict(tc_bg=True, b_dtype=torch.bfloat16)),
+    "compose_fwd": (compose_fwd_case, dict(add_base=False)),
+    "compose_fwd_add_base": (compose_fwd_case, dict(add_base=True)),
+    "compose_bwd": (compose_bwd_case, dict(final_in_kernel=True)),
+    "compose_bwd_two_launch": (compose_bwd_case, dict(final_in_kernel=False)),
+    "split_bf16": (split_case, dict(scale=False)),
+    "split_fp16_scaled": (split_case, dict(scale=True)),
+    "block_sum": (block_sum_case, {}),
+    "div_rn": (div_case, {}),
 }
 
 
@@ -84,7 +136,8 @@ def main(names) -> dict:
     instructions (:func:`instructions`)."""
     out = {}
     for name in names:
-        ptx = {f: tail_case(**CASES[name], fusion=f) for f in (True, False)}
+        build, kw = CASES[name]
+        ptx = {f: build(**kw, fusion=f) for f in (True, False)}
         out[name] = {"fusion_on": counts(ptx[True]), "fusion_off": counts(ptx[False]),
                      "same_instructions": instructions(ptx[True]) == instructions(ptx[False])}
     return out

@@ -1,6 +1,6 @@
-"""The tail kernel compiled for an H100/H200 (sm_90) on the CPU (tests/ops/kernels/sm90.py): the
-interpreter, which runs it everywhere else in CI, accepts code the compiler refuses, and says nothing of
-contraction."""
+"""The kernels Inductor launches for a compiled layer, compiled for an H100/H200 (sm_90) on the CPU
+(tests/ops/kernels/sm90.py): the interpreter, which runs them everywhere else in CI, accepts code the
+compiler refuses, and says nothing of contraction."""
 
 import json
 import os
@@ -25,25 +25,27 @@ def compiled():
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_every_tail_variant_compiles_for_sm90(compiled):
-    """Each variant the launchers use (guard, split, fp16 split's runtime scale, B G as an fp32 dot or on tensor
-    cores from fp32 and bf16 B) compiles; the tensor-core variants hold tensor-core instructions, the fp32 dot
-    none (its products are FMAs, with fusion off too)."""
+def test_every_variant_compiles_for_sm90(compiled):
+    """Each kernel Inductor launches, in each variant the launchers use, compiles (the tail: guard, split, fp16
+    split's runtime scale, B G as an fp32 dot or on tensor cores from fp32 and bf16 B); the tail's tensor-core
+    variants hold tensor-core instructions, its fp32 dot none (its products are FMAs, with fusion off too)."""
     from ops.kernels.sm90 import CASES
 
     assert set(compiled) == set(CASES)
     for name, by_fusion in compiled.items():
-        off = by_fusion["fusion_off"]
-        assert (off["mma"] > 0) == CASES[name].get("tc_bg", False), (name, off)
-        if not CASES[name].get("tc_bg"):
+        if not name.startswith("tail"):
+            continue
+        off, tc = by_fusion["fusion_off"], CASES[name][1].get("tc_bg", False)
+        assert (off["mma"] > 0) == tc, (name, off)
+        if not tc:
             assert off["fma.rn.f32"] > 0, (name, off)  # the IEEE fp32 dot: an FMA chain, whatever the flag
 
 
-def test_tail_compiles_to_the_same_instructions_with_fusion_on_and_off(compiled):
-    """Every product of the tail is ``mul_rn`` (``mul_rn64`` in the float64 recompute), so the kernel Inductor
-    compiles (fusion on, the default for a wrapped kernel) and the one our launcher compiles (fusion off) are
-    the same instructions: no multiply left that ``ptxas`` could contract, and no FMA beyond the fp32 dot's own
-    chain (the same count either way)."""
+def test_inductors_kernels_compile_to_the_same_instructions_with_fusion_on_and_off(compiled):
+    """Every product that an add follows is ``mul_rn`` (``mul_rn64`` in the tail's float64 recompute), so each
+    kernel as Inductor compiles it (fusion on, the default for a wrapped kernel) and as our launcher compiles it
+    (fusion off) are the same instructions: no multiply left that ``ptxas`` could contract, and no FMA beyond
+    the tail's fp32 dot's own chain (the same count either way)."""
     for name, c in compiled.items():
         on, off = c["fusion_on"], c["fusion_off"]
         assert on["mul.f32"] == on["mul.f64"] == 0, (name, on)
