@@ -141,6 +141,13 @@ def _pow2(q):
 
 
 @triton.jit
+def _f64(c: tl.constexpr):
+    """The float64 constant ``c`` exactly: a Python float that fits fp32's normal range becomes an fp32 constant in
+    Triton (``1 + 2^-30`` would be 1) unless it meets a float64 operand, which a ``mul_rn64`` argument does not."""
+    return tl.full([], c, tl.float64)
+
+
+@triton.jit
 def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar, stride_ak, d_in, r, s, g_r,
                     g_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RN: tl.constexpr):
     """``(w64, rel64)`` for the rows ``need`` of this program (zeros elsewhere): lemma 5', the
@@ -150,7 +157,7 @@ def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, strid
     s64 = tl.cast(s, tl.float64)
     as64 = tl.abs(s64)
     q_s = _lsb_exp(tl.zeros([BLOCK_M], dtype=tl.float64) + s64)
-    lim = 9007199254740992.0 * (1.0 - 2.0**-40)  # 2^53, less the evaluation's few roundings
+    lim = _f64(9007199254740992.0 * (1.0 - 2.0**-40))  # 2^53, less the evaluation's few roundings
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float64)
     esq = tl.zeros([BLOCK_M], dtype=tl.float64)
     for c0 in range(0, d_in, BLOCK_D):
@@ -165,8 +172,9 @@ def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, strid
         for k in range(0, r):
             bk = tl.load(b_ptr + rows64 * r + k, mask=need, other=0.0).to(tl.float64)
             ak = tl.load(a_ptr + k * stride_ar + cols * stride_ak, mask=cmask, other=0.0).to(tl.float64)
-            bav += mul_rn64(bk[:, None], ak[None, :], RN)  # exact products; the sum rounds (any order: lemma 5')
-            bam += mul_rn64(tl.abs(bk)[:, None], tl.abs(ak)[None, :], RN)
+            prod = mul_rn64(bk[:, None], ak[None, :], RN)  # exact products; the sum rounds (any order: lemma 5')
+            bav += prod
+            bam += tl.abs(prod)  # |b a| = |b| |a|, exactly
             qB = tl.minimum(qB, _lsb_exp(bk))
             qA = tl.minimum(qA, _lsb_exp(ak))
         x = wv + mul_rn64(s64, bav, RN)
@@ -179,11 +187,11 @@ def _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, strid
         e = tl.where(exact, 0.0, mul_rn64(g_r, tl.abs(wv) + sbam, RN))
         esq += tl.sum(mul_rn64(e, e, RN), axis=1)
     w64 = tl.sqrt(sumsq)  # float64: sqrt.rn.f64
-    en = mul_rn64(tl.sqrt(esq), 1.0 + 2.0**-30, RN)
-    rnd = tl.where(w64 >= 2.0**-126, mul_rn64(2.0**-24, w64, RN), tl.where(w64 > 0.0, 2.0**-150, 0.0))
+    en = mul_rn64(tl.sqrt(esq), _f64(1.0 + 2.0**-30), RN)
+    rnd = tl.where(w64 >= 2.0**-126, mul_rn64(_f64(2.0**-24), w64, RN), tl.where(w64 > 0.0, 2.0**-150, 0.0))
     gw = mul_rn64(g_d, w64, RN)
-    E = mul_rn64(en + gw + rnd, 1.0 + 2.0**-40, RN)
-    lo = mul_rn64(w64 - en - gw, 1.0 - 2.0**-40, RN)
+    E = mul_rn64(en + gw + rnd, _f64(1.0 + 2.0**-40), RN)
+    lo = mul_rn64(w64 - en - gw, _f64(1.0 - 2.0**-40), RN)
     rel = tl.where(lo > 0.0, E / tl.where(lo > 0.0, lo, 1.0), float("inf"))
     rel = tl.where((E == 0.0) & (w64 == 0.0), 0.0, rel)  # an exactly zero row: exact
     return w64, rel
@@ -202,8 +210,14 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TC_BG: tl.constexpr = False,
                       B_PIECES: tl.constexpr = 3, BF16_DOT: tl.constexpr = True, RN: tl.constexpr = False):
     # the guard's constants arrive as 40 scalars, not one tuple: Inductor passes a wrapped kernel's non-tensor
-    # arguments one by one (as sizes), which a tuple is not
-    gc = (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31, c32, c33, c34, c35, c36, c37, c38, c39)
+    # arguments one by one (as sizes), which a tuple is not.  Inductor types a float argument float64 where
+    # Triton's launcher types it float32: each is cast to float32 here (every value passed is an fp32 number, or
+    # eps, which both round to nearest), so both launches compute with the same values
+    two_s, s_sq, s = tl.cast(two_s, tl.float32), tl.cast(s_sq, tl.float32), tl.cast(s, tl.float32)
+    eps, rel_max = tl.cast(eps, tl.float32), tl.cast(rel_max, tl.float32)
+    gc = (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13,
+          c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27,
+          c28, c29, c30, c31, c32, c33, c34, c35, c36, c37, c38, c39)
     if GUARD:  # the constants of posterior_constants (KERNEL_FIELDS order)
         ts, s2 = _c(gc, 0), _c(gc, 1)
         na_add, na_mul, na_up, k_up, r_eta = _c(gc, 2), _c(gc, 3), _c(gc, 4), _c(gc, 5), _c(gc, 6)
@@ -292,7 +306,7 @@ def _norm_tail_kernel(u_ptr, b_ptr, gram_ptr, base_ptr, m_ptr, wnorm_ptr, den_pt
                 w64, rel64 = _recompute_rows(need, rows, w_ptr, a_ptr, b_ptr, stride_wm, stride_wk, stride_ar,
                                              stride_ak, d_in, r, s, g_r, g_d, BLOCK_M, BLOCK_D, RN)
                 w = tl.where(need, w64.to(tl.float32), w)
-                rel64 = mul_rn64(rel64, 1.0 + 2.0**-23, RN)
+                rel64 = mul_rn64(rel64, _f64(1.0 + 2.0**-23), RN)
                 rel_out = tl.where(need, rel64.to(tl.float32), rel_out)  # rounded: still a bound
                 unresolved = need & (rel64 > rel_max)
                 q64 = mul_rn64(w64, w64, RN)  # kappa from the fp32 terms' magnitude and the float64 norm

@@ -12,7 +12,8 @@ launcher would specialise them.  The binder and ``_pack_args`` are Triton's own 
 Run as a script (the interpreter must be off: under ``TRITON_INTERPRET=1`` a ``@triton.jit`` function is an
 interpreted one, which does not compile); ``tests/ops/kernels/test_sm90.py`` runs it in a subprocess and reads
 its JSON: per case the PTX instruction counts with ``enable_fp_fusion`` on (Inductor's default for a wrapped
-kernel) and off (our launches), and whether the two are the same instructions.
+kernel) and off (our launches), as Inductor compiles it (fusion on, float arguments float64), whether the first
+two are the same instructions, and the float64 immediates of our launch's PTX.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ TARGET = GPUTarget("cuda", 90, 32)
 COUNTED = ("fma.rn.f32", "fma.rn.f64", "mul.rn.f32", "mul.f32", "mul.rn.f64", "mul.f64", "sub.f32", "add.f32")
 
 
-def ptx_of(kernel, *args, **kwargs) -> str:
+def ptx_of(kernel, *args, float_args: str = "fp32", **kwargs) -> str:
     """The PTX of ``kernel`` compiled for :data:`TARGET` as a launch with ``args``/``kwargs`` would compile it
-    (torch dtypes stand for tensors of that dtype, 16-byte aligned)."""
+    (torch dtypes stand for tensors of that dtype, 16-byte aligned).  ``float_args``: the type of the scalar float
+    arguments, ``"fp32"`` as Triton's launcher types a Python float, or ``"fp64"`` as Inductor types a wrapped
+    kernel's (``torch/_inductor/codegen/triton_utils.py``, ``_use_fp64_for_unbacked_floats``)."""
     backend = make_backend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, spec, options = binder(*[MockTensor.wrap_dtype(a) for a in args], **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+    if float_args != "fp32":
+        signature = {k: float_args if v == "fp32" else v for k, v in signature.items()}
     return triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
                           options=options.__dict__).asm["ptx"]
 
@@ -60,7 +65,16 @@ def instructions(ptx: str) -> str:
     return re.sub(r"\b(add|sub)\.rn\.(f32|f64|bf16x2|bf16|f16x2|f16)\b", r"\1.\2", body)
 
 
-def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv=False, fusion=False):
+def f64_immediates(ptx: str) -> list[str]:
+    """The 64-bit immediates of the PTX as ``0d`` hex: those written as float64 (``0d...``) and the bit patterns a
+    ``mov.b64`` loads into a register (how a constant reaches an inline-asm ``mul.rn.f64``)."""
+    hexes = set(re.findall(r"0d[0-9A-F]{16}", ptx))
+    hexes |= {"0d%016X" % (int(v) & (2**64 - 1)) for v in re.findall(r"mov\.b64\s+%\w+,\s*(-?\d+);", ptx)}
+    return sorted(hexes)
+
+
+def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv=False, fusion=False,
+              float_args="fp32"):
     from dora_num.ops.kernels.norm_tail import _norm_tail_kernel
 
     f32 = torch.float32
@@ -69,47 +83,48 @@ def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv
                   f32, torch.bfloat16, torch.bfloat16, 4096, 1, 4096, 1, 4096, 4096, 64, 2.0, 1.0, 1.0, 1e-6,
                   2.0 ** -6, *gc, HAS_M=True, GUARD=guard, HAS_Z=guard, SPLIT=split, HAS_INV=inv, RECOMPUTE=guard,
                   HAS_ACC=True, BLOCK_M=32, BLOCK_R=64, BLOCK_K=16, BLOCK_D=64, TC_BG=tc_bg, B_PIECES=3,
-                  BF16_DOT=True, RN=True, num_warps=4, enable_fp_fusion=fusion)
+                  BF16_DOT=True, RN=True, num_warps=4, enable_fp_fusion=fusion, float_args=float_args)
 
 
-def compose_fwd_case(*, add_base: bool, fusion=False):
+def compose_fwd_case(*, add_base: bool, fusion=False, float_args="fp32"):
     from dora_num.ops.kernels.compose import _compose_fwd_kernel
 
     b16, f32 = torch.bfloat16, torch.float32
     return ptx_of(_compose_fwd_kernel, b16, b16, f32, b16, b16, b16, 4096, 4096, 2.0, BLOCK_M=64, BLOCK_N=64,
-                  WRITE_INNER=False, ADD_BASE=add_base, G_FLAG=False, RN=True, num_warps=4, enable_fp_fusion=fusion)
+                  WRITE_INNER=False, ADD_BASE=add_base, G_FLAG=False, RN=True, num_warps=4, enable_fp_fusion=fusion,
+                  float_args=float_args)
 
 
-def compose_bwd_case(*, final_in_kernel: bool, fusion=False):
+def compose_bwd_case(*, final_in_kernel: bool, fusion=False, float_args="fp32"):
     from dora_num.ops.kernels.compose import _compose_bwd_kernel
 
     b16, f32 = torch.bfloat16, torch.float32
     return ptx_of(_compose_bwd_kernel, b16, b16, b16, b16, f32, b16, b16, f32, torch.int32, f32, 4096, 4096, 2.0,
                   BLOCK_M=64, BLOCK_N=64, WRITE_DLORA=True, WRITE_DBASE=True, NEED_DG=True, RECOMPUTE_INNER=True,
                   FINAL_IN_KERNEL=final_in_kernel, CHUNK=8, ADD_GRAD=True, RN=True, num_warps=4,
-                  enable_fp_fusion=fusion)
+                  enable_fp_fusion=fusion, float_args=float_args)
 
 
-def split_case(*, scale: bool, fusion=False):
+def split_case(*, scale: bool, fusion=False, float_args="fp32"):
     from dora_num.ops.kernels.products import _split_kernel
 
     f32 = torch.float32
     return ptx_of(_split_kernel, f32, f32, torch.float16 if scale else torch.bfloat16, 4096, PIECES=3,
-                  HAS_SCALE=scale, RN=True, BLOCK=1024, num_warps=4, enable_fp_fusion=fusion)
+                  HAS_SCALE=scale, RN=True, BLOCK=1024, num_warps=4, enable_fp_fusion=fusion, float_args=float_args)
 
 
-def block_sum_case(*, fusion=False):
+def block_sum_case(*, fusion=False, float_args="fp32"):
     from dora_num.ops.kernels.products import _block_sum_kernel
 
     return ptx_of(_block_sum_kernel, torch.float32, torch.float32, 4096, 64, 192, PA=1, PB=3, BLOCK=1024,
-                  num_warps=4, enable_fp_fusion=fusion)
+                  num_warps=4, enable_fp_fusion=fusion, float_args=float_args)
 
 
-def div_case(*, fusion=False):
+def div_case(*, fusion=False, float_args="fp32"):
     from dora_num.ops.kernels.divide import _div_rn_kernel
 
     return ptx_of(_div_rn_kernel, torch.float32, torch.float32, torch.float32, 4096, BLOCK=1024, num_warps=4,
-                  enable_fp_fusion=fusion)
+                  enable_fp_fusion=fusion, float_args=float_args)
 
 
 # every kernel Inductor launches in a compiled layer (OpConfig.traced_ops, traced_tail), in the variants the
@@ -138,8 +153,10 @@ def main(names) -> dict:
     for name in names:
         build, kw = CASES[name]
         ptx = {f: build(**kw, fusion=f) for f in (True, False)}
-        out[name] = {"fusion_on": counts(ptx[True]), "fusion_off": counts(ptx[False]),
-                     "same_instructions": instructions(ptx[True]) == instructions(ptx[False])}
+        inductor = build(**kw, fusion=True, float_args="fp64")  # as Inductor compiles it: its float arguments too
+        out[name] = {"fusion_on": counts(ptx[True]), "fusion_off": counts(ptx[False]), "inductor": counts(inductor),
+                     "same_instructions": instructions(ptx[True]) == instructions(ptx[False]),
+                     "f64_immediates": f64_immediates(ptx[False])}
     return out
 
 

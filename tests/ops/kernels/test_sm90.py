@@ -51,3 +51,25 @@ def test_inductors_kernels_compile_to_the_same_instructions_with_fusion_on_and_o
         assert on["mul.f32"] == on["mul.f64"] == 0, (name, on)
         assert on["fma.rn.f32"] == off["fma.rn.f32"] and on["fma.rn.f64"] == off["fma.rn.f64"] == 0, (name, on, off)
         assert c["same_instructions"], name
+
+
+def test_kernels_compile_as_inductor_types_their_float_arguments(compiled):
+    """Inductor types a wrapped kernel's float arguments float64 (Triton's launcher: float32); each kernel compiles
+    so, with no multiply that could be contracted and the FMA count of our launch (the tail casts its floats to
+    float32 first: a float64 ``eps`` once made its division refuse to compile)."""
+    for name, c in compiled.items():
+        ind, off = c["inductor"], c["fusion_off"]
+        assert ind["mul.f32"] == ind["mul.f64"] == 0, (name, ind)
+        assert ind["fma.rn.f32"] == off["fma.rn.f32"] and ind["fma.rn.f64"] == 0, (name, ind, off)
+
+
+def test_tail_recompute_keeps_its_float64_constants(compiled):
+    """The float64 recompute's margins (lemma 5'), ``1 + 2^-30``, ``1 + 2^-40``, ``1 - 2^-40`` and the exactness
+    limit ``2^53 (1 - 2^-40)``, reach the PTX as float64 immediates: a Python float in fp32's normal range that
+    meets no float64 operand is an fp32 constant in Triton, so each would have been 1 (or 2^53)."""
+    import struct
+
+    want = {"0d" + struct.pack(">d", x).hex().upper()
+            for x in (1.0 + 2.0**-30, 1.0 + 2.0**-40, 1.0 - 2.0**-40, 2.0**53 * (1.0 - 2.0**-40))}
+    for name in ("tail", "tail_fp16_split", "tail_tc_fp32_B", "tail_tc_bf16_B"):
+        assert want <= set(compiled[name]["f64_immediates"]), (name, sorted(want - set(compiled[name]["f64_immediates"])))
