@@ -146,6 +146,38 @@ CASES = {
 }
 
 
+def tail_accesses() -> dict:
+    """Which arguments of the tail, launched as the compiled layer launches it (guard, recompute, running flag),
+    Inductor's analysis of a wrapped kernel (``identify_accessed_tensors``: the kernel's TTIR, scalars as
+    constants) finds read and written: where it fails, Inductor takes every argument as written and copies each.
+    The analysis asks Triton's driver for the target only; a stand-in gives it sm_90."""
+    from triton.runtime import driver
+
+    class _Sm90:
+        def get_current_target(self):
+            return TARGET
+
+        def is_active(self):
+            return True
+
+    driver.set_active(_Sm90())
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+    from dora_num.ops.kernels.norm_tail import _norm_tail_kernel
+
+    d_out, r, d_in = 64, 16, 32
+    U, B, m, wnorm, den = torch.zeros(d_out, r), torch.zeros(d_out, r), *(torch.zeros(d_out) for _ in range(3))
+    args = [U, B, torch.zeros(r, r), torch.zeros(d_out), m, wnorm, den, torch.zeros(2, dtype=torch.int32),
+            torch.zeros(3, d_out), torch.zeros(d_out, dtype=torch.bool), torch.zeros(3, dtype=torch.int64),
+            U, torch.zeros(d_out, d_in, dtype=torch.bfloat16), torch.zeros(r, d_in), d_in, 1, d_in, 1, d_out, d_in, r,
+            2.0, 1.0, 1.0, 1e-6, 2.0 ** -6] + [0.5] * 40
+    kwargs = dict(zip((p.name for p in _norm_tail_kernel.params), args))
+    kwargs.update(HAS_M=True, GUARD=True, HAS_Z=True, SPLIT=True, HAS_INV=False, RECOMPUTE=True, HAS_ACC=True,
+                  BLOCK_M=32, BLOCK_R=16, BLOCK_K=16, BLOCK_D=64, TC_BG=False, B_PIECES=3, BF16_DOT=True, RN=True)
+    found = identify_accessed_tensors(_norm_tail_kernel, kwargs, {}).read_writes
+    return {"writes": sorted(d.name for d in found.writes), "reads": sorted(d.name for d in found.reads)}
+
+
 def main(names) -> dict:
     """Per case: the instruction counts with fusion on and off, and whether the two compile to the same
     instructions (:func:`instructions`)."""
@@ -161,4 +193,7 @@ def main(names) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1:] or list(CASES))))
+    if sys.argv[1:] == ["accesses"]:
+        print(json.dumps(tail_accesses()))
+    else:
+        print(json.dumps(main(sys.argv[1:] or list(CASES))))
