@@ -32,20 +32,25 @@ def row_block(n_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def mul_rn(a, b, RN: tl.constexpr):
-    """``a * b`` in fp32, rounded once and never contracted into an FMA with a following add.
+def mul_rn(a, b, RN: tl.constexpr, F64: tl.constexpr = False):
+    """``a * b`` in fp32 (float64 with ``F64``), rounded once and never contracted into an FMA with a following add.
 
-    ``RN`` (the launchers pass it on CUDA): inline PTX ``mul.rn.f32``, which neither LLVM (it cannot
-    see into the asm) nor ptxas (an explicit rounding modifier is never fused) contracts, whatever
+    ``RN`` (the launchers pass it on CUDA): inline PTX ``mul.rn.f32`` (``mul.rn.f64``), which neither LLVM (it
+    cannot see into the asm) nor ptxas (an explicit rounding modifier is never fused) contracts, whatever
     ``enable_fp_fusion`` the kernel is compiled with.  That makes a kernel's bits independent of who
     compiles it: our launchers pass ``enable_fp_fusion=False``, Inductor compiles a kernel launched
     through ``torch.library.wrap_triton`` with Triton's default (fusion on).  ``libdevice.mul_rn``
     would not do: Triton links libdevice with FTZ reflection on, which flushes subnormals.  Without
     ``RN`` (the interpreter, which runs no asm and contracts nothing; the FMA study's variant) a plain
-    multiply."""
-    if RN:
-        # tl.cast, not .to: a scalar argument reaches the kernel as a Python float when Inductor analyses
-        # which arguments a wrapped kernel writes (it compiles the kernel with the scalars as constants)
+    multiply.  ``tl.cast``, not ``.to``: a scalar argument reaches the kernel as a Python float when Inductor
+    analyses which arguments a wrapped kernel writes (it compiles the kernel with the scalars as constants).  With
+    ``F64`` a constant operand must be float64 already (``tl.full([], c, tl.float64)``): a Python float in fp32's
+    range is an fp32 constant in Triton, rounded before the cast."""
+    if RN and F64:
+        a, b = tl.broadcast(tl.cast(a, tl.float64), tl.cast(b, tl.float64))
+        return tl.inline_asm_elementwise("mul.rn.f64 $0, $1, $2;", "=l,l,l", [a, b], dtype=tl.float64,
+                                         is_pure=True, pack=1)
+    elif RN:
         a, b = tl.broadcast(tl.cast(a, tl.float32), tl.cast(b, tl.float32))
         return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
                                          is_pure=True, pack=1)
@@ -55,14 +60,8 @@ def mul_rn(a, b, RN: tl.constexpr):
 
 @triton.jit
 def mul_rn64(a, b, RN: tl.constexpr):
-    """:func:`mul_rn` in float64: ``a * b`` rounded once (inline PTX ``mul.rn.f64`` with ``RN``), never contracted
-    with a following add."""
-    if RN:
-        a, b = tl.broadcast(tl.cast(a, tl.float64), tl.cast(b, tl.float64))
-        return tl.inline_asm_elementwise("mul.rn.f64 $0, $1, $2;", "=l,l,l", [a, b], dtype=tl.float64,
-                                         is_pure=True, pack=1)
-    else:
-        return a * b
+    """:func:`mul_rn` in float64."""
+    return mul_rn(a, b, RN, True)
 
 
 def launcher(kernel, traced: bool):
