@@ -11,10 +11,11 @@ layer's cache of ``rowsum(W*W)`` and the zero rows (two buffers, formed again on
 which it raises and :func:`dora_num.ops.layer.check_flags` reads; ``g = m / den`` is
 ``dora_num::magnitude_div`` (torch's correctly rounded division, as in eager).  With
 ``OpConfig.traced_ops`` on (the default), on CUDA with the tail kernel, ``den`` comes from the ``triton_op``
-``dora_num::weight_den_traced``: the products and the tail traced into the graph (Inductor launches the
-split's, the block sums' and the tail's kernels and calls the GEMMs; :func:`~dora_num.ops.norm.tail_kernel`),
-beside one short opaque op, the cache's refresh (``dora_num::base_refresh``).  Otherwise it comes from the opaque ``dora_num::weight_den``,
-which runs :func:`~dora_num.ops.norm.factored_norm` whole.  Either forms the eager products and tail with the
+``dora_num::weight_den_traced``: the products traced into the graph (Inductor launches the split's and the
+block sums' kernels and calls the GEMMs), then one short opaque op, the cache's refresh and the tail's launch
+(``dora_num::norm_den``); with ``OpConfig.traced_tail`` the tail is traced too (Inductor launches it:
+:func:`~dora_num.ops.norm.tail_kernel`) beside the refresh alone (``dora_num::base_refresh``).  Otherwise it
+comes from the opaque ``dora_num::weight_den``, which runs :func:`~dora_num.ops.norm.factored_norm` whole.  Either forms the eager products and tail with the
 eager arguments, so a compiled layer's ``g`` is bitwise the eager one.
 """
 

@@ -67,7 +67,8 @@ def _posterior(base, cross, ba, lora_abs, b_abs, two_s, s_sq, ts, s2, cb1, cb2, 
         e_c = mul_rn(mul_rn(sb, lora_abs, RN), gc4, RN) + mul_rn(mul_rn(sb, b_abs, RN), rc, RN) \
             + mul_rn(mul_rn(b_abs, gc1, RN), tc, RN) + gcr
         e_a = mul_rn(mul_rn(lora_abs, lora_abs, RN), ga, RN) + mul_rn(mul_rn(b_abs, lora_abs, RN), rab, RN) \
-            + mul_rn(mul_rn(mul_rn(b_abs, b_abs, RN), ga1, RN), tg, RN) + mul_rn(mul_rn(b_abs + 1.0, gar, RN), eta, RN)
+            + mul_rn(mul_rn(mul_rn(b_abs, b_abs, RN), ga1, RN), tg, RN) \
+            + mul_rn(mul_rn(b_abs + 1.0, gar, RN), eta, RN)
     else:
         e_c = mul_rn(mul_rn(tl.sqrt_rn(b_up), lora_abs, RN), gc4, RN) + mul_rn(mul_rn(b_abs, gc1, RN), tc, RN) + gcr
         e_a = mul_rn(mul_rn(lora_abs, lora_abs, RN), ga, RN) + mul_rn(mul_rn(mul_rn(b_abs, b_abs, RN), ga1, RN), tg, RN) \

@@ -85,4 +85,5 @@ def test_tail_recompute_keeps_its_float64_constants(compiled):
     want = {"0d" + struct.pack(">d", x).hex().upper()
             for x in (1.0 + 2.0**-30, 1.0 + 2.0**-40, 1.0 - 2.0**-40, 2.0**53 * (1.0 - 2.0**-40))}
     for name in ("tail", "tail_fp16_split", "tail_tc_fp32_B", "tail_tc_bf16_B"):
-        assert want <= set(compiled[name]["f64_immediates"]), (name, sorted(want - set(compiled[name]["f64_immediates"])))
+        found = set(compiled[name]["f64_immediates"])
+        assert want <= found, (name, sorted(want - found))
