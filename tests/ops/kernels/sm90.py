@@ -13,7 +13,8 @@ Run as a script (the interpreter must be off: under ``TRITON_INTERPRET=1`` a ``@
 interpreted one, which does not compile); ``tests/ops/kernels/test_sm90.py`` runs it in a subprocess and reads
 its JSON: per case the PTX instruction counts with ``enable_fp_fusion`` on (Inductor's default for a wrapped
 kernel) and off (our launches), as Inductor compiles it (fusion on, float arguments float64), whether the first
-two are the same instructions, and the float64 immediates of our launch's PTX.
+two are the same instructions, and the float64 immediates of our launch's PTX; with the argument ``accesses``,
+what Inductor's analysis of the tail finds it reads and writes (:func:`tail_accesses`).
 """
 
 from __future__ import annotations
