@@ -208,8 +208,16 @@ def _weight_den_traced_op(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: 
         return _norm_den_op(prod.U, B, prod.G, base_sq, zero_rows, m, acc, W, A, prod.inv, float(scale),
                             int(prod.pieces or 0), chunk_bytes, config, guard)
     _base_refresh_op(W, base_sq, zero_rows, chunk_bytes, config)
+    return _tail_den(W, A, B, prod, base_sq, zero_rows, m, acc, scale, cfg, guard, traced=True)
+
+
+def _tail_den(W, A, B, prod: Products, base_sq, zero_rows, m, acc, scale: float, cfg: OpConfig, guard: bool,
+              traced: bool = False) -> torch.Tensor:
+    """The layer's ``den`` from the products by the tail's one launch (``acc`` raised by the kernel), as
+    :func:`~dora_num.ops.norm.factored_norm` launches it: what ``dora_num::norm_den`` runs, and with
+    ``OpConfig.traced_tail`` the traced op's body (``traced``: Inductor launches it)."""
     return tail_kernel(W, A, B, prod, base_sq, scale_constants(check_scale(scale)), cfg, m=m, eps=default_eps(m.dtype),
-                       guard=guard, zero_rows=zero_rows if guard else None, acc=acc, traced=True).den
+                       guard=guard, zero_rows=zero_rows if guard else None, acc=acc, traced=traced).den
 
 
 @torch.library.custom_op("dora_num::base_refresh", mutates_args=("base_sq", "zero_rows"))
@@ -236,9 +244,7 @@ def _norm_den_op(U: torch.Tensor, B: torch.Tensor, G: torch.Tensor, base_sq: tor
     both: each costs the dispatcher's time per call."""
     cfg = OpConfig.from_key(config)
     refresh_base_cache(W, base_sq, zero_rows, chunk_bytes, cfg)
-    return tail_kernel(W, A, B, Products(U, G, pieces or None, inv), base_sq, scale_constants(check_scale(scale)),
-                       cfg, m=m, eps=default_eps(m.dtype), guard=guard, zero_rows=zero_rows if guard else None,
-                       acc=acc).den
+    return _tail_den(W, A, B, Products(U, G, pieces or None, inv), base_sq, zero_rows, m, acc, scale, cfg, guard)
 
 
 @_norm_den_op.register_fake
