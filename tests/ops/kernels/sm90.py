@@ -74,17 +74,26 @@ def f64_immediates(ptx: str) -> list[str]:
     return sorted(hexes)
 
 
+def tail_args(t, *, d_out=4096, d_in=4096, r=64, b_dtype=torch.float32) -> list:
+    """The tail's positional arguments as the layer's launch passes them (``norm_tail``: guard, recompute, running
+    flag; ``inv`` and unused pointers at U), each tensor made by ``t(shape, dtype)``; then the scalars and the
+    guard's 40 constants."""
+    f32 = torch.float32
+    U = t((d_out, r), f32)
+    return [U, t((d_out, r), b_dtype), t((r, r), f32), t((d_out,), f32), t((d_out,), f32), t((d_out,), f32),
+            t((d_out,), f32), t((2,), torch.int32), t((3, d_out), f32), t((d_out,), torch.bool), t((3,), torch.int64),
+            U, t((d_out, d_in), torch.bfloat16), t((r, d_in), torch.bfloat16), d_in, 1, d_in, 1, d_out, d_in, r,
+            2.0, 1.0, 1.0, 1e-6, 2.0 ** -6] + [0.5] * 40
+
+
 def tail_case(*, tc_bg: bool, b_dtype=torch.float32, guard=True, split=True, inv=False, fusion=False,
               float_args="fp32"):
     from dora_num.ops.kernels.norm_tail import _norm_tail_kernel
 
-    f32 = torch.float32
-    gc = tuple([0.5] * 40)
-    return ptx_of(_norm_tail_kernel, f32, b_dtype, f32, f32, f32, f32, f32, torch.int32, f32, torch.bool, torch.int64,
-                  f32, torch.bfloat16, torch.bfloat16, 4096, 1, 4096, 1, 4096, 4096, 64, 2.0, 1.0, 1.0, 1e-6,
-                  2.0 ** -6, *gc, HAS_M=True, GUARD=guard, HAS_Z=guard, SPLIT=split, HAS_INV=inv, RECOMPUTE=guard,
-                  HAS_ACC=True, BLOCK_M=32, BLOCK_R=64, BLOCK_K=16, BLOCK_D=64, TC_BG=tc_bg, B_PIECES=3,
-                  BF16_DOT=True, RN=True, num_warps=4, enable_fp_fusion=fusion, float_args=float_args)
+    return ptx_of(_norm_tail_kernel, *tail_args(lambda shape, dtype: dtype, b_dtype=b_dtype), HAS_M=True,
+                  GUARD=guard, HAS_Z=guard, SPLIT=split, HAS_INV=inv, RECOMPUTE=guard, HAS_ACC=True, BLOCK_M=32,
+                  BLOCK_R=64, BLOCK_K=16, BLOCK_D=64, TC_BG=tc_bg, B_PIECES=3, BF16_DOT=True, RN=True, num_warps=4,
+                  enable_fp_fusion=fusion, float_args=float_args)
 
 
 def compose_fwd_case(*, add_base: bool, fusion=False, float_args="fp32"):
@@ -166,12 +175,7 @@ def tail_accesses() -> dict:
 
     from dora_num.ops.kernels.norm_tail import _norm_tail_kernel
 
-    d_out, r, d_in = 64, 16, 32
-    U, B, m, wnorm, den = torch.zeros(d_out, r), torch.zeros(d_out, r), *(torch.zeros(d_out) for _ in range(3))
-    args = [U, B, torch.zeros(r, r), torch.zeros(d_out), m, wnorm, den, torch.zeros(2, dtype=torch.int32),
-            torch.zeros(3, d_out), torch.zeros(d_out, dtype=torch.bool), torch.zeros(3, dtype=torch.int64),
-            U, torch.zeros(d_out, d_in, dtype=torch.bfloat16), torch.zeros(r, d_in), d_in, 1, d_in, 1, d_out, d_in, r,
-            2.0, 1.0, 1.0, 1e-6, 2.0 ** -6] + [0.5] * 40
+    args = tail_args(lambda shape, dtype: torch.zeros(shape, dtype=dtype), d_out=64, d_in=32, r=16)
     kwargs = dict(zip((p.name for p in _norm_tail_kernel.params), args))
     kwargs.update(HAS_M=True, GUARD=True, HAS_Z=True, SPLIT=True, HAS_INV=False, RECOMPUTE=True, HAS_ACC=True,
                   BLOCK_M=32, BLOCK_R=16, BLOCK_K=16, BLOCK_D=64, TC_BG=False, B_PIECES=3, BF16_DOT=True, RN=True)
@@ -180,8 +184,9 @@ def tail_accesses() -> dict:
 
 
 def main(names) -> dict:
-    """Per case: the instruction counts with fusion on and off, and whether the two compile to the same
-    instructions (:func:`instructions`)."""
+    """Per case: the instruction counts with fusion on, with fusion off and as Inductor compiles it (fusion on,
+    float arguments float64), whether the first two are the same instructions (:func:`instructions`), and the
+    float64 immediates with fusion off (:func:`f64_immediates`)."""
     out = {}
     for name in names:
         build, kw = CASES[name]
